@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One-command, idempotent setup: system packages, .venv, the pinned Python stack,
+# horovod built from source, and the tfhybrid custom-op library.
+# A second run checks a stamp and finishes in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+step() { CURRENT_STEP="$1"; echo "==> setup: $1"; }
+trap 'echo "setup FAILED during step: ${CURRENT_STEP:-start}" >&2' ERR
+
+HOROVOD_FLAGS="HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1"
+if command -v mpirun >/dev/null 2>&1 && [ -e /usr/include/x86_64-linux-gnu/openmpi ] || [ -n "${TFHYBRID_WITH_MPI:-}" ]; then
+  HOROVOD_FLAGS="$HOROVOD_FLAGS HOROVOD_WITH_MPI=1"
+else
+  HOROVOD_FLAGS="$HOROVOD_FLAGS HOROVOD_WITHOUT_MPI=1"
+fi
+
+# The stamp covers everything whose change must trigger a re-install.
+stamp_inputs() {
+  cat requirements.txt pyproject.toml scripts/setup.sh
+  echo "$HOROVOD_FLAGS"
+  find tfhybrid/custom_ops/cc -type f \( -name '*.cc' -o -name '*.h' \) -print0 2>/dev/null | sort -z | xargs -0 cat 2>/dev/null || true
+}
+STAMP_WANT=$(stamp_inputs | sha256sum | cut -c1-16)
+if [ -f "$VENV/.tfhybrid-setup" ] && [ "$(cat "$VENV/.tfhybrid-setup")" = "$STAMP_WANT" ]; then
+  echo "setup: up to date ($STAMP_WANT)"
+  exit 0
+fi
+
+step "system packages (g++, cmake, make)"
+missing=()
+for tool in g++ cmake make; do command -v "$tool" >/dev/null 2>&1 || missing+=("$tool"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then echo "need root to apt-get install: ${missing[*]}" >&2; false; fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ cmake make
+fi
+# horovod's gloo build rejects CMake 4 unless told the policy floor.
+export CMAKE_POLICY_VERSION_MINIMUM=3.5
+
+step "virtualenv $VENV"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -m pip install -q --upgrade "pip>=23.2" wheel setuptools
+
+step "pinned Python stack"
+grep -v '^horovod' requirements.txt > "$VENV/requirements-nohorovod.txt"
+"$VPY" -m pip install -q -r "$VENV/requirements-nohorovod.txt"
+
+step "horovod from source ($HOROVOD_FLAGS)"
+HVD_VERSION=$(grep '^horovod==' requirements.txt | cut -d= -f3)
+# pip's wheel cache would reuse a wheel built with other HOROVOD_* flags, so wheels
+# live in a folder keyed by the flags and the TF version.
+WHEEL_KEY=$(echo "$HVD_VERSION $HOROVOD_FLAGS tf$("$VPY" -c 'import tensorflow as tf;print(tf.__version__)' 2>/dev/null)" | sha256sum | cut -c1-12)
+WHEEL_DIR="${TFHYBRID_WHEEL_DIR:-$HOME/.cache/tfhybrid/wheels}/horovod-$WHEEL_KEY"
+have_hvd=$("$VPY" -c 'import horovod,sys;print(horovod.__version__)' 2>/dev/null || true)
+if [ "$have_hvd" != "$HVD_VERSION" ] || [ ! -f "$VENV/.horovod-$WHEEL_KEY" ]; then
+  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    mkdir -p "$WHEEL_DIR"
+    env $HOROVOD_FLAGS MAKEFLAGS="-j$(nproc)" "$VPY" -m pip wheel -q --no-deps --no-build-isolation \
+      --no-cache-dir -w "$WHEEL_DIR" "horovod==$HVD_VERSION"
+  fi
+  "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+  # horovod's own runtime deps (cloudpickle, psutil, pyyaml, packaging, cffi).
+  "$VPY" -m pip install -q "horovod==$HVD_VERSION" --no-build-isolation --find-links "$WHEEL_DIR" --no-index 2>/dev/null \
+    || "$VPY" -m pip install -q cloudpickle psutil pyyaml packaging "cffi>=1.4.0"
+  touch "$VENV/.horovod-$WHEEL_KEY"
+fi
+
+step "tfhybrid (editable) and its custom-op library"
+"$VPY" -m pip install -q --no-deps --no-build-isolation -e .
+"$VPY" -m tfhybrid.custom_ops.build
+
+step "check: horovodrun --check-build shows TensorFlow and Gloo"
+check=$("$VENV/bin/horovodrun" --check-build)
+echo "$check"
+echo "$check" | grep -q '\[X\] TensorFlow' || { echo "horovod was built without TensorFlow" >&2; false; }
+echo "$check" | grep -q '\[X\] Gloo' || { echo "horovod was built without Gloo" >&2; false; }
+
+step "check: pip check"
+"$VPY" -m pip check
+
+echo "$STAMP_WANT" > "$VENV/.tfhybrid-setup"
+echo "setup: done"

@@ -1,0 +1,98 @@
+"""Runs one test module's TestCases in this process and writes a JSON report.
+
+Started by tests/runner.py, once per module (single process) or once per rank under
+horovodrun. The report is the only channel back to the runner, so a rank that dies
+leaves no report and the runner counts the whole module as failed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+import unittest
+
+
+class _RecordingResult(unittest.TextTestResult):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.outcomes: dict[str, dict] = {}
+
+    def _record(self, test, status, detail=""):
+        self.outcomes[test.id()] = {"status": status, "detail": detail}
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self._record(test, "pass")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self._record(test, "fail", self._exc_info_to_string(err, test))
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self._record(test, "fail", self._exc_info_to_string(err, test))
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self._record(test, "skip", reason)
+
+    def addExpectedFailure(self, test, err):
+        super().addExpectedFailure(test, err)
+        self._record(test, "fail", "expected failures are not allowed in this suite")
+
+    def addUnexpectedSuccess(self, test):
+        super().addUnexpectedSuccess(test)
+        self._record(test, "fail", "unexpected success")
+
+    def addSubTest(self, test, subtest, err):
+        super().addSubTest(test, subtest, err)
+        if err is not None:
+            self._record(subtest, "fail", self._exc_info_to_string(err, test))
+
+
+def _flatten(suite):
+    for item in suite:
+        if isinstance(item, unittest.TestSuite):
+            yield from _flatten(item)
+        else:
+            yield item
+
+
+def main(argv: list[str]) -> int:
+    path, report_dir = argv[1], argv[2]
+    rank = int(os.environ.get("HOROVOD_RANK", "0"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    module_name = os.path.relpath(os.path.abspath(path), root)[:-3].replace(os.sep, ".")
+    start = time.time()
+    outcomes: dict[str, dict] = {}
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        suite = unittest.TestSuite(
+            test for test in _flatten(unittest.defaultTestLoader.loadTestsFromModule(module))
+            # tf.test.TestCase inherits a deprecated `test_session` that only skips
+            if test.id().rsplit(".", 1)[-1] != "test_session")
+        result = unittest.TextTestRunner(
+            stream=sys.stderr, verbosity=2 if rank == 0 else 0,
+            resultclass=_RecordingResult).run(suite)
+        outcomes = result.outcomes
+    except BaseException:  # an import error must reach the report, not vanish
+        outcomes[f"{module_name}.<import>"] = {"status": "fail",
+                                               "detail": traceback.format_exc()}
+    os.makedirs(report_dir, exist_ok=True)
+    tmp = os.path.join(report_dir, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"rank": rank, "seconds": time.time() - start, "tests": outcomes}, f)
+    os.replace(tmp, os.path.join(report_dir, f"rank{rank}.json"))
+    return 0 if all(o["status"] != "fail" for o in outcomes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,163 @@
+"""The test command: runs every tf.test module, single-process and under horovodrun.
+
+Modules are ``tests/test_*.py`` and ``tfhybrid/**/*_test.py``. A module that declares
+``HOROVOD_NP = (2, 4)`` at top level runs once per listed size under
+``horovodrun -np N -H localhost:N --gloo``; others run in one plain process. A test
+passes only if it passed on every rank; a rank that dies or a run that overruns its
+time limit fails the module. The last line is ``N passed, N failed``.
+
+Usage: python -m tests.runner [-k SUBSTRING] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Each rank gets one thread (2 cores shared by up to 4 ranks), and Horovod gives up on
+# a stalled collective quickly, so a broken test fails in about a minute, never hangs.
+TEST_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "45",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": "60",
+    "HOROVOD_CYCLE_TIME": "0.5",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+SINGLE_TIMEOUT_S = 900
+MULTI_TIMEOUT_S = 900
+
+
+def discover() -> list[str]:
+    files = sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
+    files += sorted(glob.glob(os.path.join(ROOT, "tfhybrid", "**", "*_test.py"),
+                              recursive=True))
+    return files
+
+
+def declared_sizes(path: str) -> tuple[int, ...]:
+    """Reads ``HOROVOD_NP`` without importing the module (imports cost seconds)."""
+    tree = ast.parse(open(path).read(), path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "HOROVOD_NP" for t in node.targets):
+            sizes = ast.literal_eval(node.value)
+            return tuple(int(n) for n in sizes)
+    return (1,)
+
+
+def run_module(path: str, size: int, python: str, log_path: str
+               ) -> tuple[dict[str, dict], str]:
+    """Runs one module at one size; returns ({test_id: outcome}, a crash message).
+
+    The run's output goes to ``log_path``; the caller shows it only on failure.
+    """
+    report_dir = tempfile.mkdtemp(prefix="tfhybrid-test-")
+    env = dict(os.environ, **TEST_ENV)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    inner = [python, os.path.join(ROOT, "tests", "_rank_main.py"), path, report_dir]
+    if size == 1:
+        cmd, timeout = inner, SINGLE_TIMEOUT_S
+    else:
+        horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
+        cmd = [horovodrun, "-np", str(size), "-H", f"localhost:{size}", "--gloo",
+               "--start-timeout", "60"] + inner
+        timeout = MULTI_TIMEOUT_S
+    crash = ""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        code = proc.wait(timeout=timeout)
+        if code != 0:
+            crash = f"exit code {code}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        crash = f"killed after {timeout} s"
+    log.close()
+    reports = {}
+    for rank in range(size):
+        report = os.path.join(report_dir, f"rank{rank}.json")
+        if os.path.exists(report):
+            reports[rank] = json.load(open(report))["tests"]
+    shutil.rmtree(report_dir, ignore_errors=True)
+    merged: dict[str, dict] = {}
+    for rank, tests in sorted(reports.items()):
+        for test_id, outcome in tests.items():
+            seen = merged.setdefault(test_id, {"status": "pass", "detail": ""})
+            if outcome["status"] == "fail":
+                seen["status"] = "fail"
+                seen["detail"] += f"--- rank {rank} ---\n{outcome['detail']}\n"
+            elif outcome["status"] == "skip" and seen["status"] == "pass":
+                seen["status"], seen["detail"] = "skip", outcome["detail"]
+    missing = sorted(set(range(size)) - set(reports))
+    if missing:
+        crash = (crash + "; " if crash else "") + f"no report from rank(s) {missing}"
+    return merged, crash
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="only modules whose path contains this")
+    parser.add_argument("--list", action="store_true", help="list modules and sizes")
+    parser.add_argument("--logs", default=os.path.join(ROOT, ".test-reports"),
+                        help="folder for each run's full output")
+    args = parser.parse_args()
+    python = sys.executable
+    plan = [(path, size) for path in discover() if args.k in path
+            for size in declared_sizes(path)]
+    if args.list:
+        for path, size in plan:
+            print(f"{os.path.relpath(path, ROOT)}  np={size}")
+        return 0
+    os.makedirs(args.logs, exist_ok=True)
+    passed = failed = skipped = 0
+    failures = []
+    started = time.time()
+    for path, size in plan:
+        name = f"{os.path.relpath(path, ROOT)} [np={size}]"
+        print(f"==> {name}", flush=True)
+        t0 = time.time()
+        log_path = os.path.join(args.logs, f"{os.path.basename(path)[:-3]}.np{size}.log")
+        outcomes, crash = run_module(path, size, python, log_path)
+        for test_id, outcome in sorted(outcomes.items()):
+            label = f"{test_id} [np={size}]"
+            if outcome["status"] == "pass":
+                passed += 1
+            elif outcome["status"] == "skip":
+                skipped += 1
+                print(f"SKIP {label}: {outcome['detail']}")
+            else:
+                failed += 1
+                failures.append((label, outcome["detail"]))
+        if crash:
+            failed += 1
+            tail = open(log_path, errors="replace").read()[-6000:]
+            failures.append((name, f"the run failed: {crash}\n... last output ({log_path}):\n{tail}"))
+        print(f"    {len(outcomes)} tests in {time.time() - t0:.1f} s"
+              + (f"; RUN FAILED: {crash}" if crash else ""), flush=True)
+    for label, detail in failures:
+        print(f"\nFAIL {label}\n{detail}")
+    print(f"\ntotal {time.time() - started:.0f} s")
+    tail = f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
+    print(tail)
+    return 0 if failed == 0 and passed > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""tfhybrid: hybrid (2D) model/data-parallel embeddings for TensorFlow 2 + Horovod.
+
+The public surface is small on purpose, like Horovod's:
+
+- ``tfhybrid.init(model_parallel=M, layout=...)`` builds the D x M process mesh;
+- ``tfhybrid.layers.DistributedEmbedding`` shards embedding tables over it;
+- ``tfhybrid.DistributedGradientTape`` / ``tfhybrid.DistributedOptimizer`` route gradients;
+- ``tfhybrid.broadcast_variables`` makes every rank start from the same weights;
+- ``tfhybrid.optimizers`` holds the row-wise AdaGrad optimizers.
+
+Attributes load lazily, so ``import tfhybrid.planner`` pulls in neither TensorFlow nor
+Horovod.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY_ATTRIBUTES = {
+    "init": "tfhybrid.mesh",
+    "Mesh": "tfhybrid.mesh",
+    "current_mesh": "tfhybrid.mesh",
+    "DistributedGradientTape": "tfhybrid.distributed",
+    "DistributedOptimizer": "tfhybrid.distributed",
+    "broadcast_variables": "tfhybrid.distributed",
+    "sync_replicas": "tfhybrid.distributed",
+}
+_LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train"}
+
+__all__ = sorted(_LAZY_ATTRIBUTES) + sorted(_LAZY_SUBMODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_ATTRIBUTES:
+        value = getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+        globals()[name] = value
+        return value
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"tfhybrid.{name}")
+    raise AttributeError(f"module 'tfhybrid' has no attribute {name!r}")
