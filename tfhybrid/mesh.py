@@ -200,6 +200,11 @@ def current_mesh() -> Mesh:
     return _MESH
 
 
+def current_mesh_or_init() -> Mesh:
+    """The current mesh, or a default ``init()`` one when none was made yet."""
+    return _MESH if _MESH is not None else init()
+
+
 def _reset_for_tests() -> None:
     """Drops the mesh and removes its process sets, so a test can build another."""
     global _MESH

@@ -1,0 +1,313 @@
+"""DistributedEmbedding on every D x M mesh equals a single-process Keras model.
+
+Each rank builds the single-process reference on the global batch (all ranks draw the
+same seeded data), trains the distributed model on its own slice, and compares.
+"""
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+import tfhybrid
+from tfhybrid import mesh as mesh_lib
+from tfhybrid.layers import DistributedEmbedding, Embedding
+
+HOROVOD_NP = (1, 2, 4)
+
+LOCAL_BATCH = 4
+STEPS = 5
+# thresholds (elements) chosen so every kind of placement appears
+THRESHOLDS = dict(data_parallel_threshold=400, column_slice_threshold=1000,
+                  row_slice_threshold=4000)
+# name, (min rows, max rows), dim, combiner -- ranges keep each table in its kind
+TABLES = [
+    ("dp_none", (30, 45), 8, None),        # data_parallel
+    ("rows_sum", (300, 400), 16, "sum"),   # row_wise
+    ("cols_mean", (100, 125), 12, "mean"),  # column_wise
+    ("tw_sum", (80, 95), 6, "sum"),        # table_wise
+    ("tw_none", (150, 190), 5, None),      # table_wise, no combiner
+    ("rows_mean", (450, 600), 10, "mean"),  # row_wise
+    ("dp_mean", (20, 40), 7, "mean"),      # data_parallel
+]
+# feature -> (table index, kind of input): one-hot, fixed multi-hot [b, h], ragged
+FEATURES = [
+    (0, "onehot"),
+    (1, "multihot3"), (1, "ragged0"),      # shared row-wise table, sum
+    (2, "ragged1"), (2, "multihot2"),      # shared column-wise table, mean
+    (3, "onehot"),
+    (4, "multihot2"),
+    (5, "ragged1"),
+    (6, "ragged1"),
+]
+
+
+def _world():
+    return hvd.size() if hvd.is_initialized() else 1
+
+
+def _make_tables(seed):
+    rng = np.random.default_rng(seed)
+    return [(name, int(rng.integers(lo, hi + 1)), dim, combiner)
+            for name, (lo, hi), dim, combiner in TABLES]
+
+
+def _make_batch(rng, tables, batch):
+    features = []
+    for t, kind in FEATURES:
+        rows = tables[t][1]
+        if kind == "onehot":
+            features.append(rng.integers(0, rows, size=[batch]))
+        elif kind.startswith("multihot"):
+            features.append(rng.integers(0, rows, size=[batch, int(kind[-1])]))
+        else:  # raggedK: bags of K..4 ids
+            lengths = rng.integers(int(kind[-1]), 5, size=[batch])
+            values = rng.integers(0, rows, size=[int(lengths.sum())])
+            features.append((values, lengths))
+    return features
+
+
+def _to_tensors(features, start=0, stop=None):
+    out = []
+    for f in features:
+        if isinstance(f, tuple):
+            values, lengths = f
+            ragged = tf.RaggedTensor.from_row_lengths(values, lengths)
+            out.append(ragged[start:stop])
+        else:
+            out.append(tf.constant(f[start:stop]))
+    return out
+
+
+class _Reference(tf.keras.Model):
+    """Plain Keras Embedding layers + combine + Dense, on the global batch."""
+
+    def __init__(self, tables):
+        super().__init__()
+        self.tables = [tf.keras.layers.Embedding(rows, dim, name=name)
+                       for name, rows, dim, _ in tables]
+        self.combiners = [c for *_, c in tables]
+        self.head = tf.keras.layers.Dense(1, kernel_initializer="glorot_uniform")
+
+    def embed(self, inputs):
+        outs = []
+        for (t, _), ids in zip(FEATURES, inputs):
+            emb = self.tables[t](ids)
+            if ids.shape.rank == 1:
+                pass  # one id per sample: nothing to combine
+            elif self.combiners[t] == "sum":
+                emb = tf.reduce_sum(emb, axis=1)
+            elif self.combiners[t] == "mean":
+                emb = tf.reduce_mean(emb, axis=1)
+            if isinstance(emb, tf.RaggedTensor):
+                emb = emb.to_tensor()
+            outs.append(emb)
+        return outs
+
+    def call(self, inputs):
+        outs = self.embed(inputs)
+        flat = tf.concat([tf.reshape(o, [tf.shape(o)[0], -1]) for o in outs], axis=1)
+        return self.head(flat)
+
+
+class _Distributed(tf.keras.Model):
+    def __init__(self, tables, mesh):
+        super().__init__()
+        self.embedding = DistributedEmbedding(
+            [Embedding(rows, dim, combiner=c, name=name) if c else
+             tf.keras.layers.Embedding(rows, dim, name=name)
+             for name, rows, dim, c in tables],
+            mesh=mesh, input_table_map=[t for t, _ in FEATURES], **THRESHOLDS)
+        self.head = tf.keras.layers.Dense(1)
+
+    def call(self, inputs):
+        outs = self.embedding(inputs)
+        flat = tf.concat([tf.reshape(o, [tf.shape(o)[0], -1]) for o in outs], axis=1)
+        return self.head(flat)
+
+
+def _loss(labels, logits):
+    return tf.reduce_mean(tf.keras.losses.binary_crossentropy(labels, logits,
+                                                              from_logits=True))
+
+
+class ParityTest(tf.test.TestCase):
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def _run(self, model_parallel, layout, optimizer_name, use_function):
+        world = _world()
+        mesh = tfhybrid.init(model_parallel=model_parallel, layout=layout)
+        world = mesh.size
+        seed = 1000 * model_parallel + (7 if layout == "data_major" else 0)
+        tables = _make_tables(seed)
+        rng = np.random.default_rng(seed + 1)
+        global_batch = LOCAL_BATCH * world
+        batches = [(_make_batch(rng, tables, global_batch),
+                    rng.integers(0, 2, size=[global_batch, 1]).astype(np.float32))
+                   for _ in range(STEPS)]
+
+        reference = _Reference(tables)
+        reference(_to_tensors(batches[0][0]))
+        model = _Distributed(tables, mesh)
+        lo, hi = mesh.rank * LOCAL_BATCH, (mesh.rank + 1) * LOCAL_BATCH
+        model(_to_tensors(batches[0][0], lo, hi))
+        full_tables = [layer.embeddings.numpy() for layer in reference.tables]
+        model.embedding.set_weights(full_tables)
+        model.head.set_weights(reference.head.get_weights())
+
+        kinds = {p.kind for p in model.embedding.plan.tables}
+        if world > 1 and model_parallel > 1:
+            self.assertEqual(kinds, {"data_parallel", "row_wise", "column_wise",
+                                     "table_wise"})
+
+        # forward parity on this rank's slice
+        local_out = model.embedding(_to_tensors(batches[0][0], lo, hi))
+        ref_out = reference.embed(_to_tensors(batches[0][0]))
+        for f, (got, want) in enumerate(zip(local_out, ref_out)):
+            self.assertAllClose(got, want[lo:hi], atol=1e-6, rtol=1e-6,
+                                msg=f"feature {f} forward")
+
+        if optimizer_name == "sgd":
+            make = lambda: tf.keras.optimizers.SGD(learning_rate=0.5)  # noqa: E731
+        else:
+            make = lambda: tf.keras.optimizers.legacy.Adagrad(learning_rate=0.3)  # noqa: E731
+        ref_opt = make()
+        dist_opt = tfhybrid.DistributedOptimizer(make(), mesh=mesh)
+
+        def ref_step(inputs, labels):
+            with tf.GradientTape() as tape:
+                loss = _loss(labels, reference(inputs))
+            grads = tape.gradient(loss, reference.trainable_variables)
+            ref_opt.apply_gradients(zip(grads, reference.trainable_variables))
+            return loss
+
+        def dist_step(inputs, labels):
+            with tf.GradientTape() as tape:
+                loss = _loss(labels, model(inputs))
+            grads = tape.gradient(loss, model.trainable_variables)
+            dist_opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        if use_function:
+            # ragged shapes change every step; one relaxed trace serves them all
+            dist_step = tf.function(dist_step, reduce_retracing=True)
+        for features, labels in batches:
+            ref_step(_to_tensors(features), tf.constant(labels))
+            dist_step(_to_tensors(features, lo, hi), tf.constant(labels[lo:hi]))
+
+        gathered = model.embedding.get_weights(all_ranks=True)
+        for t, (got, layer) in enumerate(zip(gathered, reference.tables)):
+            self.assertAllClose(got, layer.embeddings.numpy(), atol=1e-5, rtol=1e-5,
+                                msg=f"table {tables[t][0]} after {STEPS} steps")
+        for got, want in zip(model.head.get_weights(), reference.head.get_weights()):
+            self.assertAllClose(got, want, atol=1e-5, rtol=1e-5, msg="dense head")
+        # the tables really moved, so the comparison above is not trivially true
+        self.assertGreater(
+            max(np.abs(g - w).max() for g, w in zip(gathered, full_tables)), 1e-3)
+
+    def _meshes(self):
+        world = _world()
+        return [(m, layout) for m in range(1, world + 1) if world % m == 0
+                for layout in ("model_major", "data_major")]
+
+    def test_sgd_parity_every_mesh(self):
+        tfhybrid.init(model_parallel=1)  # initialises Horovod, so _world() is right
+        mesh_lib._reset_for_tests()
+        for m, layout in self._meshes():
+            with self.subTest(model_parallel=m, layout=layout):
+                self._run(m, layout, "sgd", use_function=False)
+            mesh_lib._reset_for_tests()
+
+    def test_sgd_parity_in_tf_function(self):
+        # the same step traced into a graph: collectives and asserts run in graph mode
+        world = tfhybrid.init(model_parallel=1).size
+        mesh_lib._reset_for_tests()
+        self._run(2 if world % 2 == 0 else 1, "model_major", "sgd", use_function=True)
+
+    def test_adagrad_parity_every_mesh(self):
+        tfhybrid.init(model_parallel=1)
+        mesh_lib._reset_for_tests()
+        for m, layout in self._meshes():
+            with self.subTest(model_parallel=m, layout=layout):
+                self._run(m, layout, "adagrad", use_function=False)
+            mesh_lib._reset_for_tests()
+
+
+class BadInputTest(tf.test.TestCase):
+    """Bad input on one rank fails on every rank, with the values named; never a hang."""
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def _layer(self, mesh):
+        layer = DistributedEmbedding(
+            [Embedding(50, 4, combiner="sum", name="user"),
+             Embedding(30, 4, combiner="sum", name="item")], mesh=mesh)
+        return layer
+
+    def test_out_of_range_id_names_table_and_id(self):
+        mesh = tfhybrid.init(model_parallel=_world())
+        layer = self._layer(mesh)
+        bad_rank = mesh.size - 1
+        user = np.array([[1, 2], [3, 4]])
+        item = np.array([[1, 2], [3, 77 if mesh.rank == bad_rank else 4]])
+        layer([tf.constant(user), tf.constant(user % 30)])  # builds it
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    rf"table 'item' got id 77 on rank {bad_rank}; "
+                                    r"expected ids in \[0, 30\)"):
+            layer([tf.constant(user), tf.constant(item)])
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"table 'user' got id -1 on rank 0"):
+            layer([tf.constant(-user if mesh.rank == 0 else user), tf.constant(user % 30)])
+
+    def test_uneven_batches_name_ranks_and_sizes(self):
+        mesh = tfhybrid.init(model_parallel=_world())
+        layer = self._layer(mesh)
+        layer([tf.constant([[1, 2]]), tf.constant([[1, 2]])])
+        batch = 3 if mesh.rank == 0 and mesh.size > 1 else 2
+        ids = tf.constant(np.ones([batch, 2], np.int64))
+        if mesh.size == 1:
+            self.assertLen(layer([ids, ids]), 2)  # one rank cannot disagree with itself
+            return
+        sizes = " ".join(["3"] + ["2"] * (mesh.size - 1))
+        with self.assertRaisesRegex(
+                tf.errors.InvalidArgumentError,
+                rf"batch sizes differ across ranks; batch size of rank 0..{mesh.size - 1}: "
+                rf"\[{sizes}\]"):
+            layer([ids, ids])
+
+
+class ConfigTest(tf.test.TestCase):
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def test_get_config_round_trip(self):
+        mesh = tfhybrid.init(model_parallel=_world())
+        layer = DistributedEmbedding(
+            [Embedding(50, 4, combiner="mean", name="user"),
+             tf.keras.layers.Embedding(30, 3, name="item")],
+            mesh=mesh, strategy="memory_optimized", column_slice_threshold=100,
+            input_table_map=[0, 1, 0])
+        config = layer.get_config()
+        clone = DistributedEmbedding.from_config(config)
+        self.assertEqual(clone.get_config(), config)
+        self.assertEqual(config["input_table_map"], [0, 1, 0])
+        self.assertEqual(config["embeddings"][0]["config"]["combiner"], "mean")
+
+    def test_bad_arguments_raise_value_error(self):
+        with self.assertRaisesRegex(ValueError, r"strategy='fastest' is unknown"):
+            DistributedEmbedding([Embedding(5, 2)], strategy="fastest")
+        with self.assertRaisesRegex(ValueError, r"input_table_map\[1\]=3 is not a table"):
+            DistributedEmbedding([Embedding(5, 2)], input_table_map=[0, 3])
+        with self.assertRaisesRegex(ValueError, r"dp_input=False is not supported"):
+            DistributedEmbedding([Embedding(5, 2)], dp_input=False)
+        with self.assertRaisesRegex(ValueError, r"combiner='max' is unknown"):
+            Embedding(5, 2, combiner="max")
+
+
+if __name__ == "__main__":
+    tf.test.main()
