@@ -297,12 +297,12 @@ class EstimateTest(unittest.TestCase):
         plan = plan_sharding([TableConfig("tw", 100, 8, hotness=2.0)], 1, 2, local_batch_size=4)
         self.assertEqual(plan.table("tw").shards[0].owner, 0)
         owner, other = plan.ranks
-        # other: ids b*h*4 = 32 + activation grad act*b*w = 4*4*8 = 128
-        self.assertEqual(other.alltoall_bytes_per_step, 160.0)
+        # other: (4 lengths + 8 ids)*4 = 48 + activation grad act*b*w = 4*4*8 = 128
+        self.assertEqual(other.alltoall_bytes_per_step, 176.0)
         self.assertEqual(other.local_bytes_per_step, 0.0)
-        # owner: activations to the 1 other = 128; local = ids 32 + fwd 128 + grad 128
+        # owner: activations to the 1 other = 128; local = ids 48 + fwd 128 + grad 128
         self.assertEqual(owner.alltoall_bytes_per_step, 128.0)
-        self.assertEqual(owner.local_bytes_per_step, 288.0)
+        self.assertEqual(owner.local_bytes_per_step, 304.0)
         # lookup: M*h*w*act = 2*2*8*4
         self.assertEqual(owner.lookup_bytes_per_sample, 128.0)
         self.assertEqual(other.lookup_bytes_per_sample, 0.0)
@@ -314,42 +314,49 @@ class EstimateTest(unittest.TestCase):
                              column_slice_threshold=30, local_batch_size=2)
         self.assertEqual([s.owner for s in plan.table("cw").shards], [0, 1])
         for r in plan.ranks:
-            # other slice: ids 2*1.5*4 = 12 + grad 4*2*1.5*3 = 36; own: fwd to 1 other = 36
-            self.assertEqual(r.alltoall_bytes_per_step, 12 + 36 + 36)
-            # own slice local: ids 12 + fwd 36 + grad 36
-            self.assertEqual(r.local_bytes_per_step, 84.0)
+            # unpooled: L = b*h = 3 bags of one id each
+            # other slice: (3 lengths + 3 ids)*4 = 24 + grad 4*3*3 = 36; own: fwd 36
+            self.assertEqual(r.alltoall_bytes_per_step, 24 + 36 + 36)
+            # own slice local: header+ids 24 + fwd 36 + grad 36
+            self.assertEqual(r.local_bytes_per_step, 96.0)
             self.assertEqual(r.lookup_bytes_per_sample, 2 * 1.5 * 3 * 4)
 
     def test_row_wise_by_hand(self):
         # rows=3 over M=4 -> k=3 shards of 1 row on positions 0..2; position 3 owns none.
         # float16 (act 2), ids 4 bytes, hotness 6, unpooled, b=2, w=4.
-        # Per owner: ids b*h/k = 4; partial result (b*h/k)*w = 16 elements = 32 bytes.
+        # Unpooled: L = b*h = 12 bags; per owner n = b*h/k = 4 ids; a partial row per bag
+        # comes back: 12*4 values * 2 bytes = 96 bytes.
         plan = plan_sharding([TableConfig("rw", 3, 4, dtype="float16", hotness=6.0,
                                           combiner=None)], 1, 4, row_slice_threshold=1,
                              local_batch_size=2, optimizer="rowwise_adagrad")
         self.assertEqual([s.owner for s in plan.table("rw").shards], [0, 1, 2])
         for r in plan.ranks[:3]:
-            # ids to 2 other owners 2*4*4 = 32, grads 2*32 = 64, fwd to 3 others 3*32 = 96
-            self.assertEqual(r.alltoall_bytes_per_step, 192.0)
-            # own: ids 4*4 = 16, fwd 32, grad 32
-            self.assertEqual(r.local_bytes_per_step, 80.0)
+            # 2 other owners: 2*((12 + 4)*4 + 96) = 320; fwd to 3 others 3*96 = 288
+            self.assertEqual(r.alltoall_bytes_per_step, 608.0)
+            # own: header+ids 64, fwd 96, grad 96
+            self.assertEqual(r.local_bytes_per_step, 256.0)
             # M*(h/k)*w*act = 4*2*4*2
             self.assertEqual(r.lookup_bytes_per_sample, 64.0)
             self.assertEqual((r.param_bytes, r.optimizer_bytes), (8, 4))
         idle = plan.ranks[3]
-        # ids to 3 owners 3*16 = 48 + grads 3*32 = 96
-        self.assertEqual(idle.alltoall_bytes_per_step, 144.0)
+        # 3 owners: 3*(64 + 96)
+        self.assertEqual(idle.alltoall_bytes_per_step, 480.0)
         self.assertEqual((idle.local_bytes_per_step, idle.lookup_bytes_per_sample), (0.0, 0.0))
-        # pooled: partial result b*w = 8 elements = 16 bytes instead of 32
+        # pooled: L = b = 2 bags; per other owner (2 + 4)*4 + 2*4*2 = 40; fwd 3*16
         pooled = plan_sharding([TableConfig("rw", 3, 4, dtype="float16", hotness=6.0)], 1, 4,
                                row_slice_threshold=1, local_batch_size=2)
-        self.assertEqual(pooled.ranks[0].alltoall_bytes_per_step, 32 + 2 * 16 + 3 * 16)
-        self.assertEqual(pooled.ranks[3].alltoall_bytes_per_step, 48 + 3 * 16)
+        self.assertEqual(pooled.ranks[0].alltoall_bytes_per_step, 2 * 40 + 3 * 16)
+        self.assertEqual(pooled.ranks[3].alltoall_bytes_per_step, 3 * 40)
+        # two pooled features on one table: twice the header and the rows back
+        shared = plan_sharding([TableConfig("rw", 3, 4, dtype="float16", hotness=6.0,
+                                            features=2)], 1, 4,
+                               row_slice_threshold=1, local_batch_size=2)
+        self.assertEqual(shared.ranks[3].alltoall_bytes_per_step, 3 * ((4 + 4) * 4 + 4 * 4 * 2))
 
     def test_large_table_uses_int64_ids(self):
         plan = plan_sharding([TableConfig("big", 2**31, 1)], 1, 2, local_batch_size=4)
-        # non-owner: ids 4*1*8 = 32 + grad 4*4*1 = 16
-        self.assertEqual(plan.ranks[1].alltoall_bytes_per_step, 48.0)
+        # non-owner: (4 lengths + 4 ids)*8 = 64 + grad 4*4*1 = 16
+        self.assertEqual(plan.ranks[1].alltoall_bytes_per_step, 80.0)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ _LAZY_ATTRIBUTES = {
     "DistributedGradientTape": "tfhybrid.distributed",
     "DistributedOptimizer": "tfhybrid.distributed",
     "broadcast_variables": "tfhybrid.distributed",
+    "sync_replicas": "tfhybrid.distributed",
 }
 _LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train"}
 

@@ -15,6 +15,7 @@ and multiplied by 1/N, and training equals single-process training on the global
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import tensorflow as tf
@@ -30,31 +31,128 @@ _MODEL_PARALLEL_ATTR = "_tfhybrid_model_parallel"
 _SPARSE_DEFAULT_MIN_ELEMENTS = 1 << 16
 
 
-def mark_model_parallel(variable: tf.Variable, mesh: mesh_lib.Mesh) -> None:
+# Tag set from the plan: whether this variable's gradient is synced sparse (allgather).
+_SPARSE_SYNC_ATTR = "_tfhybrid_sparse_sync"
+
+
+# Tags of shards in weight-sync mode: each replica steps alone, and every K steps the
+# weights and optimizer state are averaged over the data group.
+_SYNC_EVERY_ATTR = "_tfhybrid_sync_every"
+# read by tfhybrid.optimizers.MomentumScaledRowWiseAdagrad: c = D in weight-sync mode
+_MOMENTUM_SCALE_ATTR = "_tfhybrid_momentum_scale"
+
+
+def mark_model_parallel(variable: tf.Variable, mesh: mesh_lib.Mesh,
+                        sync_every: int | None = None) -> None:
     setattr(variable, _MODEL_PARALLEL_ATTR, True)
+    if sync_every is not None:
+        setattr(variable, _SYNC_EVERY_ATTR, int(sync_every))
+        setattr(variable, _MOMENTUM_SCALE_ATTR, float(mesh.data_parallel))
+
+
+def weight_sync_every(variable: tf.Variable) -> int | None:
+    """K for a shard in weight-sync mode, else None (gradients are synced every step)."""
+    return getattr(variable, _SYNC_EVERY_ATTR, None)
+
+
+def mark_sparse_sync(variable: tf.Variable, sparse: bool) -> None:
+    setattr(variable, _SPARSE_SYNC_ATTR, bool(sparse))
 
 
 def is_model_parallel(variable: tf.Variable) -> bool:
     return bool(getattr(variable, _MODEL_PARALLEL_ATTR, False))
 
 
+# ------------------------------------------------------------ byte counts
+# Bytes this rank put on the wire, counted only while a benchmark enables it. The
+# backward alltoall (registered by Horovod) sends back what the forward one received,
+# so the forward call counts both directions.
+_traffic: dict[str, tf.Variable] | None = None
+
+
+def count_traffic() -> dict[str, tf.Variable]:
+    """Starts counting sent bytes; returns {"alltoall": var, "allreduce": var} (int64)."""
+    global _traffic
+    if _traffic is None:
+        _traffic = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"{k}_bytes")
+                    for k in ("alltoall", "allreduce")}
+    return _traffic
+
+
+def _count(kind: str, num_bytes) -> None:
+    if _traffic is not None:
+        _traffic[kind].assign_add(tf.cast(num_bytes, tf.int64))
+
+
 # --------------------------------------------------------------- collectives
-def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size: int):
-    """``hvd.alltoall`` that skips the collective in a group of one."""
+def collective_name(base: str) -> str:
+    """A Horovod op name that is the same on every rank.
+
+    Horovod matches a collective across ranks by name, and in a graph its default name
+    comes from the input tensor's name, which differs between ranks whose graphs differ
+    (positions own different shards). Names built here depend only on ``base`` and on how
+    often it was used in this graph, which every rank repeats alike.
+    """
+    base = re.sub(r"[^A-Za-z0-9_]", "_", base)
+    if tf.executing_eagerly():
+        return base
+    return tf.compat.v1.get_default_graph().unique_name(base, mark_as_used=True).replace("/", "_")
+
+
+def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size: int,
+             name: str, differentiable: bool = False):
+    """``hvd.alltoall`` with a rank-independent name; skips the collective in a group of one.
+
+    With ``differentiable=True`` its gradient is the reverse alltoall, also named.
+    """
     if group_size == 1:
         return tensor, splits
-    return hvd.alltoall(tensor, splits=splits, process_set=process_set)
+    name = collective_name(name)
+    if differentiable:
+        received, received_splits = _alltoall_with_named_gradient(
+            tensor, splits, process_set, name)
+    else:
+        received, received_splits = hvd.alltoall(tensor, splits=splits, name=name,
+                                                 process_set=process_set)
+    if _traffic is not None:
+        me = process_set.rank()
+        width = tensor.dtype.size * max(1, tensor.shape[1:].num_elements() or 1)
+        others = lambda x: tf.reduce_sum(tf.cast(x, tf.int64)) - tf.cast(x[me], tf.int64)  # noqa: E731
+        _count("alltoall", others(splits) * width)
+        if differentiable:
+            _count("alltoall", others(received_splits) * width)
+    return received, received_splits
 
 
-def allgather(tensor: tf.Tensor, group_size: int,
+def _alltoall_with_named_gradient(tensor, splits, process_set, name):
+    @tf.custom_gradient
+    def forward(x):
+        received, received_splits = hvd.alltoall(x, splits=splits, name=name,
+                                                 process_set=process_set)
+
+        def backward(grad_received, grad_splits=None):
+            sent_back, _ = hvd.alltoall(grad_received, splits=received_splits,
+                                        name=name + "_grad", process_set=process_set)
+            return sent_back
+
+        return (received, received_splits), backward
+
+    return forward(tensor)
+
+
+def allgather(tensor: tf.Tensor, group_size: int, name: str,
               process_set: Any = None) -> tf.Tensor:
     """``hvd.allgather`` (global by default) that skips the collective in a group of one."""
     if group_size == 1:
         return tensor
-    return hvd.allgather(tensor, process_set=process_set or hvd.global_process_set)
+    return hvd.allgather(tensor, name=collective_name(name),
+                         process_set=process_set or hvd.global_process_set)
 
 
 def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
+    planned = getattr(variable, _SPARSE_SYNC_ATTR, None)
+    if planned is not None:
+        return planned
     rows, width = variable.shape[0], max(1, variable.shape.num_elements() // max(1, variable.shape[0]))
     touched = grad.indices.shape[0]
     if touched is None:
@@ -77,6 +175,11 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
     for i, (grad, var) in enumerate(zip(grads, variables)):
         if grad is None:
             continue
+        if weight_sync_every(var) is not None:
+            # weight-sync mode: the replica steps on its own G_d / M, the gradient of the
+            # mean loss over its model group's samples; no collective here
+            reduced[i] = _scaled(grad, 1.0 / mesh.model_parallel)
+            continue
         if is_model_parallel(var):
             process_set, group_size = mesh.data_process_set, mesh.data_parallel
         else:
@@ -85,8 +188,12 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                 group_size == 1 or _sparse_is_cheaper(grad, var)):
             values, indices = grad.values, grad.indices
             if group_size > 1:
-                values = hvd.allgather(values, process_set=process_set)
-                indices = hvd.allgather(indices, process_set=process_set)
+                _count("allreduce", tf.size(values, out_type=tf.int64) * values.dtype.size
+                       + tf.size(indices, out_type=tf.int64) * indices.dtype.size)
+                name = collective_name(f"tfhybrid_sync_{var.name}")
+                values = hvd.allgather(values, name=name + "_values", process_set=process_set)
+                indices = hvd.allgather(indices, name=name + "_indices",
+                                        process_set=process_set)
             reduced[i] = tf.IndexedSlices(values * tf.cast(scale, values.dtype), indices,
                                           grad.dense_shape)
             continue
@@ -98,12 +205,91 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
         dense_groups.setdefault(key, (process_set, []))[1].append(i)
     for key in sorted(dense_groups):
         process_set, members = dense_groups[key]
+        _count("allreduce", sum(grads[i].shape.num_elements() * grads[i].dtype.size
+                                for i in members))
         summed = hvd.grouped_allreduce(
             [tf.convert_to_tensor(grads[i]) for i in members], op=hvd.Sum,
-            postscale_factor=scale, process_set=process_set)
+            postscale_factor=scale, process_set=process_set,
+            name=collective_name(f"tfhybrid_sync_{key}"))
         for i, value in zip(members, summed):
             reduced[i] = value
     return reduced
+
+
+def _scaled(grad, factor: float):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype),
+                                grad.indices, grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)
+
+
+# ------------------------------------------------------------ weight sync
+def _optimizer_state_of(optimizer: Any, variable: tf.Variable) -> list[tf.Variable]:
+    """The optimizer's slot variables for ``variable`` (accumulators, momenta...)."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "get_slot_names"):  # legacy Keras optimizers
+        slots = []
+        for name in optimizer.get_slot_names():
+            try:
+                slots.append(optimizer.get_slot(variable, name))
+            except KeyError:
+                pass
+        return slots
+    # New Keras optimizers name slots "<prefix>/<var>" (tfhybrid's "<var>/accumulator");
+    # the boundaries keep shard_1 from matching shard_10.
+    pattern = re.compile(r"(^|/)" + re.escape(variable._shared_name) + r"(/|:|$)")
+    return [v for v in optimizer.variables if v is not variable and pattern.search(v.name)]
+
+
+def sync_replicas(model_or_variables: Any, optimizer: Any = None,
+                  mesh: mesh_lib.Mesh | None = None) -> None:
+    """Averages weight-sync shards and their optimizer state over their data groups.
+
+    ``model_or_variables`` is a Keras model/layer or a list of variables; ``optimizer``
+    defaults to ``model.optimizer``. Every rank must call it at the same step. Shards in
+    gradient-sync mode and dense variables are already equal and are left alone.
+
+    Example (one process: nothing to average, so the weights stay)::
+
+        import tensorflow as tf
+        import tfhybrid
+        tfhybrid.init(model_parallel=1)
+        tfhybrid.sync_replicas([tf.Variable([1.0])])
+    """
+    mesh = mesh or mesh_lib.current_mesh()
+    if hasattr(model_or_variables, "weights"):
+        optimizer = optimizer if optimizer is not None else getattr(
+            model_or_variables, "optimizer", None)
+        variables = model_or_variables.weights
+    else:
+        variables = list(model_or_variables)
+    shards = [v for v in variables if weight_sync_every(v) is not None]
+    if mesh.data_parallel == 1 or not shards:
+        return
+    state = [s for v in shards for s in [v] + _optimizer_state_of(optimizer, v)]
+    averaged = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in state], op=hvd.Average,
+                                     process_set=mesh.data_process_set,
+                                     name=collective_name("tfhybrid_weight_sync"))
+    _count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state))
+    for var, value in zip(state, averaged):
+        var.assign(value)
+
+
+def _sync_if_due(optimizer: Any, variables: Sequence[tf.Variable],
+                 mesh: mesh_lib.Mesh) -> None:
+    shards = [v for v in variables if weight_sync_every(v) is not None]
+    if not shards or mesh.data_parallel == 1:
+        return
+    every = min(weight_sync_every(v) for v in shards)
+    # every rank has the same step count, so all take the same branch of the cond
+    due = tf.equal(tf.math.floormod(optimizer.iterations, every), 0)
+
+    def sync():
+        sync_replicas(shards, optimizer, mesh)
+        return tf.constant(True)
+
+    tf.cond(due, sync, lambda: tf.constant(False))
 
 
 # ------------------------------------------------------------------- tape
@@ -150,9 +336,14 @@ class _ReducingApply:
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         pairs = [(g, v) for g, v in grads_and_vars]
-        grads = allreduce_gradients([g for g, _ in pairs], [v for _, v in pairs],
-                                    self._tfhybrid_mesh or mesh_lib.current_mesh())
-        return super().apply_gradients(zip(grads, [v for _, v in pairs]), *args, **kwargs)
+        mesh = self._tfhybrid_mesh or mesh_lib.current_mesh()
+        variables = [v for _, v in pairs]
+        grads = allreduce_gradients([g for g, _ in pairs], variables, mesh)
+        result = super().apply_gradients(zip(grads, variables), *args, **kwargs)
+        # weight-sync mode: every K steps (counted after this step) average the replicas
+        with tf.control_dependencies([result] if result is not None else []):
+            _sync_if_due(self, variables, mesh)
+        return result
 
 
 def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
@@ -187,8 +378,13 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     mesh = mesh or mesh_lib.current_mesh()
     dense = [v for v in variables if not is_model_parallel(v)]
     shards = [v for v in variables if is_model_parallel(v)]
-    if dense and mesh.size > 1:
-        hvd.broadcast_variables(dense, root_rank=root_rank)
-    if shards and mesh.data_parallel > 1:
-        hvd.broadcast_variables(shards, root_rank=mesh.data_group_ranks[0],
-                                process_set=mesh.data_process_set)
+    if not 0 <= root_rank < mesh.size:
+        raise ValueError(f"root_rank={root_rank} is not a rank in [0, {mesh.size})")
+    # Horovod's root_rank is a global rank, also inside a process set
+    if mesh.size > 1:
+        for var in dense:
+            var.assign(hvd.broadcast(var, root_rank, process_set=hvd.global_process_set))
+    if mesh.data_parallel > 1:
+        for var in shards:
+            var.assign(hvd.broadcast(var, mesh.data_group_ranks[0],
+                                     process_set=mesh.data_process_set))

@@ -7,19 +7,24 @@ and returns a :class:`ShardingPlan` that can be printed, saved as JSON and unit-
 without TensorFlow or Horovod (TorchRec style).  Option names follow NVIDIA
 distributed-embeddings so its users can migrate; thresholds are in ELEMENTS (rows*dim).
 
-Byte model (per position p, b = local_batch_size, h = hotness, act = dtype bytes of the
-table, idb = 4 if rows < 2**31 else 8, w = shard width col_end-col_start, M = model
-group size).  Only model-parallel shards produce all-to-all traffic; data-parallel
-tables add 0 to both traffic figures (their gradients go through the allreduce).
+Byte model: the wire format of ``tfhybrid.layers.DistributedEmbedding``, per position p.
+Symbols: b = local_batch_size, h = hotness (ids per sample, summed over the table's
+features), f = features reading the table, act = dtype bytes of the table, w = shard
+width, M = model group size, idb = 8 if any model-parallel table has >= 2**31 rows else 4
+(the layer sends every id in one buffer). A step sends, per (feature, shard) route, a
+header of L bag lengths and the ids, and gets back one row of w values per bag:
+L = b*f bags when pooled, b*h when combiner is None (every id is its own bag).
+Only model-parallel shards produce all-to-all traffic; data-parallel tables add 0 to both
+traffic figures (their gradients go through the allreduce).
 
-* table_wise / column_wise shard owned by o, out = b*w (pooled) or b*h*w (combiner None):
-    - p != o: alltoall += b*h*idb + act*out          (ids forward, activation grad back)
-    - p == o: alltoall += (M-1)*act*out              (activations to the M-1 others)
-              local    += b*h*idb + 2*act*out        (own ids, own activations, own grad)
-* row_wise table with k shards (owners 0..k-1), per owner: ids = b*h/k,
-  out = b*w (pooled) or (b*h/k)*w (unpooled); o_p = #owners != p = k - [p < k]:
-    - alltoall += o_p*ids*idb + o_p*act*out + [p < k]*(M-1)*act*out
-    - local    += [p < k]*(ids*idb + 2*act*out)
+* table_wise / column_wise shard owned by o, n = b*h ids:
+    - p != o: alltoall += (L + n)*idb + act*L*w      (header+ids out, activation grad back)
+    - p == o: alltoall += (M-1)*act*L*w              (activations to the M-1 others)
+              local    += (L + n)*idb + 2*act*L*w    (own ids, own activations, own grad)
+* row_wise table with k shards (owners 0..k-1), each owner gets n = b*h/k ids (uniform
+  ids) and returns a partial row per bag (L*w values, zeros where it holds no id):
+    - per owner o != p: alltoall += (L + n)*idb + act*L*w
+    - if p owns a shard: alltoall += (M-1)*act*L*w;  local += (L + n)*idb + 2*act*L*w
 * lookup_bytes_per_sample (per local sample): for each shard p owns, table_wise /
   column_wise M*h*w*act, row_wise M*(h/k)*w*act; plus h*dim*act per data_parallel table.
 * param_bytes = elements*act; optimizer_bytes: sgd 0, adagrad elements*4,
@@ -40,7 +45,7 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 KINDS = ("data_parallel", "table_wise", "column_wise", "row_wise")
 
 __all__ = ["TableConfig", "Shard", "TablePlacement", "RankEstimate", "ShardingPlan",
-           "plan_sharding", "DTYPE_BYTES", "COMBINERS", "STRATEGIES", "OPTIMIZERS", "KINDS"]
+           "plan_sharding", "sync_is_sparse", "sync_bytes", "DTYPE_BYTES", "COMBINERS", "STRATEGIES", "OPTIMIZERS", "KINDS"]
 
 
 def _check_int(what: str, value: Any, minimum: int) -> None:
@@ -68,8 +73,10 @@ class TableConfig:
     dtype: str = "float32"
     hotness: float = 1.0
     combiner: str | None = "sum"
+    features: int = 1   # input features that read this table (input_table_map)
 
     def __post_init__(self) -> None:
+        _check_int(f"features of table {getattr(self, 'name', '?')!r}", self.features, 1)
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"table name must be a non-empty str, got {self.name!r}")
         _check_int(f"rows of table {self.name!r}", self.rows, 1)
@@ -135,6 +142,9 @@ class RankEstimate:
     lookup_bytes_per_sample: float
     alltoall_bytes_per_step: float
     local_bytes_per_step: float
+    # embedding-gradient sync this rank sends per step (see ``sync_bytes``); the dense
+    # layers' allreduce is not the planner's to know and comes on top
+    sync_bytes_per_step: float = 0.0
 
 
 def _human(n: float) -> str:
@@ -228,10 +238,12 @@ class ShardingPlan:
         lines.append("")
         rows = [[f"p{r.position}", str(len(self.shards_on(r.position))), _human(r.param_bytes),
                  _human(r.optimizer_bytes), _human(r.lookup_bytes_per_sample),
-                 _human(r.alltoall_bytes_per_step), _human(r.local_bytes_per_step)]
+                 _human(r.alltoall_bytes_per_step), _human(r.local_bytes_per_step),
+                 _human(r.sync_bytes_per_step)]
                 for r in self.ranks]
         lines += _aligned(["position", "shards", "params", "optimizer", "lookup/sample",
-                           "alltoall sent/step", "local/step"], rows, set(range(1, 7)))
+                           "alltoall sent/step", "local/step", "grad sync/step"], rows,
+                          set(range(1, 8)))
         return "\n".join(lines)
 
 
@@ -423,44 +435,65 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                     f"{memory_budget_bytes}; largest table there is {tables[worst].name!r} "
                     f"with {per_table[worst]} bytes")
 
-    ranks = tuple(_estimate(p, tables, placements, m, local_batch_size, optimizer)
+    ranks = tuple(_estimate(p, tables, placements, m, local_batch_size, optimizer,
+                            data_parallel)
                   for p in range(m))
     return ShardingPlan(data_parallel, m, strategy, placements, ranks, column_slice_threshold,
                         row_slice_threshold, data_parallel_threshold, local_batch_size)
 
 
+def sync_is_sparse(rows: int, width: int, ids_per_step: float) -> bool:
+    """True when an allgather of the touched rows moves fewer bytes than a dense allreduce.
+
+    An allgather sends ``ids * (width + 1)`` values (rows plus their indices); a dense
+    allreduce the whole ``rows * width`` table. ``ids_per_step`` counts looked-up ids, an
+    upper bound on the unique rows a step touches.
+    """
+    return ids_per_step * (width + 1) < rows * width
+
+
+def sync_bytes(rows: int, width: int, ids_per_step: float, group_size: int,
+               value_bytes: int = 4, index_bytes: int = 8) -> float:
+    """Bytes a rank sends to keep one variable's copies in step over ``group_size`` ranks.
+
+    Sparse (allgather): ``ids * (width * value_bytes + index_bytes)``; dense (allreduce):
+    the gradient's ``rows * width * value_bytes``; 0 for a group of one.
+    """
+    if group_size == 1:
+        return 0.0
+    if sync_is_sparse(rows, width, ids_per_step):
+        return float(ids_per_step * (width * value_bytes + index_bytes))
+    return float(rows * width * value_bytes)
+
+
 def _estimate(p: int, tables: Sequence[TableConfig], placements: Sequence[TablePlacement],
-              m: int, b: int, optimizer: str) -> RankEstimate:
+              m: int, b: int, optimizer: str, d: int) -> RankEstimate:
     # Formulas are spelled out in the module docstring; keep the two in sync.
     param = opt = 0
-    lookup = sent = local = 0.0
+    lookup = sent = local = sync = 0.0
+    idb = 8 if any(t.rows >= 2**31 for t, pl in zip(tables, placements)
+                   if pl.kind != "data_parallel") else 4
     for t, pl in zip(tables, placements):
         act, h = DTYPE_BYTES[t.dtype], float(t.hotness)
-        idb = 4 if t.rows < 2**31 else 8
-        pooled = t.combiner is not None
+        bags = b * t.features if t.combiner is not None else b * h
         k = len(pl.shards)
         for s in pl.shards:
             w = s.col_end - s.col_start
             if s.owner is None or s.owner == p:
                 pb, ob = _shard_bytes(t, s.row_end - s.row_start, w, optimizer)
                 param, opt = param + pb, opt + ob
+            nrows = s.row_end - s.row_start
             if pl.kind == "data_parallel":
                 lookup += h * w * act
-            elif pl.kind == "row_wise":
-                ids = b * h / k
-                out = act * (b * w if pooled else ids * w)
-                if s.owner == p:
-                    sent += (m - 1) * out
-                    local += ids * idb + 2 * out
-                    lookup += m * (h / k) * w * act
-                else:
-                    sent += ids * idb + out
+                sync += sync_bytes(nrows, w, b * h, m * d)
+                continue
+            ids = b * h / k if pl.kind == "row_wise" else b * h
+            rows_back = act * bags * w
+            if s.owner == p:
+                sync += sync_bytes(nrows, w, m * ids, d)
+                sent += (m - 1) * rows_back
+                local += (bags + ids) * idb + 2 * rows_back
+                lookup += m * (ids / b) * w * act
             else:
-                out = act * (b * w if pooled else b * h * w)
-                if s.owner == p:
-                    sent += (m - 1) * out
-                    local += b * h * idb + 2 * out
-                    lookup += m * h * w * act
-                else:
-                    sent += b * h * idb + out
-    return RankEstimate(p, param, opt, float(lookup), float(sent), float(local))
+                sent += (bags + ids) * idb + rows_back
+    return RankEstimate(p, param, opt, float(lookup), float(sent), float(local), sync)

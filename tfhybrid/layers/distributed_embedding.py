@@ -31,9 +31,11 @@ from tfhybrid import mesh as mesh_lib
 from tfhybrid import planner
 from tfhybrid.layers.embedding import Embedding
 
+REPLICA_SYNC = ("gradients", "weights")
+
 # Full-table gathers and scatters move at most this many bytes per collective, so a
 # table never needs more than its own size plus one chunk of extra memory.
-_CHUNK_BYTES = 32 * 1024 * 1024
+_CHUNK_BYTES = 8 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         share a table. ``None`` means feature i uses table i.
       dp_input: each rank feeds its own local batch (data-parallel input). Only
         ``True`` is supported.
+      replica_sync: how a shard's D copies stay in step. ``"gradients"`` (default,
+        exact): its gradient is allreduced over its data group every step.
+        ``"weights"`` (Meta's 2D sparse mode): each replica steps on its own gradient,
+        and every ``sync_every`` steps ``tfhybrid.DistributedOptimizer`` averages the
+        shard weights and optimizer state over the data group (also
+        ``tfhybrid.sync_replicas(model)`` and ``tfhybrid.callbacks.SyncReplicas``).
+        ``MomentumScaledRowWiseAdagrad`` then scales its accumulators by c = D.
+      sync_every: K, the steps between weight syncs in ``"weights"`` mode.
 
     Inputs are a list with one entry per feature: int ids ``[batch]``, ``[batch, hotness]``
     or a ``tf.RaggedTensor`` ``[batch, None]``. Outputs are what the single-process layers
@@ -107,8 +117,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  row_slice_threshold: int | None = None,
                  data_parallel_threshold: int | None = None,
                  input_table_map: Sequence[int] | None = None,
-                 dp_input: bool = True, **kwargs: Any):
+                 dp_input: bool = True, replica_sync: str = "gradients",
+                 sync_every: int = 1, **kwargs: Any):
         super().__init__(**kwargs)
+        if replica_sync not in REPLICA_SYNC:
+            raise ValueError(f"replica_sync={replica_sync!r} is unknown; expected one of "
+                             f"{REPLICA_SYNC}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
+        self.replica_sync = replica_sync
+        self.sync_every = sync_every
         if not embeddings:
             raise ValueError("embeddings is empty; expected at least one Embedding layer")
         if dp_input is not True:
@@ -147,17 +165,19 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             raise ValueError(f"DistributedEmbedding got {len(shapes)} inputs; expected "
                              f"{len(self.input_table_map)} (one per input_table_map entry)")
         hotness = [0.0] * len(self._tables)
+        features = [0] * len(self._tables)
         local_batch = 1
         for feature, shape in enumerate(shapes):
             shape = tf.TensorShape(shape)
             h = shape[1] if shape.rank == 2 and shape[1] is not None else 1
             hotness[self.input_table_map[feature]] += float(h)
+            features[self.input_table_map[feature]] += 1
             local_batch = shape[0] or local_batch
         mesh = self._mesh
         self.plan = planner.plan_sharding(
             [planner.TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
-                                 combiner=t.combiner)
-             for t, h in zip(self._tables, hotness)],
+                                 combiner=t.combiner, features=max(f, 1))
+             for t, h, f in zip(self._tables, hotness, features)],
             mesh.data_parallel, mesh.model_parallel, strategy=self.strategy,
             column_slice_threshold=self.column_slice_threshold,
             row_slice_threshold=self.row_slice_threshold,
@@ -168,11 +188,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         self._table_vars: dict[int, tf.Variable] = {}
         self._shard_vars: dict[tuple[int, int], tf.Variable] = {}
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
+            ids_per_step = local_batch * hotness[t]
             if placement.kind == "data_parallel":
                 self._table_vars[t] = self.add_weight(
                     name=table.name, shape=[table.rows, table.dim],
                     initializer=table.initializer, dtype=tf.float32)
+                distributed.mark_sparse_sync(self._table_vars[t], planner.sync_is_sparse(
+                    table.rows, table.dim, ids_per_step))
                 continue
+            if placement.kind == "row_wise":
+                ids_per_step /= len(placement.shards)
             for s, shard in enumerate(placement.shards):
                 if shard.owner != position:
                     continue
@@ -180,7 +205,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     name=f"{table.name}/shard_{s}",
                     shape=[shard.row_end - shard.row_start, shard.col_end - shard.col_start],
                     initializer=table.initializer, dtype=tf.float32)
-                distributed.mark_model_parallel(var, mesh)
+                distributed.mark_model_parallel(
+                    var, mesh, self.sync_every if self.replica_sync == "weights" else None)
+                distributed.mark_sparse_sync(var, planner.sync_is_sparse(
+                    shard.row_end - shard.row_start, shard.col_end - shard.col_start,
+                    mesh.model_parallel * ids_per_step))
                 self._shard_vars[(t, s)] = var
         # routes: the (feature, shard) pairs each position serves, in one fixed order that
         # every rank derives from the same plan
@@ -287,7 +316,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             report += [tf.reshape(tf.cast(any_bad, tf.int64), [1]),
                        tf.reshape(tf.where(any_bad, first_bad, 0), [1])]
         report = tf.reshape(tf.concat(report, 0), [1, -1])
-        everyone = distributed.allgather(report, self._mesh.size)
+        everyone = distributed.allgather(report, self._mesh.size,
+                                         f"tfhybrid_{self.name}_validate")
         sizes = everyone[:, 0]
         flags = tf.reshape(everyone[:, 1:], [self._mesh.size, len(bags), 2])
         bad_any = flags[:, :, 0] > 0
@@ -335,7 +365,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             payloads.append(payload)
             sizes.append(tf.size(payload, out_type=tf.int32))
         received, received_sizes = distributed.alltoall(
-            tf.concat(payloads, 0), tf.stack(sizes), mesh.model_process_set, group)
+            tf.concat(payloads, 0), tf.stack(sizes), mesh.model_process_set, group,
+            f"tfhybrid_{self.name}_ids")
 
         # 3. owner: look up and sum the bags of all M ranks of the model group
         mine = self._routes[mesh.model_position]
@@ -369,7 +400,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             back = tf.zeros([0], tf.float32)
             back_sizes = tf.zeros([group], tf.int32)
         returned, returned_sizes = distributed.alltoall(
-            back, back_sizes, mesh.model_process_set, group)
+            back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
+            differentiable=True)
         partials = {}
         for owner, chunk in enumerate(tf.split(returned, returned_sizes, num=group)):
             routes = self._routes[owner]
@@ -398,27 +430,32 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         """The full tables, gathered in chunks.
 
         Every rank must call it. Returns a list of numpy arrays (one per table) on rank 0,
-        or on every rank with ``all_ranks=True``; other ranks get ``[]``.
+        or on every rank with ``all_ranks=True``; other ranks get ``[]``. Beyond the
+        returned tables, it needs one chunk of memory (``_CHUNK_BYTES``).
         """
         mesh = self._mesh
         keep = all_ranks or mesh.rank == 0
         full_tables = []
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
-            if placement.kind == "data_parallel":
-                full_tables.append(self._table_vars[t].numpy() if keep else None)
-                continue
             full = np.empty([table.rows, table.dim], np.float32) if keep else None
+            replicated = placement.kind == "data_parallel"
             for s, shard in enumerate(placement.shards):
                 width = shard.col_end - shard.col_start
-                var = self._shard_vars.get((t, s))
+                var = self._table_vars[t] if replicated else self._shard_vars.get((t, s))
                 for start, stop in _chunks(shard.row_end - shard.row_start, width):
-                    local = (var[start:stop] if var is not None
+                    if replicated and not keep:
+                        continue
+                    # a gather reads only the chunk; a dense read of a variable that saw
+                    # sparse updates copies the whole table first
+                    local = (tf.gather(var, tf.range(start, stop)) if var is not None
                              else tf.zeros([0, width], tf.float32))
-                    rows = distributed.allgather(local, mesh.model_parallel,
-                                                 mesh.model_process_set)
+                    if not replicated:
+                        local = distributed.allgather(local, mesh.model_parallel,
+                                                      f"tfhybrid_{self.name}_get_weights",
+                                                      mesh.model_process_set)
                     if keep:
                         full[shard.row_start + start:shard.row_start + stop,
-                             shard.col_start:shard.col_end] = rows.numpy()
+                             shard.col_start:shard.col_end] = local.numpy()
             full_tables.append(full)
         return full_tables if keep else []
 
@@ -439,9 +476,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             for var, shard in targets:
                 width = shard.col_end - shard.col_start
                 for start, stop in _chunks(shard.row_end - shard.row_start, width):
-                    var[start:stop].assign(
+                    # scatter_update writes in place; a sliced assign may copy the table
+                    var.scatter_update(tf.IndexedSlices(
                         np.asarray(full[shard.row_start + start:shard.row_start + stop,
-                                        shard.col_start:shard.col_end], np.float32))
+                                        shard.col_start:shard.col_end], np.float32),
+                        tf.range(start, stop)))
 
     # ------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -453,7 +492,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             row_slice_threshold=self.row_slice_threshold,
             data_parallel_threshold=self.data_parallel_threshold,
             input_table_map=list(self.input_table_map),
-            dp_input=self.dp_input)
+            dp_input=self.dp_input, replica_sync=self.replica_sync,
+            sync_every=self.sync_every)
         return config
 
     @classmethod

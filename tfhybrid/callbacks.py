@@ -1,0 +1,70 @@
+"""Keras callbacks for training on the mesh with ``model.fit``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tfhybrid import distributed
+from tfhybrid import mesh as mesh_lib
+
+
+class BroadcastVariables(tf.keras.callbacks.Callback):
+    """Makes every rank start from rank ``root_rank``'s weights (shards from their data group).
+
+    Runs once, at the start of training, after the model is built.
+
+    Example::
+
+        model.fit(ds, callbacks=[tfhybrid.callbacks.BroadcastVariables()])
+    """
+
+    def __init__(self, root_rank: int = 0, mesh: mesh_lib.Mesh | None = None):
+        super().__init__()
+        self.root_rank = root_rank
+        self._mesh = mesh
+        self._done = False
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self._done:
+            return
+        distributed.broadcast_variables(self.model.weights, self.root_rank,
+                                        self._mesh or mesh_lib.current_mesh())
+        self._done = True
+
+
+class SyncReplicas(tf.keras.callbacks.Callback):
+    """Averages weight-sync shards and their optimizer state over their data groups.
+
+    ``tfhybrid.DistributedOptimizer`` already syncs every ``sync_every`` steps inside the
+    train step; this callback adds a sync every ``every_n_batches`` batches (if set) and at
+    the end of every epoch, so evaluation and checkpoints see identical replicas.
+
+    Example::
+
+        model.fit(ds, callbacks=[tfhybrid.callbacks.SyncReplicas()])
+    """
+
+    def __init__(self, every_n_batches: int | None = None, mesh: mesh_lib.Mesh | None = None):
+        super().__init__()
+        if every_n_batches is not None and (
+                isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int)
+                or every_n_batches < 1):
+            raise ValueError(f"every_n_batches={every_n_batches!r} must be None or an int >= 1")
+        self.every_n_batches = every_n_batches
+        self._mesh = mesh
+
+    def _sync(self) -> None:
+        distributed.sync_replicas(self.model, self.model.optimizer,
+                                  self._mesh or mesh_lib.current_mesh())
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.every_n_batches and (batch + 1) % self.every_n_batches == 0:
+            self._sync()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._sync()
+
+
+__all__ = ["BroadcastVariables", "SyncReplicas"]
