@@ -236,6 +236,43 @@ class ParityTest(tf.test.TestCase):
             mesh_lib._reset_for_tests()
 
 
+class BytesTest(tf.test.TestCase):
+    """The planner's byte model is the layer's wire format, to the byte."""
+
+    def tearDown(self):
+        tfhybrid.distributed.stop_counting_traffic()
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def test_measured_alltoall_bytes_equal_the_plan(self):
+        world = tfhybrid.init(model_parallel=1).size
+        mesh_lib._reset_for_tests()
+        mesh = tfhybrid.init(model_parallel=world)
+        tables = [Embedding(400, 12, combiner="sum", name="cols"),
+                  Embedding(90, 6, combiner="mean", name="whole"),
+                  tf.keras.layers.Embedding(80, 5, name="unpooled"),
+                  Embedding(20, 4, combiner="sum", name="replicated")]
+        layer = DistributedEmbedding(tables, mesh=mesh, column_slice_threshold=2500,
+                                     data_parallel_threshold=100,
+                                     input_table_map=[0, 1, 2, 3, 1])
+        rng = np.random.default_rng(mesh.rank)
+        ids = [tf.constant(rng.integers(0, rows, size=[6, h]))
+               for rows, h in ((400, 3), (90, 2), (80, 2), (20, 1), (90, 4))]
+        head = tf.keras.layers.Dense(1)
+        traffic = tfhybrid.distributed.count_traffic()
+        for v in traffic.values():
+            v.assign(0)
+        with tf.GradientTape() as tape:
+            out = layer(ids)
+            loss = tf.reduce_sum(head(tf.concat(
+                [tf.reshape(o, [6, -1]) for o in out], axis=1)))
+        tape.gradient(loss, layer.trainable_variables)
+        plan = layer.plan.ranks[mesh.model_position]
+        self.assertEqual(int(traffic["alltoall"].numpy()), int(plan.alltoall_bytes_per_step))
+        if world > 1:
+            self.assertGreater(plan.alltoall_bytes_per_step, 0)
+
+
 class BadInputTest(tf.test.TestCase):
     """Bad input on one rank fails on every rank, with the values named; never a hang."""
 

@@ -79,6 +79,11 @@ def count_traffic() -> dict[str, tf.Variable]:
     return _traffic
 
 
+def stop_counting_traffic() -> None:
+    global _traffic
+    _traffic = None
+
+
 def _count(kind: str, num_bytes) -> None:
     if _traffic is not None:
         _traffic[kind].assign_add(tf.cast(num_bytes, tf.int64))
