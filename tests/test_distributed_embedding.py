@@ -273,6 +273,31 @@ class BytesTest(tf.test.TestCase):
             self.assertGreater(plan.alltoall_bytes_per_step, 0)
 
 
+class IdleRanksTest(tf.test.TestCase):
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def test_ranks_that_own_no_table_still_take_part(self):
+        world = tfhybrid.init(model_parallel=1).size
+        mesh_lib._reset_for_tests()
+        mesh = tfhybrid.init(model_parallel=world)
+        layer = DistributedEmbedding([Embedding(40, 4, combiner="sum", name="only")],
+                                     mesh=mesh)
+        head = tf.keras.layers.Dense(1)
+        optimizer = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), mesh=mesh)
+        ids = [tf.constant([[1, 2], [3, 4]])]
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(head(layer(ids)[0]))
+            variables = layer.trainable_variables + head.trainable_variables
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        owned = [v for v in layer.trainable_variables if "shard" in v.name]
+        self.assertLen(owned, 1 if mesh.model_position == 0 else 0)
+        self.assertLen(layer.get_weights(all_ranks=True), 1)
+
+
 class BadInputTest(tf.test.TestCase):
     """Bad input on one rank fails on every rank, with the values named; never a hang."""
 

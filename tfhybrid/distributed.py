@@ -55,6 +55,14 @@ def weight_sync_every(variable: tf.Variable) -> int | None:
     return getattr(variable, _SYNC_EVERY_ATTR, None)
 
 
+# Tag of variables that are never synced (the layer's empty alltoall anchor).
+_LOCAL_ONLY_ATTR = "_tfhybrid_local_only"
+
+
+def mark_local_only(variable: tf.Variable) -> None:
+    setattr(variable, _LOCAL_ONLY_ATTR, True)
+
+
 def mark_sparse_sync(variable: tf.Variable, sparse: bool) -> None:
     setattr(variable, _SPARSE_SYNC_ATTR, bool(sparse))
 
@@ -117,8 +125,7 @@ def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size:
         received, received_splits = _alltoall_with_named_gradient(
             tensor, splits, process_set, name)
     else:
-        received, received_splits = hvd.alltoall(tensor, splits=splits, name=name,
-                                                 process_set=process_set)
+        received, received_splits = _bits_alltoall(tensor, splits, process_set, name)
     if _traffic is not None:
         me = process_set.rank()
         width = tensor.dtype.size * max(1, tensor.shape[1:].num_elements() or 1)
@@ -129,15 +136,24 @@ def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size:
     return received, received_splits
 
 
+def _bits_alltoall(x, splits, process_set, name):
+    # Horovod has no bfloat16 alltoall on CPU: move the 16 bits untouched as int16.
+    if x.dtype == tf.bfloat16:
+        received, received_splits = hvd.alltoall(tf.bitcast(x, tf.int16), splits=splits,
+                                                 name=name, process_set=process_set)
+        return tf.bitcast(received, tf.bfloat16), received_splits
+    return hvd.alltoall(x, splits=splits, name=name, process_set=process_set)
+
+
 def _alltoall_with_named_gradient(tensor, splits, process_set, name):
     @tf.custom_gradient
     def forward(x):
-        received, received_splits = hvd.alltoall(x, splits=splits, name=name,
-                                                 process_set=process_set)
+        received, received_splits = _bits_alltoall(x, splits, process_set, name)
 
         def backward(grad_received, grad_splits=None):
-            sent_back, _ = hvd.alltoall(grad_received, splits=received_splits,
-                                        name=name + "_grad", process_set=process_set)
+            # the gradient crosses the wire in the forward's dtype (16 bits under AMP)
+            sent_back, _ = _bits_alltoall(tf.cast(grad_received, x.dtype), received_splits,
+                                          process_set, name + "_grad")
             return sent_back
 
         return (received, received_splits), backward
@@ -178,7 +194,7 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
     reduced: list = list(grads)
     dense_groups: dict[str, tuple[Any, list[int]]] = {}
     for i, (grad, var) in enumerate(zip(grads, variables)):
-        if grad is None:
+        if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
             continue
         if weight_sync_every(var) is not None:
             # weight-sync mode: the replica steps on its own G_d / M, the gradient of the

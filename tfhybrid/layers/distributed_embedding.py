@@ -192,7 +192,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             if placement.kind == "data_parallel":
                 self._table_vars[t] = self.add_weight(
                     name=table.name, shape=[table.rows, table.dim],
-                    initializer=table.initializer, dtype=tf.float32)
+                    initializer=table.initializer, dtype=tf.float32,
+                    experimental_autocast=False)
                 distributed.mark_sparse_sync(self._table_vars[t], planner.sync_is_sparse(
                     table.rows, table.dim, ids_per_step))
                 continue
@@ -204,13 +205,21 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 var = self.add_weight(
                     name=f"{table.name}/shard_{s}",
                     shape=[shard.row_end - shard.row_start, shard.col_end - shard.col_start],
-                    initializer=table.initializer, dtype=tf.float32)
+                    initializer=table.initializer, dtype=tf.float32,
+                    experimental_autocast=False)
                 distributed.mark_model_parallel(
                     var, mesh, self.sync_every if self.replica_sync == "weights" else None)
                 distributed.mark_sparse_sync(var, planner.sync_is_sparse(
                     shard.row_end - shard.row_start, shard.col_end - shard.col_start,
                     mesh.model_parallel * ids_per_step))
                 self._shard_vars[(t, s)] = var
+        # The backward alltoall must run on every rank of the model group, but the tape
+        # skips it on a rank whose sent rows touch no trainable variable (a position that
+        # owns no shard). This empty variable rides along with the rows, so every rank's
+        # tape needs the backward alltoall.
+        self._anchor = self.add_weight(name="alltoall_anchor", shape=[0], initializer="zeros",
+                                       dtype=tf.float32, experimental_autocast=False)
+        distributed.mark_local_only(self._anchor)
         # routes: the (feature, shard) pairs each position serves, in one fixed order that
         # every rank derives from the same plan
         self._routes: list[list[_Route]] = [[] for _ in range(mesh.model_parallel)]
@@ -223,6 +232,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     feature, t, s, shard.owner, shard.row_start, shard.row_end,
                     shard.col_end - shard.col_start))
         self._wire_id_dtype = tf.int32 if all(t.rows < 2**31 for t in self._tables) else tf.int64
+        compute = tf.as_dtype(self.compute_dtype)
+        self._wire_float = compute if compute in (tf.float16, tf.bfloat16) else tf.float32
         super().build(input_shape)
 
     # ------------------------------------------------------------------ call
@@ -394,11 +405,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
         # 4. send each source its rows back: one flat buffer per source
         if mine:
-            back = tf.reshape(tf.concat(sums, axis=1), [-1])
+            # under mixed precision, rows and their gradients cross in 16 bits
+            back = tf.cast(tf.reshape(tf.concat(sums, axis=1), [-1]), self._wire_float)
             back_sizes = tf.fill([group], tf.cast(tf.size(back) // group, tf.int32))
         else:
-            back = tf.zeros([0], tf.float32)
+            back = tf.zeros([0], self._wire_float)
             back_sizes = tf.zeros([group], tf.int32)
+        back = tf.concat([back, tf.cast(self._anchor, back.dtype)], 0)
         returned, returned_sizes = distributed.alltoall(
             back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
             differentiable=True)
@@ -409,7 +422,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 continue
             widths = [batch * bags[r.feature].per_sample * r.width for r in routes]
             for r, part in zip(routes, tf.split(chunk, widths, num=len(routes))):
-                partials[(r.feature, r.shard)] = tf.reshape(part, [-1, r.width])
+                # partial sums add up in float32 even when they travelled in 16 bits
+                partials[(r.feature, r.shard)] = tf.cast(tf.reshape(part, [-1, r.width]),
+                                                         tf.float32)
         return partials
 
     def _lookup_sum(self, var, ids, lengths, table_name):

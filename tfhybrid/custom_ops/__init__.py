@@ -1,0 +1,400 @@
+"""tfhybrid's fused CPU embedding ops, with pure-TensorFlow fallbacks.
+
+Public API::
+
+    embedding_lookup_combine(params, ids, combiner="sum", table_name="embedding",
+                             use_custom_op=None) -> tf.Tensor (tf.RaggedTensor for ragged
+                             ids with combiner=None)
+    rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0,
+                          weight_decay=0.0, use_custom_op=None) -> tf.Operation or None
+    custom_ops_available() -> bool
+
+The C++ library ``_tfhybrid_ops.so`` (built by ``python -m tfhybrid.custom_ops.build``)
+is loaded lazily on first use. If it is missing or fails to load, one warning is logged
+and the pure-TF path is used. ``TFHYBRID_DISABLE_CUSTOM_OPS=1`` forces the pure-TF path.
+
+``use_custom_op``: ``None`` picks the op when the library is loaded and the table lives
+on a CPU device (an empty device string counts as CPU when no GPU is visible), else the
+pure-TF path; ``True`` requires the op (error if unavailable); ``False`` forces pure TF.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import tensorflow as tf
+
+__all__ = ["embedding_lookup_combine", "rowwise_adagrad_apply", "custom_ops_available",
+           "load_library", "library_path"]
+
+_LOG = logging.getLogger(__name__)
+_HERE = Path(__file__).resolve().parent
+library_path = str(_HERE / "_tfhybrid_ops.so")
+
+_lock = threading.Lock()
+_lib = None
+_load_attempted = False
+_load_error: str | None = None
+_gpu_visible: bool | None = None
+
+
+def _disabled() -> bool:
+    return os.environ.get("TFHYBRID_DISABLE_CUSTOM_OPS", "").strip().lower() in ("1", "true", "yes")
+
+
+def load_library():
+    """Returns the loaded op module, or None (warning logged once) if unavailable."""
+    global _lib, _load_attempted, _load_error
+    if _load_attempted:
+        return _lib
+    with _lock:
+        if _load_attempted:
+            return _lib
+        if _disabled():
+            _load_error = "disabled by TFHYBRID_DISABLE_CUSTOM_OPS=1"
+            _LOG.info("tfhybrid custom ops %s; using the pure-TF path", _load_error)
+        elif not os.path.exists(library_path):
+            _load_error = f"{library_path} not found"
+            _LOG.warning("tfhybrid custom ops unavailable (%s; build it with `python -m "
+                         "tfhybrid.custom_ops.build`); using the pure-TF path", _load_error)
+        else:
+            try:
+                _lib = tf.load_op_library(library_path)
+            except Exception as e:  # noqa: BLE001 - any load failure means fallback
+                _load_error = f"failed to load {library_path}: {e}"
+                _LOG.warning("tfhybrid custom ops unavailable (%s; rebuild with `python -m "
+                             "tfhybrid.custom_ops.build --force`); using the pure-TF path",
+                             _load_error)
+        _load_attempted = True
+        return _lib
+
+
+def custom_ops_available() -> bool:
+    """True if the C++ library is loaded (and not disabled by the environment)."""
+    return load_library() is not None
+
+
+def _require_lib():
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError(f"tfhybrid custom ops requested but unavailable: {_load_error}")
+    return lib
+
+
+def _no_gpu_visible() -> bool:
+    global _gpu_visible
+    if _gpu_visible is None:
+        _gpu_visible = bool(tf.config.list_logical_devices("GPU"))
+    return not _gpu_visible
+
+
+def _on_cpu(x) -> bool:
+    try:
+        dev = x.device
+    except (AttributeError, RuntimeError, ValueError):
+        dev = ""
+    if not dev:
+        return _no_gpu_visible()
+    device_type = tf.DeviceSpec.from_string(dev).device_type
+    if device_type is None:
+        return _no_gpu_visible()
+    return device_type.upper() == "CPU"
+
+
+def _use_op(use_custom_op, *placed) -> bool:
+    if use_custom_op is False:
+        return False
+    if use_custom_op:
+        _require_lib()
+        return True
+    return custom_ops_available() and all(_on_cpu(x) for x in placed)
+
+
+def _variable_accessed(var) -> None:
+    """Lets GradientTape / FuncGraph watch `var` when it is read through its handle
+    (what ResourceVariable.sparse_read does)."""
+    from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-import-not-at-top
+    resource_variable_ops.variable_accessed(var)
+
+
+def _num_rows(params):
+    """Number of table rows, as a Python int when static (never reads the variable)."""
+    static = params.shape[0] if params.shape.rank else None
+    if static is not None:
+        return int(static)
+    if isinstance(params, tf.Variable):
+        return tf.raw_ops.VariableShape(input=params.handle, out_type=tf.int64)[0]
+    return tf.shape(params, out_type=tf.int64)[0]
+
+
+def _check_in_range(ids, num_rows, prefix: str, what: str):
+    """Raises / asserts that every id is in [0, num_rows); the message names the first bad id.
+
+    Returns `ids` (with a control dependency on the check in graph mode).
+    """
+    ids64 = tf.cast(tf.reshape(ids, [-1]), tf.int64)
+    limit = tf.cast(num_rows, tf.int64)
+    bad = tf.logical_or(ids64 < 0, ids64 >= limit)
+    if tf.executing_eagerly():
+        if bool(tf.reduce_any(bad)):
+            bad_np = bad.numpy()
+            pos = int(bad_np.argmax())
+            raise tf.errors.InvalidArgumentError(
+                None, None, f"{prefix} got {what} {int(ids64[pos])}, expected {what}s in "
+                f"[0, {int(limit)}) (at position {pos})")
+        return ids
+    first_bad = tf.concat([tf.boolean_mask(ids64, bad)[:1], tf.zeros([1], tf.int64)], 0)[0]
+    template = prefix.replace("{", "(").replace("}", ")")
+    msg = tf.strings.format(template + " got " + what + " {}, expected " + what + "s in [0, {})",
+                            [first_bad, limit])
+    check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [msg])
+    with tf.control_dependencies([check]):
+        return tf.identity(ids)
+
+
+def _normalize_combiner(combiner) -> str:
+    if combiner is None:
+        return "none"
+    if not isinstance(combiner, str) or combiner.lower() not in ("none", "sum", "mean"):
+        raise ValueError(f"combiner must be None, 'sum' or 'mean', got {combiner!r}")
+    return combiner.lower()
+
+
+# ----------------------------------------------------------------------------- lookup
+
+
+@tf.autograph.experimental.do_not_convert
+def embedding_lookup_combine(params, ids, combiner="sum", table_name="embedding",
+                             use_custom_op=None):
+    """Fused embedding lookup + combine.
+
+    Args:
+      params: [R, D] table, a `tf.Tensor` or `tf.Variable` (float32; float16/bfloat16 ok).
+      ids: int ids in [0, R): dense [B] (treated as [B, 1]) or [B, H], or a
+        `tf.RaggedTensor` [B, None] (a `tf.SparseTensor` is converted to ragged).
+      combiner: "sum", "mean" (sum / max(bag size, 1): an empty bag gives zeros), or
+        None (no combine: [B] -> [B, D], [B, H] -> [B, H, D], ragged -> ragged [B, None, D]).
+      table_name: used in error messages, e.g.
+        "embedding table 'user' got id 12345, expected ids in [0, 1000)".
+      use_custom_op: None (auto), True or False; see the module docstring.
+
+    Returns:
+      The combined embeddings, dtype of `params` (accumulated in float32).
+      The gradient w.r.t. `params` is a `tf.IndexedSlices` whose indices are the unique
+      ids sorted ascending (custom-op path), or the looked-up ids (pure-TF path).
+    """
+    combiner = _normalize_combiner(combiner)
+    if isinstance(ids, tf.SparseTensor):
+        ids = tf.RaggedTensor.from_sparse(ids)
+    with tf.name_scope("embedding_lookup_combine"):
+        ragged = isinstance(ids, tf.RaggedTensor)
+        if ragged:
+            if ids.ragged_rank != 1 or ids.shape.rank != 2:
+                raise ValueError(f"ragged ids must be [B, None], got shape {ids.shape}")
+            values, splits = ids.values, ids.row_splits
+        else:
+            ids = tf.convert_to_tensor(ids)
+            if ids.shape.rank not in (1, 2):
+                raise ValueError(f"dense ids must be [B] or [B, H], got shape {ids.shape}")
+            values, splits = None, None
+        id_tensor = values if ragged else ids
+        if id_tensor.dtype not in (tf.int32, tf.int64):
+            if not id_tensor.dtype.is_integer:
+                raise ValueError(f"ids must be integers, got {id_tensor.dtype}")
+            id_tensor = tf.cast(id_tensor, tf.int64)
+            if ragged:
+                values = id_tensor
+            else:
+                ids = id_tensor
+
+        if not isinstance(params, tf.Variable):
+            params = tf.convert_to_tensor(params)
+        if _use_op(use_custom_op, params):
+            return _lookup_op(params, ids, values, splits, ragged, combiner, table_name)
+        return _lookup_pure_tf(params, ids, values, splits, ragged, combiner, table_name)
+
+
+def _dense_layout(ids):
+    """ids [B] or [B, H] -> (flat ids, B, H)."""
+    shape = tf.shape(ids, out_type=tf.int64)
+    b = shape[0]
+    if ids.shape.rank == 1:
+        h = 1
+    else:
+        h = ids.shape[1] if ids.shape[1] is not None else shape[1]
+    return tf.reshape(ids, [-1]), b, h
+
+
+def _lookup_op(params, ids, values, splits, ragged, combiner, table_name):
+    lib = _require_lib()
+    if ragged:
+        flat, bag_splits = values, splits
+    else:
+        flat, b, h = _dense_layout(ids)
+        if combiner == "none":
+            bag_splits = tf.zeros([1], tf.int64)  # ignored by the kernel for 'none'
+        else:
+            bag_splits = tf.range(b + 1, dtype=tf.int64) * tf.cast(h, tf.int64)
+    if isinstance(params, tf.Variable):
+        _variable_accessed(params)
+        # AutoCastVariable (mixed precision) reports its cast dtype; the op reads the
+        # stored one and the result is cast like a read of the variable would be.
+        var_dtype = getattr(params, "true_dtype", params.dtype)
+        out = lib.resource_embedding_lookup_combine(
+            params.handle, flat, bag_splits, dtype=var_dtype, combiner=combiner,
+            table_name=table_name)
+        if out.dtype != params.dtype:
+            out = tf.cast(out, params.dtype)
+    else:
+        out = lib.embedding_lookup_combine(params, flat, bag_splits, combiner=combiner,
+                                           table_name=table_name)
+    if combiner != "none":
+        batch = ids.shape[0]  # static batch size (or None), dense or ragged
+        out.set_shape([batch, params.shape[-1] if params.shape.rank == 2 else None])
+        return out
+    if ragged:
+        return tf.RaggedTensor.from_row_splits(out, splits, validate=False)
+    out_shape = tf.concat([tf.shape(ids), tf.shape(out)[1:]], 0)
+    result = tf.reshape(out, out_shape)
+    if params.shape.rank == 2:
+        result.set_shape(ids.shape.concatenate(params.shape[1:]))
+    return result
+
+
+def _lookup_pure_tf(params, ids, values, splits, ragged, combiner, table_name):
+    num_rows = _num_rows(params)
+    prefix = f"embedding table '{table_name}'"
+    compute_dtype = tf.float32 if params.dtype in (tf.float16, tf.bfloat16) else params.dtype
+    if ragged:
+        values = _check_in_range(values, num_rows, prefix, "id")
+        rows = tf.gather(params, values)
+        if combiner == "none":
+            return tf.RaggedTensor.from_row_splits(rows, splits, validate=False)
+        rows = tf.cast(rows, compute_dtype)
+        nbags = tf.shape(splits, out_type=splits.dtype)[0] - 1
+        seg = tf.ragged.row_splits_to_segment_ids(splits)
+        out = tf.math.unsorted_segment_sum(rows, seg, nbags)
+        if combiner == "mean":
+            counts = tf.cast(tf.maximum(splits[1:] - splits[:-1], 1), compute_dtype)
+            out = out / counts[:, None]
+        return tf.cast(out, params.dtype)
+    ids = _check_in_range(ids, num_rows, prefix, "id")
+    if combiner == "none":
+        return tf.gather(params, ids)
+    ids2d = ids if ids.shape.rank == 2 else ids[:, None]
+    rows = tf.cast(tf.gather(params, ids2d), compute_dtype)  # [B, H, D]
+    out = tf.reduce_sum(rows, axis=1)
+    if combiner == "mean":
+        h = tf.shape(ids2d)[1]
+        out = out / tf.cast(tf.maximum(h, 1), compute_dtype)
+    return tf.cast(out, params.dtype)
+
+
+def _lookup_grad(op, grad, dense_shape):
+    lib = _require_lib()
+    if isinstance(grad, tf.IndexedSlices):
+        grad = tf.convert_to_tensor(grad)
+    combiner = op.get_attr("combiner")
+    table_name = op.get_attr("table_name")
+    combiner = combiner.decode() if isinstance(combiner, bytes) else combiner
+    table_name = table_name.decode() if isinstance(table_name, bytes) else table_name
+    num_rows = tf.cast(dense_shape[0], tf.int64)
+    unique_ids, rows = lib.embedding_lookup_combine_grad(
+        grad, op.inputs[1], op.inputs[2], num_rows, combiner=combiner, table_name=table_name)
+    return tf.IndexedSlices(rows, unique_ids, dense_shape)
+
+
+def _register_gradients():
+    def _tensor_grad(op, grad):
+        dense_shape = tf.shape(op.inputs[0], out_type=tf.int32)
+        return [_lookup_grad(op, grad, dense_shape), None, None]
+
+    def _resource_grad(op, grad):
+        dense_shape = tf.raw_ops.VariableShape(input=op.inputs[0], out_type=tf.int32)
+        return [_lookup_grad(op, grad, dense_shape), None, None]
+
+    for name, fn in (("EmbeddingLookupCombine", _tensor_grad),
+                     ("ResourceEmbeddingLookupCombine", _resource_grad)):
+        try:
+            tf.RegisterGradient(name)(fn)
+        except KeyError:  # already registered (module re-imported)
+            pass
+    for name in ("EmbeddingLookupCombineGrad", "RowwiseAdagradApply"):
+        try:
+            tf.no_gradient(name)
+        except KeyError:
+            pass
+
+
+_register_gradients()
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+@tf.autograph.experimental.do_not_convert
+def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, weight_decay=0.0,
+                          use_custom_op=None):
+    """Sparse exact row-wise Adagrad step (FBGEMM EXACT_ROWWISE_ADAGRAD), in place.
+
+    Duplicate `indices` are summed first (in input order; deterministic). Then for each
+    distinct row i with summed float32 gradient g (D = row width):
+
+        accum[i] += mean_j(g_j ** 2)
+        var[i]   -= lr * g / (sqrt(accum[i] / scale) + epsilon)
+        if weight_decay > 0:
+            var[i] -= lr * weight_decay * var[i]   # decoupled decay, AFTER the step above,
+                                                   # touched rows only
+
+    Args:
+      var: float32 [R, D] `tf.Variable`; accum: float32 [R] `tf.Variable`.
+      indices: int32/int64 [N] in [0, R); grad: [N, D] float32/float16/bfloat16.
+      lr, epsilon, scale, weight_decay: scalars (float32).
+      use_custom_op: None (auto), True or False; see the module docstring.
+
+    Returns:
+      The update `tf.Operation` in graph mode (tf.function), None in eager mode.
+    """
+    if not isinstance(var, tf.Variable) or not isinstance(accum, tf.Variable):
+        raise TypeError("rowwise_adagrad_apply: var and accum must be tf.Variable")
+    with tf.name_scope("rowwise_adagrad_apply"):
+        indices = tf.convert_to_tensor(indices)
+        if indices.dtype not in (tf.int32, tf.int64):
+            indices = tf.cast(indices, tf.int64)
+        grad = tf.convert_to_tensor(grad)
+        scalars = [tf.cast(x, tf.float32) for x in (lr, epsilon, scale, weight_decay)]
+        op_ok = (var.dtype == tf.float32 and accum.dtype == tf.float32
+                 and grad.dtype in (tf.float32, tf.float16, tf.bfloat16))
+        if use_custom_op and not op_ok:
+            raise ValueError("rowwise_adagrad_apply custom op needs float32 var/accum and "
+                             f"float32/float16/bfloat16 grad; got {var.dtype}, {accum.dtype}, "
+                             f"{grad.dtype}")
+        if op_ok and _use_op(use_custom_op, var, accum):
+            return _require_lib().rowwise_adagrad_apply(var.handle, accum.handle, indices, grad,
+                                                        *scalars)
+        return _rowwise_adagrad_pure_tf(var, accum, indices, grad, *scalars)
+
+
+def _rowwise_adagrad_pure_tf(var, accum, indices, grad, lr, epsilon, scale, weight_decay):
+    indices = _check_in_range(indices, _num_rows(var), "rowwise_adagrad_apply", "index")
+    g = tf.cast(grad, tf.float32)
+    # Sort (stable) so duplicates are summed in input order by segment_sum: deterministic.
+    order = tf.argsort(indices, stable=True)
+    sorted_idx = tf.gather(indices, order)
+    unique_idx, seg = tf.unique(sorted_idx)  # ascending, since sorted
+    g = tf.math.segment_sum(tf.gather(g, order), seg)
+    v = tf.gather(accum, unique_idx) + tf.reduce_mean(tf.square(g), axis=1)
+    mult = lr / (tf.sqrt(v / scale) + epsilon)
+    w = tf.gather(var, unique_idx) - mult[:, None] * g
+    decay = tf.where(weight_decay > 0, lr * weight_decay, 0.0)
+    w = w - decay * w
+    update_accum = tf.raw_ops.ResourceScatterUpdate(resource=accum.handle, indices=unique_idx,
+                                                    updates=tf.cast(v, accum.dtype))
+    update_var = tf.raw_ops.ResourceScatterUpdate(resource=var.handle, indices=unique_idx,
+                                                  updates=tf.cast(w, var.dtype))
+    if tf.executing_eagerly():
+        return None
+    return tf.group(update_accum, update_var)

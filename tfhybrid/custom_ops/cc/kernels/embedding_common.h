@@ -1,0 +1,307 @@
+// Shared helpers for tfhybrid's embedding kernels: dtype conversion, id validation
+// and a deterministic "group positions by id" (stable radix sort).
+#ifndef TFHYBRID_CUSTOM_OPS_CC_KERNELS_EMBEDDING_COMMON_H_
+#define TFHYBRID_CUSTOM_OPS_CC_KERNELS_EMBEDDING_COMMON_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "tensorflow/core/framework/bfloat16.h"
+#include "tensorflow/core/framework/numeric_types.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/lib/core/errors.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "tensorflow/core/platform/types.h"
+
+namespace tensorflow {
+namespace tfhybrid {
+
+using int64 = std::int64_t;
+
+template <typename T>
+inline float ToFloat(T x) {
+  return static_cast<float>(x);
+}
+template <typename T>
+inline T FromFloat(float x) {
+  return static_cast<T>(x);
+}
+
+// Prefetch all cache lines of a row into L1/L2.
+inline void PrefetchRow(const void* p, int64 bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+inline void PrefetchRowForWrite(const void* p, int64 bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+}
+
+// Returns the position of the first id outside [0, num_rows), or -1.
+template <typename Tidx>
+inline int64 FirstOutOfRange(const Tidx* ids, int64 n, int64 num_rows) {
+  // Negative ids become huge when widened to int64 and compared unsigned.
+  const uint64_t limit = static_cast<uint64_t>(num_rows);
+  auto bad = [limit](Tidx id) {
+    return static_cast<uint64_t>(static_cast<int64>(id)) >= limit;
+  };
+  // Branch-free scan in blocks; only locate the exact position on failure.
+  constexpr int64 kBlock = 256;
+  for (int64 s = 0; s < n; s += kBlock) {
+    const int64 e = std::min(n, s + kBlock);
+    bool any = false;
+    for (int64 i = s; i < e; ++i) any |= bad(ids[i]);
+    if (any) {
+      for (int64 i = s; i < e; ++i)
+        if (bad(ids[i])) return i;
+    }
+  }
+  return -1;
+}
+
+// Positions [0, n) grouped by id: perm lists positions sorted by (id, position);
+// segment u covers perm[seg_start[u] .. seg_start[u+1]) and has id unique_ids[u]
+// (ascending). Pure function of the input: deterministic for any thread count.
+struct Grouping {
+  std::vector<int64> unique_ids;
+  std::vector<int64> seg_start;  // size U + 1
+  std::vector<uint32_t> perm;    // empty when the identity (ids non-decreasing)
+  int64 num_unique() const { return static_cast<int64>(unique_ids.size()); }
+  int64 pos(int64 k) const { return perm.empty() ? k : static_cast<int64>(perm[k]); }
+};
+
+// Per-thread reusable scratch memory. Fresh multi-MB heap blocks are page-faulted
+// (and zeroed by the kernel) on every call, which costs more than the sort itself.
+struct Scratch {
+  Grouping g;
+  std::vector<uint64_t> keys, tmp;
+  std::vector<int64> hist;
+  std::vector<int32_t> sample_of;
+  std::vector<float> inv_count;
+
+  void Trim() {  // do not pin huge buffers forever after an unusually large call
+    constexpr size_t kMaxBytes = size_t{64} << 20;
+    if (keys.capacity() * sizeof(uint64_t) > kMaxBytes) {
+      *this = Scratch();
+    }
+  }
+};
+
+// RAII access to this thread's Scratch (a private one if it is already in use).
+class ScratchHandle {
+ public:
+  ScratchHandle() {
+    if (!busy()) {
+      busy() = true;
+      owned_tls_ = true;
+      s_ = &tls();
+    } else {
+      own_.reset(new Scratch);
+      s_ = own_.get();
+    }
+  }
+  ~ScratchHandle() {
+    if (owned_tls_) {
+      s_->Trim();
+      busy() = false;
+    }
+  }
+  Scratch* operator->() { return s_; }
+  Scratch& operator*() { return *s_; }
+
+ private:
+  static Scratch& tls() {
+    thread_local Scratch s;
+    return s;
+  }
+  static bool& busy() {
+    thread_local bool b = false;
+    return b;
+  }
+  Scratch* s_ = nullptr;
+  bool owned_tls_ = false;
+  std::unique_ptr<Scratch> own_;
+};
+
+inline int BitsFor(int64 num_rows) {
+  int bits = 1;
+  while (bits < 63 && (int64{1} << bits) < num_rows) ++bits;
+  return bits;
+}
+
+// LSD radix sort of packed (id << 32 | pos) keys on the id bits only. LSD is stable
+// and the input is in position order, so equal ids stay in position order.
+inline void RadixSortPacked(Scratch* s, int64 n, int id_bits) {
+  std::vector<uint64_t>& keys = s->keys;
+  if (n < 512) {  // keys are distinct (pos in the low bits): std::sort is exact
+    std::sort(keys.begin(), keys.begin() + n);
+    return;
+  }
+  const int passes = (id_bits + 10) / 11;
+  const int digit = (id_bits + passes - 1) / passes;
+  const uint64_t mask = (uint64_t{1} << digit) - 1;
+  const int64 buckets = int64{1} << digit;
+  if (static_cast<int64>(s->tmp.size()) < n) s->tmp.resize(n);
+  s->hist.assign(static_cast<size_t>(buckets) * passes, 0);
+  uint64_t* a = keys.data();
+  uint64_t* b = s->tmp.data();
+  int64* hist = s->hist.data();
+  for (int64 i = 0; i < n; ++i) {
+    const uint64_t k = a[i] >> 32;
+    for (int p = 0; p < passes; ++p) ++hist[p * buckets + ((k >> (p * digit)) & mask)];
+  }
+  for (int p = 0; p < passes; ++p) {
+    int64* h = hist + p * buckets;
+    // Skip a pass whose digit is constant (common for the high digit).
+    bool trivial = false;
+    for (int64 j = 0; j < buckets; ++j) {
+      if (h[j] == n) trivial = true;
+      if (h[j] != 0) break;
+    }
+    if (trivial) continue;
+    int64 sum = 0;
+    for (int64 j = 0; j < buckets; ++j) {
+      const int64 c = h[j];
+      h[j] = sum;
+      sum += c;
+    }
+    const int shift = 32 + p * digit;
+    for (int64 i = 0; i < n; ++i) {
+      const uint64_t v = a[i];
+      b[h[(v >> shift) & mask]++] = v;
+    }
+    std::swap(a, b);
+  }
+  if (a != keys.data()) std::memcpy(keys.data(), a, n * sizeof(uint64_t));
+}
+
+// Groups positions by id into s->g. Requires every id in [0, num_rows), n < 2^32.
+template <typename Tidx>
+inline void GroupById(const Tidx* ids, int64 n, int64 num_rows, Scratch* s) {
+  Grouping* g = &s->g;
+  g->unique_ids.clear();
+  g->seg_start.clear();
+  g->perm.clear();
+  bool sorted = true;
+  for (int64 i = 1; i < n; ++i) sorted &= ids[i - 1] <= ids[i];
+  if (sorted) {
+    for (int64 i = 0; i < n; ++i) {
+      if (i == 0 || ids[i] != ids[i - 1]) {
+        g->unique_ids.push_back(static_cast<int64>(ids[i]));
+        g->seg_start.push_back(i);
+      }
+    }
+    g->seg_start.push_back(n);
+    return;
+  }
+  g->perm.resize(n);
+  if (num_rows <= (int64{1} << 32)) {
+    if (static_cast<int64>(s->keys.size()) < n) s->keys.resize(n);
+    uint64_t* keys = s->keys.data();
+    for (int64 i = 0; i < n; ++i)
+      keys[i] = (static_cast<uint64_t>(ids[i]) << 32) | static_cast<uint64_t>(i);
+    RadixSortPacked(s, n, BitsFor(num_rows));
+    uint64_t prev = ~uint64_t{0};
+    for (int64 k = 0; k < n; ++k) {
+      const uint64_t id = keys[k] >> 32;
+      g->perm[k] = static_cast<uint32_t>(keys[k]);
+      if (id != prev) {
+        g->unique_ids.push_back(static_cast<int64>(id));
+        g->seg_start.push_back(k);
+        prev = id;
+      }
+    }
+  } else {
+    std::vector<std::pair<int64, uint32_t>> pairs(n);
+    for (int64 i = 0; i < n; ++i) pairs[i] = {static_cast<int64>(ids[i]), static_cast<uint32_t>(i)};
+    std::sort(pairs.begin(), pairs.end());
+    for (int64 k = 0; k < n; ++k) {
+      g->perm[k] = pairs[k].second;
+      if (k == 0 || pairs[k].first != pairs[k - 1].first) {
+        g->unique_ids.push_back(pairs[k].first);
+        g->seg_start.push_back(k);
+      }
+    }
+  }
+  g->seg_start.push_back(n);
+}
+
+// A [rows, cols] output backed by one of a few buffers cached in the kernel and
+// reused across calls while no one else holds them (avoids page-faulting a fresh
+// multi-MB block on every step). Falls back to a fresh allocation (which replaces the
+// least recently used cached buffer) when all cached buffers are still referenced.
+class ReusableOutput {
+ public:
+  Status Get(OpKernelContext* ctx, DataType dtype, int64 rows, int64 cols, Tensor* out) {
+    mutex_lock l(mu_);
+    ++clock_;
+    int victim = 0;
+    for (int i = 0; i < kSlots; ++i) {
+      Tensor& c = cache_[i];
+      if (c.IsInitialized() && c.dtype() == dtype && c.dims() == 2 && c.dim_size(1) == cols &&
+          c.dim_size(0) >= rows && c.RefCountIsOne()) {
+        last_use_[i] = clock_;
+        *out = c.Slice(0, rows);
+        return OkStatus();
+      }
+      if (last_use_[i] < last_use_[victim]) victim = i;
+    }
+    // Headroom so that a slightly larger next call still reuses the buffer.
+    const int64 cap = rows + rows / 4 + 16;
+    Tensor fresh;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({cap, cols}), &fresh));
+    cache_[victim] = fresh;
+    last_use_[victim] = clock_;
+    *out = fresh.Slice(0, rows);
+    return OkStatus();
+  }
+
+ private:
+  static constexpr int kSlots = 3;
+  mutex mu_;
+  Tensor cache_[kSlots] TF_GUARDED_BY(mu_);
+  uint64_t last_use_[kSlots] TF_GUARDED_BY(mu_) = {0, 0, 0};
+  uint64_t clock_ TF_GUARDED_BY(mu_) = 0;
+};
+
+// Splits that describe bags: non-decreasing, first 0, last nnz.
+template <typename Tsplits>
+inline Status ValidateRowSplits(const Tsplits* splits, int64 num_splits, int64 nnz,
+                                const std::string& table_name) {
+  if (num_splits < 1) {
+    return errors::InvalidArgument("embedding table '", table_name,
+                                   "': row_splits must have at least one element");
+  }
+  if (splits[0] != 0 || static_cast<int64>(splits[num_splits - 1]) != nnz) {
+    return errors::InvalidArgument("embedding table '", table_name,
+                                   "': row_splits must start at 0 and end at the number of ids (",
+                                   nnz, "), got [", static_cast<int64>(splits[0]), ", ..., ",
+                                   static_cast<int64>(splits[num_splits - 1]), "]");
+  }
+  for (int64 i = 1; i < num_splits; ++i) {
+    if (splits[i] < splits[i - 1]) {
+      return errors::InvalidArgument("embedding table '", table_name,
+                                     "': row_splits must be non-decreasing");
+    }
+  }
+  return OkStatus();
+}
+
+template <typename Tidx>
+inline Status IdOutOfRangeError(const std::string& table_name, const Tidx* ids, int64 pos,
+                                int64 num_rows) {
+  return errors::InvalidArgument("embedding table '", table_name, "' got id ",
+                                 static_cast<int64>(ids[pos]), ", expected ids in [0, ", num_rows,
+                                 ") (at position ", pos, ")");
+}
+
+}  // namespace tfhybrid
+}  // namespace tensorflow
+
+#endif  // TFHYBRID_CUSTOM_OPS_CC_KERNELS_EMBEDDING_COMMON_H_

@@ -1,0 +1,396 @@
+// CPU kernels: EmbeddingLookupCombine, ResourceEmbeddingLookupCombine and
+// EmbeddingLookupCombineGrad.
+//
+// Forward: bags are processed in parallel on TF's intra-op pool; each bag is summed
+// by one thread in id order (float32 accumulation), so the output is deterministic.
+// Backward: positions are grouped by id with a stable radix sort; each unique id's
+// gradient row is summed by one thread in position order (deterministic).
+
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "embedding_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace tensorflow {
+namespace tfhybrid {
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+enum class Combiner { kNone, kSum, kMean };
+
+inline Status ParseCombiner(const std::string& s, Combiner* c) {
+  if (s == "none") {
+    *c = Combiner::kNone;
+  } else if (s == "sum") {
+    *c = Combiner::kSum;
+  } else if (s == "mean") {
+    *c = Combiner::kMean;
+  } else {
+    return errors::InvalidArgument("unknown combiner '", s, "'");
+  }
+  return OkStatus();
+}
+
+// How far ahead (in ids) to prefetch table rows.
+constexpr int64 kPrefetchDistance = 8;
+
+// acc[0..D) = sum of rows ids[s..e) (float32, in id order; requires s < e). Prefetches
+// the row kPrefetchDistance ids ahead (bounded by prefetch_end) for every id.
+template <typename T, typename Tidx>
+inline void SumRows(const T* __restrict params, int64 D, const Tidx* __restrict ids, int64 s,
+                    int64 e, int64 prefetch_end, float* __restrict acc) {
+  const int64 row_bytes = D * static_cast<int64>(sizeof(T));
+  if (s + kPrefetchDistance < prefetch_end) {
+    PrefetchRow(params + static_cast<int64>(ids[s + kPrefetchDistance]) * D, row_bytes);
+  }
+  {
+    const T* __restrict r = params + static_cast<int64>(ids[s]) * D;
+    for (int64 d = 0; d < D; ++d) acc[d] = ToFloat(r[d]);
+  }
+  for (int64 p = s + 1; p < e; ++p) {
+    if (p + kPrefetchDistance < prefetch_end) {
+      PrefetchRow(params + static_cast<int64>(ids[p + kPrefetchDistance]) * D, row_bytes);
+    }
+    const T* __restrict r = params + static_cast<int64>(ids[p]) * D;
+    for (int64 d = 0; d < D; ++d) acc[d] += ToFloat(r[d]);
+  }
+}
+
+template <typename T, typename Tidx, typename Tsplits>
+void LookupCombineCompute(OpKernelContext* ctx, const Tensor& params, const std::string& table_name,
+                          Combiner combiner) {
+  const Tensor& ids_t = ctx->input(1);
+  const Tensor& splits_t = ctx->input(2);
+  OP_REQUIRES(ctx, params.dims() == 2,
+              errors::InvalidArgument("embedding table '", table_name,
+                                      "': params must be 2-D, got shape ",
+                                      params.shape().DebugString()));
+  OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids_t.shape()),
+              errors::InvalidArgument("embedding table '", table_name, "': ids must be 1-D, got ",
+                                      ids_t.shape().DebugString()));
+  OP_REQUIRES(ctx, TensorShapeUtils::IsVector(splits_t.shape()),
+              errors::InvalidArgument("embedding table '", table_name,
+                                      "': row_splits must be 1-D, got ",
+                                      splits_t.shape().DebugString()));
+  const int64 R = params.dim_size(0);
+  const int64 D = params.dim_size(1);
+  const int64 nnz = ids_t.NumElements();
+  const Tidx* ids = ids_t.flat<Tidx>().data();
+  const T* table = params.flat<T>().data();
+
+  const int64 bad = FirstOutOfRange(ids, nnz, R);
+  OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name, ids, bad, R));
+
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  // Per-row cost in "cycles": D adds plus a likely cache miss on a random row.
+  const int64 row_cost = 2 * D * static_cast<int64>(sizeof(T)) + 150;
+
+  if (combiner == Combiner::kNone) {
+    Tensor* out_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nnz, D}), &out_t));
+    T* out = out_t->flat<T>().data();
+    const int64 row_bytes = D * static_cast<int64>(sizeof(T));
+    workers->ParallelFor(nnz, row_cost, [&](int64 begin, int64 end) {
+      for (int64 p = begin; p < std::min(begin + kPrefetchDistance, end); ++p)
+        PrefetchRow(table + static_cast<int64>(ids[p]) * D, row_bytes);
+      for (int64 p = begin; p < end; ++p) {
+        if (p + kPrefetchDistance < end) {
+          PrefetchRow(table + static_cast<int64>(ids[p + kPrefetchDistance]) * D, row_bytes);
+        }
+        std::memcpy(out + p * D, table + static_cast<int64>(ids[p]) * D, row_bytes);
+      }
+    });
+    return;
+  }
+
+  const int64 num_splits = splits_t.NumElements();
+  const Tsplits* splits = splits_t.flat<Tsplits>().data();
+  OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_splits, nnz, table_name));
+  const int64 B = num_splits - 1;
+  Tensor* out_t = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({B, D}), &out_t));
+  T* out = out_t->flat<T>().data();
+  if (B == 0 || D == 0) return;
+  const bool mean = combiner == Combiner::kMean;
+  const int64 avg_bag = std::max<int64>(1, nnz / B);
+
+  workers->ParallelFor(B, avg_bag * row_cost + D, [&](int64 begin, int64 end) {
+    std::vector<float> buf;
+    if (!std::is_same<T, float>::value) buf.resize(D);
+    const int64 prefetch_end = static_cast<int64>(splits[end]);
+    // Warm up the prefetch pipeline; SumRows keeps it kPrefetchDistance ids ahead,
+    // across bag boundaries.
+    const int64 first = static_cast<int64>(splits[begin]);
+    for (int64 p = first; p < std::min(first + kPrefetchDistance, prefetch_end); ++p)
+      PrefetchRow(table + static_cast<int64>(ids[p]) * D, D * sizeof(T));
+    for (int64 b = begin; b < end; ++b) {
+      const int64 s = static_cast<int64>(splits[b]);
+      const int64 e = static_cast<int64>(splits[b + 1]);
+      float* acc = std::is_same<T, float>::value ? reinterpret_cast<float*>(out + b * D)
+                                                 : buf.data();
+      if (s == e) {
+        std::fill(acc, acc + D, 0.0f);
+      } else {
+        SumRows<T, Tidx>(table, D, ids, s, e, prefetch_end, acc);
+        if (mean) {
+          const float cnt = static_cast<float>(e - s);
+          for (int64 d = 0; d < D; ++d) acc[d] /= cnt;
+        }
+      }
+      if (!std::is_same<T, float>::value) {
+        T* o = out + b * D;
+        for (int64 d = 0; d < D; ++d) o[d] = FromFloat<T>(acc[d]);
+      }
+    }
+  });
+}
+
+template <typename T, typename Tidx, typename Tsplits>
+class EmbeddingLookupCombineOp : public OpKernel {
+ public:
+  explicit EmbeddingLookupCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string combiner;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    OP_REQUIRES_OK(ctx, ParseCombiner(combiner, &combiner_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    LookupCombineCompute<T, Tidx, Tsplits>(ctx, ctx->input(0), table_name_, combiner_);
+  }
+
+ private:
+  Combiner combiner_;
+  std::string table_name_;
+};
+
+template <typename T, typename Tidx, typename Tsplits>
+class ResourceEmbeddingLookupCombineOp : public OpKernel {
+ public:
+  explicit ResourceEmbeddingLookupCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string combiner;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    OP_REQUIRES_OK(ctx, ParseCombiner(combiner, &combiner_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<Var> v;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &v));
+    // Same protocol as ResourceGather: sparse access mode, then read the buffer in
+    // place under a shared lock (no copy of the table).
+    OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, T>(ctx, v.get()));
+    tf_shared_lock ml(*v->mu());
+    const Tensor& params = *v->tensor();
+    OP_REQUIRES(ctx, params.IsInitialized(),
+                errors::FailedPrecondition("embedding table '", table_name_,
+                                           "': variable is not initialized"));
+    OP_REQUIRES(ctx, params.dtype() == DataTypeToEnum<T>::value,
+                errors::InvalidArgument("embedding table '", table_name_, "': variable dtype ",
+                                        DataTypeString(params.dtype()), " does not match ",
+                                        DataTypeString(DataTypeToEnum<T>::value)));
+    LookupCombineCompute<T, Tidx, Tsplits>(ctx, params, table_name_, combiner_);
+  }
+
+ private:
+  Combiner combiner_;
+  std::string table_name_;
+};
+
+// Gradient rows for unique ids [begin, end): row u = sum over its positions (in
+// position order) of the upstream gradient row of the position's bag (x 1/|bag| for
+// mean; the position's own row for 'none'). One thread per row: deterministic.
+template <typename T, Combiner C>
+void SumGradSegments(const Grouping& g, const int32_t* sample_of, const float* inv_count,
+                     const T* grad, int64 D, T* rows, int64 begin, int64 end) {
+  constexpr int64 kAhead = 4;
+  const uint32_t* perm = g.perm.empty() ? nullptr : g.perm.data();
+  const int64* seg = g.seg_start.data();
+  const int64 k_end = seg[end];
+  auto src_row = [&](int64 k) -> int64 {
+    const int64 p = perm ? static_cast<int64>(perm[k]) : k;
+    return C == Combiner::kNone ? p : static_cast<int64>(sample_of[p]);
+  };
+  std::vector<float> buf;
+  if (!std::is_same<T, float>::value) buf.resize(D);
+  for (int64 u = begin; u < end; ++u) {
+    float* __restrict acc =
+        std::is_same<T, float>::value ? reinterpret_cast<float*>(rows + u * D) : buf.data();
+    const int64 ks = seg[u];
+    const int64 ke = seg[u + 1];
+    for (int64 k = ks; k < ke; ++k) {
+      if (k + kAhead < k_end) PrefetchRow(grad + src_row(k + kAhead) * D, D * sizeof(T));
+      const int64 r = src_row(k);
+      const T* __restrict src = grad + r * D;
+      const float sc = C == Combiner::kMean ? inv_count[r] : 1.0f;
+      if (k == ks) {
+        if (C == Combiner::kMean) {
+          for (int64 d = 0; d < D; ++d) acc[d] = ToFloat(src[d]) * sc;
+        } else {
+          for (int64 d = 0; d < D; ++d) acc[d] = ToFloat(src[d]);
+        }
+      } else {
+        if (C == Combiner::kMean) {
+          for (int64 d = 0; d < D; ++d) acc[d] += ToFloat(src[d]) * sc;
+        } else {
+          for (int64 d = 0; d < D; ++d) acc[d] += ToFloat(src[d]);
+        }
+      }
+    }
+    if (!std::is_same<T, float>::value) {
+      T* o = rows + u * D;
+      for (int64 d = 0; d < D; ++d) o[d] = FromFloat<T>(acc[d]);
+    }
+  }
+}
+
+template <typename T, typename Tidx, typename Tsplits>
+class EmbeddingLookupCombineGradOp : public OpKernel {
+ public:
+  explicit EmbeddingLookupCombineGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string combiner;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    OP_REQUIRES_OK(ctx, ParseCombiner(combiner, &combiner_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& grad_t = ctx->input(0);
+    const Tensor& ids_t = ctx->input(1);
+    const Tensor& splits_t = ctx->input(2);
+    const Tensor& num_rows_t = ctx->input(3);
+    OP_REQUIRES(ctx, grad_t.dims() == 2,
+                errors::InvalidArgument("grad must be 2-D, got ", grad_t.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids_t.shape()),
+                errors::InvalidArgument("ids must be 1-D"));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(splits_t.shape()),
+                errors::InvalidArgument("row_splits must be 1-D"));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_rows_t.shape()),
+                errors::InvalidArgument("num_rows must be a scalar"));
+    const int64 R = num_rows_t.scalar<int64_t>()();
+    const int64 nnz = ids_t.NumElements();
+    const int64 D = grad_t.dim_size(1);
+    const Tidx* ids = ids_t.flat<Tidx>().data();
+    const T* grad = grad_t.flat<T>().data();
+    OP_REQUIRES(ctx, nnz < (int64{1} << 32),
+                errors::InvalidArgument("too many ids in one call: ", nnz));
+
+    const int64 bad = FirstOutOfRange(ids, nnz, R);
+    OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name_, ids, bad, R));
+
+    ScratchHandle scratch;
+    // sample_of[p]: row of `grad` that position p reads; inv_count[b]: 1/|bag| (mean).
+    std::vector<int32_t>& sample_of = scratch->sample_of;
+    std::vector<float>& inv_count = scratch->inv_count;
+    if (combiner_ == Combiner::kNone) {
+      OP_REQUIRES(ctx, grad_t.dim_size(0) == nnz,
+                  errors::InvalidArgument("grad has ", grad_t.dim_size(0), " rows, expected ",
+                                          nnz, " (one per id) for combiner 'none'"));
+    } else {
+      const int64 num_splits = splits_t.NumElements();
+      const Tsplits* splits = splits_t.flat<Tsplits>().data();
+      OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_splits, nnz, table_name_));
+      const int64 B = num_splits - 1;
+      OP_REQUIRES(ctx, grad_t.dim_size(0) == B,
+                  errors::InvalidArgument("grad has ", grad_t.dim_size(0), " rows, expected ", B,
+                                          " (one per bag)"));
+      OP_REQUIRES(ctx, B < (int64{1} << 31), errors::InvalidArgument("too many bags: ", B));
+      if (static_cast<int64>(sample_of.size()) < nnz) sample_of.resize(nnz);
+      if (combiner_ == Combiner::kMean && static_cast<int64>(inv_count.size()) < B)
+        inv_count.resize(B);
+      for (int64 b = 0; b < B; ++b) {
+        const int64 s = static_cast<int64>(splits[b]);
+        const int64 e = static_cast<int64>(splits[b + 1]);
+        for (int64 p = s; p < e; ++p) sample_of[p] = static_cast<int32_t>(b);
+        if (combiner_ == Combiner::kMean) inv_count[b] = e > s ? 1.0f / static_cast<float>(e - s) : 0.0f;
+      }
+    }
+
+    GroupById(ids, nnz, R, &*scratch);
+    const Grouping& g = scratch->g;
+    const int64 U = g.num_unique();
+
+    Tensor* uniq_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({U}), &uniq_t));
+    Tidx* uniq = uniq_t->flat<Tidx>().data();
+    for (int64 u = 0; u < U; ++u) uniq[u] = static_cast<Tidx>(g.unique_ids[u]);
+    Tensor rows_t;
+    OP_REQUIRES_OK(ctx, rows_out_.Get(ctx, DataTypeToEnum<T>::value, U, D, &rows_t));
+    ctx->set_output(1, rows_t);
+    T* rows = rows_t.flat<T>().data();
+    if (U == 0 || D == 0) return;
+
+    const int64 avg_seg = std::max<int64>(1, nnz / U);
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64 cost = avg_seg * (3 * D + 20) + 2 * D;
+    auto run = [&](auto combiner_tag) {
+      constexpr Combiner C = decltype(combiner_tag)::value;
+      workers->ParallelFor(U, cost, [&](int64 begin, int64 end) {
+        SumGradSegments<T, C>(g, sample_of.data(), inv_count.data(), grad, D, rows, begin, end);
+      });
+    };
+    switch (combiner_) {
+      case Combiner::kNone:
+        run(std::integral_constant<Combiner, Combiner::kNone>());
+        break;
+      case Combiner::kSum:
+        run(std::integral_constant<Combiner, Combiner::kSum>());
+        break;
+      case Combiner::kMean:
+        run(std::integral_constant<Combiner, Combiner::kMean>());
+        break;
+    }
+  }
+
+ private:
+  Combiner combiner_;
+  std::string table_name_;
+  ReusableOutput rows_out_;
+};
+
+#define TFHYBRID_REGISTER_LOOKUP(T, Tidx, Tsplits)                                       \
+  REGISTER_KERNEL_BUILDER(Name("EmbeddingLookupCombine")                                 \
+                              .Device(DEVICE_CPU)                                        \
+                              .TypeConstraint<T>("T")                                    \
+                              .TypeConstraint<Tidx>("Tindices")                          \
+                              .TypeConstraint<Tsplits>("Tsplits"),                       \
+                          EmbeddingLookupCombineOp<T, Tidx, Tsplits>);                   \
+  REGISTER_KERNEL_BUILDER(Name("ResourceEmbeddingLookupCombine")                         \
+                              .Device(DEVICE_CPU)                                        \
+                              .TypeConstraint<T>("dtype")                                \
+                              .TypeConstraint<Tidx>("Tindices")                          \
+                              .TypeConstraint<Tsplits>("Tsplits"),                       \
+                          ResourceEmbeddingLookupCombineOp<T, Tidx, Tsplits>);           \
+  REGISTER_KERNEL_BUILDER(Name("EmbeddingLookupCombineGrad")                             \
+                              .Device(DEVICE_CPU)                                        \
+                              .HostMemory("num_rows")                                    \
+                              .TypeConstraint<T>("T")                                    \
+                              .TypeConstraint<Tidx>("Tindices")                          \
+                              .TypeConstraint<Tsplits>("Tsplits"),                       \
+                          EmbeddingLookupCombineGradOp<T, Tidx, Tsplits>);
+
+#define TFHYBRID_REGISTER_LOOKUP_T(T)            \
+  TFHYBRID_REGISTER_LOOKUP(T, int32, int32)      \
+  TFHYBRID_REGISTER_LOOKUP(T, int32, int64_t)    \
+  TFHYBRID_REGISTER_LOOKUP(T, int64_t, int32)    \
+  TFHYBRID_REGISTER_LOOKUP(T, int64_t, int64_t)
+
+TFHYBRID_REGISTER_LOOKUP_T(float)
+TFHYBRID_REGISTER_LOOKUP_T(Eigen::half)
+TFHYBRID_REGISTER_LOOKUP_T(bfloat16)
+
+#undef TFHYBRID_REGISTER_LOOKUP_T
+#undef TFHYBRID_REGISTER_LOOKUP
+
+}  // namespace tfhybrid
+}  // namespace tensorflow

@@ -1,0 +1,169 @@
+// Op registrations for tfhybrid's fused embedding ops.
+//
+//   EmbeddingLookupCombine          params (tensor) + ids + row_splits -> combined rows
+//   ResourceEmbeddingLookupCombine  same, params read in place from a resource variable
+//   EmbeddingLookupCombineGrad      backward: unique sorted ids + coalesced gradient rows
+//   RowwiseAdagradApply             sparse exact row-wise Adagrad (FBGEMM semantics)
+//
+// Kernels live in ../kernels/. The Python wrappers and gradients are in
+// tfhybrid/custom_ops/__init__.py.
+
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tensorflow {
+
+using shape_inference::DimensionHandle;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+namespace {
+
+// Shared by the tensor and resource forms once `params` is known ([R, D]).
+Status LookupCombineOutputShape(InferenceContext* c, ShapeHandle params) {
+  ShapeHandle ids;
+  ShapeHandle splits;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &splits));
+  TF_RETURN_IF_ERROR(c->WithRank(params, 2, &params));
+  std::string combiner;
+  TF_RETURN_IF_ERROR(c->GetAttr("combiner", &combiner));
+  DimensionHandle d = c->Dim(params, 1);
+  if (combiner == "none") {
+    c->set_output(0, c->Matrix(c->Dim(ids, 0), d));
+    return OkStatus();
+  }
+  DimensionHandle b = c->UnknownDim();
+  if (c->ValueKnown(c->Dim(splits, 0))) {
+    TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &b));
+  }
+  c->set_output(0, c->Matrix(b, d));
+  return OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("EmbeddingLookupCombine")
+    .Input("params: T")
+    .Input("ids: Tindices")
+    .Input("row_splits: Tsplits")
+    .Output("output: T")
+    .Attr("T: {float, half, bfloat16}")
+    .Attr("Tindices: {int32, int64}")
+    .Attr("Tsplits: {int32, int64}")
+    .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")
+    .Attr("table_name: string = 'embedding'")
+    .SetShapeFn([](InferenceContext* c) {
+      return LookupCombineOutputShape(c, c->input(0));
+    })
+    .Doc(R"doc(
+Fused embedding lookup + per-bag combine on CPU.
+
+params: [R, D] embedding table.
+ids: [nnz] row ids, every id must be in [0, R).
+row_splits: [B + 1] bag boundaries (ragged row_splits); ignored for combiner='none'.
+output: combiner 'sum'/'mean' -> [B, D] (mean of an empty bag is 0);
+  combiner 'none' -> [nnz, D] (plain gather).
+table_name: used in error messages.
+)doc");
+
+REGISTER_OP("ResourceEmbeddingLookupCombine")
+    .Input("params: resource")
+    .Input("ids: Tindices")
+    .Input("row_splits: Tsplits")
+    .Output("output: dtype")
+    .Attr("dtype: {float, half, bfloat16}")
+    .Attr("Tindices: {int32, int64}")
+    .Attr("Tsplits: {int32, int64}")
+    .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")
+    .Attr("table_name: string = 'embedding'")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle params = c->UnknownShapeOfRank(2);
+      auto* handle_data = c->input_handle_shapes_and_types(0);
+      if (handle_data != nullptr && !handle_data->empty()) {
+        params = (*handle_data)[0].shape;
+      }
+      return LookupCombineOutputShape(c, params);
+    })
+    .Doc(R"doc(
+EmbeddingLookupCombine reading the table in place from a resource variable
+(shared lock, no copy of the table; like ResourceGather).
+)doc");
+
+REGISTER_OP("EmbeddingLookupCombineGrad")
+    .Input("grad: T")
+    .Input("ids: Tindices")
+    .Input("row_splits: Tsplits")
+    .Input("num_rows: int64")
+    .Output("unique_ids: Tindices")
+    .Output("grad_rows: T")
+    .Attr("T: {float, half, bfloat16}")
+    .Attr("Tindices: {int32, int64}")
+    .Attr("Tsplits: {int32, int64}")
+    .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")
+    .Attr("table_name: string = 'embedding'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &unused));
+      DimensionHandle u = c->UnknownDim();
+      c->set_output(0, c->Vector(u));
+      c->set_output(1, c->Matrix(u, c->Dim(grad, 1)));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Backward of EmbeddingLookupCombine with duplicate ids coalesced.
+
+grad: [B, D] for 'sum'/'mean', [nnz, D] for 'none'.
+unique_ids: [U] distinct ids, sorted ascending.
+grad_rows: [U, D]; row u is the sum over the positions p with ids[p] == unique_ids[u]
+  (in increasing p) of the upstream gradient of p's bag (divided by the bag size for
+  'mean'). Accumulated in float32; deterministic for any thread count.
+)doc");
+
+REGISTER_OP("RowwiseAdagradApply")
+    .Input("var: resource")
+    .Input("accum: resource")
+    .Input("indices: Tindices")
+    .Input("grad: Tgrad")
+    .Input("lr: float")
+    .Input("epsilon: float")
+    .Input("scale: float")
+    .Input("weight_decay: float")
+    .Attr("Tindices: {int32, int64}")
+    .Attr("Tgrad: {float, half, bfloat16}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle indices, grad, unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &indices));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &grad));
+      DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(indices, 0), c->Dim(grad, 0), &n));
+      for (int i = 4; i < 8; ++i) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      }
+      auto* var_data = c->input_handle_shapes_and_types(0);
+      if (var_data != nullptr && !var_data->empty()) {
+        ShapeHandle var;
+        TF_RETURN_IF_ERROR(c->WithRank((*var_data)[0].shape, 2, &var));
+        DimensionHandle d;
+        TF_RETURN_IF_ERROR(c->Merge(c->Dim(var, 1), c->Dim(grad, 1), &d));
+      }
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Sparse exact row-wise Adagrad (FBGEMM EXACT_ROWWISE_ADAGRAD), in place.
+
+var: float32 [R, D] resource; accum: float32 [R] resource.
+indices: [N] (duplicates allowed; they are summed first, in input order).
+For each distinct row i with summed gradient g (float32):
+  accum[i] += mean_j(g_j^2)
+  var[i] -= lr * g / (sqrt(accum[i] / scale) + epsilon)
+  if weight_decay > 0: var[i] -= lr * weight_decay * var[i]   (after the step)
+)doc");
+
+}  // namespace tensorflow

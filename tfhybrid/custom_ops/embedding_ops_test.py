@@ -1,0 +1,434 @@
+"""Tests for tfhybrid's custom embedding ops (EmbeddingLookupCombine and its gradient,
+RowwiseAdagradApply), against the pure-TF path and numpy references.
+
+Run: OMP_NUM_THREADS=1 python tfhybrid/custom_ops/embedding_ops_test.py
+
+The custom-op tests FAIL if the library cannot be loaded. With
+TFHYBRID_DISABLE_CUSTOM_OPS=1 only the pure-TF tests run (op tests are skipped).
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfhybrid import custom_ops as co  # noqa: E402
+
+DISABLED = os.environ.get("TFHYBRID_DISABLE_CUSTOM_OPS", "").strip().lower() in ("1", "true", "yes")
+if DISABLED:
+    print("TFHYBRID_DISABLE_CUSTOM_OPS=1: custom-op tests are SKIPPED; only the pure-TF path "
+          "is tested.", file=sys.stderr)
+
+ATOL = 1e-6
+RTOL = 1e-6
+
+
+def _paths():
+    """use_custom_op values under test: the op (unless disabled) and pure TF."""
+    return [False] if DISABLED else [True, False]
+
+
+def _require_op(test):
+    if DISABLED:
+        test.skipTest("custom ops disabled by TFHYBRID_DISABLE_CUSTOM_OPS=1")
+    if not co.custom_ops_available():
+        test.fail(f"custom-op library failed to load: {co._load_error}")  # pylint: disable=protected-access
+
+
+# ------------------------------------------------------------------ numpy references
+
+
+def np_lookup(params, bags, combiner):
+    """bags: list of lists of ids. combiner 'sum' | 'mean'."""
+    d = params.shape[1]
+    out = np.zeros((len(bags), d), np.float64)
+    for b, bag in enumerate(bags):
+        for i in bag:
+            out[b] += params[i]
+        if combiner == "mean" and bag:
+            out[b] /= len(bag)
+    return out
+
+
+def np_lookup_grad(num_rows, bags, upstream, combiner):
+    g = np.zeros((num_rows, upstream.shape[1]), np.float64)
+    for b, bag in enumerate(bags):
+        for i in bag:
+            g[i] += upstream[b] / (len(bag) if combiner == "mean" else 1)
+    return g
+
+
+def np_rowwise_adagrad(w, v, indices, grad, lr, eps, c, wd):
+    """FBGEMM exact row-wise Adagrad, float64; decay after the gradient step."""
+    w = w.astype(np.float64).copy()
+    v = v.astype(np.float64).copy()
+    grad = grad.astype(np.float32).astype(np.float64)
+    for i in np.unique(indices):
+        g = grad[indices == i].sum(axis=0)
+        v[i] += np.mean(g * g)
+        w[i] -= lr * g / (np.sqrt(v[i] / c) + eps)
+        if wd > 0:
+            w[i] -= lr * wd * w[i]
+    return w, v
+
+
+def _dense(x):
+    if isinstance(x, tf.IndexedSlices):
+        return tf.convert_to_tensor(x).numpy()
+    return x.numpy()
+
+
+# ------------------------------------------------------------------ library
+
+
+class LibraryTest(tf.test.TestCase):
+
+    def test_library_loaded(self):
+        _require_op(self)
+        self.assertTrue(co.custom_ops_available())
+
+    def test_auto_path_uses_op_on_cpu(self):
+        _require_op(self)
+        p = tf.Variable(tf.ones([4, 2]))
+
+        @tf.function
+        def f():
+            return co.embedding_lookup_combine(p, tf.constant([[0, 1]]))
+
+        ops = {op.type for op in f.get_concrete_function().graph.get_operations()}
+        self.assertIn("ResourceEmbeddingLookupCombine", ops)
+
+
+# ------------------------------------------------------------------ lookup
+
+
+class EmbeddingLookupCombineTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.rng = np.random.default_rng(1234)
+        self.R, self.D = 50, 16
+        self.params_np = self.rng.uniform(-1, 1, (self.R, self.D)).astype(np.float32)
+
+    def _check_forward(self, ids, bags, dense_shape=None):
+        for use_op in _paths():
+            for as_var in (False, True):
+                params = tf.Variable(self.params_np) if as_var else tf.constant(self.params_np)
+                for combiner in ("sum", "mean", None):
+                    if combiner is None and isinstance(ids, tf.RaggedTensor):
+                        got = co.embedding_lookup_combine(params, ids, None, use_custom_op=use_op)
+                        self.assertIsInstance(got, tf.RaggedTensor)
+                        want = self.params_np[np.concatenate([np.asarray(b, int) for b in bags])]
+                        self.assertAllClose(got.flat_values.numpy(), want, atol=ATOL, rtol=RTOL)
+                        continue
+                    got = co.embedding_lookup_combine(params, ids, combiner, use_custom_op=use_op)
+                    if combiner is None:
+                        want = self.params_np[np.asarray(ids)]
+                        self.assertEqual(tuple(got.shape), tuple(dense_shape) + (self.D,))
+                    else:
+                        want = np_lookup(self.params_np, bags, combiner)
+                        self.assertEqual(tuple(got.shape), (len(bags), self.D))
+                    self.assertAllClose(got.numpy(), want, atol=ATOL, rtol=RTOL,
+                                        msg=f"use_op={use_op} var={as_var} combiner={combiner}")
+
+    def test_dense_one_hot(self):
+        for dtype in (tf.int32, tf.int64):
+            ids_np = self.rng.integers(0, self.R, 12)
+            ids = tf.constant(ids_np, dtype)
+            self._check_forward(ids, [[i] for i in ids_np], dense_shape=(12,))
+
+    def test_dense_multi_hot(self):
+        for dtype in (tf.int32, tf.int64):
+            ids_np = self.rng.integers(0, self.R, (9, 5))
+            ids_np[0, :] = 3  # duplicates inside a bag
+            ids = tf.constant(ids_np, dtype)
+            self._check_forward(ids, [list(r) for r in ids_np], dense_shape=(9, 5))
+
+    def test_ragged_with_empty_bags(self):
+        bags = [[1, 2, 3], [], [7, 7], [0], [], [49, 48, 47, 46, 45, 44]]
+        for dtype in (tf.int32, tf.int64):
+            for splits_dtype in (tf.int32, tf.int64):
+                ids = tf.RaggedTensor.from_row_lengths(
+                    tf.constant(sum(bags, []), dtype),
+                    tf.constant([len(b) for b in bags], splits_dtype))
+                self._check_forward(ids, bags)
+
+    def test_half_and_bfloat16_params(self):
+        ids_np = self.rng.integers(0, self.R, (6, 4))
+        bags = [list(r) for r in ids_np]
+        for dtype in (tf.float16, tf.bfloat16):
+            params = tf.cast(tf.constant(self.params_np), dtype)
+            want = np_lookup(tf.cast(params, tf.float32).numpy(), bags, "mean")
+            for use_op in _paths():
+                got = co.embedding_lookup_combine(params, tf.constant(ids_np), "mean",
+                                                  use_custom_op=use_op)
+                self.assertEqual(got.dtype, dtype)
+                self.assertAllClose(tf.cast(got, tf.float32).numpy(), want, atol=1e-2, rtol=1e-2)
+
+    def _grads(self, ids, combiner, use_op, upstream):
+        params = tf.Variable(self.params_np)
+        with tf.GradientTape() as tape:
+            out = co.embedding_lookup_combine(params, ids, combiner, use_custom_op=use_op)
+            loss = tf.reduce_sum(out * upstream)
+        return out, tape.gradient(loss, params)
+
+    def test_gradients(self):
+        cases = []
+        ids_np = self.rng.integers(0, self.R, (8, 6))
+        ids_np[:, 0] = 5  # a heavily duplicated id
+        cases.append((tf.constant(ids_np, tf.int64), [list(r) for r in ids_np]))
+        ids_1h = self.rng.integers(0, self.R, 10)
+        cases.append((tf.constant(ids_1h, tf.int32), [[i] for i in ids_1h]))
+        bags = [[4, 4, 9], [], [1], [2, 3, 4, 4, 4], []]
+        cases.append((tf.ragged.constant(bags, tf.int32), bags))
+        for ids, bags in cases:
+            for combiner in ("sum", "mean", None):
+                if combiner is None and isinstance(ids, tf.RaggedTensor):
+                    continue
+                shape = (len(bags), self.D) if combiner else tuple(ids.shape) + (self.D,)
+                upstream = tf.constant(self.rng.uniform(-1, 1, shape).astype(np.float32))
+                results = {}
+                for use_op in _paths():
+                    _, g = self._grads(ids, combiner, use_op, upstream)
+                    self.assertIsInstance(g, tf.IndexedSlices)
+                    results[use_op] = _dense(g)
+                if combiner is None:
+                    flat_ids = np.reshape(ids.numpy(), [-1])
+                    want = np_lookup_grad(self.R, [[i] for i in flat_ids],
+                                          upstream.numpy().reshape(-1, self.D), "sum")
+                else:
+                    want = np_lookup_grad(self.R, bags, upstream.numpy(), combiner)
+                for use_op, got in results.items():
+                    self.assertAllClose(got, want, atol=ATOL, rtol=RTOL,
+                                        msg=f"use_op={use_op} combiner={combiner}")
+                if len(results) == 2:
+                    self.assertAllClose(results[True], results[False], atol=ATOL, rtol=RTOL)
+
+    def test_gradient_on_variable_is_unique_sorted_indexed_slices(self):
+        _require_op(self)
+        ids = tf.constant([[7, 3, 7], [3, 3, 1], [9, 0, 7]], tf.int64)
+        for fn in (lambda f: f, tf.function):
+            params = tf.Variable(self.params_np)
+
+            def step():
+                with tf.GradientTape() as tape:
+                    out = co.embedding_lookup_combine(params, ids, "sum", use_custom_op=True)
+                    loss = tf.reduce_sum(out)
+                return tape.gradient(loss, params)
+
+            g = fn(step)()
+            self.assertIsInstance(g, tf.IndexedSlices)
+            self.assertAllEqual(g.indices.numpy(), [0, 1, 3, 7, 9])
+            self.assertAllEqual(g.values.numpy()[:, 0], [1, 1, 3, 3, 1])
+            self.assertAllEqual(g.dense_shape.numpy(), [self.R, self.D])
+
+    def test_grad_op_directly(self):
+        _require_op(self)
+        lib = co.load_library()
+        grad = tf.constant(self.rng.uniform(-1, 1, (3, 4)).astype(np.float32))
+        ids = tf.constant([5, 2, 5, 5, 0], tf.int32)
+        splits = tf.constant([0, 2, 2, 5], tf.int64)
+        u, rows = lib.embedding_lookup_combine_grad(grad, ids, splits, tf.constant(6, tf.int64),
+                                                    combiner="mean", table_name="t")
+        self.assertAllEqual(u.numpy(), [0, 2, 5])
+        g = grad.numpy()
+        want = np.stack([g[2] / 3, g[0] / 2, g[0] / 2 + g[2] / 3 + g[2] / 3])
+        self.assertAllClose(rows.numpy(), want, atol=ATOL, rtol=RTOL)
+
+    def test_out_of_range_ids(self):
+        for use_op in _paths():
+            for bad in (12345, -7):
+                for as_var in (False, True):
+                    params = tf.Variable(self.params_np) if as_var else tf.constant(self.params_np)
+                    ids = tf.constant([[1, 2], [bad, 3]], tf.int64)
+                    with self.assertRaises(tf.errors.InvalidArgumentError) as cm:
+                        co.embedding_lookup_combine(params, ids, table_name="user",
+                                                    use_custom_op=use_op)
+                    self.assertIn("user", str(cm.exception))
+                    self.assertIn(str(bad), str(cm.exception))
+
+                    @tf.function
+                    def f(i):
+                        return co.embedding_lookup_combine(params, i, "mean",  # noqa: B023
+                                                           table_name="user",
+                                                           use_custom_op=use_op)  # noqa: B023
+                    with self.assertRaises(tf.errors.InvalidArgumentError) as cm:
+                        f(tf.ragged.constant([[1], [], [2, bad]], tf.int32))
+                    self.assertIn("user", str(cm.exception))
+                    self.assertIn(str(bad), str(cm.exception))
+
+    def test_inside_keras_model(self):
+        class Emb(tf.keras.layers.Layer):
+            def __init__(self, use_op):
+                super().__init__()
+                self.use_op = use_op
+
+            def build(self, _):
+                self.table = self.add_weight("table", [20, 4], initializer="ones")
+
+            def call(self, ids):
+                return co.embedding_lookup_combine(self.table, ids, "mean",
+                                                   use_custom_op=self.use_op)
+
+        for use_op in _paths():
+            inp = tf.keras.Input([3], dtype=tf.int64)
+            model = tf.keras.Model(inp, tf.keras.layers.Dense(1)(Emb(use_op)(inp)))
+            model.compile(optimizer=tf.keras.optimizers.legacy.SGD(0.1), loss="mse")
+            x = np.random.default_rng(0).integers(0, 20, (32, 3))
+            hist = model.fit(x, np.zeros([32, 1]), epochs=2, batch_size=8, verbose=0)
+            self.assertLess(hist.history["loss"][-1], hist.history["loss"][0] + 1e-6)
+
+
+# ------------------------------------------------------------------ rowwise adagrad
+
+
+class RowwiseAdagradTest(tf.test.TestCase):
+
+    def _run(self, use_op, graph, c, wd, grad_dtype, idx_dtype, steps=4):
+        rng = np.random.default_rng(7)
+        R, D, N = 30, 12, 40
+        w0 = rng.uniform(-1, 1, (R, D)).astype(np.float32)
+        v0 = rng.uniform(0, 0.5, R).astype(np.float32)
+        var = tf.Variable(w0)
+        accum = tf.Variable(v0)
+        w_ref, v_ref = w0.astype(np.float64), v0.astype(np.float64)
+        lr, eps = 0.05, 1e-3
+
+        def apply(i, g):
+            co.rowwise_adagrad_apply(var, accum, i, g, lr, eps, scale=c, weight_decay=wd,
+                                            use_custom_op=use_op)
+        fn = tf.function(apply) if graph else apply
+        for _ in range(steps):
+            idx = rng.integers(0, R // 2, N)  # many duplicates
+            idx[:5] = 3
+            g = rng.normal(0, 1, (N, D)).astype(np.float32).astype(grad_dtype)
+            fn(tf.constant(idx, idx_dtype), tf.constant(g))
+            w_ref, v_ref = np_rowwise_adagrad(w_ref, v_ref, idx, g, lr, eps, c, wd)
+        return var.numpy(), accum.numpy(), w_ref, v_ref
+
+    def test_matches_numpy(self):
+        for use_op in _paths():
+            for graph in (False, True):
+                for c, wd, gdt, idt in ((1.0, 0.0, np.float32, tf.int64),
+                                        (4.0, 0.01, np.float32, tf.int32),
+                                        (1.0, 0.05, np.float16, tf.int64),
+                                        (4.0, 0.0, np.float16, tf.int32)):
+                    w, v, w_ref, v_ref = self._run(use_op, graph, c, wd, gdt, idt)
+                    msg = f"use_op={use_op} graph={graph} c={c} wd={wd} grad={gdt.__name__}"
+                    self.assertAllClose(v, v_ref, atol=ATOL, rtol=RTOL, msg=msg)
+                    self.assertAllClose(w, w_ref, atol=ATOL, rtol=RTOL, msg=msg)
+
+    def test_epsilon_matters(self):
+        # Zero accumulator + tiny grads: epsilon dominates the denominator.
+        for use_op in _paths():
+            var = tf.Variable(tf.zeros([3, 4]))
+            accum = tf.Variable(tf.zeros([3]))
+            co.rowwise_adagrad_apply(var, accum, tf.constant([1]), tf.fill([1, 4], 1e-3), 0.1, 1e-3,
+                                     use_custom_op=use_op)
+            # v = 1e-6, sqrt(v) = 1e-3, w = -0.1 * 1e-3 / (1e-3 + 1e-3) = -0.05
+            self.assertAllClose(var.numpy()[1], [-0.05] * 4, atol=ATOL, rtol=1e-5)
+            self.assertAllEqual(var.numpy()[[0, 2]], np.zeros([2, 4]))
+
+    def test_paths_agree(self):
+        if DISABLED:
+            self.skipTest("custom ops disabled")
+        a = self._run(True, True, 4.0, 0.01, np.float16, tf.int64)
+        b = self._run(False, True, 4.0, 0.01, np.float16, tf.int64)
+        self.assertAllClose(a[0], b[0], atol=ATOL, rtol=RTOL)
+        self.assertAllClose(a[1], b[1], atol=ATOL, rtol=RTOL)
+
+    def test_out_of_range_index(self):
+        for use_op in _paths():
+            for bad in (99, -1):
+                var = tf.Variable(tf.zeros([5, 2]))
+                accum = tf.Variable(tf.zeros([5]))
+                with self.assertRaises(tf.errors.InvalidArgumentError) as cm:
+                    co.rowwise_adagrad_apply(var, accum, tf.constant([0, bad]), tf.ones([2, 2]),
+                                             0.1, 1e-8, use_custom_op=use_op)
+                self.assertIn(str(bad), str(cm.exception))
+                self.assertAllEqual(var.numpy(), np.zeros([5, 2]))
+
+
+# ------------------------------------------------------------------ determinism
+
+_DETERMINISM_SCRIPT = textwrap.dedent("""
+    import hashlib, sys
+    import numpy as np
+    import tensorflow as tf
+    n = int(sys.argv[1])
+    tf.config.threading.set_intra_op_parallelism_threads(n)
+    from tfhybrid import custom_ops as co
+    assert co.custom_ops_available(), co._load_error
+    rng = np.random.default_rng(0)
+    R, D, B, H = 5000, 64, 4096, 8
+    ids = np.minimum(rng.zipf(1.05, (B, H)) - 1, R - 1) % R
+    table = tf.Variable(rng.normal(0, 1, (R, D)).astype(np.float32))
+    accum = tf.Variable(tf.zeros([R]))
+    up = tf.constant(rng.normal(0, 1, (B, D)).astype(np.float32))
+    h = hashlib.sha256()
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            out = co.embedding_lookup_combine(table, ids, "mean", use_custom_op=True)
+            loss = tf.reduce_sum(out * up)
+        g = tape.gradient(loss, table)
+        dup_idx = tf.concat([g.indices, g.indices[::-1]], 0)
+        dup_val = tf.concat([g.values, tf.cast(tf.cast(g.values, tf.float16), tf.float32)], 0)
+        co.rowwise_adagrad_apply(table, accum, dup_idx, dup_val, 0.01, 1e-3, 4.0, 0.01,
+                                 use_custom_op=True)
+        return out, g.indices, g.values
+
+    for s in range(3):
+        out, gi, gv = step(tf.constant(np.roll(ids, s, axis=0), tf.int64))
+        for x in (out, gi, gv):
+            h.update(x.numpy().tobytes())
+    h.update(table.numpy().tobytes())
+    h.update(accum.numpy().tobytes())
+    print("DIGEST", h.hexdigest())
+""")
+
+
+class DeterminismTest(tf.test.TestCase):
+
+    def _digest(self, threads):
+        env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2",
+                   PYTHONPATH=str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT, str(threads)], env=env,
+                              cwd=str(_REPO), capture_output=True, text=True, timeout=600)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DIGEST")]
+        self.assertLen(lines, 1, proc.stdout)
+        return lines[0].split()[1]
+
+    def test_bitwise_deterministic_across_threads_and_runs(self):
+        _require_op(self)
+        digests = [self._digest(1), self._digest(2), self._digest(2), self._digest(1)]
+        self.assertLen(set(digests), 1, digests)
+
+    def test_in_process_repeatable(self):
+        _require_op(self)
+        rng = np.random.default_rng(3)
+        ids = tf.constant(rng.integers(0, 300, 50000), tf.int64)
+        grad = tf.constant(rng.normal(0, 1, (50000, 32)).astype(np.float32))
+        results = []
+        for _ in range(3):
+            var = tf.Variable(tf.ones([300, 32]))
+            accum = tf.Variable(tf.zeros([300]))
+            co.rowwise_adagrad_apply(var, accum, ids, grad, 0.1, 1e-3, use_custom_op=True)
+            results.append(hashlib.sha256(var.numpy().tobytes() + accum.numpy().tobytes())
+                           .hexdigest())
+        self.assertLen(set(results), 1)
+
+
+if __name__ == "__main__":
+    tf.test.main()
