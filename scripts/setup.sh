@@ -19,7 +19,7 @@ fi
 
 # The stamp covers everything whose change must trigger a re-install.
 stamp_inputs() {
-  cat requirements.txt pyproject.toml scripts/setup.sh
+  cat requirements.txt pyproject.toml setup.py scripts/setup.sh
   echo "$HOROVOD_FLAGS"
   find tfhybrid/custom_ops/cc -type f \( -name '*.cc' -o -name '*.h' \) -print0 2>/dev/null | sort -z | xargs -0 cat 2>/dev/null || true
 }
