@@ -67,4 +67,39 @@ class SyncReplicas(tf.keras.callbacks.Callback):
         self._sync()
 
 
-__all__ = ["BroadcastVariables", "SyncReplicas"]
+class MetricAverage(tf.keras.callbacks.Callback):
+    """Replaces each epoch's (and evaluation's) logs with their average over all ranks.
+
+    Each rank sees only its own shard of the data, so its loss and metrics are local;
+    this makes every rank report the global figures (equal shards: the plain mean).
+
+    Example::
+
+        model.fit(ds, callbacks=[tfhybrid.callbacks.MetricAverage()],
+                  verbose=1 if tfhybrid.current_mesh().rank == 0 else 0)
+    """
+
+    def __init__(self, mesh: mesh_lib.Mesh | None = None):
+        super().__init__()
+        self._mesh = mesh
+
+    def _average(self, logs: dict | None) -> None:
+        mesh = self._mesh or mesh_lib.current_mesh()
+        if not logs or mesh.size == 1:
+            return
+        import horovod.tensorflow as hvd
+        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float)))
+        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
+        averaged = hvd.allreduce(values, op=hvd.Average,
+                                 name=distributed.collective_name("tfhybrid_metric_average"))
+        for key, value in zip(keys, averaged.numpy()):
+            logs[key] = float(value)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._average(logs)
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        self._average(logs)
+
+
+__all__ = ["BroadcastVariables", "SyncReplicas", "MetricAverage"]
