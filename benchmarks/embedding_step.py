@@ -35,6 +35,7 @@ def worker(args) -> None:
     import tfhybrid
     from tfhybrid import distributed
     from tfhybrid.layers import DistributedEmbedding, Embedding
+    from tfhybrid.train.step import click_train_step
 
     mesh = tfhybrid.init(model_parallel=args.model_parallel)
     b = args.local_batch
@@ -52,14 +53,7 @@ def worker(args) -> None:
     traffic = distributed.count_traffic()
 
     def step(ids, labels):
-        with tf.GradientTape() as tape:
-            logits = head(tf.concat(layer(ids), axis=1))
-            loss = tf.reduce_mean(tf.keras.losses.binary_crossentropy(
-                labels, logits, from_logits=True))
-        variables = layer.trainable_variables + head.trainable_variables
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, variables))
-        return loss
+        return click_train_step(layer, head, optimizer, ids, labels)
 
     if not args.eager:
         step = tf.function(step)

@@ -44,6 +44,7 @@ def worker(args) -> None:
     import tfhybrid
     from tfhybrid.layers import DistributedEmbedding, Embedding
     from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad, RowWiseAdagrad
+    from tfhybrid.train.step import click_train_step
 
     mesh = tfhybrid.init(model_parallel=args.model_parallel)
     rng = np.random.default_rng(0)
@@ -69,14 +70,8 @@ def worker(args) -> None:
         tfhybrid.broadcast_variables(layer.weights + head.weights, mesh=mesh)
         optimizer = tfhybrid.DistributedOptimizer(optimizer, mesh=mesh)
 
-        @tf.function
-        def step(ids, labels):
-            with tf.GradientTape() as tape:
-                logits = head(tf.concat(layer(ids), axis=1))
-                loss = tf.reduce_mean(tf.keras.losses.binary_crossentropy(
-                    labels, logits, from_logits=True))
-            variables = layer.trainable_variables + head.trainable_variables
-            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        step = tf.function(lambda ids, labels: click_train_step(layer, head, optimizer, ids,
+                                                                labels))
 
         for ids, labels, _ in train:
             step([tf.constant(x[lo:hi]) for x in ids], tf.constant(labels[lo:hi]))

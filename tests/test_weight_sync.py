@@ -7,6 +7,7 @@ import tfhybrid
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad, RowWiseAdagrad
+from tfhybrid.train.step import click_train_step
 
 HOROVOD_NP = (2, 4)
 
@@ -47,12 +48,7 @@ def _batches(mesh, steps, seed=1):
 
 def _train(layer, head, optimizer, batches):
     for ids, labels in batches:
-        with tf.GradientTape() as tape:
-            logits = head(tf.concat(layer(ids), axis=1))
-            loss = tf.reduce_mean(tf.keras.losses.binary_crossentropy(
-                labels, logits, from_logits=True))
-        variables = layer.trainable_variables + head.trainable_variables
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        click_train_step(layer, head, optimizer, ids, labels)
 
 
 class _Holder(tf.keras.Model):

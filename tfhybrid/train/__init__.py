@@ -1,0 +1,1 @@
+"""Training applications and the training step they share."""
