@@ -1,6 +1,7 @@
-"""Keras layers: ``Embedding`` (with a combiner) and ``DistributedEmbedding``."""
+"""Keras layers: ``Embedding`` (with a combiner), ``DistributedEmbedding``, ``XlaCompiled``."""
 
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
+from tfhybrid.layers.xla import XlaCompiled
 
-__all__ = ["Embedding", "DistributedEmbedding"]
+__all__ = ["Embedding", "DistributedEmbedding", "XlaCompiled"]

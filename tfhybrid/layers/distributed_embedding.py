@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 from tfhybrid import custom_ops
 from tfhybrid import distributed
@@ -238,6 +239,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     # ------------------------------------------------------------------ call
     def call(self, inputs):
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError(
+                f"DistributedEmbedding {self.name!r} is being compiled with XLA "
+                "(jit_compile=True), but its Horovod alltoall/allgather cannot be compiled. "
+                "Use model.compile(jit_compile=False) and wrap the dense towers in "
+                "tfhybrid.layers.XlaCompiled(...) to run them under XLA.")
         inputs = inputs if isinstance(inputs, (list, tuple)) else [inputs]
         if len(inputs) != len(self.input_table_map):
             raise ValueError(f"DistributedEmbedding got {len(inputs)} inputs; expected "
