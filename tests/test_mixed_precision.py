@@ -78,6 +78,55 @@ class MixedPrecisionTest(tf.test.TestCase):
             ids_bytes = self._id_bytes(layer)
             self.assertEqual(bytes_16 - ids_bytes, (fp32_bytes - ids_bytes) // 2, policy)
 
+    def test_loss_scale_skips_together(self):
+        tf.keras.mixed_precision.set_global_policy("mixed_float16")
+        mesh = tfhybrid.init(model_parallel=1)
+        optimizer = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), mesh=mesh)
+        self.assertIsInstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+        w = tf.Variable([1.0, 2.0])
+        start_scale = float(optimizer.loss_scale)
+        # only the last rank overflows; every rank must skip and lower its scale
+        bad = float("inf") if mesh.rank == mesh.size - 1 else 1.0
+        optimizer.apply_gradients([(tf.constant([bad, 1.0]), w)])
+        self.assertAllEqual(w, [1.0, 2.0])
+        scales = hvd.allgather_object(float(optimizer.loss_scale))
+        self.assertEqual(scales, [start_scale / 2] * mesh.size)
+        optimizer.apply_gradients([(tf.constant([1.0, 1.0]), w)])
+        self.assertAllClose(w, [0.9, 1.9])
+
+    def test_fit_loss_in_16_bits_stays_close_to_float32(self):
+        world = _world()
+        losses = {}
+        for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
+            tf.keras.mixed_precision.set_global_policy(policy)
+            mesh = tfhybrid.init(model_parallel=max(1, world // 2))
+            ids = [tf.keras.Input([3], dtype=tf.int64, name=n) for n in ("a", "b")]
+            embedded = DistributedEmbedding(
+                [Embedding(24, 8, combiner="sum", name="a"),
+                 Embedding(100, 8, combiner="mean", name="b")], mesh=mesh)(ids)
+            hidden = tf.keras.layers.Dense(16, activation="relu")(tf.concat(embedded, axis=1))
+            logits = tf.keras.layers.Dense(1)(hidden)
+            logits = tf.keras.layers.Activation("linear", dtype="float32")(logits)
+            model = tf.keras.Model(ids, logits)
+            init = np.random.default_rng(3)
+            model.set_weights([init.normal(0, 0.2, w.shape).astype(np.float32)
+                               if w.size else w for w in model.get_weights()])
+            rng = np.random.default_rng(mesh.rank)
+            x = {"a": rng.integers(0, 24, size=[160, 3]), "b": rng.integers(0, 100, size=[160, 3])}
+            # a planted signal the model can learn in 20 steps: small ids of "a" click
+            y = (x["a"].sum(axis=1, keepdims=True) < 36).astype(np.float32)
+            model.compile(optimizer=tfhybrid.DistributedOptimizer(
+                tf.keras.optimizers.SGD(0.5), mesh=mesh),
+                loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 20 steps
+            loss = model.evaluate(x, y, batch_size=32, verbose=0)
+            losses[policy] = float(hvd.allreduce(tf.constant(loss), op=hvd.Average))
+            mesh_lib._reset_for_tests()
+        print("loss after 20 steps:", losses)
+        self.assertLess(losses["float32"], 0.68)  # it learned something: ln 2 = 0.693
+        self.assertAllClose(losses["mixed_float16"], losses["float32"], atol=1e-2)
+        self.assertAllClose(losses["mixed_bfloat16"], losses["float32"], atol=1e-2)
+
     def _id_bytes(self, layer):
         # header + ids this rank sent: what the plan counts as (L + n) * 4 per remote route
         plan = layer.plan

@@ -360,6 +360,8 @@ class _ReducingApply:
         mesh = self._tfhybrid_mesh or mesh_lib.current_mesh()
         variables = [v for _, v in pairs]
         grads = allreduce_gradients([g for g, _ in pairs], variables, mesh)
+        if isinstance(self, tf.keras.mixed_precision.LossScaleOptimizer):
+            grads = _agree_on_overflow(grads, mesh)
         result = super().apply_gradients(zip(grads, variables), *args, **kwargs)
         # weight-sync mode: every K steps (counted after this step) average the replicas
         with tf.control_dependencies([result] if result is not None else []):
@@ -367,11 +369,39 @@ class _ReducingApply:
         return result
 
 
+def _agree_on_overflow(grads: list, mesh: mesh_lib.Mesh) -> list:
+    """Makes every rank see a non-finite gradient if any rank has one.
+
+    The loss-scale optimizer skips a step and lowers its scale when a gradient overflows.
+    Shards differ between ranks, so without this one rank could skip while another steps,
+    and their loss scales would drift apart.
+    """
+    present = [g for g in grads if g is not None]
+    if not present or mesh.size == 1:
+        return grads
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
+        g.values if isinstance(g, tf.IndexedSlices) else g)) for g in present])
+    everywhere = hvd.allreduce(tf.cast(finite, tf.float32), op=hvd.Min,
+                               name=collective_name("tfhybrid_all_finite"))
+    poison = tf.where(everywhere > 0, 0.0, float("nan"))
+    return [None if g is None else _plus(g, poison) for g in grads]
+
+
+def _plus(grad, value):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values + tf.cast(value, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad + tf.cast(value, grad.dtype)
+
+
 def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                          mesh: mesh_lib.Mesh | None = None):
     """Returns a copy of a Keras optimizer whose ``apply_gradients`` reduces over the mesh.
 
-    Works in custom loops and in ``model.fit`` (which calls ``apply_gradients``).
+    Works in custom loops and in ``model.fit`` (which calls ``apply_gradients``). Under
+    the ``mixed_float16`` policy it wraps the optimizer in a ``LossScaleOptimizer`` first
+    (as ``model.compile`` would), and all ranks skip a step together when any rank's
+    gradients overflow.
 
     Example (one process)::
 
@@ -382,6 +412,11 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
         w = tf.Variable([1.0])
         opt.apply_gradients([(tf.constant([1.0]), w)])   # w == [0.9] on one rank
     """
+    if (tf.keras.mixed_precision.global_policy().name == "mixed_float16"
+            and not isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)):
+        # Keras would wrap us in a loss-scale optimizer whose skip decision is local;
+        # wrapping it inside lets every rank agree on each skip (_agree_on_overflow).
+        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
     base = optimizer.__class__
     cls = type(base.__name__, (_ReducingApply, base), {"_tfhybrid_mesh": mesh})
     return cls.from_config(optimizer.get_config())
