@@ -132,5 +132,27 @@ class FitTest(tf.test.TestCase):
         self.assertAllClose(logged["loss"], want_loss, atol=1e-6, rtol=1e-5)
 
 
+class StepsTest(tf.test.TestCase):
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def test_uneven_input_fails_on_every_rank_before_training(self):
+        mesh = tfhybrid.init(model_parallel=2)
+        model = _model(mesh)
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
+                      loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
+        features, labels = _data(mesh)
+        # the last rank has one batch fewer
+        n = LOCAL_BATCH * (STEPS - (1 if mesh.rank == mesh.size - 1 else 0))
+        x = {k: v[:n] for k, v in features.items()}
+        counts = ", ".join(f"rank {r}: {STEPS - (1 if r == mesh.size - 1 else 0)}"
+                           for r in range(mesh.size))
+        with self.assertRaisesRegex(ValueError, rf"steps per epoch differ.*\({counts}\)"):
+            model.fit(x, labels[:n], batch_size=LOCAL_BATCH, verbose=0,
+                      callbacks=[tfhybrid.callbacks.ConsistentSteps()])
+
+
 if __name__ == "__main__":
     tf.test.main()

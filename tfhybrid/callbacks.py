@@ -102,4 +102,34 @@ class MetricAverage(tf.keras.callbacks.Callback):
         self._average(logs)
 
 
-__all__ = ["BroadcastVariables", "SyncReplicas", "MetricAverage"]
+class ConsistentSteps(tf.keras.callbacks.Callback):
+    """Checks at the start of ``fit`` that every rank will run the same number of steps.
+
+    A rank whose input ends early leaves the others waiting in a collective; checking the
+    step counts first turns that into a ``ValueError`` on every rank, naming each rank's
+    count. Input of unknown length needs ``steps_per_epoch``.
+
+    Example::
+
+        model.fit(ds, steps_per_epoch=100, callbacks=[tfhybrid.callbacks.ConsistentSteps()])
+    """
+
+    def __init__(self, mesh: mesh_lib.Mesh | None = None):
+        super().__init__()
+        self._mesh = mesh
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        mesh = self._mesh or mesh_lib.current_mesh()
+        steps = self.params.get("steps") if self.params else None
+        counts = [steps]
+        if mesh.size > 1:
+            import horovod.tensorflow as hvd
+            counts = hvd.allgather_object(steps, name="tfhybrid_consistent_steps")
+        if any(c is None for c in counts) or len(set(counts)) > 1:
+            listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+            raise ValueError(
+                f"steps per epoch differ across ranks or are unknown ({listed}); shard the "
+                "input evenly over the ranks and pass steps_per_epoch to fit")
+
+
+__all__ = ["BroadcastVariables", "SyncReplicas", "MetricAverage", "ConsistentSteps"]

@@ -157,6 +157,11 @@ def init(model_parallel: int | None = None, layout: str = "model_major") -> Mesh
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
     if not hvd.is_initialized():
+        # A rank that stops calling collectives (an exception, input that ended early)
+        # must not leave the others waiting forever: Horovod shuts a stalled job down.
+        # Set these variables yourself to change the limits.
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
+        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "600")
         hvd.init(process_sets="dynamic")
     resolved = hvd.local_size() if model_parallel is None else model_parallel
     size = hvd.size()
