@@ -38,12 +38,17 @@ def click_train_step(embedding: tf.keras.layers.Layer, head: tf.keras.layers.Lay
         loss = click_train_step(embedding, tf.keras.layers.Dense(1), optimizer,
                                 [tf.constant([[1, 2]])], tf.constant([[1.0]]))
     """
+    scaling = isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
     with tf.GradientTape() as tape:
         outputs = embedding(ids)                     # ids -> alltoall -> lookup -> alltoall
         logits = head(flatten_and_concat(outputs))   # dense towers
         loss = tf.reduce_mean(tf.keras.losses.binary_crossentropy(
-            labels, logits, from_logits=True))
+            labels, tf.cast(logits, tf.float32), from_logits=True))
+        # fp16 gradients underflow without loss scaling
+        target = optimizer.get_scaled_loss(loss) if scaling else loss
     variables = embedding.trainable_variables + head.trainable_variables
-    grads = tape.gradient(loss, variables)           # backward alltoalls to the owners
+    grads = tape.gradient(target, variables)         # backward alltoalls to the owners
+    if scaling:
+        grads = optimizer.get_unscaled_gradients(grads)
     optimizer.apply_gradients(zip(grads, variables))  # allreduce over the mesh, then update
     return loss
