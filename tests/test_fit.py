@@ -65,8 +65,9 @@ class FitTest(tf.test.TestCase):
         fitted.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.3)),
                        loss=loss_fn)
         history = fitted.fit(local_x, local_y, batch_size=LOCAL_BATCH, epochs=2, shuffle=False,
-                             verbose=0, callbacks=[tfhybrid.callbacks.BroadcastVariables(),
-                                                   tfhybrid.callbacks.MetricAverage()])
+                             verbose=tfhybrid.callbacks.verbose(),
+                             callbacks=tfhybrid.callbacks.defaults())
+        self.assertEqual(tfhybrid.callbacks.verbose(), 1 if mesh.rank == 0 else 0)
 
         looped = _model(mesh)
         loop_embedding = self._init_weights(looped)

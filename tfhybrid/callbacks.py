@@ -132,4 +132,22 @@ class ConsistentSteps(tf.keras.callbacks.Callback):
                 "input evenly over the ranks and pass steps_per_epoch to fit")
 
 
-__all__ = ["BroadcastVariables", "SyncReplicas", "MetricAverage", "ConsistentSteps"]
+def verbose(level: int = 1, mesh: mesh_lib.Mesh | None = None) -> int:
+    """``level`` on rank 0 and 0 elsewhere: pass as ``fit(verbose=...)`` so only rank 0
+    draws the progress bar and prints logs."""
+    return level if (mesh or mesh_lib.current_mesh()).rank == 0 else 0
+
+
+def defaults(mesh: mesh_lib.Mesh | None = None) -> list:
+    """The callbacks a hybrid-parallel ``fit`` wants: same start, same step count, global logs.
+
+    Example::
+
+        model.fit(ds, callbacks=tfhybrid.callbacks.defaults(),
+                  verbose=tfhybrid.callbacks.verbose())
+    """
+    return [BroadcastVariables(mesh=mesh), ConsistentSteps(mesh=mesh), MetricAverage(mesh=mesh)]
+
+
+__all__ = ["BroadcastVariables", "SyncReplicas", "MetricAverage", "ConsistentSteps",
+           "verbose", "defaults"]
