@@ -16,7 +16,12 @@ Each path runs in a tf.function; we warm up, then report the median over --iters
 rotate over the paths (forward and train step) so that load on a shared machine
 affects all paths alike.
 
-Usage: python benchmarks/optimizer_apply.py [--threads 2] [--iters 15] [--paths a,b,c]
+The random row accesses are page-walk bound with 4 KB pages; --thp re-runs the process
+with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 so the tables (of every path) get transparent
+huge pages. The "machine load from other processes" line tells whether the timings were
+taken on a quiet machine.
+
+Usage: python benchmarks/optimizer_apply.py [--threads 2] [--iters 15] [--paths a,b,c] [--thp]
 """
 
 from __future__ import annotations

@@ -5,11 +5,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "tensorflow/core/framework/bfloat16.h"
 #include "tensorflow/core/framework/numeric_types.h"
@@ -41,6 +46,41 @@ inline void PrefetchRow(const void* p, int64 bytes) {
 inline void PrefetchRowForWrite(const void* p, int64 bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+}
+
+// Streaming (non-temporal) row stores: rows must be 64-byte multiples at 64-byte
+// aligned addresses. Disable with TFHYBRID_NO_STREAMING_STORES=1.
+inline bool StreamingStoresEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TFHYBRID_NO_STREAMING_STORES");
+    return !(v != nullptr && v[0] == '1');
+  }();
+  return enabled;
+}
+
+inline bool StreamableRows(const void* base, int64 row_bytes) {
+#if defined(__AVX512F__) || defined(__AVX__)
+  return StreamingStoresEnabled() && row_bytes % 64 == 0 &&
+         reinterpret_cast<uintptr_t>(base) % 64 == 0;
+#else
+  return false;
+#endif
+}
+
+inline void StreamRow(float* __restrict dst, const float* __restrict src, int64 D) {
+#if defined(__AVX512F__)
+  for (int64 d = 0; d < D; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
+#elif defined(__AVX__)
+  for (int64 d = 0; d < D; d += 8) _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
+#else
+  std::memcpy(dst, src, D * sizeof(float));
+#endif
+}
+
+inline void StreamFence() {
+#if defined(__AVX512F__) || defined(__AVX__)
+  _mm_sfence();
+#endif
 }
 
 // Returns the position of the first id outside [0, num_rows), or -1.
@@ -207,16 +247,26 @@ inline void GroupById(const Tidx* ids, int64 n, int64 num_rows, Scratch* s) {
     for (int64 i = 0; i < n; ++i)
       keys[i] = (static_cast<uint64_t>(ids[i]) << 32) | static_cast<uint64_t>(i);
     RadixSortPacked(s, n, BitsFor(num_rows));
+    g->unique_ids.resize(n);
+    g->seg_start.resize(n + 1);
+    uint32_t* perm = g->perm.data();
+    int64* uniq = g->unique_ids.data();
+    int64* seg = g->seg_start.data();
+    int64 u = 0;
     uint64_t prev = ~uint64_t{0};
     for (int64 k = 0; k < n; ++k) {
-      const uint64_t id = keys[k] >> 32;
-      g->perm[k] = static_cast<uint32_t>(keys[k]);
+      const uint64_t v = keys[k];
+      const uint64_t id = v >> 32;
+      perm[k] = static_cast<uint32_t>(v);
       if (id != prev) {
-        g->unique_ids.push_back(static_cast<int64>(id));
-        g->seg_start.push_back(k);
+        uniq[u] = static_cast<int64>(id);
+        seg[u] = k;
+        ++u;
         prev = id;
       }
     }
+    g->unique_ids.resize(u);
+    g->seg_start.resize(u);
   } else {
     std::vector<std::pair<int64, uint32_t>> pairs(n);
     for (int64 i = 0; i < n; ++i) pairs[i] = {static_cast<int64>(ids[i]), static_cast<uint32_t>(i)};

@@ -19,7 +19,6 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
-#include "tensorflow/core/util/work_sharder.h"
 
 namespace tensorflow {
 namespace tfhybrid {
@@ -42,7 +41,7 @@ inline Status ParseCombiner(const std::string& s, Combiner* c) {
 }
 
 // How far ahead (in ids) to prefetch table rows.
-constexpr int64 kPrefetchDistance = 8;
+constexpr int64 kPrefetchDistance = 16;
 
 // acc[0..D) = sum of rows ids[s..e) (float32, in id order; requires s < e). Prefetches
 // the row kPrefetchDistance ids ahead (bounded by prefetch_end) for every id.
@@ -187,18 +186,22 @@ class ResourceEmbeddingLookupCombineOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<Var> v;
     OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &v));
+    {
+      tf_shared_lock ml(*v->mu());
+      OP_REQUIRES(ctx, v->tensor()->IsInitialized(),
+                  errors::FailedPrecondition("embedding table '", table_name_,
+                                             "': variable is not initialized"));
+      OP_REQUIRES(ctx, v->tensor()->dtype() == DataTypeToEnum<T>::value,
+                  errors::InvalidArgument("embedding table '", table_name_, "': variable dtype ",
+                                          DataTypeString(v->tensor()->dtype()),
+                                          " does not match ",
+                                          DataTypeString(DataTypeToEnum<T>::value)));
+    }
     // Same protocol as ResourceGather: sparse access mode, then read the buffer in
     // place under a shared lock (no copy of the table).
     OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, T>(ctx, v.get()));
     tf_shared_lock ml(*v->mu());
     const Tensor& params = *v->tensor();
-    OP_REQUIRES(ctx, params.IsInitialized(),
-                errors::FailedPrecondition("embedding table '", table_name_,
-                                           "': variable is not initialized"));
-    OP_REQUIRES(ctx, params.dtype() == DataTypeToEnum<T>::value,
-                errors::InvalidArgument("embedding table '", table_name_, "': variable dtype ",
-                                        DataTypeString(params.dtype()), " does not match ",
-                                        DataTypeString(DataTypeToEnum<T>::value)));
     LookupCombineCompute<T, Tidx, Tsplits>(ctx, params, table_name_, combiner_);
   }
 
@@ -221,11 +224,15 @@ void SumGradSegments(const Grouping& g, const int32_t* sample_of, const float* i
     const int64 p = perm ? static_cast<int64>(perm[k]) : k;
     return C == Combiner::kNone ? p : static_cast<int64>(sample_of[p]);
   };
-  std::vector<float> buf;
-  if (!std::is_same<T, float>::value) buf.resize(D);
+  // Rows are summed in a small buffer and then written with streaming stores when
+  // possible: the [U, D] output is several MB per table and is read only later by
+  // the optimizer, so write-allocating it into the cache costs an extra memory read.
+  const bool stream = std::is_same<T, float>::value && StreamableRows(rows, D * sizeof(float));
+  std::vector<float> buf(D);
   for (int64 u = begin; u < end; ++u) {
-    float* __restrict acc =
-        std::is_same<T, float>::value ? reinterpret_cast<float*>(rows + u * D) : buf.data();
+    float* __restrict acc = (std::is_same<T, float>::value && !stream)
+                                ? reinterpret_cast<float*>(rows + u * D)
+                                : buf.data();
     const int64 ks = seg[u];
     const int64 ke = seg[u + 1];
     for (int64 k = ks; k < ke; ++k) {
@@ -247,11 +254,14 @@ void SumGradSegments(const Grouping& g, const int32_t* sample_of, const float* i
         }
       }
     }
-    if (!std::is_same<T, float>::value) {
+    if (stream) {
+      StreamRow(reinterpret_cast<float*>(rows + u * D), acc, D);
+    } else if (!std::is_same<T, float>::value) {
       T* o = rows + u * D;
       for (int64 d = 0; d < D; ++d) o[d] = FromFloat<T>(acc[d]);
     }
   }
+  if (stream) StreamFence();
 }
 
 template <typename T, typename Tidx, typename Tsplits>

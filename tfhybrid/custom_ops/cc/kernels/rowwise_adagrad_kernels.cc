@@ -43,7 +43,8 @@ inline float SumSquares(const float* __restrict g, int64 D) {
   return lanes[0];
 }
 
-constexpr int64 kPrefetch = 8;  // unique rows ahead
+constexpr int64 kPrefetch = 8;      // unique rows ahead (var / accum)
+constexpr int64 kGradPrefetch = 4;  // segments ahead (gradient rows)
 
 template <typename Tidx, typename Tgrad>
 class RowwiseAdagradApplyOp : public OpKernel {
@@ -51,6 +52,16 @@ class RowwiseAdagradApplyOp : public OpKernel {
   explicit RowwiseAdagradApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
+    // Check dtypes first: the locking helpers below are instantiated for float.
+    for (int i = 0; i < 2; ++i) {
+      core::RefCountPtr<Var> v;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &v));
+      tf_shared_lock ml(*v->mu());
+      OP_REQUIRES(ctx, v->tensor()->dtype() == DT_FLOAT,
+                  errors::InvalidArgument("RowwiseAdagradApply: ", i == 0 ? "var" : "accum",
+                                          " must be float32, got ",
+                                          DataTypeString(v->tensor()->dtype())));
+    }
     // Exclusive locks on var and accum (address order), sparse access mode, and the
     // buffers themselves (no copy unless a concurrent reader holds the buffer).
     auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
@@ -127,6 +138,12 @@ class RowwiseAdagradApplyOp : public OpKernel {
           const int64 next = g.unique_ids[u + kPrefetch];
           PrefetchRowForWrite(w + next * D, D * sizeof(float));
           __builtin_prefetch(v + next, 1, 3);
+        }
+        if (u + kGradPrefetch < end) {  // gradient rows of an upcoming segment
+          const int64 ks2 = g.seg_start[u + kGradPrefetch];
+          const int64 ke2 = std::min(g.seg_start[u + kGradPrefetch + 1], ks2 + 2);
+          for (int64 k = ks2; k < ke2; ++k)
+            PrefetchRow(grad + g.pos(k) * D, D * sizeof(Tgrad));
         }
         const int64 ks = g.seg_start[u];
         const int64 ke = g.seg_start[u + 1];
