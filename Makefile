@@ -10,5 +10,11 @@ setup:
 test: setup
 	@$(PY) -m tests.runner
 
+# The main job: a small DLRM on a 2x2 mesh (4 ranks sharing this machine's cores).
+RUN_FLAGS ?= --model=dlrm --dataset=synthetic --model_parallel=2
+run: setup
+	@OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/horovodrun -np 4 -H localhost:4 --gloo \
+		$(PY) -m tfhybrid.train $(RUN_FLAGS)
+
 clean:
 	rm -rf $(VENV) .test-reports tfhybrid/custom_ops/_tfhybrid_ops.so

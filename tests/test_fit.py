@@ -7,6 +7,7 @@ import horovod.tensorflow as hvd
 import tfhybrid
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
+from tfhybrid.train.step import click_train_step
 
 HOROVOD_NP = (4,)
 
@@ -131,6 +132,82 @@ class FitTest(tf.test.TestCase):
         averaged = float(hvd.allreduce(tf.constant(local_loss), op=hvd.Average))
         self.assertAllClose(averaged, want_loss, atol=1e-6, rtol=1e-5)
         self.assertAllClose(logged["loss"], want_loss, atol=1e-6, rtol=1e-5)
+
+
+class IdlePositionsTest(tf.test.TestCase):
+    """A one-table model: only position 0 owns a shard, the other positions own none.
+
+    Their traced step never uses the ids the forward alltoall brings them; the
+    collective must still run there, or the owner waits for it forever.
+    """
+
+    ROWS, DIM, STEPS = 40, 4, 3
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def _start(self, world):
+        rng = np.random.default_rng(7)
+        n = LOCAL_BATCH * world * self.STEPS
+        return (rng.normal(0, 0.3, [self.ROWS, self.DIM]).astype(np.float32),
+                rng.normal(0, 0.3, [self.DIM, 1]).astype(np.float32),
+                rng.integers(0, self.ROWS, size=[n, 3]),
+                rng.integers(0, 2, size=[n, 1]).astype(np.float32))
+
+    def _reference(self, table, kernel, ids, labels, batch):
+        embedding = Embedding(self.ROWS, self.DIM, combiner="sum")
+        head = tf.keras.layers.Dense(1)
+        head(embedding(tf.constant(ids[:1])))
+        embedding.set_weights([table])
+        head.set_weights([kernel, np.zeros([1], np.float32)])
+        optimizer = tf.keras.optimizers.SGD(0.5)
+        variables = embedding.trainable_variables + head.trainable_variables
+        loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
+        for step in range(len(ids) // batch):
+            part = slice(step * batch, (step + 1) * batch)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels[part], head(embedding(tf.constant(ids[part]))))
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return [v.numpy() for v in variables]
+
+    def test_fit_and_traced_loop_when_positions_own_no_shard(self):
+        world = tfhybrid.init(model_parallel=1).size
+        mesh_lib._reset_for_tests()
+        table, kernel, ids, labels = self._start(world)
+        want = self._reference(table, kernel, ids, labels, LOCAL_BATCH * world)
+        for model_parallel in (world, world // 2):
+            for how in ("fit", "tf.function"):
+                with self.subTest(model_parallel=model_parallel, how=how):
+                    mesh = tfhybrid.init(model_parallel=model_parallel)
+                    local_ids = ids[mesh.rank::mesh.size]
+                    local_labels = labels[mesh.rank::mesh.size]
+                    embedding = DistributedEmbedding(
+                        [Embedding(self.ROWS, self.DIM, combiner="sum", name="only")],
+                        mesh=mesh)
+                    head = tf.keras.layers.Dense(1)
+                    optimizer = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.5))
+                    inputs = tf.keras.Input([3], dtype=tf.int64)
+                    model = tf.keras.Model(inputs, head(embedding([inputs])[0]))
+                    embedding.set_weights([table])
+                    head.set_weights([kernel, np.zeros([1], np.float32)])
+                    if how == "fit":
+                        model.compile(optimizer=optimizer,
+                                      loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
+                        model.fit(local_ids, local_labels, batch_size=LOCAL_BATCH,
+                                  shuffle=False, verbose=0)
+                    else:
+                        @tf.function
+                        def step(x, y):
+                            return click_train_step(embedding, head, optimizer, [x], y)
+
+                        for i in range(self.STEPS):
+                            part = slice(i * LOCAL_BATCH, (i + 1) * LOCAL_BATCH)
+                            step(tf.constant(local_ids[part]), tf.constant(local_labels[part]))
+                    got = embedding.get_weights(all_ranks=True) + head.get_weights()
+                    for value, expected in zip(got, want):
+                        self.assertAllClose(value, expected, atol=1e-5, rtol=1e-5)
+                mesh_lib._reset_for_tests()
 
 
 class StepsTest(tf.test.TestCase):

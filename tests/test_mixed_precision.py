@@ -127,6 +127,110 @@ class MixedPrecisionTest(tf.test.TestCase):
         self.assertAllClose(losses["mixed_float16"], losses["float32"], atol=1e-2)
         self.assertAllClose(losses["mixed_bfloat16"], losses["float32"], atol=1e-2)
 
+    def test_fit_with_idle_positions_skips_overflow_everywhere_and_tracks_float32(self):
+        # One table lives on position 0, so every other position owns no shard: their
+        # traced train step ignores the ids the forward alltoall brings them, and this
+        # fit used to hang there. The last rank's first batch overflows float16 (sample
+        # weight 1e4 at loss scale 2**15), so every rank must skip step 1 and halve its
+        # scale; steps 2..STEPS must then match float32 training on the global batches.
+        world = _world()
+        steps, local_batch, rows, dim = 4, 8, 40, 4
+        rng = np.random.default_rng(11)
+        table = rng.normal(0, 0.3, [rows, dim]).astype(np.float32)
+        kernel = rng.normal(0, 0.3, [dim, 1]).astype(np.float32)
+        bias = np.zeros([1], np.float32)
+        ids = rng.integers(0, rows, size=[steps * local_batch * world, 3])
+        labels = rng.integers(0, 2, size=[steps * local_batch * world, 1]).astype(np.float32)
+
+        def make_inner():
+            # initial_accumulator_value > 0 keeps each update a smooth function of its
+            # gradient, so float16 rounding moves the weights by a bounded amount
+            return tfhybrid.optimizers.RowWiseAdagrad(0.1, initial_accumulator_value=0.1)
+
+        want = self._float32_reference(make_inner(), table, kernel, bias, ids, labels,
+                                       first_step=1, batch=local_batch * world)
+        for model_parallel in sorted({world, world // 2} - {1}, reverse=True):
+            with self.subTest(model_parallel=model_parallel):
+                tf.keras.mixed_precision.set_global_policy("mixed_float16")
+                mesh = tfhybrid.init(model_parallel=model_parallel)
+                x = {"ids": ids[mesh.rank::mesh.size]}
+                y = labels[mesh.rank::mesh.size]
+                weight = np.ones([len(y)], np.float32)
+                if mesh.rank == mesh.size - 1:
+                    weight[:local_batch] = 1e4
+                model = self._one_table_model(mesh, rows, dim)
+                model.layers[1].set_weights([table])
+                model.layers[2].set_weights([kernel, bias])
+                optimizer = tfhybrid.DistributedOptimizer(
+                    tf.keras.mixed_precision.LossScaleOptimizer(make_inner(),
+                                                                initial_scale=2**15),
+                    mesh=mesh)
+                model.compile(optimizer=optimizer,
+                              loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
+                trace = []  # (loss, loss scale, iterations) after each batch
+
+                def after_batch(batch, logs, trace=trace, optimizer=optimizer):
+                    trace.append((float(logs["loss"]), float(optimizer.loss_scale),
+                                  int(optimizer.iterations)))
+
+                record = tf.keras.callbacks.LambdaCallback(on_train_batch_end=after_batch)
+                model.fit(x, y, sample_weight=weight, batch_size=local_batch, epochs=1,
+                          shuffle=False, verbose=0, callbacks=[record])
+
+                self.assertLen(trace, steps)
+                self.assertTrue(all(np.isfinite(loss) for loss, _, _ in trace), trace)
+                # one skip, on every rank: the scale halves once and never grows back
+                self.assertEqual([s for _, s, _ in trace], [2.0**14] * steps)
+                self.assertEqual([i for _, _, i in trace], list(range(1, steps + 1)))
+                full_table, = model.layers[1].get_weights(all_ranks=True)
+                dense = model.layers[2].get_weights()
+                everyone = hvd.allgather_object((full_table, dense, trace))
+                for other_table, other_dense, other_trace in everyone:
+                    # ranks hold the same weights bit for bit, not merely close ones
+                    np.testing.assert_array_equal(other_table, full_table)
+                    for got, mine in zip(other_dense, dense):
+                        np.testing.assert_array_equal(got, mine)
+                    self.assertEqual([s for _, s, _ in other_trace],
+                                     [s for _, s, _ in trace])
+                # Gradients here stay below 0.1, and float16 keeps them to ~2**-11 relative
+                # per rounding, a few roundings deep. With accumulators >= 0.1 an update
+                # errs by at most lr / sqrt(0.1) = 0.32 times its gradient's error: about
+                # 1e-4 over the 3 applied steps (measured: 3e-5). The weights move 5e-3
+                # (table) to 5e-2 (head) in those steps, and the 1e4-weighted step, applied
+                # anywhere, would move them ~0.1 or make them NaN.
+                for got, ref in zip([full_table] + dense, want):
+                    self.assertAllClose(got, ref, atol=3e-4, rtol=0)
+            mesh_lib._reset_for_tests()
+
+    @staticmethod
+    def _one_table_model(mesh, rows, dim):
+        ids = tf.keras.Input([3], dtype=tf.int64, name="ids")
+        embedded, = DistributedEmbedding(
+            [Embedding(rows, dim, combiner="sum", name="only")], mesh=mesh)([ids])
+        logits = tf.keras.layers.Dense(1)(embedded)
+        # the loss in float32, as Keras recommends under mixed_float16
+        logits = tf.keras.layers.Activation("linear", dtype="float32")(logits)
+        return tf.keras.Model(ids, logits)
+
+    @staticmethod
+    def _float32_reference(optimizer, table, kernel, bias, ids, labels, first_step, batch):
+        """Single-process float32 training on global batches first_step.. (0-based)."""
+        tf.keras.mixed_precision.set_global_policy("float32")
+        embedding = Embedding(*table.shape, combiner="sum", name="reference_table")
+        head = tf.keras.layers.Dense(1, name="reference_head")
+        embedding(tf.constant(ids[:1]))
+        head(tf.zeros([1, table.shape[1]]))
+        embedding.set_weights([table])
+        head.set_weights([kernel, bias])
+        variables = embedding.trainable_variables + head.trainable_variables
+        loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
+        for step in range(first_step, len(ids) // batch):
+            part = slice(step * batch, (step + 1) * batch)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(labels[part], head(embedding(tf.constant(ids[part]))))
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return [v.numpy() for v in variables]
+
     def _id_bytes(self, layer):
         # header + ids this rank sent: what the plan counts as (L + n) * 4 per remote route
         plan = layer.plan

@@ -112,6 +112,32 @@ def collective_name(base: str) -> str:
     return tf.compat.v1.get_default_graph().unique_name(base, mark_as_used=True).replace("/", "_")
 
 
+def _must_run(*tensors: Any) -> None:
+    """Makes the traced function run the Horovod collectives behind ``tensors``.
+
+    Horovod registers its collectives as stateless ops, so a ``tf.function`` drops one
+    whose result this rank never uses, while the ranks that use it wait for it forever:
+    a model position that owns no shard ignores the ids the forward alltoall brings it.
+    The function's automatic control dependencies keep the op as an independent side
+    effect instead: it runs before the function returns, in any order. Eager ops always
+    run.
+    """
+    if tf.executing_eagerly():
+        return
+    manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+    if manager is None:  # a TF1 graph runs what the session fetches; nothing to mark
+        return
+    ops = {}
+    for tensor in tf.nest.flatten(tensors):
+        # marking whatever op came out would leave the collective itself prunable
+        if not tensor.op.type.startswith("Horovod"):
+            raise ValueError(f"_must_run got {tensor.name!r}, made by a {tensor.op.type!r} "
+                             "op; expected the output of a Horovod collective")
+        ops[tensor.op.name] = tensor.op
+    for name in sorted(ops):
+        manager.run_independently(ops[name])
+
+
 def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size: int,
              name: str, differentiable: bool = False):
     """``hvd.alltoall`` with a rank-independent name; skips the collective in a group of one.
@@ -141,8 +167,12 @@ def _bits_alltoall(x, splits, process_set, name):
     if x.dtype == tf.bfloat16:
         received, received_splits = hvd.alltoall(tf.bitcast(x, tf.int16), splits=splits,
                                                  name=name, process_set=process_set)
+        _must_run(received)
         return tf.bitcast(received, tf.bfloat16), received_splits
-    return hvd.alltoall(x, splits=splits, name=name, process_set=process_set)
+    received, received_splits = hvd.alltoall(x, splits=splits, name=name,
+                                             process_set=process_set)
+    _must_run(received)
+    return received, received_splits
 
 
 def _alltoall_with_named_gradient(tensor, splits, process_set, name):
@@ -166,8 +196,10 @@ def allgather(tensor: tf.Tensor, group_size: int, name: str,
     """``hvd.allgather`` (global by default) that skips the collective in a group of one."""
     if group_size == 1:
         return tensor
-    return hvd.allgather(tensor, name=collective_name(name),
-                         process_set=process_set or hvd.global_process_set)
+    gathered = hvd.allgather(tensor, name=collective_name(name),
+                             process_set=process_set or hvd.global_process_set)
+    _must_run(gathered)
+    return gathered
 
 
 def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
@@ -215,6 +247,7 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                 values = hvd.allgather(values, name=name + "_values", process_set=process_set)
                 indices = hvd.allgather(indices, name=name + "_indices",
                                         process_set=process_set)
+                _must_run(values, indices)
             reduced[i] = tf.IndexedSlices(values * tf.cast(scale, values.dtype), indices,
                                           grad.dense_shape)
             continue
@@ -226,12 +259,14 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
         dense_groups.setdefault(key, (process_set, []))[1].append(i)
     for key in sorted(dense_groups):
         process_set, members = dense_groups[key]
-        _count("allreduce", sum(grads[i].shape.num_elements() * grads[i].dtype.size
+        # the variable's shape: a densified IndexedSlices has no static shape
+        _count("allreduce", sum(variables[i].shape.num_elements() * grads[i].dtype.size
                                 for i in members))
         summed = hvd.grouped_allreduce(
             [tf.convert_to_tensor(grads[i]) for i in members], op=hvd.Sum,
             postscale_factor=scale, process_set=process_set,
             name=collective_name(f"tfhybrid_sync_{key}"))
+        _must_run(summed)
         for i, value in zip(members, summed):
             reduced[i] = value
     return reduced
@@ -292,6 +327,7 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
     averaged = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in state], op=hvd.Average,
                                      process_set=mesh.data_process_set,
                                      name=collective_name("tfhybrid_weight_sync"))
+    _must_run(averaged)
     _count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state))
     for var, value in zip(state, averaged):
         var.assign(value)
@@ -383,6 +419,7 @@ def _agree_on_overflow(grads: list, mesh: mesh_lib.Mesh) -> list:
         g.values if isinstance(g, tf.IndexedSlices) else g)) for g in present])
     everywhere = hvd.allreduce(tf.cast(finite, tf.float32), op=hvd.Min,
                                name=collective_name("tfhybrid_all_finite"))
+    _must_run(everywhere)
     poison = tf.where(everywhere > 0, 0.0, float("nan"))
     return [None if g is None else _plus(g, poison) for g in grads]
 

@@ -77,7 +77,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     Args:
       embeddings: ``tf.keras.layers.Embedding`` or ``tfhybrid.layers.Embedding`` layers,
-        one per table (their weights are not used; they carry the configuration).
+        one per table (their weights are not used; they carry the configuration). A
+        seeded uniform or normal ``embeddings_initializer`` gives the same initial tables
+        on every mesh, so runs on different meshes start from the same point.
       mesh: a ``tfhybrid.Mesh``; ``None`` takes ``tfhybrid.init()``'s mesh.
       strategy, column_slice_threshold, row_slice_threshold, data_parallel_threshold:
         the planner's options (see ``tfhybrid.planner.plan_sharding``), named as in
@@ -193,7 +195,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             if placement.kind == "data_parallel":
                 self._table_vars[t] = self.add_weight(
                     name=table.name, shape=[table.rows, table.dim],
-                    initializer=table.initializer, dtype=tf.float32,
+                    initializer=_slice_initializer(table, placement.shards[0]),
+                    dtype=tf.float32,
                     experimental_autocast=False)
                 distributed.mark_sparse_sync(self._table_vars[t], planner.sync_is_sparse(
                     table.rows, table.dim, ids_per_step))
@@ -206,7 +209,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 var = self.add_weight(
                     name=f"{table.name}/shard_{s}",
                     shape=[shard.row_end - shard.row_start, shard.col_end - shard.col_start],
-                    initializer=table.initializer, dtype=tf.float32,
+                    initializer=_slice_initializer(table, shard), dtype=tf.float32,
                     experimental_autocast=False)
                 distributed.mark_model_parallel(
                     var, mesh, self.sync_every if self.replica_sync == "weights" else None)
@@ -525,6 +528,43 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             tf.keras.layers.deserialize(e, custom_objects={"Embedding": Embedding})
             for e in config["embeddings"]]
         return cls(**config)
+
+
+# Seeded tables are drawn in blocks of this many rows, each from its own seed, so any
+# shard's slice can be drawn alone and equals the same slice of the whole table.
+_INIT_BLOCK_ROWS = 4096
+_SHAPE_FREE_INITIALIZERS = (tf.keras.initializers.RandomUniform,
+                            tf.keras.initializers.RandomNormal,
+                            tf.keras.initializers.TruncatedNormal)
+
+
+def _slice_initializer(table: _Table, shard: planner.Shard) -> Any:
+    """The shard's slice of the table's initial value, the same on every mesh.
+
+    Only for seeded initializers whose values do not depend on the shape (uniform and
+    normal ones); any other initializer is applied to the shard itself, which gives
+    different (equally distributed) values on different meshes.
+    """
+    config = table.initializer.get_config()
+    if (not isinstance(table.initializer, _SHAPE_FREE_INITIALIZERS)
+            or config.get("seed") is None):
+        return table.initializer
+
+    def initial_value(shape, dtype=tf.float32, **kwargs):
+        blocks = []
+        first = shard.row_start // _INIT_BLOCK_ROWS
+        for block in range(first, -(-shard.row_end // _INIT_BLOCK_ROWS)):
+            start = block * _INIT_BLOCK_ROWS
+            rows = min(_INIT_BLOCK_ROWS, table.rows - start)
+            seeded = type(table.initializer).from_config(
+                dict(config, seed=(int(config["seed"]) * 1_000_003 + block) % (2**31 - 1)))
+            values = seeded([rows, table.dim], dtype=dtype)
+            blocks.append(values[max(shard.row_start, start) - start:
+                                 min(shard.row_end, start + rows) - start,
+                                 shard.col_start:shard.col_end])
+        return tf.concat(blocks, axis=0) if len(blocks) > 1 else blocks[0]
+
+    return initial_value
 
 
 def _chunks(rows: int, width: int):

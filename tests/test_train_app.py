@@ -1,0 +1,144 @@
+"""The training app end to end: `python -m tfhybrid.train` in one process and on a 2x2 mesh.
+
+Runs the CLI as a user would (one process, and `horovodrun -np 4` with
+`--model_parallel=2`), then checks AUC parity, checkpoint restore onto a different mesh
+through `--restore`, and the exported SavedModels. The runs are small (a few dozen steps
+of a small DLRM on synthetic data) so the module stays within a couple of minutes.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+from tests.runner import TEST_ENV
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
+
+# N steps of the parity check, and the rest of the run's shape
+PARITY_STEPS = 60
+COMMON_FLAGS = ["--model=dlrm", "--dataset=synthetic", f"--steps={PARITY_STEPS}",
+                "--batch_size=512", "--eval_batches=32", "--embedding_dim=8",
+                "--bottom_mlp_dims=32,8", "--top_mlp_dims=32,16,1", "--learning_rate=0.5",
+                "--max_table_rows=20000", "--row_slice_threshold=40000",
+                "--data_parallel_threshold=200", "--warmup_steps=2"]
+
+
+def _cli(flags, np_=1, timeout=420):
+    env = dict(os.environ, **TEST_ENV)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    command = [PYTHON, "-m", "tfhybrid.train"] + flags
+    if np_ > 1:
+        command = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+                   "--start-timeout", "60"] + command
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    return done
+
+
+class TrainAppTest(tf.test.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.work = tempfile.mkdtemp(prefix="tfhybrid-app-")
+        cls.runs = {}
+        for name, np_, extra in [("one", 1, []), ("mesh", 4, ["--model_parallel=2"])]:
+            out = os.path.join(cls.work, name)
+            done = _cli(COMMON_FLAGS + extra + [
+                f"--metrics_json={out}.json", f"--export_dir={out}_export",
+                f"--checkpoint_dir={out}_ckpt"], np_=np_)
+            if done.returncode != 0:
+                raise AssertionError(f"the {name} run failed:\n{done.stdout[-3000:]}\n"
+                                     f"{done.stderr[-5000:]}")
+            with open(f"{out}.json") as f:
+                cls.runs[name] = (json.load(f), done.stdout)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.work, ignore_errors=True)
+        super().tearDownClass()
+
+    def test_auc_parity_one_process_vs_2x2(self):
+        one, mesh = self.runs["one"][0], self.runs["mesh"][0]
+        self.assertEqual(one["mesh"], [1, 1])
+        self.assertEqual(mesh["mesh"], [2, 2])
+        self.assertEqual(one["steps"], PARITY_STEPS)
+        self.assertEqual(one["eval_samples"], mesh["eval_samples"])
+        print(f"AUC after {PARITY_STEPS} steps: 1 process {one['auc']:.6f}, "
+              f"2x2 {mesh['auc']:.6f}, teacher {one['best_auc']:.4f}")
+        self.assertLessEqual(abs(one["auc"] - mesh["auc"]), 0.002)
+        # it learned: well above chance, and no better than the planted teacher allows
+        self.assertGreater(one["auc"], 0.6)
+        self.assertLess(one["auc"], one["best_auc"] + 0.01)
+
+    def test_rank0_prints_auc_and_throughput(self):
+        for name in ("one", "mesh"):
+            stdout = self.runs[name][1]
+            self.assertIn("eval: AUC", stdout)
+            self.assertIn("samples/s", stdout)
+            self.assertGreater(self.runs[name][0]["samples_per_second"], 0)
+        # only rank 0 prints the summary
+        self.assertEqual(self.runs["mesh"][1].count("eval: AUC"), 1)
+
+    def test_exported_models_agree_across_meshes(self):
+        rng = np.random.default_rng(0)
+        dense = tf.constant(rng.random([64, 13]), tf.float32)
+        # ids below 3: the smallest Criteo table has 3 rows
+        categorical = tf.constant(rng.integers(0, 3, [64, 26]), tf.int32)
+        outputs = []
+        for name in ("one", "mesh"):
+            loaded = tf.saved_model.load(os.path.join(self.work, f"{name}_export"))
+            outputs.append(loaded.signatures["serving_default"](
+                dense=dense, categorical=categorical)["probability"].numpy())
+        self.assertAllClose(outputs[0], outputs[1], atol=1e-5)
+        self.assertTrue(np.all((outputs[0] > 0) & (outputs[0] < 1)))
+
+    def test_restore_2x2_checkpoint_in_one_process(self):
+        # --steps=0: restore the 2x2 run's final checkpoint and only evaluate
+        out = os.path.join(self.work, "restored.json")
+        done = _cli(COMMON_FLAGS[:2] + ["--steps=0"] + COMMON_FLAGS[3:] + [
+            "--restore", f"--checkpoint_dir={self.work}/mesh_ckpt", f"--metrics_json={out}"])
+        self.assertEqual(done.returncode, 0, done.stderr[-5000:])
+        with open(out) as f:
+            restored = json.load(f)
+        self.assertEqual(restored["steps"], PARITY_STEPS)
+        self.assertAllClose(restored["auc"], self.runs["mesh"][0]["auc"], atol=1e-6)
+        self.assertAllClose(restored["logloss"], self.runs["mesh"][0]["logloss"], atol=1e-6)
+
+    def test_bad_flags_name_the_value(self):
+        done = _cli(["--model=dlrm", "--embedding_dim=16", "--bottom_mlp_dims=32,8"])
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("--bottom_mlp_dims=[32, 8]", done.stderr)
+        done = _cli(["--top_mlp_dims=8,x"])
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("--top_mlp_dims=8,x", done.stderr)
+
+
+class TrainConfigTest(tf.test.TestCase):
+
+    def test_validate_names_the_field(self):
+        from tfhybrid.train.app import TrainConfig, config_from_dict
+        cases = [(dict(model="wide"), "--model='wide'"),
+                 (dict(optimizer="lamb"), "--optimizer='lamb'"),
+                 (dict(batch_size=0), "--batch_size=0"),
+                 (dict(steps=-1), "--steps=-1"),
+                 (dict(learning_rate=float("nan")), "--learning_rate=nan"),
+                 (dict(restore=True), "--checkpoint_dir"),
+                 (dict(model_parallel=0), "--model_parallel=0")]
+        for values, message in cases:
+            with self.assertRaisesRegex(ValueError, message.replace("[", r"\[")):
+                TrainConfig(**values).validate()
+        with self.assertRaisesRegex(ValueError, "batchsize"):
+            config_from_dict({"batchsize": 4})
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,102 @@
+"""``python -m tfhybrid.train``: train DLRM or DCN-v2 in one process or under horovodrun.
+
+Examples::
+
+    python -m tfhybrid.train --model=dlrm --dataset=synthetic --steps=200
+    horovodrun -np 4 -H localhost:4 --gloo python -m tfhybrid.train \\
+        --model=dlrm --dataset=synthetic --model_parallel=2
+    python -m tfhybrid.train --model=dcnv2 --dataset=criteo_tsv --data_dir=/data/criteo
+    python -m tfhybrid.train --dataset=movielens --epochs=5 --optimizer=rowwise_adagrad
+
+Every flag is a field of ``tfhybrid.train.app.TrainConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from absl import app, flags
+
+from tfhybrid.train import app as train_app
+from tfhybrid.train import data as data_lib
+from tfhybrid.train.models import MODELS
+
+_DEFAULTS = train_app.TrainConfig()
+
+flags.DEFINE_enum("model", _DEFAULTS.model, list(MODELS), "Model to train.")
+flags.DEFINE_enum("dataset", _DEFAULTS.dataset, list(data_lib.DATASETS), "Input data.")
+flags.DEFINE_string("data_dir", None, "Folder of the dataset's files (criteo_tsv: see "
+                    "tfhybrid/train/data.py; movielens: fetched there on first use).")
+flags.DEFINE_integer("model_parallel", None, "M, ranks per model group; default all ranks.")
+flags.DEFINE_enum("layout", _DEFAULTS.layout, list(train_app.LAYOUTS), "Rank layout.")
+flags.DEFINE_enum("replica_sync", _DEFAULTS.replica_sync, list(train_app.REPLICA_SYNC),
+                  "Keep shard replicas in step by gradients (exact) or weights every K steps.")
+flags.DEFINE_integer("sync_every", _DEFAULTS.sync_every, "K for --replica_sync=weights.")
+flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, list(train_app.OPTIMIZERS), "Optimizer.")
+flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Learning rate.")
+flags.DEFINE_enum("mixed_precision", _DEFAULTS.mixed_precision,
+                  list(train_app.MIXED_PRECISION), "Compute precision.")
+flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the dense towers with XLA.")
+flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size.")
+flags.DEFINE_integer("steps", None, "Steps per epoch (default: one pass over file data; "
+                     "200 for synthetic data).")
+flags.DEFINE_integer("epochs", _DEFAULTS.epochs, "Epochs.")
+flags.DEFINE_integer("eval_batches", None, "Global eval batches (default: the whole split).")
+flags.DEFINE_integer("embedding_dim", _DEFAULTS.embedding_dim, "Embedding width.")
+flags.DEFINE_list("bottom_mlp_dims", [str(d) for d in _DEFAULTS.bottom_mlp_dims],
+                  "DLRM bottom MLP; must end in --embedding_dim.")
+flags.DEFINE_list("top_mlp_dims", [str(d) for d in _DEFAULTS.top_mlp_dims],
+                  "Top MLP (DLRM) or deep tower (DCN-v2); must end in 1.")
+flags.DEFINE_integer("num_cross_layers", _DEFAULTS.num_cross_layers, "DCN-v2 cross layers.")
+flags.DEFINE_integer("projection_dim", None, "DCN-v2 low-rank cross projection.")
+flags.DEFINE_integer("max_table_rows", _DEFAULTS.max_table_rows, "Caps every table's rows.")
+flags.DEFINE_float("cardinality_scale", _DEFAULTS.cardinality_scale,
+                   "Scales Criteo's table sizes (synthetic and criteo_tsv).")
+flags.DEFINE_integer("column_slice_threshold", None, "Planner: column-slice tables above "
+                     "this many elements.")
+flags.DEFINE_integer("row_slice_threshold", None, "Planner: row-slice tables above this.")
+flags.DEFINE_integer("data_parallel_threshold", None, "Planner: replicate tables below this.")
+flags.DEFINE_bool("skip_malformed", False, "criteo_tsv: count and skip malformed lines "
+                  "instead of failing.")
+flags.DEFINE_string("checkpoint_dir", None, "Checkpoint folder (shared by all ranks).")
+flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: only at the end).")
+flags.DEFINE_bool("restore", False, "Restore the latest checkpoint (any mesh) first.")
+flags.DEFINE_string("export_dir", None, "Write a single-process SavedModel here.")
+# --log_dir is absl.logging's own flag; the app writes its TensorBoard logs there (rank 0)
+flags.DEFINE_string("metrics_json", None, "Write the final figures as JSON here (rank 0).")
+flags.DEFINE_integer("warmup_steps", _DEFAULTS.warmup_steps, "Steps left out of samples/s.")
+flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the synthetic data and its teacher.")
+flags.DEFINE_integer("threads", None, "TF threads per rank (default: cores / local ranks).")
+
+FLAGS = flags.FLAGS
+
+
+def _ints(name: str) -> list[int]:
+    try:
+        return [int(v) for v in getattr(FLAGS, name)]
+    except ValueError:
+        raise app.UsageError(f"--{name}={','.join(getattr(FLAGS, name))} must be a "
+                             "comma-separated list of integers") from None
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    values = {f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(train_app.TrainConfig)}
+    values["bottom_mlp_dims"] = _ints("bottom_mlp_dims")
+    values["top_mlp_dims"] = _ints("top_mlp_dims")
+    values["log_dir"] = FLAGS.log_dir or None
+    if values["steps"] is None and FLAGS.dataset == "synthetic":
+        values["steps"] = 200
+    config = train_app.config_from_dict(values)
+    try:
+        config.validate()
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
+    train_app.run(config)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,362 @@
+"""The training application: one process or a horovodrun job, from a ``TrainConfig``.
+
+``python -m tfhybrid.train`` (``tfhybrid/train/__main__.py``) turns absl flags into a
+``TrainConfig`` and calls ``run``. ``run`` builds the mesh, the sharded input, the model
+and the distributed optimizer, trains with ``model.fit``, evaluates exactly over all
+ranks (AUC, log loss), and saves, restores and exports as asked. Rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Sequence
+
+from tfhybrid.train import data as data_lib
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "ms_rowwise_adagrad")
+MIXED_PRECISION = {"none": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
+LAYOUTS = ("model_major", "data_major")
+REPLICA_SYNC = ("gradients", "weights")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one run needs; the CLI flags map one to one onto these fields."""
+    model: str = "dlrm"
+    dataset: str = "synthetic"
+    data_dir: str | None = None
+    model_parallel: int | None = None          # None: every rank in one model group
+    layout: str = "model_major"
+    replica_sync: str = "gradients"
+    sync_every: int = 1
+    optimizer: str = "sgd"
+    learning_rate: float = 0.1
+    mixed_precision: str = "none"
+    xla: bool = False
+    batch_size: int = 1024                     # global
+    steps: int | None = None                   # per epoch; None: one pass (file datasets)
+    epochs: int = 1
+    eval_batches: int | None = None            # None: the dataset's whole eval split
+    embedding_dim: int = 16
+    bottom_mlp_dims: Sequence[int] = (64, 16)
+    top_mlp_dims: Sequence[int] = (64, 32, 1)
+    num_cross_layers: int = 3
+    projection_dim: int | None = None
+    max_table_rows: int | None = 100_000
+    cardinality_scale: float = 1e-3
+    column_slice_threshold: int | None = None
+    row_slice_threshold: int | None = None
+    data_parallel_threshold: int | None = None
+    skip_malformed: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0                  # steps; 0: only at the end
+    restore: bool = False
+    export_dir: str | None = None
+    log_dir: str | None = None
+    metrics_json: str | None = None
+    warmup_steps: int = 5
+    seed: int = 0
+    threads: int | None = None                 # per rank; None: cores / local ranks
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field and what it expects."""
+        from tfhybrid.train.models import MODELS
+        choices = {"model": MODELS, "dataset": data_lib.DATASETS, "layout": LAYOUTS,
+                   "replica_sync": REPLICA_SYNC, "optimizer": OPTIMIZERS,
+                   "mixed_precision": tuple(MIXED_PRECISION)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name}={getattr(self, name)!r} is unknown; expected one "
+                                 f"of {', '.join(allowed)}")
+        positive = ["sync_every", "batch_size", "epochs", "embedding_dim", "num_cross_layers"]
+        optional_positive = ["model_parallel", "eval_batches", "max_table_rows",
+                             "projection_dim", "threads"]
+        for name in positive + optional_positive:
+            value = getattr(self, name)
+            if value is None and name in optional_positive:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name}={value!r} must be an integer >= 1")
+        # steps=0 evaluates (a restored checkpoint, say) without training
+        for name in ("checkpoint_every", "warmup_steps") + (
+                ("steps",) if self.steps is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"--{name}={value!r} must be an integer >= 0")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"--learning_rate={self.learning_rate!r} must be a finite "
+                             "number > 0")
+        if not self.cardinality_scale > 0:
+            raise ValueError(f"--cardinality_scale={self.cardinality_scale!r} must be > 0")
+        if (self.restore or self.checkpoint_every) and not self.checkpoint_dir:
+            raise ValueError("--restore and --checkpoint_every need --checkpoint_dir")
+        if self.model == "dlrm" and list(self.bottom_mlp_dims)[-1:] != [self.embedding_dim]:
+            raise ValueError(f"--bottom_mlp_dims={list(self.bottom_mlp_dims)} must end in "
+                             f"--embedding_dim={self.embedding_dim} for DLRM's dot "
+                             "interaction")
+
+
+def _configure_threads(config: TrainConfig) -> None:
+    import tensorflow as tf
+    local_ranks = int(os.environ.get("HOROVOD_LOCAL_SIZE", os.environ.get(
+        "OMPI_COMM_WORLD_LOCAL_SIZE", "1")))
+    # ranks on one node share its cores; more threads than cores only thrash
+    threads = config.threads or max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError:
+        pass  # the runtime already started (run() called twice in one process): keep it
+
+
+def _optimizer(config: TrainConfig):
+    import tensorflow as tf
+    from tfhybrid import optimizers
+    lr = config.learning_rate
+    if config.optimizer == "sgd":
+        # Keras 2.15's new SGD keeps a momentum slot for every variable even at momentum 0
+        # and updates it densely: a full pass over every table per step, and twice the
+        # memory. The legacy SGD scatters sparse gradients into the rows they touch.
+        return tf.keras.optimizers.legacy.SGD(lr)
+    if config.optimizer == "adagrad":
+        # an XLA-compiled update copies the whole table around its scatter
+        return tf.keras.optimizers.Adagrad(lr, jit_compile=False)
+    if config.optimizer == "rowwise_adagrad":
+        return optimizers.RowWiseAdagrad(lr)
+    return optimizers.MomentumScaledRowWiseAdagrad(lr)
+
+
+class _Throughput:
+    """Samples per second of the steps after the warm-up (compilation, first touches)."""
+
+    def __init__(self, global_batch: int, warmup: int):
+        import tensorflow as tf
+
+        outer = self
+
+        class Callback(tf.keras.callbacks.Callback):
+            def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+                outer.steps += 1
+                if outer.steps == warmup:
+                    outer.start = time.perf_counter()
+
+            def on_train_end(self, logs: dict | None = None) -> None:
+                outer.end = time.perf_counter()
+
+        self.callback = Callback()
+        self.global_batch = global_batch
+        self.steps = 0
+        self.warmup = warmup
+        self.start = self.end = None
+        if warmup == 0:
+            self.start = time.perf_counter()
+
+    def samples_per_second(self) -> float | None:
+        timed = self.steps - self.warmup
+        if self.start is None or self.end is None or timed <= 0:
+            return None
+        return timed * self.global_batch / (self.end - self.start)
+
+
+def _checkpoint_callback(config: TrainConfig, model, optimizer, mesh, first_step: int):
+    import tensorflow as tf
+    from tfhybrid.train import checkpoint
+
+    class Checkpoints(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.step = first_step
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            self.step += 1
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                checkpoint.save(config.checkpoint_dir, model, optimizer, self.step, mesh)
+
+    return Checkpoints()
+
+
+def _count_batches(dataset) -> int:
+    import tensorflow as tf
+    count = int(dataset.cardinality())
+    if count >= 0:
+        return count
+    return int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+
+
+def evaluate(model, dataset, mesh) -> dict:
+    """AUC and log loss over every rank's share of ``dataset``, computed exactly.
+
+    Every rank calls it; each returns the same figures.
+    """
+    import numpy as np
+    import tensorflow as tf
+    from tfhybrid import distributed
+    from tfhybrid.train import metrics
+
+    predict = tf.function(lambda features: model(features, training=False))
+    logits, labels = [], []
+    for features, batch_labels in dataset:
+        logits.append(predict(features).numpy().reshape(-1))
+        labels.append(batch_labels.numpy().reshape(-1))
+    local = np.stack([np.concatenate(logits), np.concatenate(labels)]).T.astype(np.float64)
+    everyone = distributed.allgather(tf.constant(local), mesh.size, "tfhybrid_eval").numpy()
+    probabilities = 1.0 / (1.0 + np.exp(-everyone[:, 0]))
+    return {"auc": metrics.roc_auc(everyone[:, 1], probabilities),
+            "logloss": metrics.log_loss(everyone[:, 1], probabilities),
+            "eval_samples": int(everyone.shape[0])}
+
+
+def run(config: TrainConfig) -> dict:
+    """Trains and evaluates as ``config`` says; returns (on every rank) the final figures."""
+    config.validate()
+    _configure_threads(config)
+    import tensorflow as tf
+
+    import tfhybrid
+    from tfhybrid import callbacks
+    from tfhybrid.train.models import build_model, example_batch, export_for_serving
+
+    tf.keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
+    mesh = tfhybrid.init(model_parallel=config.model_parallel, layout=config.layout)
+    data_options = dict(data_dir=config.data_dir, max_table_rows=config.max_table_rows,
+                        cardinality_scale=config.cardinality_scale, seed=config.seed)
+    spec = data_lib.dataset_spec(config.dataset, **data_options)
+    shard = dict(global_batch_size=config.batch_size, rank=mesh.rank, size=mesh.size,
+                 skip_malformed=config.skip_malformed, **data_options)
+
+    model_options = dict(
+        embedding_dim=config.embedding_dim, top_mlp_dims=list(config.top_mlp_dims),
+        xla=config.xla, seed=config.seed, embedding_options=dict(
+            column_slice_threshold=config.column_slice_threshold,
+            row_slice_threshold=config.row_slice_threshold,
+            data_parallel_threshold=config.data_parallel_threshold,
+            replica_sync=config.replica_sync, sync_every=config.sync_every))
+    if config.model == "dlrm":
+        model_options["bottom_mlp_dims"] = list(config.bottom_mlp_dims)
+    else:
+        model_options.update(num_cross_layers=config.num_cross_layers,
+                             projection_dim=config.projection_dim)
+    model = build_model(config.model, spec.table_rows, spec.dense_features, **model_options)
+    local_batch = config.batch_size // mesh.size
+    model(example_batch(model, local_batch))
+    optimizer = tfhybrid.DistributedOptimizer(_optimizer(config), mesh=mesh)
+    # jit_compile stays off: the collectives cannot be compiled (xla=True compiles towers)
+    model.compile(optimizer=optimizer,
+                  loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
+                  jit_compile=False)
+    # the slots must exist before a restore can fill them
+    optimizer.build(model.trainable_variables)
+
+    if config.checkpoint_dir:
+        from tfhybrid.train import checkpoint
+    first_step = 0
+    if config.restore:
+        if checkpoint.latest(config.checkpoint_dir) is None:
+            raise FileNotFoundError(f"--restore: no checkpoint in --checkpoint_dir="
+                                    f"{config.checkpoint_dir!r}")
+        first_step = checkpoint.restore(config.checkpoint_dir, model, optimizer, mesh)
+
+    train = data_lib.make_dataset(config.dataset, "train", **shard)
+    parse_stats = getattr(train, "parse_stats", None)
+    if config.steps is None:
+        if int(train.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+            raise ValueError(f"--dataset={config.dataset!r} is endless; give --steps")
+        steps = _count_batches(train)
+        # one whole pass: its count is the file's, however many epochs re-read it
+        malformed = parse_stats.malformed if parse_stats else 0
+        if steps == 0:
+            raise ValueError(f"--dataset={config.dataset!r} has fewer training samples than "
+                             f"one global batch of --batch_size={config.batch_size}")
+    else:
+        steps = config.steps
+        malformed = None
+    # a restored run continues with the batches it has not seen
+    train = train.repeat().skip(first_step).prefetch(2)
+
+    throughput = _Throughput(config.batch_size, min(config.warmup_steps,
+                                                     max(0, steps * config.epochs - 1)))
+    fit_callbacks = callbacks.defaults(mesh) + [throughput.callback]
+    if config.checkpoint_dir:
+        fit_callbacks.append(_checkpoint_callback(config, model, optimizer, mesh, first_step))
+    if config.log_dir and mesh.rank == 0:
+        fit_callbacks.append(tf.keras.callbacks.TensorBoard(config.log_dir, update_freq=50))
+    if mesh.rank == 0:
+        print(f"tfhybrid.train: {config.model} on {config.dataset}, mesh {mesh.shape[0]}x"
+              f"{mesh.shape[1]} (D={mesh.data_parallel} replicas x M={mesh.model_parallel} "
+              f"model-parallel ranks), global batch {config.batch_size}, "
+              f"{steps} steps x {config.epochs} epochs, {config.mixed_precision}"
+              f"{', XLA towers' if config.xla else ''}", flush=True)
+        print(model.embedding.plan.describe() if hasattr(model.embedding, "plan")
+              and model.embedding.plan is not None else "", flush=True)
+    train_loss = None
+    if steps > 0:
+        history = model.fit(train, epochs=config.epochs, steps_per_epoch=steps,
+                            callbacks=fit_callbacks, verbose=callbacks.verbose(1, mesh))
+        train_loss = float(history.history["loss"][-1])
+    # weight-sync replicas must agree before they are evaluated or saved
+    tfhybrid.sync_replicas(model, optimizer.inner_optimizer
+                           if hasattr(optimizer, "inner_optimizer") else optimizer, mesh)
+    last_step = first_step + steps * config.epochs
+
+    eval_data = data_lib.make_dataset(config.dataset, "eval", num_batches=config.eval_batches,
+                                      **shard)
+    results = evaluate(model, eval_data, mesh)
+    results.update(
+        model=config.model, dataset=config.dataset, mesh=list(mesh.shape), steps=last_step,
+        global_batch=config.batch_size,
+        train_loss=train_loss,
+        samples_per_second=throughput.samples_per_second(), best_auc=spec.best_auc,
+        malformed_lines_skipped=malformed if malformed is not None else (
+            parse_stats.malformed if parse_stats else 0))
+    if config.checkpoint_dir:
+        results["checkpoint"] = checkpoint.save(config.checkpoint_dir, model, optimizer,
+                                                last_step, mesh)
+    if config.export_dir:
+        export_for_serving(model, config.export_dir, mesh.rank)
+        results["export_dir"] = config.export_dir
+    if mesh.rank == 0:
+        _report(results, config)
+    # Horovod shuts the job down when the first rank exits; a rank that finished early
+    # would break the collectives (export's gathers) that others are still running.
+    from tfhybrid import distributed
+    distributed.allgather(tf.zeros([1]), mesh.size, "tfhybrid_train_done")
+    return results
+
+
+def _report(results: dict, config: TrainConfig) -> None:
+    rate = results["samples_per_second"]
+    best = results["best_auc"]
+    loss = results["train_loss"]
+    print(f"steps {results['steps']}, global batch {results['global_batch']}, train loss "
+          f"{'n/a' if loss is None else f'{loss:.4f}'}, throughput "
+          f"{'n/a' if rate is None else f'{rate:,.0f} samples/s'}")
+    print(f"eval: AUC {results['auc']:.4f}, logloss {results['logloss']:.4f} over "
+          f"{results['eval_samples']:,} samples"
+          f"{'' if best is None else f' (the planted teacher reaches AUC {best:.4f})'}")
+    if results["malformed_lines_skipped"]:
+        print(f"skipped {results['malformed_lines_skipped']:,} malformed lines "
+              "(--skip_malformed)")
+    if config.log_dir:
+        import tensorflow as tf
+        with tf.summary.create_file_writer(os.path.join(config.log_dir, "eval")).as_default():
+            tf.summary.scalar("auc", results["auc"], step=results["steps"])
+            tf.summary.scalar("logloss", results["logloss"], step=results["steps"])
+    if config.metrics_json:
+        tmp = config.metrics_json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(tmp, config.metrics_json)
+
+
+def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+    """A ``TrainConfig`` from a dict, naming any unknown key."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown TrainConfig fields {unknown}; expected some of "
+                         f"{sorted(known)}")
+    return TrainConfig(**values)

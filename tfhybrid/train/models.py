@@ -1,0 +1,300 @@
+"""DLRM and DCN-v2 click models over a DistributedEmbedding.
+
+Both take the training app's batches, ``{"dense": float [b, n_dense], "categorical": int
+[b, n_tables]}``, and return click logits ``[b, 1]`` in float32 (also under mixed
+precision, so the loss is computed in float32).
+
+- **DLRM** (Naumov et al. 2019): bottom MLP over the dense features, one embedding per
+  categorical feature, the dot products of every pair of those vectors, top MLP.
+- **DCN-v2** (Wang et al. 2021): the dense features and all embeddings concatenated, a
+  stack of ``tfrs.layers.dcn.Cross`` layers, then a deep tower.
+
+``distributed=True`` shards the tables with ``tfhybrid.layers.DistributedEmbedding`` over
+the mesh; ``distributed=False`` holds whole ``tf.keras.layers.Embedding`` tables in one
+process (the serving copy that ``export_for_serving`` writes: no Horovod, no custom ops).
+``xla=True`` compiles the dense towers with XLA; the collectives stay outside.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_recommenders as tfrs
+
+from tfhybrid.layers.distributed_embedding import DistributedEmbedding
+from tfhybrid.layers.xla import XlaCompiled
+
+MODELS = ("dlrm", "dcnv2")
+
+
+def _check_dims(name: str, dims: Any, allow_empty: bool = False) -> list[int]:
+    dims = list(dims)
+    if (not dims and not allow_empty) or any(
+            isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
+        raise ValueError(f"{name}={dims!r} must be a list of positive ints")
+    return [int(d) for d in dims]
+
+
+def _seed(seed: int, name: str) -> int:
+    # every weight draws from its own seed, so the initial model is the same on every mesh
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
+
+
+def _mlp(dims: Sequence[int], name: str, last_linear: bool, seed: int) -> tf.keras.Sequential:
+    layers = [tf.keras.layers.Dense(
+        d, activation=None if last_linear and i == len(dims) - 1 else "relu",
+        kernel_initializer=tf.keras.initializers.GlorotUniform(_seed(seed, f"{name}_{i}")),
+        name=f"{name}_{i}") for i, d in enumerate(dims)]
+    return tf.keras.Sequential(layers, name=name)
+
+
+class _LocalTables(tf.keras.layers.Layer):
+    """Whole tables in one process, called like DistributedEmbedding (a list of [b] ids)."""
+
+    def __init__(self, tables: Sequence[tf.keras.layers.Embedding], **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tables = list(tables)
+
+    def call(self, ids):
+        return [table(x) for table, x in zip(self.tables, ids)]
+
+    def set_weights(self, weights):
+        for table, w in zip(self.tables, weights):
+            table.set_weights([w])
+
+
+class _DotInteraction(tf.keras.layers.Layer):
+    """DLRM's interaction: the dot products of every pair of feature vectors, and the
+    bottom MLP's output itself."""
+
+    def call(self, vectors):
+        stacked = tf.stack(vectors, axis=1)                        # [b, f, d]
+        f = len(vectors)
+        dots = tf.reshape(tf.matmul(stacked, stacked, transpose_b=True), [-1, f * f])
+        # the strictly lower triangle: each unordered pair once, no self products
+        pairs = [i * f + j for i in range(f) for j in range(i)]
+        return tf.concat([vectors[0], tf.gather(dots, pairs, axis=1)], axis=1)
+
+
+class _ClickModel(tf.keras.Model):
+    """Shared by both models: the config, the embeddings and the float32 logits."""
+
+    def __init__(self, table_rows: Sequence[int], dense_features: int, embedding_dim: int,
+                 top_mlp_dims: Sequence[int] = (1024, 1024, 512, 256, 1),
+                 distributed: bool = True, xla: bool = False,
+                 embedding_options: dict | None = None, seed: int = 0, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.table_rows = _check_dims("table_rows", table_rows)
+        if isinstance(dense_features, bool) or not isinstance(dense_features, int) \
+                or dense_features < 0:
+            raise ValueError(f"dense_features={dense_features!r} must be an int >= 0")
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) \
+                or embedding_dim < 1:
+            raise ValueError(f"embedding_dim={embedding_dim!r} must be an int >= 1")
+        top = _check_dims("top_mlp_dims", top_mlp_dims)
+        if top[-1] != 1:
+            raise ValueError(f"top_mlp_dims={top} must end in 1 (the logit)")
+        self.top_mlp_dims = top
+        self.dense_features = dense_features
+        self.embedding_dim = embedding_dim
+        self.distributed = bool(distributed)
+        self.xla = bool(xla)
+        self.embedding_options = dict(embedding_options or {})
+        self.seed = int(seed)
+        tables = [tf.keras.layers.Embedding(
+            rows, embedding_dim, name=f"table_{t}",
+            embeddings_initializer=tf.keras.initializers.RandomUniform(
+                -0.05, 0.05, seed=_seed(self.seed, f"table_{t}")))
+            for t, rows in enumerate(self.table_rows)]
+        if self.distributed:
+            self.embedding = DistributedEmbedding(tables, name="embedding",
+                                                  **self.embedding_options)
+        else:
+            self.embedding = _LocalTables(tables, name="embedding")
+        self.top_mlp = self._compiled(_mlp(self.top_mlp_dims, "top_mlp", last_linear=True,
+                                           seed=self.seed))
+        # under mixed precision the logits still leave in float32
+        self.logits = tf.keras.layers.Activation("linear", dtype="float32", name="logits")
+
+    def _compiled(self, layer: tf.keras.layers.Layer) -> tf.keras.layers.Layer:
+        return XlaCompiled(layer, name=f"xla_{layer.name}") if self.xla else layer
+
+    def _embed(self, inputs) -> list:
+        categorical = inputs["categorical"]
+        if categorical.shape.rank != 2 or categorical.shape[1] != len(self.table_rows):
+            raise ValueError(f"inputs['categorical'] has shape {categorical.shape}; expected "
+                             f"[batch, {len(self.table_rows)}]")
+        return self.embedding(tf.unstack(categorical, axis=1))
+
+    def get_config(self) -> dict:
+        return {"table_rows": list(self.table_rows), "dense_features": self.dense_features,
+                "embedding_dim": self.embedding_dim, "top_mlp_dims": list(self.top_mlp_dims),
+                "distributed": self.distributed, "xla": self.xla,
+                "embedding_options": dict(self.embedding_options), "seed": self.seed,
+                "name": self.name}
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects=None) -> "_ClickModel":
+        return cls(**config)
+
+
+class DLRM(_ClickModel):
+    """DLRM: bottom MLP, (distributed) embeddings, dot interaction, top MLP.
+
+    Example (one process)::
+
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.train.models import DLRM
+        tfhybrid.init(model_parallel=1)
+        model = DLRM(table_rows=[100, 20], dense_features=3, embedding_dim=4,
+                     bottom_mlp_dims=[8, 4], top_mlp_dims=[8, 1])
+        logits = model({"dense": tf.ones([2, 3]), "categorical": tf.constant([[1, 2], [3, 4]])})
+        assert logits.shape == (2, 1)
+    """
+
+    def __init__(self, table_rows: Sequence[int], dense_features: int, embedding_dim: int,
+                 bottom_mlp_dims: Sequence[int] = (512, 256, 128), **kwargs: Any):
+        super().__init__(table_rows, dense_features, embedding_dim, **kwargs)
+        bottom = _check_dims("bottom_mlp_dims", bottom_mlp_dims)
+        if bottom[-1] != embedding_dim:
+            raise ValueError(f"bottom_mlp_dims={bottom} must end in "
+                             f"embedding_dim={embedding_dim}: the dot interaction multiplies "
+                             "its output with the embeddings")
+        self.bottom_mlp_dims = bottom
+        self.bottom_mlp = self._compiled(_mlp(self.bottom_mlp_dims, "bottom_mlp",
+                                              last_linear=False, seed=self.seed))
+        self.interaction = self._compiled(_DotInteraction(name="interaction"))
+
+    def call(self, inputs, training=None):
+        embedded = self._embed(inputs)
+        bottom = self.bottom_mlp(tf.cast(inputs["dense"], self.compute_dtype), training=training)
+        interacted = self.interaction([bottom] + list(embedded))
+        return self.logits(self.top_mlp(interacted, training=training))
+
+    def get_config(self) -> dict:
+        return dict(super().get_config(), bottom_mlp_dims=list(self.bottom_mlp_dims))
+
+
+class _CrossNetwork(tf.keras.layers.Layer):
+    def __init__(self, num_layers: int, projection_dim: int | None, seed: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.cross = [tfrs.layers.dcn.Cross(
+            projection_dim=projection_dim, name=f"cross_{i}",
+            kernel_initializer=tf.keras.initializers.GlorotUniform(_seed(seed, f"cross_{i}")))
+            for i in range(num_layers)]
+
+    def call(self, x0):
+        x = x0
+        for layer in self.cross:
+            x = layer(x0, x)
+        return x
+
+
+class DCNv2(_ClickModel):
+    """DCN-v2: dense features and embeddings concatenated, cross layers, deep tower.
+
+    Example (one process)::
+
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.train.models import DCNv2
+        tfhybrid.init(model_parallel=1)
+        model = DCNv2(table_rows=[100, 20], dense_features=3, embedding_dim=4,
+                      num_cross_layers=2, top_mlp_dims=[8, 1])
+        logits = model({"dense": tf.ones([2, 3]), "categorical": tf.constant([[1, 2], [3, 4]])})
+        assert logits.shape == (2, 1)
+    """
+
+    def __init__(self, table_rows: Sequence[int], dense_features: int, embedding_dim: int,
+                 num_cross_layers: int = 3, projection_dim: int | None = None,
+                 **kwargs: Any):
+        super().__init__(table_rows, dense_features, embedding_dim, **kwargs)
+        if isinstance(num_cross_layers, bool) or not isinstance(num_cross_layers, int) \
+                or num_cross_layers < 1:
+            raise ValueError(f"num_cross_layers={num_cross_layers!r} must be an int >= 1")
+        if projection_dim is not None and (not isinstance(projection_dim, int)
+                                           or projection_dim < 1):
+            raise ValueError(f"projection_dim={projection_dim!r} must be None or an int >= 1")
+        self.num_cross_layers = num_cross_layers
+        self.projection_dim = projection_dim
+        self.cross_network = self._compiled(_CrossNetwork(num_cross_layers, projection_dim,
+                                                          self.seed, name="cross_network"))
+
+    def call(self, inputs, training=None):
+        embedded = self._embed(inputs)
+        x0 = tf.concat([tf.cast(inputs["dense"], self.compute_dtype)] + list(embedded), axis=1)
+        return self.logits(self.top_mlp(self.cross_network(x0), training=training))
+
+    def get_config(self) -> dict:
+        return dict(super().get_config(), num_cross_layers=self.num_cross_layers,
+                    projection_dim=self.projection_dim)
+
+
+def build_model(model: str, table_rows: Sequence[int], dense_features: int, **kwargs: Any
+                ) -> _ClickModel:
+    """``DLRM`` or ``DCNv2`` by name (``"dlrm"`` / ``"dcnv2"``); ``kwargs`` go to its class."""
+    if model == "dlrm":
+        return DLRM(table_rows, dense_features, **kwargs)
+    if model == "dcnv2":
+        return DCNv2(table_rows, dense_features, **kwargs)
+    raise ValueError(f"model={model!r} is unknown; expected one of {MODELS}")
+
+
+def example_batch(model: _ClickModel, batch: int = 1) -> dict:
+    """A batch of zeros of the model's input structure (builds a model by calling it)."""
+    return {"dense": tf.zeros([batch, model.dense_features], tf.float32),
+            "categorical": tf.zeros([batch, len(model.table_rows)], tf.int32)}
+
+
+def _dense_layers(model: _ClickModel) -> list:
+    return [layer for layer in model.layers if layer is not model.embedding]
+
+
+def serving_copy(model: _ClickModel, tables: Sequence[np.ndarray]) -> _ClickModel:
+    """A one-process float32 copy of ``model`` with whole tables (no Horovod, no XLA).
+
+    ``tables`` are the full tables, e.g. ``model.embedding.get_weights()`` on rank 0.
+    """
+    policy = tf.keras.mixed_precision.global_policy()
+    tf.keras.mixed_precision.set_global_policy("float32")
+    try:
+        config = dict(model.get_config(), distributed=False, xla=False, embedding_options={})
+        copy = type(model).from_config(config)
+        copy(example_batch(copy))
+    finally:
+        tf.keras.mixed_precision.set_global_policy(policy)
+    copy.embedding.set_weights(tables)
+    for target, source in zip(_dense_layers(copy), _dense_layers(model)):
+        target.set_weights(source.get_weights())
+    return copy
+
+
+def export_for_serving(model: _ClickModel, export_dir: str, rank: int = 0) -> str | None:
+    """Writes a single-process SavedModel of ``model`` to ``export_dir`` (rank 0 only).
+
+    Every rank must call it (the full tables are gathered). The SavedModel's
+    ``serving_default`` signature takes ``dense`` and ``categorical`` and returns the
+    click probability; it loads with plain TensorFlow (``tf.saved_model.load``).
+    """
+    tables = model.embedding.get_weights() if model.distributed else [
+        t.get_weights()[0] for t in model.embedding.tables]
+    if rank != 0:
+        return None
+    copy = serving_copy(model, tables)
+
+    @tf.function(input_signature=[
+        tf.TensorSpec([None, copy.dense_features], tf.float32, name="dense"),
+        tf.TensorSpec([None, len(copy.table_rows)], tf.int32, name="categorical")])
+    def serve(dense, categorical):
+        logits = copy({"dense": dense, "categorical": categorical})
+        return {"probability": tf.sigmoid(logits), "logits": logits}
+
+    tf.saved_model.save(copy, export_dir, signatures={"serving_default": serve})
+    return export_dir
+
+
+__all__ = ["DLRM", "DCNv2", "MODELS", "build_model", "export_for_serving"]
