@@ -27,8 +27,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVIDIA_SAMPLES_PER_SECOND = {1: 11_800, 2: 8_900}
-DEFAULT_CASES = ("1x1:fp32", "1x1:fp32:xla", "1x1:bf16", "1x1:bf16:xla",
-                 "2x1:fp32", "2x1:bf16:xla", "1x2:fp32", "1x2:bf16:xla")
+DEFAULT_CASES = tuple(f"{mesh}:{precision}{xla}" for mesh in ("1x1", "2x1", "1x2")
+                      for precision in ("fp32", "bf16") for xla in ("", ":xla"))
 
 
 def _child(args) -> None:

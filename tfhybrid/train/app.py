@@ -248,8 +248,6 @@ def run(config: TrainConfig) -> dict:
     model.compile(optimizer=optimizer,
                   loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
                   jit_compile=False)
-    # the slots must exist before a restore can fill them
-    optimizer.build(model.trainable_variables)
 
     if config.checkpoint_dir:
         from tfhybrid.train import checkpoint
