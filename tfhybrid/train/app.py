@@ -162,6 +162,13 @@ class _Throughput:
         return timed * self.global_batch / (self.end - self.start)
 
 
+def _sync_replicas(model, optimizer, mesh) -> None:
+    """Averages weight-sync replicas (a no-op in gradient-sync mode), so that what is
+    evaluated or saved is the same on every replica."""
+    import tfhybrid
+    tfhybrid.sync_replicas(model, getattr(optimizer, "inner_optimizer", optimizer), mesh)
+
+
 def _checkpoint_callback(config: TrainConfig, model, optimizer, mesh, first_step: int):
     import tensorflow as tf
     from tfhybrid.train import checkpoint
@@ -174,6 +181,7 @@ def _checkpoint_callback(config: TrainConfig, model, optimizer, mesh, first_step
         def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
             self.step += 1
             if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                _sync_replicas(model, optimizer, mesh)
                 checkpoint.save(config.checkpoint_dir, model, optimizer, self.step, mesh)
 
     return Checkpoints()
@@ -295,9 +303,7 @@ def run(config: TrainConfig) -> dict:
         history = model.fit(train, epochs=config.epochs, steps_per_epoch=steps,
                             callbacks=fit_callbacks, verbose=callbacks.verbose(1, mesh))
         train_loss = float(history.history["loss"][-1])
-    # weight-sync replicas must agree before they are evaluated or saved
-    tfhybrid.sync_replicas(model, optimizer.inner_optimizer
-                           if hasattr(optimizer, "inner_optimizer") else optimizer, mesh)
+    _sync_replicas(model, optimizer, mesh)
     last_step = first_step + steps * config.epochs
 
     eval_data = data_lib.make_dataset(config.dataset, "eval", num_batches=config.eval_batches,
