@@ -33,7 +33,7 @@ def worker(args) -> None:
     import horovod.tensorflow as hvd
 
     import tfhybrid
-    from tfhybrid import distributed
+    from tfhybrid import collectives
     from tfhybrid.layers import DistributedEmbedding, Embedding
     from tfhybrid.train.step import click_train_step
 
@@ -50,7 +50,7 @@ def worker(args) -> None:
                 tf.constant(rng.integers(0, 2, size=[b, 1]).astype(np.float32)))
                for _ in range(4)]
     optimizer = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.01), mesh=mesh)
-    traffic = distributed.count_traffic()
+    traffic = collectives.count_traffic()
 
     def step(ids, labels):
         return click_train_step(layer, head, optimizer, ids, labels)

@@ -21,14 +21,28 @@ with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 so the tables (of every path) get tra
 huge pages. The "machine load from other processes" line tells whether the timings were
 taken on a quiet machine.
 
+--compare-builds times path (a) with the portable library (baseline x86-64 code, hot
+loops dispatched at run time to AVX2 / AVX-512) against a -march=native build of the
+same sources, built into a temporary folder. Two libraries registering the same ops
+cannot share a process, so each runs in its own worker process (same seed, same tables,
+same batches, same sequence of steps); the parent alternates between them for
+--ab-rounds rounds (the order flips every round), --ab-iters timed forward and train
+steps per build per round, and prints medians, spreads and the ratio portable / native.
+The workers' train-step losses are compared bitwise too (every dispatch level and build
+computes identical results). --native-lib / --portable-lib compare prebuilt libraries.
+
 Usage: python benchmarks/optimizer_apply.py [--threads 2] [--iters 15] [--paths a,b,c] [--thp]
+       python benchmarks/optimizer_apply.py --compare-builds [--ab-rounds 30] [--ab-iters 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,7 +73,23 @@ def parse_args():
     p.add_argument("--thp", action="store_true",
                    help="re-run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 so that large "
                         "allocations (the tables, for every path) use transparent huge pages")
-    return p.parse_args()
+    p.add_argument("--compare-builds", action="store_true",
+                   help="path (a): portable library vs a -march=native build of the same "
+                        "sources, in alternating worker processes")
+    p.add_argument("--ab-rounds", type=int, default=30,
+                   help="--compare-builds: rounds, each timing both builds (default 30)")
+    p.add_argument("--ab-iters", type=int, default=5,
+                   help="--compare-builds: timed forward and train steps per build per round")
+    p.add_argument("--portable-lib", type=Path,
+                   help="--compare-builds: this library instead of the portable build")
+    p.add_argument("--native-lib", type=Path,
+                   help="--compare-builds: this library instead of a fresh -march=native build")
+    p.add_argument("--worker-lib", type=Path, help=argparse.SUPPRESS)  # internal
+    args = p.parse_args()
+    for name in ("iters", "rounds", "ab_rounds", "ab_iters", "tables", "batch", "hotness"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 def _cpu_snapshot():
@@ -87,13 +117,11 @@ def _anon_huge_mb() -> float:
     return 0.0
 
 
-def main():
-    args = parse_args()
-    if args.thp and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-        env = dict(os.environ)
-        env["GLIBC_TUNABLES"] = ":".join(
-            x for x in (env.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1") if x)
-        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+LR, EPS = 0.01, 1e-8  # row-wise AdaGrad / Adagrad step of every path
+
+
+def _import_tf(args):
+    """Imports numpy and TensorFlow with the benchmark's thread settings."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import numpy as np
@@ -102,12 +130,271 @@ def main():
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     if args.inter_threads:
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_threads)
+    return np, tf
+
+
+def make_batches(args, np, tf, rng):
+    """--warmup + --iters batches: per table, ids [B, H] from a bounded Zipf (inverse
+    CDF), hot rows scattered by a per-table permutation."""
+    T, R, B, H = args.tables, args.rows, args.batch, args.hotness
+    k = np.arange(1, R + 1, dtype=np.float64)
+    cdf = np.cumsum(k ** -args.alpha)
+    cdf /= cdf[-1]
+    perms = [rng.permutation(R) for _ in range(T)]
+    batches = []
+    for _ in range(args.iters + args.warmup):
+        batches.append([tf.constant(perms[t][np.minimum(np.searchsorted(cdf, rng.random((B, H))),
+                                                        R - 1)], tf.int64)
+                        for t in range(T)])
+    return batches
+
+
+def make_tables(args, tf):
+    """The tables (seeded: equal in every process) and their row-wise accumulators."""
+    tables = [tf.Variable(tf.random.uniform([args.rows, args.dim], -0.05, 0.05, seed=t),
+                          name=f"table{t}") for t in range(args.tables)]
+    accums = [tf.Variable(tf.zeros([args.rows]), name=f"accum{t}") for t in range(args.tables)]
+    return tables, accums
+
+
+def make_loss_fn(tf, upstream):
+    """The loss of every path: sum over tables of <output, upstream>."""
+    def loss_fn(outs):
+        return tf.add_n([tf.reduce_sum(o * upstream) for o in outs])
+    return loss_fn
+
+
+def make_tfhybrid_fns(tf, co, tables, accums, upstream, use_op):
+    """(forward, train step) tf.functions of path (a) (use_op=True) or (b) (False)."""
+    T = len(tables)
+    loss_fn = make_loss_fn(tf, upstream)
+
+    @tf.function
+    def fwd(ids):
+        return [co.embedding_lookup_combine(tables[t], ids[t], "sum", use_custom_op=use_op)
+                for t in range(T)]
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            outs = [co.embedding_lookup_combine(tables[t], ids[t], "sum", use_custom_op=use_op)
+                    for t in range(T)]
+            loss = loss_fn(outs)
+        grads = tape.gradient(loss, tables)
+        for t in range(T):
+            co.rowwise_adagrad_apply(tables[t], accums[t], grads[t].indices, grads[t].values,
+                                     LR, EPS, use_custom_op=use_op)
+        return loss
+    return fwd, step
+
+
+# ---------------------------------------------------------------- --compare-builds
+
+_PROTOCOL = "@optimizer_apply "  # prefix of the worker's protocol lines on stdout
+
+
+def _send(kind, payload):
+    print(_PROTOCOL + kind + " " + json.dumps(payload), flush=True)
+
+
+def build_worker(args):
+    """One build's worker: loads --worker-lib, sets up the workload, then answers "run"
+    lines on stdin with the times of 1 + --ab-iters forward and train steps (the first
+    of each untimed: it re-warms caches after the other worker ran)."""
+    np, tf = _import_tf(args)
+    from tfhybrid import custom_ops as co
+    from tfhybrid.custom_ops import build as ops_build
+
+    co.library_path = str(args.worker_lib)  # before the first load
+    if not co.custom_ops_available():
+        raise RuntimeError(f"worker: cannot load {args.worker_lib}: {co._load_error}")  # pylint: disable=protected-access
+    rng = np.random.default_rng(args.seed)
+    batches = make_batches(args, np, tf, rng)
+    tables, accums = make_tables(args, tf)
+    upstream = tf.constant(rng.normal(0, 1, (args.batch, args.dim)).astype(np.float32))
+    fwd, step = make_tfhybrid_fns(tf, co, tables, accums, upstream, use_op=True)
+    for i in range(args.warmup):
+        fwd(batches[i])
+        step(batches[i])
+    _send("ready", {"isa": co.kernel_isa(), "march": ops_build.library_march(args.worker_lib)})
+    next_batch = 0
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            return 0
+        if command != "run":
+            raise ValueError(f"worker: unknown command {command!r} (expected run or quit)")
+        times = {"fwd": [], "step": []}
+        loss = None
+        for kind, fn in (("fwd", fwd), ("step", step)):
+            fn(batches[0])
+            for _ in range(args.ab_iters):
+                batch = batches[args.warmup + next_batch % args.iters]
+                next_batch += 1
+                t0 = time.perf_counter()
+                out = fn(batch)
+                times[kind].append(time.perf_counter() - t0)
+                if kind == "step":
+                    loss = out
+        _send("times", dict(times, loss=float(loss.numpy()).hex()))
+    raise RuntimeError("worker: stdin closed without quit")
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Worker:
+    def __init__(self, name, lib, args):
+        self.name, self.lib = name, lib
+        argv = [sys.executable, str(Path(__file__).resolve()), "--worker-lib", str(lib)]
+        for opt in ("threads", "inter_threads", "tables", "rows", "dim", "batch", "hotness",
+                    "alpha", "iters", "warmup", "seed", "ab_iters"):
+            argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+
+    def receive(self, kind):
+        for line in self.proc.stdout:
+            if line.startswith(_PROTOCOL):
+                got, payload = line[len(_PROTOCOL):].split(" ", 1)
+                if got != kind:
+                    raise RuntimeError(f"{self.name} worker sent {got!r}, expected {kind!r}")
+                return json.loads(payload)
+        raise RuntimeError(f"{self.name} worker ({self.lib}) exited with code "
+                           f"{self.proc.wait()} (its errors are above)")
+
+    def run(self):
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self.receive("times")
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def compare_builds(args):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import numpy as np
+    from tfhybrid.custom_ops import build as ops_build
+
+    print(f"tfhybrid optimizer_apply --compare-builds: {os.cpu_count()} CPUs "
+          f"({_cpu_model()}), intra-op threads {args.threads}")
+    print(f"workload: path (a) tfhybrid kernels, {args.tables} tables x {args.rows:,} x "
+          f"{args.dim} fp32, batch {args.batch}, {args.hotness} ids/sample/table, "
+          f"Zipf({args.alpha}), combiner sum, row-wise AdaGrad")
+    tmp = Path(tempfile.mkdtemp(prefix="tfhybrid-bench-builds-"))
+    workers = []
+    try:
+        libs = {}
+        for name, given, native in (("portable", args.portable_lib, False),
+                                    ("native", args.native_lib, True)):
+            if given is not None:
+                libs[name] = given
+                continue
+            if not native and ops_build.is_up_to_date(ops_build.LIB_PATH, native=False):
+                libs[name] = ops_build.LIB_PATH
+                print(f"{name} build: {libs[name]} (up to date)")
+                continue
+            t0 = time.perf_counter()
+            libs[name] = ops_build.build(force=True, verbose=False, native=native,
+                                         output=tmp / f"{name}{ops_build.LIB_NAME}")
+            print(f"{name} build: {libs[name]} (built in {time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+        workers = [_Worker(name, lib, args) for name, lib in libs.items()]
+        for w in workers:
+            w.info = w.receive("ready")
+            print(f"{w.name:9s} library {w.lib}: -march={w.info['march']}, "
+                  f"kernels {w.info['isa']}", flush=True)
+
+        busy0 = _cpu_snapshot()
+        cpu0 = sum(_proc_cpu_seconds(w.proc.pid) for w in workers)
+        rounds = []  # per round: {name: times}
+        for r in range(args.ab_rounds):
+            order = workers if r % 2 == 0 else workers[::-1]
+            rounds.append({w.name: w.run() for w in order})
+        busy1 = _cpu_snapshot()
+        cpu1 = sum(_proc_cpu_seconds(w.proc.pid) for w in workers)
+    finally:
+        for w in workers:
+            w.close()
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+    if busy0[0] is not None:
+        wall = busy1[2] - busy0[2]
+        ours = (cpu1 - cpu0) + (busy1[1] - busy0[1])
+        other = max(0.0, (busy1[0] - busy0[0]) - ours) / wall
+        print(f"machine load from other processes during timing: {other:.2f} CPUs busy "
+              f"(of {os.cpu_count()}); timings are noisy when this is well above 0")
+    n = args.ab_rounds * args.ab_iters
+    print(f"{args.ab_rounds} rounds (build order flipped every round) x {args.ab_iters} timed "
+          f"iterations = {n} per build and kind; ms: median [p25, p75] (min, max)")
+    names = [w.name for w in workers]
+    medians = {}
+    for kind, label in (("fwd", "forward"), ("step", "train step")):
+        for name in names:
+            xs = 1e3 * np.array([t for rd in rounds for t in rd[name][kind]])
+            p25, med, p75 = np.percentile(xs, [25, 50, 75])
+            medians[(name, kind)] = med
+            print(f"  {label:10s} {name:9s} {med:7.2f} ms [{p25:6.2f}, {p75:6.2f}] "
+                  f"({xs.min():.2f}, {xs.max():.2f})")
+    print("ratio portable / native (> 1: portable slower):")
+    ratios = {}
+    for kind, label in (("fwd", "forward"), ("step", "train step")):
+        ratios[kind] = medians[("portable", kind)] / medians[("native", kind)]
+        paired = np.array([np.median(rd["portable"][kind]) / np.median(rd["native"][kind])
+                           for rd in rounds])
+        q25, q50, q75 = np.percentile(paired, [25, 50, 75])
+        print(f"  {label:10s} {ratios[kind]:.3f} (ratio of medians); per-round paired ratio "
+              f"median {q50:.3f} [p25 {q25:.3f}, p75 {q75:.3f}]")
+    same = all(rd["portable"]["loss"] == rd["native"]["loss"] for rd in rounds)
+    print(f"train-step losses bitwise equal between the builds in every round: {same}")
+    worst = max(ratios.values())
+    print(f"target: portable no more than 5% slower (ratio of medians <= 1.05): "
+          f"{'MET' if worst <= 1.05 else 'NOT MET'} (worst {worst:.3f})")
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main():
+    args = parse_args()
+    if args.thp and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+        env = dict(os.environ)
+        env["GLIBC_TUNABLES"] = ":".join(
+            x for x in (env.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1") if x)
+        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    if args.worker_lib:
+        return build_worker(args)
+    if args.compare_builds:
+        return compare_builds(args)
+    np, tf = _import_tf(args)
     from tfhybrid import custom_ops as co
 
     paths = [s.strip() for s in args.paths.split(",") if s.strip()]
     T, R, D, B, H = args.tables, args.rows, args.dim, args.batch, args.hotness
     rng = np.random.default_rng(args.seed)
-    n_batches = args.iters + args.warmup
 
     print(f"tfhybrid optimizer_apply benchmark: TF {tf.__version__}, {os.cpu_count()} CPUs, "
           f"intra-op threads {args.threads}, inter-op threads "
@@ -140,33 +427,18 @@ def main():
           "2 threads")
     del src, dst
 
-    # ---- ids: bounded Zipf via inverse CDF, hot rows scattered by a per-table permutation
-    k = np.arange(1, R + 1, dtype=np.float64)
-    cdf = np.cumsum(k ** -args.alpha)
-    cdf /= cdf[-1]
-    perms = [rng.permutation(R) for _ in range(T)]
-    batches = []
-    for _ in range(n_batches):
-        batches.append([tf.constant(perms[t][np.minimum(np.searchsorted(cdf, rng.random((B, H))),
-                                                        R - 1)], tf.int64)
-                        for t in range(T)])
-    del cdf, k
+    batches = make_batches(args, np, tf, rng)
     uniq = [sum(len(np.unique(b[t].numpy())) for t in range(T)) for b in batches]
     u_mean = float(np.mean(uniq))
     nnz = T * B * H
     print(f"ids per step: {nnz:,} ({T} tables x {B} x {H}); unique rows per step (sum over "
           f"tables): {u_mean:,.0f} (min {min(uniq):,}, max {max(uniq):,}; reference ~97.7k)")
 
-    tables = [tf.Variable(tf.random.uniform([R, D], -0.05, 0.05, seed=t), name=f"table{t}")
-              for t in range(T)]
-    accums = [tf.Variable(tf.zeros([R]), name=f"accum{t}") for t in range(T)]
+    tables, accums = make_tables(args, tf)
     print(f"transparent huge pages in use: {_anon_huge_mb():,.0f} MB"
           + ("" if args.thp else " (default malloc; see --thp)"))
     upstream = tf.constant(rng.normal(0, 1, (B, D)).astype(np.float32))
-    lr, eps = 0.01, 1e-8
-
-    def loss_fn(outs):
-        return tf.add_n([tf.reduce_sum(o * upstream) for o in outs])
+    loss_fn = make_loss_fn(tf, upstream)
 
     fns = {}
     if "a" in paths or "b" in paths:
@@ -176,30 +448,9 @@ def main():
             if use_op and not co.custom_ops_available():
                 print("path (a) skipped: custom ops unavailable")
                 continue
-
-            def make(use_op=use_op):
-                @tf.function
-                def fwd(ids):
-                    return [co.embedding_lookup_combine(tables[t], ids[t], "sum",
-                                                        use_custom_op=use_op) for t in range(T)]
-
-                @tf.function
-                def step(ids):
-                    with tf.GradientTape() as tape:
-                        outs = [co.embedding_lookup_combine(tables[t], ids[t], "sum",
-                                                            use_custom_op=use_op)
-                                for t in range(T)]
-                        loss = loss_fn(outs)
-                    grads = tape.gradient(loss, tables)
-                    for t in range(T):
-                        co.rowwise_adagrad_apply(tables[t], accums[t], grads[t].indices,
-                                                 grads[t].values, lr, eps,
-                                                 use_custom_op=use_op)
-                    return loss
-                return fwd, step
-            fns[name] = make()
+            fns[name] = make_tfhybrid_fns(tf, co, tables, accums, upstream, use_op)
     if "c" in paths:
-        opt = tf.keras.optimizers.legacy.Adagrad(learning_rate=lr)
+        opt = tf.keras.optimizers.legacy.Adagrad(learning_rate=LR)
 
         @tf.function
         def fwd_c(ids):

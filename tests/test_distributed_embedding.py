@@ -9,6 +9,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
+from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 
@@ -240,7 +241,7 @@ class BytesTest(tf.test.TestCase):
     """The planner's byte model is the layer's wire format, to the byte."""
 
     def tearDown(self):
-        tfhybrid.distributed.stop_counting_traffic()
+        collectives.stop_counting_traffic()
         mesh_lib._reset_for_tests()
         super().tearDown()
 
@@ -259,7 +260,7 @@ class BytesTest(tf.test.TestCase):
         ids = [tf.constant(rng.integers(0, rows, size=[6, h]))
                for rows, h in ((400, 3), (90, 2), (80, 2), (20, 1), (90, 4))]
         head = tf.keras.layers.Dense(1)
-        traffic = tfhybrid.distributed.count_traffic()
+        traffic = collectives.count_traffic()
         for v in traffic.values():
             v.assign(0)
         with tf.GradientTape() as tape:

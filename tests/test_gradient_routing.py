@@ -34,9 +34,10 @@ class RoutingTest(tf.test.TestCase):
             value = float(mesh.rank + 1)
             got_dense, got_shard = distributed.allreduce_gradients(
                 [tf.fill([3], value), tf.fill([3], value)], [dense, shard], mesh)
-            # dense: sum over all N ranks / N; shard: sum over its data group / N
+            # dense: the average over all N ranks; shard (whose gradient the layer already
+            # scaled to its model group's mean): the average over its data group
             self.assertAllClose(got_dense, np.full(3, sum(range(1, n + 1)) / n))
-            want_shard = sum(r + 1 for r in mesh.data_group_ranks) / n
+            want_shard = sum(r + 1 for r in mesh.data_group_ranks) / mesh.data_parallel
             self.assertAllClose(got_shard, np.full(3, want_shard), msg=f"{m} {layout}")
             mesh_lib._reset_for_tests()
 

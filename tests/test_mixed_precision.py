@@ -5,7 +5,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
-from tfhybrid import distributed
+from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 
@@ -22,7 +22,7 @@ class MixedPrecisionTest(tf.test.TestCase):
 
     def tearDown(self):
         tf.keras.mixed_precision.set_global_policy("float32")
-        distributed.stop_counting_traffic()
+        collectives.stop_counting_traffic()
         mesh_lib._reset_for_tests()
         super().tearDown()
 
@@ -32,7 +32,7 @@ class MixedPrecisionTest(tf.test.TestCase):
         bits = rng.integers(-2**15, 2**15, size=[4 * mesh.size], dtype=np.int16)
         values = tf.bitcast(tf.constant(bits), tf.bfloat16)
         splits = tf.constant([4] * mesh.size, tf.int32)
-        received, _ = distributed.alltoall(values, splits, mesh.model_process_set, mesh.size,
+        received, _ = collectives.alltoall(values, splits, mesh.model_process_set, mesh.size,
                                            "test_bf16")
         everyone = hvd.allgather_object(bits)
         want = np.concatenate([everyone[src][4 * mesh.rank:4 * mesh.rank + 4]
@@ -51,7 +51,7 @@ class MixedPrecisionTest(tf.test.TestCase):
         rng = np.random.default_rng(0)
         layer.set_weights([rng.standard_normal([300, 16]).astype(np.float32),
                            rng.standard_normal([200, 8]).astype(np.float32)])
-        traffic = distributed.count_traffic()
+        traffic = collectives.count_traffic()
         for v in traffic.values():
             v.assign(0)
         with tf.GradientTape() as tape:
@@ -59,7 +59,7 @@ class MixedPrecisionTest(tf.test.TestCase):
             loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in outputs])
         grads = tape.gradient(loss, layer.trainable_variables)
         row_bytes = int(traffic["alltoall"].numpy())
-        distributed.stop_counting_traffic()
+        collectives.stop_counting_traffic()
         mesh_lib._reset_for_tests()
         return layer, outputs, grads, row_bytes
 

@@ -6,14 +6,20 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfhybrid import collectives
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 
 
 class BroadcastVariables(tf.keras.callbacks.Callback):
-    """Makes every rank start from rank ``root_rank``'s weights (shards from their data group).
+    """Makes every rank's weights rank ``root_rank``'s (shards from their data group).
 
-    Runs once, at the start of training, after the model is built.
+    Broadcasts at the start of training if the model already has its weights, else after
+    the first batch, once ``fit`` has built the model, as Horovod's callback does. Until
+    then ranks may hold different dense weights, so the first step is exact only when
+    every rank starts equal (seeded initializers); build the model before ``fit`` (call
+    it on a batch) to broadcast before the first step. It never counts as done while the
+    model has no weights.
 
     Example::
 
@@ -26,12 +32,23 @@ class BroadcastVariables(tf.keras.callbacks.Callback):
         self._mesh = mesh
         self._done = False
 
-    def on_train_begin(self, logs: dict | None = None) -> None:
+    def _broadcast(self) -> None:
         if self._done:
             return
-        distributed.broadcast_variables(self.model.weights, self.root_rank,
+        # The model's weights only: optimizer slots are computed from synced gradients,
+        # which are equal on every rank, and shard slots differ by position.
+        variables = list(self.model.weights)
+        if not variables:
+            return  # nothing built yet: try again after the next batch
+        distributed.broadcast_variables(variables, self.root_rank,
                                         self._mesh or mesh_lib.current_mesh())
         self._done = True
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._broadcast()
 
 
 class SyncReplicas(tf.keras.callbacks.Callback):
@@ -90,8 +107,8 @@ class MetricAverage(tf.keras.callbacks.Callback):
         import horovod.tensorflow as hvd
         keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float)))
         values = tf.constant([float(logs[k]) for k in keys], tf.float64)
-        averaged = hvd.allreduce(values, op=hvd.Average,
-                                 name=distributed.collective_name("tfhybrid_metric_average"))
+        averaged = collectives.allreduce(values, op=hvd.Average,
+                                         name="tfhybrid_metric_average")
         for key, value in zip(keys, averaged.numpy()):
             logs[key] = float(value)
 

@@ -1,66 +1,94 @@
-"""Gradient routing over the mesh: the tape, the optimizer wrapper and the broadcast.
+"""The route of a gradient over the mesh, in one place, and the broadcast.
 
-Why one scale serves every variable (see the design notes): with rank losses
-``L_r = (1/b) sum_{s in r} l_s`` and the reference ``L = (1/N) sum_r L_r``,
+``DistributedOptimizer`` and ``DistributedGradientTape`` both hand their gradients to one
+``GradientRoute``, so the two cannot differ. The route, in the order it runs:
 
-- a dense variable or a data-parallel table needs ``(1/N) sum_r grad L_r``: the sum over
-  all N ranks, times 1/N;
-- a model-parallel shard in replica d already holds ``G_d = sum_{r in group d} grad L_r``
-  (the alltoall backward summed it); the reference needs ``(1/N) sum_d G_d``: the sum
-  over the shard's data group (its D copies), times 1/N.
+1. **sync** (``allreduce_gradients``): each gradient is averaged over its process set.
+   Why that equals single-process training on the global batch (see the design notes):
+   with rank losses ``L_r = (1/b) sum_{s in r} l_s`` and the reference
+   ``L = (1/N) sum_r L_r``,
 
-So every gradient is summed over its process set (global, or the shard's data group)
-and multiplied by 1/N, and training equals single-process training on the global batch.
+   - a dense variable or a data-parallel table needs ``(1/N) sum_r grad L_r``: the
+     average over all N ranks;
+   - a model-parallel shard in replica d receives ``G_d / M`` from the layer (the
+     alltoall backward sums the M ranks' ``grad L_r``, and the layer scales it by 1/M:
+     the gradient of its model group's mean loss); the reference needs
+     ``(1/N) sum_d G_d = (1/D) sum_d G_d / M``: the average over its data group;
+   - a shard in weight-sync mode steps on its own replica's ``G_d / M`` (no collective).
+
+   Every step is an average, so syncing twice (a ``DistributedGradientTape`` whose
+   gradients a ``DistributedOptimizer`` applies) changes nothing but the traffic.
+2. **overflow agreement** (loss scaling): if any rank's gradient is not finite, every
+   rank's is made so, and every loss-scale optimizer skips the step together.
+3. **clipping** with norms over the whole mesh: each shard counted once, each
+   replicated variable once; per-table norms for ``clipnorm``. The optimizer's own
+   clipping then finds nothing left to clip.
+4. **apply**: the optimizer's own ``apply_gradients``; tables may go to a separate
+   ``embedding_optimizer``.
+5. **weight sync** every K steps (``replica_sync="weights"``): shard weights and their
+   optimizer state averaged over the data group.
+
+A ``DistributedGradientTape`` runs steps 1-2 in ``gradient``; steps 3-5 run where the
+optimizer applies, so they need the optimizer: pass it as ``optimizer=`` (or apply with a
+``DistributedOptimizer``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 
-# Tag on shard variables: they live on one position of every model group, so they are
-# reduced over their data group, and broadcast from its first member.
+# ------------------------------------------------------------------ variable tags
+# DistributedEmbedding tags its variables; the route reads the tags.
+# Shards live on one position of every model group: reduced over their data group,
+# broadcast from its first member.
 _MODEL_PARALLEL_ATTR = "_tfhybrid_model_parallel"
+# Whether this variable's gradient is synced sparse (allgather), from the plan.
+_SPARSE_SYNC_ATTR = "_tfhybrid_sparse_sync"
+# Shards in weight-sync mode: each replica steps alone, and every K steps the weights and
+# optimizer state are averaged over the data group.
+_SYNC_EVERY_ATTR = "_tfhybrid_sync_every"
+# read by tfhybrid.optimizers.MomentumScaledRowWiseAdagrad: c = D in weight-sync mode
+_MOMENTUM_SCALE_ATTR = "_tfhybrid_momentum_scale"
+# Never synced (the layer's empty alltoall anchor).
+_LOCAL_ONLY_ATTR = "_tfhybrid_local_only"
+# Variables of DistributedEmbedding (tables, shards, anchor): an embedding optimizer's.
+_EMBEDDING_ATTR = "_tfhybrid_embedding"
+# On a shard: the key of its whole table, whose norm the shards share (clipnorm).
+_TABLE_KEY_ATTR = "_tfhybrid_table_key"
+# On the anchor, which every rank has: the keys of all sharded tables of the layer, so
+# every rank joins the same norm allreduce even where it owns no shard.
+_SHARDED_TABLES_ATTR = "_tfhybrid_sharded_tables"
 # Without a static row count, a sparse gradient is sent sparse when its table is at least
 # this many elements: every rank sees the same static shapes, so all choose alike.
 _SPARSE_DEFAULT_MIN_ELEMENTS = 1 << 16
 
 
-# Tag set from the plan: whether this variable's gradient is synced sparse (allgather).
-_SPARSE_SYNC_ATTR = "_tfhybrid_sparse_sync"
-
-
-# Tags of shards in weight-sync mode: each replica steps alone, and every K steps the
-# weights and optimizer state are averaged over the data group.
-_SYNC_EVERY_ATTR = "_tfhybrid_sync_every"
-# read by tfhybrid.optimizers.MomentumScaledRowWiseAdagrad: c = D in weight-sync mode
-_MOMENTUM_SCALE_ATTR = "_tfhybrid_momentum_scale"
-
-
 def mark_model_parallel(variable: tf.Variable, mesh: mesh_lib.Mesh,
-                        sync_every: int | None = None) -> None:
+                        sync_every: int | None = None, table_key: str | None = None) -> None:
     setattr(variable, _MODEL_PARALLEL_ATTR, True)
+    if table_key is not None:
+        setattr(variable, _TABLE_KEY_ATTR, table_key)
     if sync_every is not None:
         setattr(variable, _SYNC_EVERY_ATTR, int(sync_every))
         setattr(variable, _MOMENTUM_SCALE_ATTR, float(mesh.data_parallel))
 
 
-def weight_sync_every(variable: tf.Variable) -> int | None:
-    """K for a shard in weight-sync mode, else None (gradients are synced every step)."""
-    return getattr(variable, _SYNC_EVERY_ATTR, None)
+def mark_embedding(variable: tf.Variable) -> None:
+    setattr(variable, _EMBEDDING_ATTR, True)
 
 
-# Tag of variables that are never synced (the layer's empty alltoall anchor).
-_LOCAL_ONLY_ATTR = "_tfhybrid_local_only"
-
-
-def mark_local_only(variable: tf.Variable) -> None:
+def mark_anchor(variable: tf.Variable, sharded_table_keys: Sequence[str]) -> None:
+    """The layer's alltoall anchor: never synced, and it names the layer's sharded tables."""
     setattr(variable, _LOCAL_ONLY_ATTR, True)
+    setattr(variable, _SHARDED_TABLES_ATTR, tuple(sharded_table_keys))
+    mark_embedding(variable)
 
 
 def mark_sparse_sync(variable: tf.Variable, sparse: bool) -> None:
@@ -71,142 +99,22 @@ def is_model_parallel(variable: tf.Variable) -> bool:
     return bool(getattr(variable, _MODEL_PARALLEL_ATTR, False))
 
 
-# ------------------------------------------------------------ byte counts
-# Bytes this rank put on the wire, counted only while a benchmark enables it. The
-# backward alltoall (registered by Horovod) sends back what the forward one received,
-# so the forward call counts both directions.
-_traffic: dict[str, tf.Variable] | None = None
+def is_embedding(variable: tf.Variable) -> bool:
+    return bool(getattr(variable, _EMBEDDING_ATTR, False))
 
 
-def count_traffic() -> dict[str, tf.Variable]:
-    """Starts counting sent bytes; returns {"alltoall": var, "allreduce": var} (int64)."""
-    global _traffic
-    if _traffic is None:
-        _traffic = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"{k}_bytes")
-                    for k in ("alltoall", "allreduce")}
-    return _traffic
+def weight_sync_every(variable: tf.Variable) -> int | None:
+    """K for a shard in weight-sync mode, else None (gradients are synced every step)."""
+    return getattr(variable, _SYNC_EVERY_ATTR, None)
 
 
-def stop_counting_traffic() -> None:
-    global _traffic
-    _traffic = None
-
-
-def _count(kind: str, num_bytes) -> None:
-    if _traffic is not None:
-        _traffic[kind].assign_add(tf.cast(num_bytes, tf.int64))
-
-
-# --------------------------------------------------------------- collectives
-def collective_name(base: str) -> str:
-    """A Horovod op name that is the same on every rank.
-
-    Horovod matches a collective across ranks by name, and in a graph its default name
-    comes from the input tensor's name, which differs between ranks whose graphs differ
-    (positions own different shards). Names built here depend only on ``base`` and on how
-    often it was used in this graph, which every rank repeats alike.
-    """
-    base = re.sub(r"[^A-Za-z0-9_]", "_", base)
-    if tf.executing_eagerly():
-        return base
-    return tf.compat.v1.get_default_graph().unique_name(base, mark_as_used=True).replace("/", "_")
-
-
-def _must_run(*tensors: Any) -> None:
-    """Makes the traced function run the Horovod collectives behind ``tensors``.
-
-    Horovod registers its collectives as stateless ops, so a ``tf.function`` drops one
-    whose result this rank never uses, while the ranks that use it wait for it forever:
-    a model position that owns no shard ignores the ids the forward alltoall brings it.
-    The function's automatic control dependencies keep the op as an independent side
-    effect instead: it runs before the function returns, in any order. Eager ops always
-    run.
-    """
-    if tf.executing_eagerly():
-        return
-    manager = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
-    if manager is None:  # a TF1 graph runs what the session fetches; nothing to mark
-        return
-    ops = {}
-    for tensor in tf.nest.flatten(tensors):
-        # marking whatever op came out would leave the collective itself prunable
-        if not tensor.op.type.startswith("Horovod"):
-            raise ValueError(f"_must_run got {tensor.name!r}, made by a {tensor.op.type!r} "
-                             "op; expected the output of a Horovod collective")
-        ops[tensor.op.name] = tensor.op
-    for name in sorted(ops):
-        manager.run_independently(ops[name])
-
-
-def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size: int,
-             name: str, differentiable: bool = False):
-    """``hvd.alltoall`` with a rank-independent name; skips the collective in a group of one.
-
-    With ``differentiable=True`` its gradient is the reverse alltoall, also named.
-    """
-    if group_size == 1:
-        return tensor, splits
-    name = collective_name(name)
-    if differentiable:
-        received, received_splits = _alltoall_with_named_gradient(
-            tensor, splits, process_set, name)
-    else:
-        received, received_splits = _bits_alltoall(tensor, splits, process_set, name)
-    if _traffic is not None:
-        me = process_set.rank()
-        width = tensor.dtype.size * max(1, tensor.shape[1:].num_elements() or 1)
-        others = lambda x: tf.reduce_sum(tf.cast(x, tf.int64)) - tf.cast(x[me], tf.int64)  # noqa: E731
-        _count("alltoall", others(splits) * width)
-        if differentiable:
-            _count("alltoall", others(received_splits) * width)
-    return received, received_splits
-
-
-def _bits_alltoall(x, splits, process_set, name):
-    # Horovod has no bfloat16 alltoall on CPU: move the 16 bits untouched as int16.
-    if x.dtype == tf.bfloat16:
-        received, received_splits = hvd.alltoall(tf.bitcast(x, tf.int16), splits=splits,
-                                                 name=name, process_set=process_set)
-        _must_run(received)
-        return tf.bitcast(received, tf.bfloat16), received_splits
-    received, received_splits = hvd.alltoall(x, splits=splits, name=name,
-                                             process_set=process_set)
-    _must_run(received)
-    return received, received_splits
-
-
-def _alltoall_with_named_gradient(tensor, splits, process_set, name):
-    @tf.custom_gradient
-    def forward(x):
-        received, received_splits = _bits_alltoall(x, splits, process_set, name)
-
-        def backward(grad_received, grad_splits=None):
-            # the gradient crosses the wire in the forward's dtype (16 bits under AMP)
-            sent_back, _ = _bits_alltoall(tf.cast(grad_received, x.dtype), received_splits,
-                                          process_set, name + "_grad")
-            return sent_back
-
-        return (received, received_splits), backward
-
-    return forward(tensor)
-
-
-def allgather(tensor: tf.Tensor, group_size: int, name: str,
-              process_set: Any = None) -> tf.Tensor:
-    """``hvd.allgather`` (global by default) that skips the collective in a group of one."""
-    if group_size == 1:
-        return tensor
-    gathered = hvd.allgather(tensor, name=collective_name(name),
-                             process_set=process_set or hvd.global_process_set)
-    _must_run(gathered)
-    return gathered
-
-
+# ------------------------------------------------------------------ 1. sync
 def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
     planned = getattr(variable, _SPARSE_SYNC_ATTR, None)
     if planned is not None:
         return planned
-    rows, width = variable.shape[0], max(1, variable.shape.num_elements() // max(1, variable.shape[0]))
+    rows = variable.shape[0]
+    width = max(1, variable.shape.num_elements() // max(1, rows))
     touched = grad.indices.shape[0]
     if touched is None:
         return rows * width >= _SPARSE_DEFAULT_MIN_ELEMENTS
@@ -216,22 +124,21 @@ def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
 
 def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                         mesh: mesh_lib.Mesh | None = None) -> list:
-    """Sums each gradient over its process set and scales it by 1/N (see module doc).
+    """Step 1: averages each gradient over its process set (see the module doc).
 
     Dense gradients of one process set go in one grouped allreduce; IndexedSlices stay
-    sparse (an allgather) where that moves fewer bytes.
+    sparse (an allgather, then 1/n: their concatenation stands for the sum) where that
+    moves fewer bytes.
     """
     mesh = mesh or mesh_lib.current_mesh()
-    scale = 1.0 / mesh.size
     reduced: list = list(grads)
     dense_groups: dict[str, tuple[Any, list[int]]] = {}
     for i, (grad, var) in enumerate(zip(grads, variables)):
         if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
             continue
         if weight_sync_every(var) is not None:
-            # weight-sync mode: the replica steps on its own G_d / M, the gradient of the
-            # mean loss over its model group's samples; no collective here
-            reduced[i] = _scaled(grad, 1.0 / mesh.model_parallel)
+            # the replica steps on its own G_d / M, the gradient of the mean loss over its
+            # model group's samples; no collective here
             continue
         if is_model_parallel(var):
             process_set, group_size = mesh.data_process_set, mesh.data_parallel
@@ -241,47 +148,192 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                 group_size == 1 or _sparse_is_cheaper(grad, var)):
             values, indices = grad.values, grad.indices
             if group_size > 1:
-                _count("allreduce", tf.size(values, out_type=tf.int64) * values.dtype.size
-                       + tf.size(indices, out_type=tf.int64) * indices.dtype.size)
-                name = collective_name(f"tfhybrid_sync_{var.name}")
-                values = hvd.allgather(values, name=name + "_values", process_set=process_set)
-                indices = hvd.allgather(indices, name=name + "_indices",
-                                        process_set=process_set)
-                _must_run(values, indices)
-            reduced[i] = tf.IndexedSlices(values * tf.cast(scale, values.dtype), indices,
-                                          grad.dense_shape)
+                collectives.count("allreduce",
+                                  tf.size(values, out_type=tf.int64) * values.dtype.size
+                                  + tf.size(indices, out_type=tf.int64) * indices.dtype.size)
+                name = f"tfhybrid_sync_{var.name}"
+                values = collectives.allgather(values, group_size, name + "_values",
+                                               process_set)
+                indices = collectives.allgather(indices, group_size, name + "_indices",
+                                                process_set)
+            reduced[i] = tf.IndexedSlices(values * tf.cast(1.0 / group_size, values.dtype),
+                                          indices, grad.dense_shape)
             continue
         grad = tf.convert_to_tensor(grad)
         if group_size == 1:
-            reduced[i] = grad * tf.cast(scale, grad.dtype)
+            reduced[i] = grad
             continue
         key = "global" if process_set is hvd.global_process_set else "data"
         dense_groups.setdefault(key, (process_set, []))[1].append(i)
     for key in sorted(dense_groups):
         process_set, members = dense_groups[key]
         # the variable's shape: a densified IndexedSlices has no static shape
-        _count("allreduce", sum(variables[i].shape.num_elements() * grads[i].dtype.size
-                                for i in members))
-        summed = hvd.grouped_allreduce(
+        collectives.count("allreduce", sum(variables[i].shape.num_elements()
+                                           * grads[i].dtype.size for i in members))
+        group_size = mesh.size if key == "global" else mesh.data_parallel
+        summed = collectives.grouped_allreduce(
             [tf.convert_to_tensor(grads[i]) for i in members], op=hvd.Sum,
-            postscale_factor=scale, process_set=process_set,
-            name=collective_name(f"tfhybrid_sync_{key}"))
-        _must_run(summed)
+            name=f"tfhybrid_sync_{key}", process_set=process_set,
+            postscale_factor=1.0 / group_size)
         for i, value in zip(members, summed):
             reduced[i] = value
     return reduced
 
 
-def _scaled(grad, factor: float):
+def _scaled(grad, factor):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype),
                                 grad.indices, grad.dense_shape)
     return grad * tf.cast(factor, grad.dtype)
 
 
-# ------------------------------------------------------------ weight sync
+# ------------------------------------------------------- 2. overflow agreement
+def _agree_on_overflow(grads: list, mesh: mesh_lib.Mesh) -> list:
+    """Makes every rank see a non-finite gradient if any rank has one.
+
+    The loss-scale optimizer skips a step and lowers its scale when a gradient overflows.
+    Shards differ between ranks, so without this one rank could skip while another steps,
+    and their loss scales would drift apart.
+    """
+    present = [g for g in grads if g is not None]
+    if mesh.size == 1:
+        return grads
+    if present:
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g)))
+                                for g in present])
+    else:  # a rank with no gradient still joins the vote
+        finite = tf.constant(True)
+    everywhere = collectives.allreduce(tf.cast(finite, tf.float32), op=hvd.Min,
+                                       name="tfhybrid_all_finite")
+    poison = tf.where(everywhere > 0, 0.0, float("nan"))
+    return [None if g is None else _plus(g, poison) for g in grads]
+
+
+def _values(grad):
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _plus(grad, value):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values + tf.cast(value, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad + tf.cast(value, grad.dtype)
+
+
+def _is_loss_scaling(optimizer: Any) -> bool:
+    return isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+
+
+def _base_optimizer(optimizer: Any) -> Any:
+    """The optimizer a loss-scale optimizer wraps (it holds the slots and the clipping)."""
+    while optimizer is not None and _is_loss_scaling(optimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+# ------------------------------------------------------------------ 3. clipping
+def _clip_settings(optimizer: Any) -> dict[str, float]:
+    """The optimizer's clipping, as Keras applies it: ``clipnorm`` or ``global_clipnorm``
+    (never both), else ``clipvalue``."""
+    base = _base_optimizer(optimizer)
+    settings = {}
+    for name in ("clipnorm", "global_clipnorm", "clipvalue"):
+        value = getattr(base, name, None)
+        if value is not None and float(value) > 0:
+            settings[name] = float(value)
+    if "clipnorm" in settings or "global_clipnorm" in settings:
+        settings.pop("clipvalue", None)
+    return settings
+
+
+def _coalesced(grad):
+    """An IndexedSlices with each row once (duplicates summed): its values are the
+    gradient's own rows, so their norm is the gradient's norm."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    unique, position = tf.unique(grad.indices)
+    return tf.IndexedSlices(tf.math.unsorted_segment_sum(grad.values, position,
+                                                         tf.size(unique)),
+                            unique, grad.dense_shape)
+
+
+def _squared_norm(grad) -> tf.Tensor:
+    return tf.reduce_sum(tf.square(tf.cast(_values(grad), tf.float32)))
+
+
+def _clip(grads: list, variables: Sequence[tf.Variable], settings: dict[str, float],
+          mesh: mesh_lib.Mesh) -> list:
+    """Step 3: clips like a single process clips the global batch's gradient.
+
+    A dense variable's gradient is equal on every rank after the sync, so its norm is
+    local. A table sharded over a model group has its norm spread over the group's ranks;
+    one allreduce over all ranks of the per-table sums, divided by D (each model group
+    holds every table once), gives every rank the same norms. In weight-sync mode, where
+    replicas differ, that is their mean, so all ranks still clip dense variables alike.
+    """
+    if not settings:
+        return grads
+    grads = [None if g is None else _coalesced(g) for g in grads]
+    if "clipvalue" in settings:
+        limit = settings["clipvalue"]
+        return [None if g is None else _map_values(
+            g, lambda v: tf.clip_by_value(v, -limit, limit)) for g in grads]
+    table_keys = sorted({key for v in variables
+                         for key in getattr(v, _SHARDED_TABLES_ATTR, ())})
+    shard_sums = {key: [] for key in table_keys}
+    own_norms: list = [None] * len(grads)
+    for i, (grad, var) in enumerate(zip(grads, variables)):
+        if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
+            continue
+        key = getattr(var, _TABLE_KEY_ATTR, None)
+        if key is None:
+            own_norms[i] = _squared_norm(grad)
+        elif key not in shard_sums:
+            raise ValueError(
+                f"variable {var.name!r} is a shard of table {key!r}, but its layer's "
+                "alltoall_anchor is not among the variables; pass all of the layer's "
+                "trainable_variables so every rank clips with the same norms")
+        else:
+            shard_sums[key].append(_squared_norm(grad))
+    table_norms = {}
+    if table_keys:
+        local = tf.stack([tf.add_n(shard_sums[k]) if shard_sums[k] else tf.constant(0.0)
+                          for k in table_keys])
+        if mesh.size > 1:
+            local = collectives.allreduce(local, op=hvd.Sum, name="tfhybrid_clip_norms")
+        totals = local / float(mesh.data_parallel)
+        table_norms = {k: totals[j] for j, k in enumerate(table_keys)}
+    if "global_clipnorm" in settings:
+        limit = settings["global_clipnorm"]
+        squares = [n for n in own_norms if n is not None] + list(table_norms.values())
+        norm = tf.sqrt(tf.add_n(squares)) if squares else tf.constant(0.0)
+        factor = limit / tf.maximum(norm, limit)
+        return [None if g is None else _scaled(g, factor) for g in grads]
+    limit = settings["clipnorm"]
+    clipped = list(grads)
+    for i, (grad, var) in enumerate(zip(grads, variables)):
+        if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
+            continue
+        square = own_norms[i] if own_norms[i] is not None else table_norms[
+            getattr(var, _TABLE_KEY_ATTR)]
+        clipped[i] = _scaled(grad, limit / tf.maximum(tf.sqrt(square), limit))
+    return clipped
+
+
+def _map_values(grad, fn):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(grad.values), grad.indices, grad.dense_shape)
+    return fn(grad)
+
+
+# ------------------------------------------------------------------ 5. weight sync
 def _optimizer_state_of(optimizer: Any, variable: tf.Variable) -> list[tf.Variable]:
-    """The optimizer's slot variables for ``variable`` (accumulators, momenta...)."""
+    """The optimizer's slot variables for ``variable`` (accumulators, momenta...), from
+    the embedding optimizer where one holds the tables."""
+    embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
+    if embedding_optimizer is not None and is_embedding(variable):
+        optimizer = embedding_optimizer
+    optimizer = _base_optimizer(optimizer)
     if optimizer is None:
         return []
     if hasattr(optimizer, "get_slot_names"):  # legacy Keras optimizers
@@ -324,11 +376,10 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
     if mesh.data_parallel == 1 or not shards:
         return
     state = [s for v in shards for s in [v] + _optimizer_state_of(optimizer, v)]
-    averaged = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in state], op=hvd.Average,
-                                     process_set=mesh.data_process_set,
-                                     name=collective_name("tfhybrid_weight_sync"))
-    _must_run(averaged)
-    _count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state))
+    averaged = collectives.grouped_allreduce([tf.convert_to_tensor(v) for v in state],
+                                             op=hvd.Average, name="tfhybrid_weight_sync",
+                                             process_set=mesh.data_process_set)
+    collectives.count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state))
     for var, value in zip(state, averaged):
         var.assign(value)
 
@@ -349,9 +400,89 @@ def _sync_if_due(optimizer: Any, variables: Sequence[tf.Variable],
     tf.cond(due, sync, lambda: tf.constant(False))
 
 
-# ------------------------------------------------------------------- tape
+# ------------------------------------------------------------------ the route
+class GradientRoute:
+    """The whole path of a gradient over the mesh (steps 1-5 of the module doc).
+
+    ``DistributedOptimizer`` runs ``apply``; ``DistributedGradientTape`` runs ``sync`` in
+    ``gradient`` and makes its optimizer run ``apply`` (whose sync then finds every
+    gradient already equal to its average).
+    """
+
+    def __init__(self, mesh: mesh_lib.Mesh | None = None, embedding_optimizer: Any = None):
+        self._mesh = mesh
+        self.embedding_optimizer = embedding_optimizer
+
+    @property
+    def mesh(self) -> mesh_lib.Mesh:
+        return self._mesh or mesh_lib.current_mesh()
+
+    def sync(self, grads: Sequence[Any], variables: Sequence[tf.Variable],
+             loss_scaling: bool) -> list:
+        """Steps 1-2: the sync, then the overflow vote when a loss scale is in use."""
+        grads = allreduce_gradients(grads, variables, self.mesh)
+        if loss_scaling:
+            grads = _agree_on_overflow(grads, self.mesh)
+        return grads
+
+    def apply(self, optimizer: Any, apply_fn: Callable, grads_and_vars: Any,
+              *args: Any, **kwargs: Any) -> Any:
+        """Steps 1-5; ``apply_fn`` is the optimizer's own ``apply_gradients``."""
+        pairs = list(grads_and_vars)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        grads = self.sync(grads, variables, _is_loss_scaling(optimizer))
+        mesh = self.mesh
+        groups = [(optimizer, apply_fn, list(range(len(pairs))))]
+        if self.embedding_optimizer is not None:
+            tables = [i for i, v in enumerate(variables) if is_embedding(v)]
+            dense = [i for i, v in enumerate(variables) if not is_embedding(v)]
+            groups = [(optimizer, apply_fn, dense),
+                      (self.embedding_optimizer, self.embedding_optimizer.apply_gradients,
+                       tables)]
+        results = []
+        for owner, apply_group, members in groups:
+            if not members:
+                continue
+            clipped = _clip([grads[i] for i in members], [variables[i] for i in members],
+                            _clip_settings(owner), mesh)
+            group_pairs = list(zip(clipped, [variables[i] for i in members]))
+            if owner is optimizer:
+                results.append(apply_group(group_pairs, *args, **kwargs))
+            else:
+                results.append(self._apply_unless_skipped(optimizer, apply_group,
+                                                          group_pairs))
+        result = results[0] if results else None
+        # weight-sync mode: every K steps (counted after this step) average the replicas
+        with tf.control_dependencies([r for r in results if r is not None]
+                                     if not tf.executing_eagerly() else []):
+            _sync_if_due(optimizer, variables, mesh)
+        return result
+
+    @staticmethod
+    def _apply_unless_skipped(optimizer: Any, apply_fn: Callable, pairs: list) -> Any:
+        """The embedding optimizer's step, skipped with the loss-scale optimizer's."""
+        if not _is_loss_scaling(optimizer):
+            return apply_fn(pairs)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g)))
+                                for g, _ in pairs if g is not None] or [tf.constant(True)])
+
+        def step():
+            apply_fn(pairs)
+            return tf.constant(True)
+
+        return tf.cond(finite, step, lambda: tf.constant(False))
+
+
+# ------------------------------------------------------------------ tape
 class DistributedGradientTape:
-    """Wraps a ``tf.GradientTape`` so ``gradient`` returns mesh-reduced gradients.
+    """Wraps a ``tf.GradientTape`` so ``gradient`` returns gradients synced over the mesh.
+
+    ``gradient`` runs the sync (and, with a loss-scale optimizer or the mixed_float16
+    policy, the overflow vote). Clipping, a separate embedding optimizer and
+    weight-sync mode happen where the optimizer applies: pass the optimizer as
+    ``optimizer=`` and the tape makes its ``apply_gradients`` run the rest of the route
+    (as ``DistributedOptimizer`` does), or apply with a ``DistributedOptimizer``. Weight-
+    sync shards without either raise ``ValueError``.
 
     Example (one process)::
 
@@ -359,21 +490,38 @@ class DistributedGradientTape:
         import tfhybrid
         tfhybrid.init(model_parallel=1)
         w = tf.Variable([1.0, 2.0])
+        optimizer = tf.keras.optimizers.SGD(0.1, global_clipnorm=1.0)
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(w * w)
-        tape = tfhybrid.DistributedGradientTape(tape)
-        grad, = tape.gradient(loss, [w])       # [2., 4.] on one rank
+        tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer)
+        grads = tape.gradient(loss, [w])          # [[2., 4.]] on one rank
+        optimizer.apply_gradients(zip(grads, [w]))  # clipped to norm 1 over the mesh
     """
 
-    def __init__(self, tape: tf.GradientTape, mesh: mesh_lib.Mesh | None = None):
+    def __init__(self, tape: tf.GradientTape, optimizer: Any = None,
+                 mesh: mesh_lib.Mesh | None = None):
         self._tape = tape
         self._mesh = mesh
+        self._optimizer = optimizer
+        if optimizer is not None:
+            _route_optimizer(optimizer, mesh)
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
-        flat_grads = allreduce_gradients(tf.nest.flatten(grads), flat_sources,
-                                         self._mesh or mesh_lib.current_mesh())
+        if self._optimizer is None and any(weight_sync_every(v) is not None
+                                           for v in flat_sources):
+            raise ValueError(
+                "these variables include shards in weight-sync mode (replica_sync="
+                "'weights'), whose replicas are averaged after the optimizer steps; pass "
+                "the optimizer: tfhybrid.DistributedGradientTape(tape, optimizer=opt), or "
+                "apply with tfhybrid.DistributedOptimizer(opt)")
+        if self._optimizer is not None:
+            loss_scaling = _is_loss_scaling(self._optimizer)
+        else:
+            loss_scaling = tf.keras.mixed_precision.global_policy().name == "mixed_float16"
+        route = GradientRoute(self._mesh)
+        flat_grads = route.sync(tf.nest.flatten(grads), flat_sources, loss_scaling)
         return tf.nest.pack_sequence_as(grads, flat_grads)
 
     def __enter__(self):
@@ -387,76 +535,82 @@ class DistributedGradientTape:
         return getattr(self._tape, name)
 
 
+def _route_optimizer(optimizer: Any, mesh: mesh_lib.Mesh | None) -> None:
+    """Makes ``optimizer.apply_gradients`` run the route's steps (once per optimizer)."""
+    if getattr(optimizer, "_tfhybrid_route", None) is not None:
+        return
+    route = GradientRoute(mesh)
+    own_apply = optimizer.apply_gradients
+
+    def apply_gradients(grads_and_vars, *args, **kwargs):
+        return route.apply(optimizer, own_apply, grads_and_vars, *args, **kwargs)
+
+    optimizer._tfhybrid_route = route
+    optimizer.apply_gradients = apply_gradients
+
+
 # -------------------------------------------------------------- optimizer
-class _ReducingApply:
-    _tfhybrid_mesh: mesh_lib.Mesh | None = None
+class _RoutedApply:
+    _tfhybrid_route: GradientRoute
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        pairs = [(g, v) for g, v in grads_and_vars]
-        mesh = self._tfhybrid_mesh or mesh_lib.current_mesh()
-        variables = [v for _, v in pairs]
-        grads = allreduce_gradients([g for g, _ in pairs], variables, mesh)
-        if isinstance(self, tf.keras.mixed_precision.LossScaleOptimizer):
-            grads = _agree_on_overflow(grads, mesh)
-        result = super().apply_gradients(zip(grads, variables), *args, **kwargs)
-        # weight-sync mode: every K steps (counted after this step) average the replicas
-        with tf.control_dependencies([result] if result is not None else []):
-            _sync_if_due(self, variables, mesh)
-        return result
+        return self._tfhybrid_route.apply(self, super().apply_gradients, grads_and_vars,
+                                          *args, **kwargs)
 
-
-def _agree_on_overflow(grads: list, mesh: mesh_lib.Mesh) -> list:
-    """Makes every rank see a non-finite gradient if any rank has one.
-
-    The loss-scale optimizer skips a step and lowers its scale when a gradient overflows.
-    Shards differ between ranks, so without this one rank could skip while another steps,
-    and their loss scales would drift apart.
-    """
-    present = [g for g in grads if g is not None]
-    if not present or mesh.size == 1:
-        return grads
-    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
-        g.values if isinstance(g, tf.IndexedSlices) else g)) for g in present])
-    everywhere = hvd.allreduce(tf.cast(finite, tf.float32), op=hvd.Min,
-                               name=collective_name("tfhybrid_all_finite"))
-    _must_run(everywhere)
-    poison = tf.where(everywhere > 0, 0.0, float("nan"))
-    return [None if g is None else _plus(g, poison) for g in grads]
-
-
-def _plus(grad, value):
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values + tf.cast(value, grad.values.dtype), grad.indices,
-                                grad.dense_shape)
-    return grad + tf.cast(value, grad.dtype)
+    @property
+    def embedding_optimizer(self) -> Any:
+        """The optimizer of the embedding tables, or None (this one applies them too)."""
+        return self._tfhybrid_route.embedding_optimizer
 
 
 def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
-                         mesh: mesh_lib.Mesh | None = None):
-    """Returns a copy of a Keras optimizer whose ``apply_gradients`` reduces over the mesh.
+                         mesh: mesh_lib.Mesh | None = None,
+                         embedding_optimizer: tf.keras.optimizers.Optimizer | None = None):
+    """Returns a copy of a Keras optimizer whose ``apply_gradients`` runs the whole route.
 
     Works in custom loops and in ``model.fit`` (which calls ``apply_gradients``). Under
     the ``mixed_float16`` policy it wraps the optimizer in a ``LossScaleOptimizer`` first
     (as ``model.compile`` would), and all ranks skip a step together when any rank's
-    gradients overflow.
+    gradients overflow. ``embedding_optimizer`` (row-wise AdaGrad, say) then applies the
+    gradients of ``DistributedEmbedding``'s tables, and ``optimizer`` those of every
+    other variable; each clips with its own settings over its own variables.
 
     Example (one process)::
 
         import tensorflow as tf
         import tfhybrid
         tfhybrid.init(model_parallel=1)
-        opt = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
+        opt = tfhybrid.DistributedOptimizer(
+            tf.keras.optimizers.SGD(0.1),
+            embedding_optimizer=tfhybrid.optimizers.RowWiseAdagrad(0.05))
         w = tf.Variable([1.0])
         opt.apply_gradients([(tf.constant([1.0]), w)])   # w == [0.9] on one rank
     """
+    if embedding_optimizer is not None:
+        if _is_loss_scaling(embedding_optimizer) or isinstance(embedding_optimizer,
+                                                               _RoutedApply):
+            raise ValueError(
+                f"embedding_optimizer={embedding_optimizer!r} must be a plain Keras "
+                "optimizer; loss scaling and the mesh route come from the optimizer it is "
+                "passed with")
+        if not hasattr(embedding_optimizer, "apply_gradients"):
+            raise ValueError(f"embedding_optimizer={embedding_optimizer!r} is not a Keras "
+                             "optimizer")
+    if isinstance(optimizer, _RoutedApply):
+        raise ValueError("optimizer is already a tfhybrid.DistributedOptimizer")
     if (tf.keras.mixed_precision.global_policy().name == "mixed_float16"
-            and not isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)):
+            and not _is_loss_scaling(optimizer)):
         # Keras would wrap us in a loss-scale optimizer whose skip decision is local;
         # wrapping it inside lets every rank agree on each skip (_agree_on_overflow).
         optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
     base = optimizer.__class__
-    cls = type(base.__name__, (_ReducingApply, base), {"_tfhybrid_mesh": mesh})
-    return cls.from_config(optimizer.get_config())
+    route = GradientRoute(mesh, embedding_optimizer)
+    cls = type(base.__name__, (_RoutedApply, base), {"_tfhybrid_route": route})
+    routed = cls.from_config(optimizer.get_config())
+    if embedding_optimizer is not None:
+        # an attribute, so checkpoints of the optimizer track its slots too
+        routed._tfhybrid_embedding_optimizer = embedding_optimizer
+    return routed
 
 
 # -------------------------------------------------------------- broadcast
@@ -467,6 +621,13 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     Dense variables come from global ``root_rank``; model-parallel shards come from the
     first member (replica 0) of their data group, since the root itself may not hold
     them. Every rank must call it with its variables in the same order.
+
+    Example (one process: every variable is already its own root's)::
+
+        import tensorflow as tf
+        import tfhybrid
+        tfhybrid.init(model_parallel=1)
+        tfhybrid.broadcast_variables([tf.Variable([1.0])])
     """
     mesh = mesh or mesh_lib.current_mesh()
     dense = [v for v in variables if not is_model_parallel(v)]

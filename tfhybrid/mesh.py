@@ -20,6 +20,15 @@ from typing import Any, Sequence
 
 LAYOUTS = ("model_major", "data_major")
 
+# Horovod's stall limits, read once by hvd.init. Horovod's own default never shuts a
+# stalled job down, so a rank that stops calling collectives (an exception, a hang,
+# input that ended early) would leave the others waiting forever; ``init`` sets these
+# seconds wherever the environment sets nothing (the train app's --stall_check_seconds
+# and --stall_shutdown_seconds set them before it).
+STALL_CHECK_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+STALL_SHUTDOWN_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+STALL_DEFAULTS = {STALL_CHECK_ENV: 60, STALL_SHUTDOWN_ENV: 600}
+
 _MESH: "Mesh | None" = None
 # process sets this module registered, so a reset can remove exactly those
 _OWNED_PROCESS_SETS: list[Any] = []
@@ -157,11 +166,9 @@ def init(model_parallel: int | None = None, layout: str = "model_major") -> Mesh
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
     if not hvd.is_initialized():
-        # A rank that stops calling collectives (an exception, input that ended early)
-        # must not leave the others waiting forever: Horovod shuts a stalled job down.
-        # Set these variables yourself to change the limits.
-        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
-        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "600")
+        # a user's own setting wins (see STALL_DEFAULTS)
+        for name, seconds in STALL_DEFAULTS.items():
+            os.environ.setdefault(name, str(seconds))
         hvd.init(process_sets="dynamic")
     resolved = hvd.local_size() if model_parallel is None else model_parallel
     size = hvd.size()

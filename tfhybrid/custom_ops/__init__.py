@@ -8,10 +8,18 @@ Public API::
     rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0,
                           weight_decay=0.0, use_custom_op=None) -> tf.Operation or None
     custom_ops_available() -> bool
+    kernel_isa() -> str             # "generic", "avx2" or "avx512": the kernels' code path
+    supported_kernel_isas() -> list[str]
 
 The C++ library ``_tfhybrid_ops.so`` (built by ``python -m tfhybrid.custom_ops.build``)
 is loaded lazily on first use. If it is missing or fails to load, one warning is logged
 and the pure-TF path is used. ``TFHYBRID_DISABLE_CUSTOM_OPS=1`` forces the pure-TF path.
+
+The library is built for a baseline CPU; its hot loops exist also as AVX2 and AVX-512
+code, and each process runs the best level its CPU supports (``cc/kernels/isa_kernels.h``;
+every level gives bitwise-identical results). ``TFHYBRID_KERNEL_ISA=generic|avx2|avx512``
+(read once per process) forces a lower level; an invalid value, or a level this CPU
+lacks, raises ValueError when the library is loaded.
 
 ``use_custom_op``: ``None`` picks the op when the library is loaded and the table lives
 on a CPU device (an empty device string counts as CPU when no GPU is visible), else the
@@ -22,13 +30,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
 import tensorflow as tf
 
 __all__ = ["embedding_lookup_combine", "rowwise_adagrad_apply", "custom_ops_available",
-           "load_library", "library_path"]
+           "kernel_isa", "supported_kernel_isas", "load_library", "library_path"]
 
 _LOG = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
@@ -46,7 +55,10 @@ def _disabled() -> bool:
 
 
 def load_library():
-    """Returns the loaded op module, or None (warning logged once) if unavailable."""
+    """Returns the loaded op module, or None (warning logged once) if unavailable.
+
+    Raises ValueError if TFHYBRID_KERNEL_ISA is invalid or names a level this CPU lacks.
+    """
     global _lib, _load_attempted, _load_error
     if _load_attempted:
         return _lib
@@ -62,14 +74,46 @@ def load_library():
                          "tfhybrid.custom_ops.build`); using the pure-TF path", _load_error)
         else:
             try:
-                _lib = tf.load_op_library(library_path)
+                lib = tf.load_op_library(library_path)
             except Exception as e:  # noqa: BLE001 - any load failure means fallback
                 _load_error = f"failed to load {library_path}: {e}"
                 _LOG.warning("tfhybrid custom ops unavailable (%s; rebuild with `python -m "
                              "tfhybrid.custom_ops.build --force`); using the pure-TF path",
                              _load_error)
+            else:
+                # A bad TFHYBRID_KERNEL_ISA is a configuration error, not a reason to fall
+                # back to the slow path: fail now, naming it (not cached: the next call
+                # raises again).
+                _isa_info(lib)
+                _lib = lib
         _load_attempted = True
         return _lib
+
+
+def _isa_info(lib):
+    """(chosen level, supported levels) from the library's TfhybridKernelIsa op."""
+    with tf.init_scope():  # eager even while a tf.function is being traced
+        try:
+            isa, supported = lib.tfhybrid_kernel_isa()
+        except tf.errors.InvalidArgumentError as e:
+            # Keep the kernel's own message, without TF's "{{function_node ...}}" and
+            # "[Op:...]" decorations.
+            message = re.sub(r"^\{\{.*?\}\}\s*|\s*\[Op:\w+\]$", "", e.message)
+            raise ValueError(message) from None
+    return isa.numpy().decode(), [s.decode() for s in supported.numpy()]
+
+
+def kernel_isa() -> str:
+    """The instruction-set level of the custom kernels' hot loops in this process:
+    "generic" (baseline code), "avx2" or "avx512". Raises RuntimeError if the library
+    is unavailable."""
+    return _isa_info(_require_lib())[0]
+
+
+def supported_kernel_isas() -> list[str]:
+    """The levels this CPU supports with this library, lowest first (TFHYBRID_KERNEL_ISA
+    may choose any of them). Raises RuntimeError if the library is unavailable."""
+    return _isa_info(_require_lib())[1]
 
 
 def custom_ops_available() -> bool:
@@ -322,7 +366,7 @@ def _register_gradients():
             tf.RegisterGradient(name)(fn)
         except KeyError:  # already registered (module re-imported)
             pass
-    for name in ("EmbeddingLookupCombineGrad", "RowwiseAdagradApply"):
+    for name in ("EmbeddingLookupCombineGrad", "RowwiseAdagradApply", "TfhybridKernelIsa"):
         try:
             tf.no_gradient(name)
         except KeyError:

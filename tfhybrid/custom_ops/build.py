@@ -2,15 +2,27 @@
 
 Compiles every ``cc/**/*.cc`` into ``tfhybrid/custom_ops/_tfhybrid_ops.so`` with g++ and
 TensorFlow's own compile/link flags. The build is skipped when the library is newer
-than all sources (``*.cc``, ``*.h``) and this script, unless ``--force``.
+than all sources (``*.cc``, ``*.h``) and this script and was built for the same target
+CPU (see below), unless ``--force``.
+
+The default build is portable: baseline x86-64-v2 code (no -march off x86-64), with the
+hot loops also compiled for AVX2 and AVX-512 and chosen at run time
+(``cc/kernels/isa_kernels.h``; ``TFHYBRID_KERNEL_ISA`` caps the level). One build, e.g.
+a venv on a shared file system, then runs on every node of a cluster with mixed CPU
+generations instead of dying with SIGILL on the older ones.
+
 Environment: ``CXX`` (compiler, default g++), ``TFHYBRID_CXXFLAGS`` (extra flags),
-``TFHYBRID_NO_MARCH_NATIVE=1`` (portable build without -march=native).
+``TFHYBRID_MARCH_NATIVE=1`` (opt-in: all code for this machine's CPU, ``-march=native``;
+the library may then crash with SIGILL on another CPU). ``TFHYBRID_NO_MARCH_NATIVE=1``,
+the opt-out from when -march=native was the default, is still accepted and means the
+default build.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,6 +35,23 @@ CC_DIR = HERE / "cc"
 LIB_NAME = "_tfhybrid_ops.so"
 LIB_PATH = HERE / LIB_NAME
 
+# Baseline of the portable build on x86-64 (SSE4.2, POPCNT; every x86-64 CPU since
+# ~2009). TensorFlow's own wheels need AVX, so this never excludes a CPU TF runs on.
+# BUILD (Bazel) mirrors it.
+PORTABLE_MARCH_X86_64 = "x86-64-v2"
+NATIVE_MARCH = "native"
+
+# Every build: -ffp-contract=off keeps FMA contraction out of every dispatch level (and
+# of -march=native builds), so all of them give bitwise-identical results
+# (cc/kernels/isa_kernels.h); -frecord-gcc-switches records the flags in the library,
+# which is_up_to_date() reads to notice a library built for another target CPU.
+COMMON_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "-fPIC", "-shared", "-Wall",
+                "-Wno-sign-compare", "-Wno-unused-function", "-fvisibility-inlines-hidden",
+                "-ffp-contract=off", "-frecord-gcc-switches"]
+
+_TRUE = ("1", "true", "yes")
+_FALSE = ("", "0", "false", "no")
+
 
 def sources() -> list[Path]:
     return sorted(p for p in CC_DIR.rglob("*.cc"))
@@ -32,50 +61,125 @@ def _inputs() -> list[Path]:
     return sources() + sorted(CC_DIR.rglob("*.h")) + [Path(__file__).resolve()]
 
 
-def is_up_to_date(lib: Path = LIB_PATH) -> bool:
-    if not lib.exists():
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "")
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
         return False
-    lib_mtime = lib.stat().st_mtime
-    return all(p.stat().st_mtime <= lib_mtime for p in _inputs())
+    raise ValueError(f"{name}={value!r}: expected one of {', '.join(_TRUE + _FALSE[1:])} "
+                     "or unset")
 
 
-def build_command(output: Path) -> list[str]:
-    import tensorflow as tf  # deferred: only the build needs TF's flags
+def march_native_requested() -> bool:
+    """True if the environment opts in to a -march=native build."""
+    native = _env_flag("TFHYBRID_MARCH_NATIVE")
+    if native and _env_flag("TFHYBRID_NO_MARCH_NATIVE"):
+        raise ValueError("TFHYBRID_MARCH_NATIVE=1 and TFHYBRID_NO_MARCH_NATIVE=1 contradict "
+                         "each other; unset one (the portable build is the default)")
+    return native
 
+
+def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"C++ compiler {cxx!r} not found (install g++ or set CXX)")
-    cmd = [cxx, "-std=c++17", "-O3", "-DNDEBUG", "-fPIC", "-shared", "-Wall", "-Wno-sign-compare",
-           "-Wno-unused-function", "-fvisibility-inlines-hidden"]
-    if os.environ.get("TFHYBRID_NO_MARCH_NATIVE", "") not in ("1", "true"):
-        cmd.append("-march=native")
-    cmd += [f"-I{CC_DIR / 'kernels'}"]
+    return cxx
+
+
+def target_march(cxx: str, native: bool) -> str | None:
+    """The -march value of a build (None: no -march, the compiler's default target)."""
+    if native:
+        return NATIVE_MARCH
+    machine = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True).stdout
+    if machine.startswith(("x86_64-", "amd64-")):
+        return PORTABLE_MARCH_X86_64
+    return None
+
+
+def _target_flags(cxx: str, native: bool) -> list[str]:
+    """-march (if any) followed by TFHYBRID_CXXFLAGS, in command-line order."""
+    march = target_march(cxx, native)
+    return ([f"-march={march}"] if march else []) + shlex.split(
+        os.environ.get("TFHYBRID_CXXFLAGS", ""))
+
+
+def _effective_march(flags) -> str | None:
+    """The -march that wins in a sequence of flags (the last one), or None."""
+    marches = [f.split("=", 1)[1] for f in flags if f.startswith("-march=")]
+    return marches[-1] if marches else None
+
+
+def library_march(lib: Path) -> str | None:
+    """The -march a library was compiled with, from the switches GCC recorded in it
+    (-frecord-gcc-switches; -march=native appears expanded, e.g. znver3). None if it
+    has none (built off x86-64, or by another build system)."""
+    return _effective_march(m.decode() for m in re.findall(rb"-march=[\w.-]+",
+                                                             Path(lib).read_bytes()))
+
+
+def _expected_march(cxx: str, native: bool) -> str | None:
+    """What library_march() of a fresh build would report."""
+    march = _effective_march(_target_flags(cxx, native))
+    if march == NATIVE_MARCH:  # GCC records the CPU name -march=native stands for
+        out = subprocess.run([cxx, "-march=native", "-Q", "--help=target"],
+                             capture_output=True, text=True).stdout
+        found = re.search(r"^\s*-march=\s*(\S+)\s*$", out, re.M)
+        march = found.group(1) if found else None
+    return march
+
+
+def build_command(output: Path, native: bool | None = None) -> list[str]:
+    """The compiler command line; native=None reads TFHYBRID_MARCH_NATIVE."""
+    import tensorflow as tf  # deferred: only the build needs TF's flags
+
+    if native is None:
+        native = march_native_requested()
+    cxx = _compiler()
+    cmd = [cxx] + COMMON_FLAGS + [f"-I{CC_DIR / 'kernels'}"]
     cmd += tf.sysconfig.get_compile_flags()
-    cmd += shlex.split(os.environ.get("TFHYBRID_CXXFLAGS", ""))
+    cmd += _target_flags(cxx, native)
     cmd += [str(s) for s in sources()]
     cmd += ["-o", str(output)]
     cmd += tf.sysconfig.get_link_flags()
     return cmd
 
 
-def build(force: bool = False, verbose: bool = True) -> Path:
-    """Builds the library if needed; returns its path. Raises RuntimeError on failure."""
+def is_up_to_date(lib: Path = LIB_PATH, native: bool | None = None) -> bool:
+    """The library exists, is newer than every input and was built for the target CPU
+    a build would use now (portable, or -march=native: switching rebuilds)."""
+    lib = Path(lib)
+    if not lib.exists():
+        return False
+    lib_mtime = lib.stat().st_mtime
+    if not all(p.stat().st_mtime <= lib_mtime for p in _inputs()):
+        return False
+    if native is None:
+        native = march_native_requested()
+    return library_march(lib) == _expected_march(_compiler(), native)
+
+
+def build(force: bool = False, verbose: bool = True, output: Path = LIB_PATH,
+          native: bool | None = None) -> Path:
+    """Builds the library at `output` if needed; returns its path. native=None reads
+    TFHYBRID_MARCH_NATIVE. Raises RuntimeError on failure."""
+    output = Path(output)
     srcs = sources()
     if not srcs:
         raise RuntimeError(f"no C++ sources under {CC_DIR}")
-    if not force and is_up_to_date():
+    if not force and is_up_to_date(output, native):
         if verbose:
-            print(f"tfhybrid custom ops: {LIB_PATH} is up to date (use --force to rebuild)")
-        return LIB_PATH
+            print(f"tfhybrid custom ops: {output} is up to date (use --force to rebuild)")
+        return output
     # Compile to a temporary file in the same directory, then rename atomically so a
     # concurrently importing process never sees a half-written library.
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_tfhybrid_ops_", suffix=".so", dir=HERE)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_tfhybrid_ops_", suffix=".so", dir=output.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        cmd = build_command(tmp_path)
+        cmd = build_command(tmp_path, native)
         if verbose:
-            print("tfhybrid custom ops: building", LIB_PATH, flush=True)
+            print("tfhybrid custom ops: building", output, flush=True)
             print(" ".join(shlex.quote(c) for c in cmd), flush=True)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
@@ -84,22 +188,27 @@ def build(force: bool = False, verbose: bool = True) -> Path:
         if verbose and proc.stdout.strip():
             print(proc.stdout, flush=True)
         os.chmod(tmp_path, 0o755)
-        os.replace(tmp_path, LIB_PATH)
+        os.replace(tmp_path, output)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
     if verbose:
-        print(f"tfhybrid custom ops: built {LIB_PATH}")
-    return LIB_PATH
+        print(f"tfhybrid custom ops: built {output}")
+    return output
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument("--quiet", action="store_true", help="print only errors")
+    parser.add_argument("--output", type=Path, default=LIB_PATH,
+                        help=f"where to write the library (default {LIB_PATH})")
+    parser.add_argument("--march-native", action="store_true",
+                        help="build for this machine's CPU (like TFHYBRID_MARCH_NATIVE=1)")
     args = parser.parse_args(argv)
     try:
-        build(force=args.force, verbose=not args.quiet)
+        build(force=args.force, verbose=not args.quiet, output=args.output,
+              native=True if args.march_native else None)
     except Exception as e:  # noqa: BLE001 - report any failure with a clear message
         print(f"ERROR: tfhybrid custom-op build failed: {e}", file=sys.stderr)
         return 1

@@ -5,6 +5,8 @@ Run: OMP_NUM_THREADS=1 python tfhybrid/custom_ops/embedding_ops_test.py
 
 The custom-op tests FAIL if the library cannot be loaded. With
 TFHYBRID_DISABLE_CUSTOM_OPS=1 only the pure-TF tests run (op tests are skipped).
+The kernels run at this process's dispatch level (TFHYBRID_KERNEL_ISA, default the best
+the CPU has); kernel_isa_test.py runs these tests once per level.
 """
 
 import hashlib
@@ -107,16 +109,25 @@ class LibraryTest(tf.test.TestCase):
         ops = {op.type for op in f.get_concrete_function().graph.get_operations()}
         self.assertIn("ResourceEmbeddingLookupCombine", ops)
 
+    def test_kernel_isa_is_the_requested_level(self):
+        _require_op(self)
+        supported = co.supported_kernel_isas()
+        self.assertEqual(supported[0], "generic")
+        want = os.environ.get("TFHYBRID_KERNEL_ISA", "").strip().lower()
+        # Unset (or auto): the best level of this CPU, else exactly the one requested.
+        self.assertEqual(co.kernel_isa(), supported[-1] if want in ("", "auto") else want)
+
 
 # ------------------------------------------------------------------ lookup
 
 
 class EmbeddingLookupCombineTest(tf.test.TestCase):
+    DIM = 16  # row width: one vector at the AVX-512 level, two at AVX2
 
     def setUp(self):
         super().setUp()
         self.rng = np.random.default_rng(1234)
-        self.R, self.D = 50, 16
+        self.R, self.D = 50, self.DIM
         self.params_np = self.rng.uniform(-1, 1, (self.R, self.D)).astype(np.float32)
 
     def _check_forward(self, ids, bags, dense_shape=None):
@@ -288,14 +299,21 @@ class EmbeddingLookupCombineTest(tf.test.TestCase):
             self.assertLess(hist.history["loss"][-1], hist.history["loss"][0] + 1e-6)
 
 
+class EmbeddingLookupCombineOddWidthTest(EmbeddingLookupCombineTest):
+    # 67 = 4 x 16 + 3: full vectors and a tail at every dispatch level (4, 8, 16 floats;
+    # F16C blocks of 8 halves; float16 / bfloat16 rows converted in chunks of 64).
+    DIM = 67
+
+
 # ------------------------------------------------------------------ rowwise adagrad
 
 
 class RowwiseAdagradTest(tf.test.TestCase):
+    DIM = 12  # row width: shorter than one AVX-512 vector
 
     def _run(self, use_op, graph, c, wd, grad_dtype, idx_dtype, steps=4):
         rng = np.random.default_rng(7)
-        R, D, N = 30, 12, 40
+        R, D, N = 30, self.DIM, 40
         w0 = rng.uniform(-1, 1, (R, D)).astype(np.float32)
         v0 = rng.uniform(0, 0.5, R).astype(np.float32)
         var = tf.Variable(w0)
@@ -321,7 +339,8 @@ class RowwiseAdagradTest(tf.test.TestCase):
                 for c, wd, gdt, idt in ((1.0, 0.0, np.float32, tf.int64),
                                         (4.0, 0.01, np.float32, tf.int32),
                                         (1.0, 0.05, np.float16, tf.int64),
-                                        (4.0, 0.0, np.float16, tf.int32)):
+                                        (4.0, 0.0, np.float16, tf.int32),
+                                        (2.0, 0.02, tf.bfloat16.as_numpy_dtype, tf.int64)):
                     w, v, w_ref, v_ref = self._run(use_op, graph, c, wd, gdt, idt)
                     msg = f"use_op={use_op} graph={graph} c={c} wd={wd} grad={gdt.__name__}"
                     self.assertAllClose(v, v_ref, atol=ATOL, rtol=RTOL, msg=msg)
@@ -358,6 +377,10 @@ class RowwiseAdagradTest(tf.test.TestCase):
                 self.assertAllEqual(var.numpy(), np.zeros([5, 2]))
 
 
+class RowwiseAdagradOddWidthTest(RowwiseAdagradTest):
+    DIM = 37  # 2 x 16 + 5 = 4 x 8 + 5: full vectors and a tail at every dispatch level
+
+
 # ------------------------------------------------------------------ determinism
 
 _DETERMINISM_SCRIPT = textwrap.dedent("""
@@ -368,13 +391,21 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
     tf.config.threading.set_intra_op_parallelism_threads(n)
     from tfhybrid import custom_ops as co
     assert co.custom_ops_available(), co._load_error
+    h = hashlib.sha256()
+
+    def digest(*xs):
+        for x in xs:
+            h.update(x.numpy().tobytes())
+
+    # 1. float32 table, D = 64 (gradient rows written with streaming stores), mean of
+    #    Zipf ids; row-wise AdaGrad with duplicate indices (one copy rounded to float16),
+    #    scale and weight decay.
     rng = np.random.default_rng(0)
     R, D, B, H = 5000, 64, 4096, 8
     ids = np.minimum(rng.zipf(1.05, (B, H)) - 1, R - 1) % R
     table = tf.Variable(rng.normal(0, 1, (R, D)).astype(np.float32))
     accum = tf.Variable(tf.zeros([R]))
     up = tf.constant(rng.normal(0, 1, (B, D)).astype(np.float32))
-    h = hashlib.sha256()
 
     @tf.function
     def step(ids):
@@ -389,31 +420,79 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
         return out, g.indices, g.values
 
     for s in range(3):
-        out, gi, gv = step(tf.constant(np.roll(ids, s, axis=0), tf.int64))
-        for x in (out, gi, gv):
-            h.update(x.numpy().tobytes())
-    h.update(table.numpy().tobytes())
-    h.update(accum.numpy().tobytes())
-    print("DIGEST", h.hexdigest())
+        digest(*step(tf.constant(np.roll(ids, s, axis=0), tf.int64)))
+    digest(table, accum)
+
+    # 2. D = 37 (full vectors and tails at every level), ragged bags with empty ones, sum;
+    #    bfloat16 and float16 gradients into AdaGrad.
+    rng = np.random.default_rng(1)
+    R, D, B = 3000, 37, 700
+    lengths = rng.integers(0, 12, B)
+    lengths[::50] = 0
+    ids = tf.RaggedTensor.from_row_lengths(rng.integers(0, R, lengths.sum()), lengths)
+    table = tf.Variable(rng.normal(0, 1, (R, D)).astype(np.float32))
+    accum = tf.Variable(tf.fill([R], 0.1))
+    up = tf.constant(rng.normal(0, 1, (B, D)).astype(np.float32))
+    for grad_dtype in (tf.bfloat16, tf.float16):
+        with tf.GradientTape() as tape:
+            out = co.embedding_lookup_combine(table, ids, "sum", use_custom_op=True)
+            loss = tf.reduce_sum(out * up)
+        g = tape.gradient(loss, table)
+        co.rowwise_adagrad_apply(table, accum, g.indices, tf.cast(g.values, grad_dtype), 0.05,
+                                 1e-6, use_custom_op=True)
+        digest(out, g.indices, g.values)
+    digest(table, accum)
+
+    # 3. float16 and bfloat16 tables, D = 67 (F16C blocks of 8 and conversion chunks of 64,
+    #    both with tails): mean forward and gradient, and the plain gather (combiner None).
+    rng = np.random.default_rng(2)
+    R, D = 2000, 67
+    ids = tf.constant(rng.integers(0, R, (300, 5)))
+    up = tf.constant(rng.normal(0, 1, (300, D)).astype(np.float32))
+    for dtype in (tf.float16, tf.bfloat16):
+        params = tf.cast(tf.constant(rng.normal(0, 1, (R, D))), dtype)
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            out = co.embedding_lookup_combine(params, ids, "mean", use_custom_op=True)
+            loss = tf.reduce_sum(tf.cast(out, tf.float32) * up)
+        g = tape.gradient(loss, params)
+        digest(out, g.indices, g.values,
+               co.embedding_lookup_combine(params, ids, None, use_custom_op=True))
+    print("DIGEST", co.kernel_isa(), h.hexdigest())
 """)
 
 
 class DeterminismTest(tf.test.TestCase):
 
-    def _digest(self, threads):
+    def _digest(self, threads, isa=None):
+        """sha256 of every output of _DETERMINISM_SCRIPT run in a fresh process, with
+        `threads` intra-op threads at dispatch level `isa` (None: the default)."""
         env = dict(os.environ, TF_NUM_INTRAOP_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2",
                    PYTHONPATH=str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if isa is not None:
+            env["TFHYBRID_KERNEL_ISA"] = isa
         proc = subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT, str(threads)], env=env,
                               cwd=str(_REPO), capture_output=True, text=True, timeout=600)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DIGEST")]
         self.assertLen(lines, 1, proc.stdout)
-        return lines[0].split()[1]
+        _, ran_isa, digest = lines[0].split()
+        if isa is not None:
+            self.assertEqual(ran_isa, isa)
+        return digest
 
     def test_bitwise_deterministic_across_threads_and_runs(self):
         _require_op(self)
         digests = [self._digest(1), self._digest(2), self._digest(2), self._digest(1)]
         self.assertLen(set(digests), 1, digests)
+
+    def test_bitwise_identical_across_kernel_isas(self):
+        # Every dispatch level must compute exactly the same bits (isa_kernels.h): the
+        # data-parallel copies of a shard may run on nodes that pick different levels.
+        _require_op(self)
+        levels = co.supported_kernel_isas()
+        digests = {isa: self._digest(2, isa) for isa in levels}
+        self.assertLen(set(digests.values()), 1, digests)
 
     def test_in_process_repeatable(self):
         _require_op(self)

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from tfhybrid import collectives
 from tfhybrid import custom_ops
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
@@ -198,6 +199,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     initializer=_slice_initializer(table, placement.shards[0]),
                     dtype=tf.float32,
                     experimental_autocast=False)
+                distributed.mark_embedding(self._table_vars[t])
                 distributed.mark_sparse_sync(self._table_vars[t], planner.sync_is_sparse(
                     table.rows, table.dim, ids_per_step))
                 continue
@@ -212,7 +214,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     initializer=_slice_initializer(table, shard), dtype=tf.float32,
                     experimental_autocast=False)
                 distributed.mark_model_parallel(
-                    var, mesh, self.sync_every if self.replica_sync == "weights" else None)
+                    var, mesh, self.sync_every if self.replica_sync == "weights" else None,
+                    table_key=self._table_key(t))
+                distributed.mark_embedding(var)
                 distributed.mark_sparse_sync(var, planner.sync_is_sparse(
                     shard.row_end - shard.row_start, shard.col_end - shard.col_start,
                     mesh.model_parallel * ids_per_step))
@@ -223,7 +227,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # tape needs the backward alltoall.
         self._anchor = self.add_weight(name="alltoall_anchor", shape=[0], initializer="zeros",
                                        dtype=tf.float32, experimental_autocast=False)
-        distributed.mark_local_only(self._anchor)
+        # it also names the sharded tables, so every rank (owner or not) joins the same
+        # norm allreduce when the optimizer clips
+        distributed.mark_anchor(self._anchor, [
+            self._table_key(t) for t, placement in enumerate(self.plan.tables)
+            if placement.kind != "data_parallel"])
         # routes: the (feature, shard) pairs each position serves, in one fixed order that
         # every rank derives from the same plan
         self._routes: list[list[_Route]] = [[] for _ in range(mesh.model_parallel)]
@@ -240,6 +248,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         self._wire_float = compute if compute in (tf.float16, tf.bfloat16) else tf.float32
         super().build(input_shape)
 
+    def _table_key(self, table: int) -> str:
+        return f"{self.name}/{self._tables[table].name}"
+
     # ------------------------------------------------------------------ call
     def call(self, inputs):
         if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
@@ -254,7 +265,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                              f"{len(self.input_table_map)}")
         mesh = self._mesh
         bags = [self._as_bags(f, x) for f, x in enumerate(inputs)]
-        batch = tf.shape(bags[0].lengths, out_type=tf.int64)[0] // bags[0].per_sample
+        batch = bags[0].batch
 
         # 1. validate on every rank, together
         checked = self._validate_everywhere(bags, batch)
@@ -286,6 +297,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         """One feature as bags: ``values`` ids, ``lengths`` ids per bag."""
         values: tf.Tensor
         lengths: tf.Tensor       # [batch * per_sample]
+        batch: tf.Tensor         # samples (int64): per_sample may be 0 (zero hotness)
         per_sample: int          # bags per sample: hotness for combiner=None, else 1
         out_shape: Any           # None, or the static trailing shape for combiner=None
         combiner: str | None
@@ -298,7 +310,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     f"feature {feature} (table {table.name!r}) is ragged, which needs a "
                     "combiner ('sum' or 'mean'); the table has combiner=None")
             values = tf.cast(ids.flat_values, tf.int64)
-            return self._Bags(values, tf.cast(ids.row_lengths(), tf.int64), 1, None,
+            lengths = tf.cast(ids.row_lengths(), tf.int64)
+            return self._Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                               table.combiner)
         ids = tf.convert_to_tensor(ids)
         if not ids.dtype.is_integer:
@@ -309,16 +322,19 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                              f"{ids.shape}; expected [batch] or [batch, hotness]")
         values = tf.reshape(tf.cast(ids, tf.int64), [-1])
         if ids.shape.rank == 1:
-            return self._Bags(values, tf.ones_like(values), 1, None, table.combiner)
+            return self._Bags(values, tf.ones_like(values), tf.size(values, out_type=tf.int64),
+                              1, None, table.combiner)
         hotness = ids.shape[1]
         if hotness is None:
             raise ValueError(f"feature {feature} (table {table.name!r}) has an unknown "
                              "hotness; pass a RaggedTensor for variable-length bags")
         if table.combiner is None:
             # no combiner: each id is a bag of one, reshaped to [batch, hotness, dim]
-            return self._Bags(values, tf.ones_like(values), hotness, hotness, None)
+            return self._Bags(values, tf.ones_like(values),
+                              tf.shape(ids, out_type=tf.int64)[0], hotness, hotness, None)
         lengths = tf.fill([tf.shape(ids, out_type=tf.int64)[0]], tf.constant(hotness, tf.int64))
-        return self._Bags(values, lengths, 1, None, table.combiner)
+        return self._Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
+                          table.combiner)
 
     def _validate_everywhere(self, bags, batch) -> list:
         """Asserts that every id is in range and every rank has the same batch size.
@@ -329,15 +345,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         report = [tf.reshape(batch, [1])]
         for f, bag in enumerate(bags):
             rows = self._tables[self.input_table_map[f]].rows
-            bad = tf.logical_or(bag.values < 0, bag.values >= rows)
-            # padded so an empty batch still has an element to gather
-            first_bad = tf.gather(tf.concat([bag.values, [0]], 0),
-                                  tf.argmax(tf.cast(bad, tf.int32)))
+            # padded with one good id, so a rank with no ids for this feature (empty
+            # bags, zero hotness) still has an element to take the argmax of
+            values = tf.concat([bag.values, tf.zeros([1], bag.values.dtype)], 0)
+            bad = tf.logical_or(values < 0, values >= rows)
+            first_bad = tf.gather(values, tf.argmax(tf.cast(bad, tf.int32)))
             any_bad = tf.reduce_any(bad)
             report += [tf.reshape(tf.cast(any_bad, tf.int64), [1]),
                        tf.reshape(tf.where(any_bad, first_bad, 0), [1])]
         report = tf.reshape(tf.concat(report, 0), [1, -1])
-        everyone = distributed.allgather(report, self._mesh.size,
+        everyone = collectives.allgather(report, self._mesh.size,
                                          f"tfhybrid_{self.name}_validate")
         sizes = everyone[:, 0]
         flags = tf.reshape(everyone[:, 1:], [self._mesh.size, len(bags), 2])
@@ -385,7 +402,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             payload = tf.concat(lengths + values, 0) if routes else tf.zeros([0], wire)
             payloads.append(payload)
             sizes.append(tf.size(payload, out_type=tf.int32))
-        received, received_sizes = distributed.alltoall(
+        received, received_sizes = collectives.alltoall(
             tf.concat(payloads, 0), tf.stack(sizes), mesh.model_process_set, group,
             f"tfhybrid_{self.name}_ids")
 
@@ -411,6 +428,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                                       tf.cast(tf.concat(route_ids[i], 0), tf.int64),
                                       tf.concat(route_lengths[i], 0),
                                       self._tables[r.table].name)
+            # the backward alltoall sums the M ranks' gradients of their own mean losses;
+            # 1/M makes the shard's gradient that of the model group's mean loss, so the
+            # optimizer's sync is a plain average (see tfhybrid/distributed.py)
+            summed = _scale_gradient(summed, 1.0 / group)
             sums.append(tf.reshape(summed, [group, -1]))   # [source, bags * width]
 
         # 4. send each source its rows back: one flat buffer per source
@@ -422,7 +443,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             back = tf.zeros([0], self._wire_float)
             back_sizes = tf.zeros([group], tf.int32)
         back = tf.concat([back, tf.cast(self._anchor, back.dtype)], 0)
-        returned, returned_sizes = distributed.alltoall(
+        returned, returned_sizes = collectives.alltoall(
             back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
             differentiable=True)
         partials = {}
@@ -447,7 +468,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             counts = tf.cast(tf.maximum(bag.lengths, 1), summed.dtype)
             summed = summed / counts[:, None]
         if bag.out_shape is not None:
-            summed = tf.reshape(summed, [-1, bag.out_shape, summed.shape[-1]])
+            # the batch, not -1: with zero hotness the size says nothing about it
+            summed = tf.reshape(summed, [bag.batch, bag.out_shape, summed.shape[-1]])
         return tf.cast(summed, self.compute_dtype)
 
     # ------------------------------------------------------- full tables
@@ -458,6 +480,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         or on every rank with ``all_ranks=True``; other ranks get ``[]``. Beyond the
         returned tables, it needs one chunk of memory (``_CHUNK_BYTES``).
         """
+        self._require_built("get_weights")
         mesh = self._mesh
         keep = all_ranks or mesh.rank == 0
         full_tables = []
@@ -475,7 +498,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     local = (tf.gather(var, tf.range(start, stop)) if var is not None
                              else tf.zeros([0, width], tf.float32))
                     if not replicated:
-                        local = distributed.allgather(local, mesh.model_parallel,
+                        local = collectives.allgather(local, mesh.model_parallel,
                                                       f"tfhybrid_{self.name}_get_weights",
                                                       mesh.model_process_set)
                     if keep:
@@ -484,8 +507,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             full_tables.append(full)
         return full_tables if keep else []
 
+    def _require_built(self, method: str) -> None:
+        if not self.built:
+            raise ValueError(
+                f"DistributedEmbedding {self.name!r}.{method} needs the layer built: call "
+                "it on a batch of ids first (or build the model), so the plan and the "
+                "shards exist")
+
     def set_weights(self, weights: Sequence[np.ndarray]) -> None:
         """Slices full tables (one per table, every rank passes the same) onto the plan."""
+        self._require_built("set_weights")
         if len(weights) != len(self._tables):
             raise ValueError(f"set_weights got {len(weights)} tables; expected "
                              f"{len(self._tables)}")
@@ -565,6 +596,18 @@ def _slice_initializer(table: _Table, shard: planner.Shard) -> Any:
         return tf.concat(blocks, axis=0) if len(blocks) > 1 else blocks[0]
 
     return initial_value
+
+
+@tf.custom_gradient
+def _scale_gradient_by(x, factor):
+    return tf.identity(x), lambda grad: (grad * factor, None)
+
+
+def _scale_gradient(x: tf.Tensor, factor: float) -> tf.Tensor:
+    """``x`` itself, whose gradient is multiplied by ``factor`` (in float32)."""
+    if factor == 1.0:
+        return x
+    return _scale_gradient_by(x, tf.constant(factor, x.dtype))
 
 
 def _chunks(rows: int, width: int):

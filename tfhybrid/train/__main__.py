@@ -18,6 +18,7 @@ import os
 
 from absl import app, flags
 
+from tfhybrid import mesh as mesh_lib
 from tfhybrid.train import app as train_app
 from tfhybrid.train import data as data_lib
 from tfhybrid.train.models import MODELS
@@ -68,6 +69,21 @@ flags.DEFINE_string("metrics_json", None, "Write the final figures as JSON here 
 flags.DEFINE_integer("warmup_steps", _DEFAULTS.warmup_steps, "Steps left out of samples/s.")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the synthetic data and its teacher.")
 flags.DEFINE_integer("threads", None, "TF threads per rank (default: cores / local ranks).")
+
+
+def _stall_default(name: str) -> str:
+    return (f"default: ${name} if set, else {mesh_lib.STALL_DEFAULTS[name]}; the flag "
+            f"replaces ${name}")
+
+
+flags.DEFINE_integer(
+    "stall_check_seconds", None, "How often Horovod looks for collectives that some ranks "
+    "wait in and others have not joined, and logs the missing ranks ("
+    f"{_stall_default(mesh_lib.STALL_CHECK_ENV)}).")
+flags.DEFINE_integer(
+    "stall_shutdown_seconds", None, "Horovod shuts the job down (every rank fails) once a "
+    "collective has waited this long for a rank; at least --stall_check_seconds ("
+    f"{_stall_default(mesh_lib.STALL_SHUTDOWN_ENV)}).")
 
 FLAGS = flags.FLAGS
 

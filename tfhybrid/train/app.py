@@ -8,6 +8,7 @@ ranks (AUC, log loss), and saves, restores and exports as asked. Rank 0 prints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -15,12 +16,27 @@ import os
 import time
 from typing import Any, Sequence
 
+from tfhybrid import mesh as mesh_lib
 from tfhybrid.train import data as data_lib
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "ms_rowwise_adagrad")
 MIXED_PRECISION = {"none": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 LAYOUTS = ("model_major", "data_major")
 REPLICA_SYNC = ("gradients", "weights")
+# TrainConfig field -> the Horovod variable it sets before hvd.init
+STALL_FLAGS = {"stall_check_seconds": mesh_lib.STALL_CHECK_ENV,
+               "stall_shutdown_seconds": mesh_lib.STALL_SHUTDOWN_ENV}
+# the text of the error every pending collective gets once Horovod has shut down
+_HOROVOD_SHUT_DOWN = "Horovod has been shut down"
+
+# Test-only fault injection for tests/test_faults.py; a real run never sets these.
+# "RANK:STEP": rank RANK raises at the end of global training step STEP (before any
+# checkpoint of that step). "RANK:STEP:hang": it blocks there instead, as a rank stuck
+# in I/O would, so that only Horovod's stall shutdown can end the job.
+TEST_FAULT_ENV = "TFHYBRID_TEST_FAIL_AT_STEP"
+# "RANK:BATCHES": rank RANK's training input ends after BATCHES batches, whatever
+# --steps asks for (input that runs out early on one rank).
+TEST_SHORT_INPUT_ENV = "TFHYBRID_TEST_TRAIN_BATCHES"
 
 
 @dataclasses.dataclass
@@ -61,6 +77,10 @@ class TrainConfig:
     warmup_steps: int = 5
     seed: int = 0
     threads: int | None = None                 # per rank; None: cores / local ranks
+    # Horovod's stall limits in seconds; None: the environment's variable, else
+    # tfhybrid's default (mesh.STALL_DEFAULTS). See stall_settings.
+    stall_check_seconds: int | None = None
+    stall_shutdown_seconds: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field and what it expects."""
@@ -74,7 +94,7 @@ class TrainConfig:
                                  f"of {', '.join(allowed)}")
         positive = ["sync_every", "batch_size", "epochs", "embedding_dim", "num_cross_layers"]
         optional_positive = ["model_parallel", "eval_batches", "max_table_rows",
-                             "projection_dim", "threads"]
+                             "projection_dim", "threads"] + list(STALL_FLAGS)
         for name in positive + optional_positive:
             value = getattr(self, name)
             if value is None and name in optional_positive:
@@ -98,6 +118,73 @@ class TrainConfig:
             raise ValueError(f"--bottom_mlp_dims={list(self.bottom_mlp_dims)} must end in "
                              f"--embedding_dim={self.embedding_dim} for DLRM's dot "
                              "interaction")
+        stall_settings(self)
+
+
+def stall_settings(config: TrainConfig, environ=os.environ) -> dict[str, tuple[int, str]]:
+    """The stall limits the run gives Horovod: {variable: (seconds, where it comes from)}.
+
+    A flag wins over the variable in ``environ`` (horovodrun's --stall-check-* options
+    set those too), which wins over tfhybrid's default. Raises ValueError naming the
+    values when Horovod would not honour them: a shutdown limit below the check interval
+    (Horovod then never shuts down), a variable that is not an integer, or a flag while
+    HOROVOD_STALL_CHECK_DISABLE turns the check off.
+    """
+    settings = {}
+    for field, name in STALL_FLAGS.items():
+        flag = getattr(config, field)
+        if flag is not None:
+            settings[name] = (flag, f"--{field}={flag}")
+        elif environ.get(name, "").strip():
+            try:
+                settings[name] = (int(environ[name]), f"{name}={environ[name]}")
+            except ValueError:
+                raise ValueError(f"{name}={environ[name]!r} must be an integer number of "
+                                 "seconds") from None
+        else:
+            settings[name] = (mesh_lib.STALL_DEFAULTS[name], "tfhybrid's default "
+                              f"{name}={mesh_lib.STALL_DEFAULTS[name]}")
+    (check, check_from), (shutdown, shutdown_from) = (
+        settings[mesh_lib.STALL_CHECK_ENV], settings[mesh_lib.STALL_SHUTDOWN_ENV])
+    # 0 (only reachable through the environment) is Horovod's "never shut down"
+    if 0 < shutdown < check:
+        raise ValueError(f"{shutdown_from} is below {check_from}: Horovod ignores a stall "
+                         "shutdown limit shorter than its check interval (it would never "
+                         "shut down); lower --stall_check_seconds too")
+    flags = [f"--{field}" for field in STALL_FLAGS if getattr(config, field) is not None]
+    disable = environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip()
+    if flags and disable.lstrip("+-").isdigit() and int(disable) > 0:
+        raise ValueError(f"{' and '.join(flags)} cannot take effect: "
+                         f"HOROVOD_STALL_CHECK_DISABLE={disable} turns Horovod's stall check "
+                         "off")
+    return settings
+
+
+def _apply_stall_settings(config: TrainConfig) -> tuple[dict[str, int], list[str]]:
+    """Puts the stall flags into the environment, where hvd.init reads them.
+
+    Returns the limits in force ({variable: seconds}) and notes for rank 0 about flags
+    that replaced a different value of the environment. Raises ValueError if Horovod
+    already runs with other limits.
+    """
+    import horovod.tensorflow as hvd
+    settings = stall_settings(config)
+    notes = []
+    for field, name in STALL_FLAGS.items():
+        flag = getattr(config, field)
+        if flag is None:
+            continue
+        current = os.environ.get(name)
+        if hvd.is_initialized():
+            # hvd.init read the variable once; a different value now would be ignored
+            if current != str(flag):
+                raise ValueError(f"--{field}={flag} cannot take effect: Horovod is already "
+                                 f"initialised in this process with {name}={current}")
+            continue
+        if current is not None and current != str(flag):
+            notes.append(f"--{field}={flag} replaces {name}={current} from the environment")
+        os.environ[name] = str(flag)
+    return {name: seconds for name, (seconds, _) in settings.items()}, notes
 
 
 def _configure_threads(config: TrainConfig) -> None:
@@ -187,6 +274,96 @@ def _checkpoint_callback(config: TrainConfig, model, optimizer, mesh, first_step
     return Checkpoints()
 
 
+def _input_check_callback(steps: int, rank: int):
+    import tensorflow as tf
+
+    class InputRanOut(tf.keras.callbacks.Callback):
+        """Raises when this rank's training input ended before the epoch's last step.
+
+        Keras only warns and ends the epoch on this rank; the other ranks would wait for
+        it in their next step's collectives until Horovod's stall shutdown. Raising names
+        the cause at once (and horovodrun then stops every rank).
+        """
+
+        def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+            self.batches = 0
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            self.batches += 1
+
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            if self.batches < steps:
+                raise RuntimeError(
+                    f"rank {rank}: the training input ran out after {self.batches} of "
+                    f"{steps} steps of epoch {epoch + 1}; every rank must run the same "
+                    "steps, the others are waiting for this rank in a collective")
+
+    return InputRanOut()
+
+
+def _test_hook(name: str, rank: int, modes: Sequence[str] = ()) -> tuple[int, str] | None:
+    """(NUMBER, MODE) of a test-only hook variable "RANK:NUMBER[:MODE]" naming this rank."""
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    fields = value.split(":")
+    if not (len(fields) in (2, 3) and all(f.isdigit() for f in fields[:2])
+            and (len(fields) == 2 or fields[2] in modes)):
+        expected = "RANK:NUMBER" + "".join(f"[:{mode}]" for mode in modes)
+        raise ValueError(f"{name}={value!r} must be {expected} (a test-only hook)")
+    if int(fields[0]) != rank:
+        return None
+    return int(fields[1]), (fields[2] if len(fields) == 3 else "")
+
+
+def _fault_callback(first_step: int, rank: int):
+    """Test only: the TEST_FAULT_ENV fault on this rank, or None."""
+    hook = _test_hook(TEST_FAULT_ENV, rank, modes=("hang",))
+    if hook is None:
+        return None
+    fault_step, mode = hook
+    import tensorflow as tf
+
+    class InjectedFault(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.step = first_step
+
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            self.step += 1
+            if self.step != fault_step:
+                return
+            # the time lets a test measure how long the job took to end after the fault
+            print(f"{TEST_FAULT_ENV}: rank {rank} {'hangs' if mode else 'raises'} after "
+                  f"step {fault_step} at time {time.time():.3f}", flush=True)
+            if mode == "hang":
+                time.sleep(_TEST_HANG_SECONDS)
+            raise RuntimeError(f"{TEST_FAULT_ENV}: fault injected on rank {rank} after "
+                               f"step {fault_step}")
+
+    return InjectedFault()
+
+
+# far beyond any stall limit a test sets: the job must end before the hang does
+_TEST_HANG_SECONDS = 3600
+
+
+@contextlib.contextmanager
+def _explain_shutdown(rank: int, stall: dict[str, int]):
+    """Adds the likely causes to the bare error of a collective that Horovod shut down."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised, with context if Horovod's
+        if _HOROVOD_SHUT_DOWN not in str(error):
+            raise
+        raise RuntimeError(
+            f"rank {rank}: Horovod shut down while this rank waited in a collective: "
+            "another rank raised (its error is in the log), or a collective stalled "
+            f"longer than the stall shutdown limit of "
+            f"{stall[mesh_lib.STALL_SHUTDOWN_ENV]} s (rank 0's log names the missing "
+            "ranks and tensors)") from error
+
+
 def _count_batches(dataset) -> int:
     import tensorflow as tf
     count = int(dataset.cardinality())
@@ -229,6 +406,7 @@ def run(config: TrainConfig) -> dict:
     from tfhybrid.train.models import build_model, example_batch, export_for_serving
 
     tf.keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
+    stall, stall_notes = _apply_stall_settings(config)
     mesh = tfhybrid.init(model_parallel=config.model_parallel, layout=config.layout)
     data_options = dict(data_dir=config.data_dir, max_table_rows=config.max_table_rows,
                         cardinality_scale=config.cardinality_scale, seed=config.seed)
@@ -281,11 +459,20 @@ def run(config: TrainConfig) -> dict:
         steps = config.steps
         malformed = None
     # a restored run continues with the batches it has not seen
-    train = train.repeat().skip(first_step).prefetch(2)
+    train = train.repeat().skip(first_step)
+    short_input = _test_hook(TEST_SHORT_INPUT_ENV, mesh.rank)
+    if short_input:
+        train = train.take(short_input[0])
+    train = train.prefetch(2)
 
     throughput = _Throughput(config.batch_size, min(config.warmup_steps,
                                                      max(0, steps * config.epochs - 1)))
-    fit_callbacks = callbacks.defaults(mesh) + [throughput.callback]
+    # first: they must act before the defaults' collectives at the same hook
+    fit_callbacks = [_input_check_callback(steps, mesh.rank)]
+    fault = _fault_callback(first_step, mesh.rank)
+    if fault:
+        fit_callbacks.append(fault)
+    fit_callbacks += callbacks.defaults(mesh) + [throughput.callback]
     if config.checkpoint_dir:
         fit_callbacks.append(_checkpoint_callback(config, model, optimizer, mesh, first_step))
     if config.log_dir and mesh.rank == 0:
@@ -296,19 +483,25 @@ def run(config: TrainConfig) -> dict:
               f"model-parallel ranks), global batch {config.batch_size}, "
               f"{steps} steps x {config.epochs} epochs, {config.mixed_precision}"
               f"{', XLA towers' if config.xla else ''}", flush=True)
+        shutdown = stall[mesh_lib.STALL_SHUTDOWN_ENV]
+        print(f"Horovod stall check every {stall[mesh_lib.STALL_CHECK_ENV]} s, shutdown "
+              f"{f'after {shutdown} s' if shutdown > 0 else 'never'}"
+              + "".join(f"; {note}" for note in stall_notes), flush=True)
         print(model.embedding.plan.describe() if hasattr(model.embedding, "plan")
               and model.embedding.plan is not None else "", flush=True)
     train_loss = None
     if steps > 0:
-        history = model.fit(train, epochs=config.epochs, steps_per_epoch=steps,
-                            callbacks=fit_callbacks, verbose=callbacks.verbose(1, mesh))
+        with _explain_shutdown(mesh.rank, stall):
+            history = model.fit(train, epochs=config.epochs, steps_per_epoch=steps,
+                                callbacks=fit_callbacks, verbose=callbacks.verbose(1, mesh))
         train_loss = float(history.history["loss"][-1])
     _sync_replicas(model, optimizer, mesh)
     last_step = first_step + steps * config.epochs
 
     eval_data = data_lib.make_dataset(config.dataset, "eval", num_batches=config.eval_batches,
                                       **shard)
-    results = evaluate(model, eval_data, mesh)
+    with _explain_shutdown(mesh.rank, stall):
+        results = evaluate(model, eval_data, mesh)
     results.update(
         model=config.model, dataset=config.dataset, mesh=list(mesh.shape), steps=last_step,
         global_batch=config.batch_size,

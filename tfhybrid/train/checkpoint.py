@@ -72,6 +72,7 @@ from typing import Any, Iterator
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import collectives
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
@@ -959,7 +960,7 @@ def _exchange(mesh: mesh_lib.Mesh, name: str, record: dict) -> list[dict]:
     variable-length allgather carries them all.
     """
     data = np.frombuffer((json.dumps(record) + "\n").encode(), np.uint8)
-    gathered = distributed.allgather(tf.constant(data), mesh.size, name)
+    gathered = collectives.allgather(tf.constant(data), mesh.size, name)
     lines = bytes(np.asarray(gathered)).decode().split("\n")[:-1]
     if len(lines) != mesh.size:
         raise RuntimeError(f"{name}: got {len(lines)} records from {mesh.size} ranks")

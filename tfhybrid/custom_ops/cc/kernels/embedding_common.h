@@ -1,5 +1,6 @@
-// Shared helpers for tfhybrid's embedding kernels: dtype conversion, id validation
-// and a deterministic "group positions by id" (stable radix sort).
+// Shared helpers for tfhybrid's embedding kernels: the dispatch level of the hot loops
+// (isa_kernels.h), id validation and a deterministic "group positions by id" (stable
+// radix sort).
 #ifndef TFHYBRID_CUSTOM_OPS_CC_KERNELS_EMBEDDING_COMMON_H_
 #define TFHYBRID_CUSTOM_OPS_CC_KERNELS_EMBEDDING_COMMON_H_
 
@@ -12,10 +13,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+#include "isa_kernels.h"
 #include "tensorflow/core/framework/bfloat16.h"
 #include "tensorflow/core/framework/numeric_types.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -28,24 +26,12 @@ namespace tfhybrid {
 
 using int64 = std::int64_t;
 
-template <typename T>
-inline float ToFloat(T x) {
-  return static_cast<float>(x);
-}
-template <typename T>
-inline T FromFloat(float x) {
-  return static_cast<T>(x);
-}
-
-// Prefetch all cache lines of a row into L1/L2.
-inline void PrefetchRow(const void* p, int64 bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
-}
-
-inline void PrefetchRowForWrite(const void* p, int64 bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64 off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1, 3);
+// The dispatch level for this process's kernels (see isa_kernels.h); an error names a
+// bad TFHYBRID_KERNEL_ISA.
+inline Status GetKernelIsa(KernelIsa* isa) {
+  std::string error;
+  if (!ActiveKernelIsa(isa, &error)) return errors::InvalidArgument(error);
+  return OkStatus();
 }
 
 // Streaming (non-temporal) row stores: rows must be 64-byte multiples at 64-byte
@@ -59,28 +45,8 @@ inline bool StreamingStoresEnabled() {
 }
 
 inline bool StreamableRows(const void* base, int64 row_bytes) {
-#if defined(__AVX512F__) || defined(__AVX__)
   return StreamingStoresEnabled() && row_bytes % 64 == 0 &&
          reinterpret_cast<uintptr_t>(base) % 64 == 0;
-#else
-  return false;
-#endif
-}
-
-inline void StreamRow(float* __restrict dst, const float* __restrict src, int64 D) {
-#if defined(__AVX512F__)
-  for (int64 d = 0; d < D; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
-#elif defined(__AVX__)
-  for (int64 d = 0; d < D; d += 8) _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
-#else
-  std::memcpy(dst, src, D * sizeof(float));
-#endif
-}
-
-inline void StreamFence() {
-#if defined(__AVX512F__) || defined(__AVX__)
-  _mm_sfence();
-#endif
 }
 
 // Returns the position of the first id outside [0, num_rows), or -1.

@@ -25,8 +25,6 @@ namespace tfhybrid {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-enum class Combiner { kNone, kSum, kMean };
-
 inline Status ParseCombiner(const std::string& s, Combiner* c) {
   if (s == "none") {
     *c = Combiner::kNone;
@@ -40,34 +38,11 @@ inline Status ParseCombiner(const std::string& s, Combiner* c) {
   return OkStatus();
 }
 
-// How far ahead (in ids) to prefetch table rows.
-constexpr int64 kPrefetchDistance = 16;
-
-// acc[0..D) = sum of rows ids[s..e) (float32, in id order; requires s < e). Prefetches
-// the row kPrefetchDistance ids ahead (bounded by prefetch_end) for every id.
-template <typename T, typename Tidx>
-inline void SumRows(const T* __restrict params, int64 D, const Tidx* __restrict ids, int64 s,
-                    int64 e, int64 prefetch_end, float* __restrict acc) {
-  const int64 row_bytes = D * static_cast<int64>(sizeof(T));
-  if (s + kPrefetchDistance < prefetch_end) {
-    PrefetchRow(params + static_cast<int64>(ids[s + kPrefetchDistance]) * D, row_bytes);
-  }
-  {
-    const T* __restrict r = params + static_cast<int64>(ids[s]) * D;
-    for (int64 d = 0; d < D; ++d) acc[d] = ToFloat(r[d]);
-  }
-  for (int64 p = s + 1; p < e; ++p) {
-    if (p + kPrefetchDistance < prefetch_end) {
-      PrefetchRow(params + static_cast<int64>(ids[p + kPrefetchDistance]) * D, row_bytes);
-    }
-    const T* __restrict r = params + static_cast<int64>(ids[p]) * D;
-    for (int64 d = 0; d < D; ++d) acc[d] += ToFloat(r[d]);
-  }
-}
-
 template <typename T, typename Tidx, typename Tsplits>
 void LookupCombineCompute(OpKernelContext* ctx, const Tensor& params, const std::string& table_name,
                           Combiner combiner) {
+  KernelIsa isa;
+  OP_REQUIRES_OK(ctx, GetKernelIsa(&isa));
   const Tensor& ids_t = ctx->input(1);
   const Tensor& splits_t = ctx->input(2);
   OP_REQUIRES(ctx, params.dims() == 2,
@@ -120,37 +95,14 @@ void LookupCombineCompute(OpKernelContext* ctx, const Tensor& params, const std:
   OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({B, D}), &out_t));
   T* out = out_t->flat<T>().data();
   if (B == 0 || D == 0) return;
-  const bool mean = combiner == Combiner::kMean;
   const int64 avg_bag = std::max<int64>(1, nnz / B);
-
+  const LookupCombineArgs<T, Tidx, Tsplits> args{table, D, ids, splits,
+                                                 combiner == Combiner::kMean, out};
+  const auto kernel = LookupCombineKernel<T, Tidx, Tsplits>(isa);
   workers->ParallelFor(B, avg_bag * row_cost + D, [&](int64 begin, int64 end) {
-    std::vector<float> buf;
-    if (!std::is_same<T, float>::value) buf.resize(D);
-    const int64 prefetch_end = static_cast<int64>(splits[end]);
-    // Warm up the prefetch pipeline; SumRows keeps it kPrefetchDistance ids ahead,
-    // across bag boundaries.
-    const int64 first = static_cast<int64>(splits[begin]);
-    for (int64 p = first; p < std::min(first + kPrefetchDistance, prefetch_end); ++p)
-      PrefetchRow(table + static_cast<int64>(ids[p]) * D, D * sizeof(T));
-    for (int64 b = begin; b < end; ++b) {
-      const int64 s = static_cast<int64>(splits[b]);
-      const int64 e = static_cast<int64>(splits[b + 1]);
-      float* acc = std::is_same<T, float>::value ? reinterpret_cast<float*>(out + b * D)
-                                                 : buf.data();
-      if (s == e) {
-        std::fill(acc, acc + D, 0.0f);
-      } else {
-        SumRows<T, Tidx>(table, D, ids, s, e, prefetch_end, acc);
-        if (mean) {
-          const float cnt = static_cast<float>(e - s);
-          for (int64 d = 0; d < D; ++d) acc[d] /= cnt;
-        }
-      }
-      if (!std::is_same<T, float>::value) {
-        T* o = out + b * D;
-        for (int64 d = 0; d < D; ++d) o[d] = FromFloat<T>(acc[d]);
-      }
-    }
+    std::vector<float> row_buf;
+    if (!std::is_same<T, float>::value) row_buf.resize(D);
+    kernel(args, begin, end, row_buf.data());
   });
 }
 
@@ -210,60 +162,6 @@ class ResourceEmbeddingLookupCombineOp : public OpKernel {
   std::string table_name_;
 };
 
-// Gradient rows for unique ids [begin, end): row u = sum over its positions (in
-// position order) of the upstream gradient row of the position's bag (x 1/|bag| for
-// mean; the position's own row for 'none'). One thread per row: deterministic.
-template <typename T, Combiner C>
-void SumGradSegments(const Grouping& g, const int32_t* sample_of, const float* inv_count,
-                     const T* grad, int64 D, T* rows, int64 begin, int64 end) {
-  constexpr int64 kAhead = 4;
-  const uint32_t* perm = g.perm.empty() ? nullptr : g.perm.data();
-  const int64* seg = g.seg_start.data();
-  const int64 k_end = seg[end];
-  auto src_row = [&](int64 k) -> int64 {
-    const int64 p = perm ? static_cast<int64>(perm[k]) : k;
-    return C == Combiner::kNone ? p : static_cast<int64>(sample_of[p]);
-  };
-  // Rows are summed in a small buffer and then written with streaming stores when
-  // possible: the [U, D] output is several MB per table and is read only later by
-  // the optimizer, so write-allocating it into the cache costs an extra memory read.
-  const bool stream = std::is_same<T, float>::value && StreamableRows(rows, D * sizeof(float));
-  std::vector<float> buf(D);
-  for (int64 u = begin; u < end; ++u) {
-    float* __restrict acc = (std::is_same<T, float>::value && !stream)
-                                ? reinterpret_cast<float*>(rows + u * D)
-                                : buf.data();
-    const int64 ks = seg[u];
-    const int64 ke = seg[u + 1];
-    for (int64 k = ks; k < ke; ++k) {
-      if (k + kAhead < k_end) PrefetchRow(grad + src_row(k + kAhead) * D, D * sizeof(T));
-      const int64 r = src_row(k);
-      const T* __restrict src = grad + r * D;
-      const float sc = C == Combiner::kMean ? inv_count[r] : 1.0f;
-      if (k == ks) {
-        if (C == Combiner::kMean) {
-          for (int64 d = 0; d < D; ++d) acc[d] = ToFloat(src[d]) * sc;
-        } else {
-          for (int64 d = 0; d < D; ++d) acc[d] = ToFloat(src[d]);
-        }
-      } else {
-        if (C == Combiner::kMean) {
-          for (int64 d = 0; d < D; ++d) acc[d] += ToFloat(src[d]) * sc;
-        } else {
-          for (int64 d = 0; d < D; ++d) acc[d] += ToFloat(src[d]);
-        }
-      }
-    }
-    if (stream) {
-      StreamRow(reinterpret_cast<float*>(rows + u * D), acc, D);
-    } else if (!std::is_same<T, float>::value) {
-      T* o = rows + u * D;
-      for (int64 d = 0; d < D; ++d) o[d] = FromFloat<T>(acc[d]);
-    }
-  }
-  if (stream) StreamFence();
-}
-
 template <typename T, typename Tidx, typename Tsplits>
 class EmbeddingLookupCombineGradOp : public OpKernel {
  public:
@@ -275,6 +173,8 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    KernelIsa isa;
+    OP_REQUIRES_OK(ctx, GetKernelIsa(&isa));
     const Tensor& grad_t = ctx->input(0);
     const Tensor& ids_t = ctx->input(1);
     const Tensor& splits_t = ctx->input(2);
@@ -343,23 +243,18 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
     const int64 avg_seg = std::max<int64>(1, nnz / U);
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64 cost = avg_seg * (3 * D + 20) + 2 * D;
-    auto run = [&](auto combiner_tag) {
-      constexpr Combiner C = decltype(combiner_tag)::value;
-      workers->ParallelFor(U, cost, [&](int64 begin, int64 end) {
-        SumGradSegments<T, C>(g, sample_of.data(), inv_count.data(), grad, D, rows, begin, end);
-      });
-    };
-    switch (combiner_) {
-      case Combiner::kNone:
-        run(std::integral_constant<Combiner, Combiner::kNone>());
-        break;
-      case Combiner::kSum:
-        run(std::integral_constant<Combiner, Combiner::kSum>());
-        break;
-      case Combiner::kMean:
-        run(std::integral_constant<Combiner, Combiner::kMean>());
-        break;
-    }
+    // Rows are summed in a small buffer and then written with streaming stores when
+    // possible: the [U, D] output is several MB per table and is read only later by
+    // the optimizer, so write-allocating it into the cache costs an extra memory read.
+    const GradSegmentsArgs<T> args{
+        combiner_, g.perm.empty() ? nullptr : g.perm.data(), g.seg_start.data(),
+        sample_of.data(), inv_count.data(), grad, D, rows,
+        std::is_same<T, float>::value && StreamableRows(rows, D * sizeof(float))};
+    const auto kernel = GradSegmentsKernel<T>(isa);
+    workers->ParallelFor(U, cost, [&](int64 begin, int64 end) {
+      std::vector<float> row_buf(D);
+      kernel(args, begin, end, row_buf.data());
+    });
   }
 
  private:

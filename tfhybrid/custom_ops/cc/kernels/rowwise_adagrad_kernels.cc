@@ -8,11 +8,11 @@
 //   if weight_decay > 0: w -= (lr * weight_decay) * w      (decoupled, after the step)
 // The update is in place on the variables' buffers, under their exclusive locks
 // (same protocol as TF's ResourceSparseApply* kernels). Results are bitwise
-// independent of the number of threads.
+// independent of the number of threads and of the dispatch level of the row loop
+// (isa_kernels.h).
 
 #define EIGEN_USE_THREADS
 
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -28,30 +28,14 @@ namespace tfhybrid {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-// Sum of squares with 16 fixed lanes (vectorizes; order independent of threads).
-inline float SumSquares(const float* __restrict g, int64 D) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes] = {0};
-  int64 d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    for (int j = 0; j < kLanes; ++j) lanes[j] += g[d + j] * g[d + j];
-  }
-  for (; d < D; ++d) lanes[0] += g[d] * g[d];
-  for (int w = kLanes / 2; w >= 1; w /= 2) {
-    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
-  }
-  return lanes[0];
-}
-
-constexpr int64 kPrefetch = 8;      // unique rows ahead (var / accum)
-constexpr int64 kGradPrefetch = 4;  // segments ahead (gradient rows)
-
 template <typename Tidx, typename Tgrad>
 class RowwiseAdagradApplyOp : public OpKernel {
  public:
   explicit RowwiseAdagradApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
+    KernelIsa isa;
+    OP_REQUIRES_OK(ctx, GetKernelIsa(&isa));
     // Check dtypes first: the locking helpers below are instantiated for float.
     for (int i = 0; i < 2; ++i) {
       core::RefCountPtr<Var> v;
@@ -118,57 +102,26 @@ class RowwiseAdagradApplyOp : public OpKernel {
     const Grouping& g = scratch->g;
     const int64 U = g.num_unique();
 
-    float* w = var_t.flat<float>().data();
-    float* v = accum_t.flat<float>().data();
-    const Tgrad* grad = grad_t.flat<Tgrad>().data();
     const float inv_d = 1.0f / static_cast<float>(D);
     const float decay = wd > 0.0f ? lr * wd : 0.0f;
+    const RowwiseAdagradArgs<Tgrad> args{g.unique_ids.data(),
+                                         g.seg_start.data(),
+                                         g.perm.empty() ? nullptr : g.perm.data(),
+                                         grad_t.flat<Tgrad>().data(),
+                                         D,
+                                         var_t.flat<float>().data(),
+                                         accum_t.flat<float>().data(),
+                                         lr,
+                                         eps,
+                                         scale,
+                                         decay,
+                                         inv_d};
+    const auto kernel = RowwiseAdagradKernel<Tgrad>(isa);
     const int64 avg_seg = std::max<int64>(1, N / U);
-
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     workers->ParallelFor(U, avg_seg * 3 * D + 8 * D + 300, [&](int64 begin, int64 end) {
-      std::vector<float> buf(D);
-      float* __restrict acc = buf.data();
-      for (int64 u = begin; u < std::min(begin + kPrefetch, end); ++u) {
-        PrefetchRowForWrite(w + g.unique_ids[u] * D, D * sizeof(float));
-        __builtin_prefetch(v + g.unique_ids[u], 1, 3);
-      }
-      for (int64 u = begin; u < end; ++u) {
-        if (u + kPrefetch < end) {  // rows are random: keep several misses in flight
-          const int64 next = g.unique_ids[u + kPrefetch];
-          PrefetchRowForWrite(w + next * D, D * sizeof(float));
-          __builtin_prefetch(v + next, 1, 3);
-        }
-        if (u + kGradPrefetch < end) {  // gradient rows of an upcoming segment
-          const int64 ks2 = g.seg_start[u + kGradPrefetch];
-          const int64 ke2 = std::min(g.seg_start[u + kGradPrefetch + 1], ks2 + 2);
-          for (int64 k = ks2; k < ke2; ++k)
-            PrefetchRow(grad + g.pos(k) * D, D * sizeof(Tgrad));
-        }
-        const int64 ks = g.seg_start[u];
-        const int64 ke = g.seg_start[u + 1];
-        {
-          const Tgrad* __restrict src = grad + g.pos(ks) * D;
-          for (int64 d = 0; d < D; ++d) acc[d] = ToFloat(src[d]);
-        }
-        for (int64 k = ks + 1; k < ke; ++k) {
-          const Tgrad* __restrict src = grad + g.pos(k) * D;
-          for (int64 d = 0; d < D; ++d) acc[d] += ToFloat(src[d]);
-        }
-        const int64 row = g.unique_ids[u];
-        const float vi = v[row] + SumSquares(acc, D) * inv_d;
-        v[row] = vi;
-        const float mult = lr / (std::sqrt(vi / scale) + eps);
-        float* __restrict wr = w + row * D;
-        if (decay != 0.0f) {
-          for (int64 d = 0; d < D; ++d) {
-            const float stepped = wr[d] - mult * acc[d];
-            wr[d] = stepped - decay * stepped;
-          }
-        } else {
-          for (int64 d = 0; d < D; ++d) wr[d] -= mult * acc[d];
-        }
-      }
+      std::vector<float> row_buf(D);
+      kernel(args, begin, end, row_buf.data());
     });
   }
 };

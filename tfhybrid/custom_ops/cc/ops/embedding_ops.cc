@@ -4,6 +4,7 @@
 //   ResourceEmbeddingLookupCombine  same, params read in place from a resource variable
 //   EmbeddingLookupCombineGrad      backward: unique sorted ids + coalesced gradient rows
 //   RowwiseAdagradApply             sparse exact row-wise Adagrad (FBGEMM semantics)
+//   TfhybridKernelIsa               which instruction-set level the kernels above use
 //
 // Kernels live in ../kernels/. The Python wrappers and gradients are in
 // tfhybrid/custom_ops/__init__.py.
@@ -164,6 +165,25 @@ For each distinct row i with summed gradient g (float32):
   accum[i] += mean_j(g_j^2)
   var[i] -= lr * g / (sqrt(accum[i] / scale) + epsilon)
   if weight_decay > 0: var[i] -= lr * weight_decay * var[i]   (after the step)
+)doc");
+
+REGISTER_OP("TfhybridKernelIsa")
+    .Output("isa: string")
+    .Output("supported: string")
+    // Reads the CPU and TFHYBRID_KERNEL_ISA: never constant-folded into a saved graph.
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The instruction-set level of the embedding kernels' hot loops in this process.
+
+isa: "generic", "avx2" or "avx512": the best level this CPU supports, or the lower one
+  named by the environment variable TFHYBRID_KERNEL_ISA (read once per process; an
+  invalid value or a level the CPU lacks is an InvalidArgument error).
+supported: the levels this CPU supports with this build, lowest first.
 )doc");
 
 }  // namespace tensorflow

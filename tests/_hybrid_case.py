@@ -1,0 +1,174 @@
+"""A small hybrid-parallel click model and its single-process twin, for the parity tests.
+
+``Case`` holds the tables, the data of the global batches and the initial weights; every
+rank builds the same case from the same seed. ``distributed_model`` puts the tables in
+one ``DistributedEmbedding``; ``reference_model`` is the same network from plain Keras
+layers in one process, trained on the global batch: what the distributed run must equal.
+Rank r feeds samples r, r+N, r+2N, ... of each global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid.layers import DistributedEmbedding, Embedding
+
+HIDDEN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    name: str
+    rows: int
+    dim: int
+    combiner: str | None
+    hotness: int       # 0: [batch] ids; -1: ragged bags (some empty)
+
+
+# "wide" is sharded (64*4 elements), "tiny" replicated (10*2, under the threshold).
+# On M = 2 or M = 4 the positions after the first own no shard.
+IDLE_TABLES = (Table("wide", 64, 4, "sum", 3), Table("tiny", 10, 2, None, 0))
+# Every kind of placement on a 2x2 mesh: "rows" is row-sliced over both positions,
+# "wide" table-wise, "bag" (ragged, mean) table-wise, "tiny" replicated.
+PLACEMENT_TABLES = (Table("wide", 64, 4, "sum", 3), Table("rows", 96, 3, "sum", 2),
+                    Table("bag", 40, 2, "mean", -1), Table("tiny", 10, 2, None, 0))
+PLANNER = dict(data_parallel_threshold=30, row_slice_threshold=250)
+
+
+@dataclasses.dataclass
+class Case:
+    tables: tuple
+    local_batch: int
+    steps: int
+    world: int
+    seed: int = 0
+    empty_rank: int | None = None   # this rank's ragged bags are all empty
+
+
+    def __post_init__(self):
+        rng = np.random.default_rng(self.seed)
+        n = self.local_batch * self.world * self.steps
+        self.ids = [self._ids(rng, t, n, self._empty_rows(n)) for t in self.tables]
+        self.labels = rng.integers(0, 2, size=[n, 1]).astype(np.float32)
+        self.table_values = [rng.normal(0, 0.3, [t.rows, t.dim]).astype(np.float32)
+                             for t in self.tables]
+        width = sum(t.dim for t in self.tables)
+        self.dense_values = [rng.normal(0, 0.5, [width, HIDDEN]).astype(np.float32),
+                             np.zeros([HIDDEN], np.float32),
+                             rng.normal(0, 0.5, [HIDDEN, 1]).astype(np.float32),
+                             np.zeros([1], np.float32)]
+
+    def _empty_rows(self, n: int):
+        if self.empty_rank is None:
+            return np.zeros([n], bool)
+        return np.arange(n) % self.world == self.empty_rank
+
+    @staticmethod
+    def _ids(rng, table: Table, n: int, empty_rows):
+        if table.hotness == 0:
+            return rng.integers(0, table.rows, size=[n])
+        if table.hotness > 0:
+            return rng.integers(0, table.rows, size=[n, table.hotness])
+        lengths = np.where(empty_rows, 0, rng.integers(0, 4, size=[n]))  # some bags empty
+        return tf.RaggedTensor.from_row_lengths(
+            rng.integers(0, table.rows, size=[int(lengths.sum())]), lengths)
+
+    # ------------------------------------------------------------- batches
+    def global_batch(self, step: int):
+        size = self.local_batch * self.world
+        rows = slice(step * size, (step + 1) * size)
+        return [x[rows] for x in self.ids], self.labels[rows]
+
+    def local_batch_of(self, step: int, rank: int):
+        ids, labels = self.global_batch(step)
+        pick = lambda x: (tf.gather(x, tf.range(rank, x.nrows(), self.world))  # noqa: E731
+                          if isinstance(x, tf.RaggedTensor) else x[rank::self.world])
+        return [pick(x) for x in ids], pick(labels)
+
+    def local_data(self, rank: int):
+        """All steps of this rank's input, in order (for ``fit`` with ``batch_size``)."""
+        parts = [self.local_batch_of(s, rank) for s in range(self.steps)]
+        ids = [_concat([p[0][f] for p in parts]) for f in range(len(self.tables))]
+        return ids, np.concatenate([p[1] for p in parts])
+
+    # ------------------------------------------------------------- models
+    def _inputs(self):
+        inputs = []
+        for t in self.tables:
+            if t.hotness == 0:
+                inputs.append(tf.keras.Input([], dtype=tf.int64, name=t.name))
+            elif t.hotness > 0:
+                inputs.append(tf.keras.Input([t.hotness], dtype=tf.int64, name=t.name))
+            else:
+                inputs.append(tf.keras.Input([None], dtype=tf.int64, ragged=True,
+                                             name=t.name))
+        return inputs
+
+    def _head(self, embedded):
+        joined = tf.concat([tf.cast(tf.reshape(e, [-1, t.dim]), tf.float32) if t.hotness == 0
+                            else tf.cast(e, tf.float32)
+                            for e, t in zip(embedded, self.tables)], axis=1)
+        hidden = tf.keras.layers.Dense(HIDDEN, activation="relu", name="hidden")(joined)
+        return tf.keras.layers.Dense(1, name="logit", dtype="float32")(hidden)
+
+    def embedding_layers(self):
+        return [Embedding(t.rows, t.dim, combiner=t.combiner, name=t.name)
+                for t in self.tables]
+
+    def distributed_model(self, mesh, **layer_kwargs):
+        inputs = self._inputs()
+        layer = DistributedEmbedding(self.embedding_layers(), mesh=mesh,
+                                     **dict(PLANNER, **layer_kwargs))
+        model = tf.keras.Model(inputs, self._head(layer(inputs)))
+        layer.set_weights(self.table_values)
+        self._set_dense(model)
+        return model, layer
+
+    def reference_model(self):
+        inputs = self._inputs()
+        embedded = [layer(x) for layer, x in zip(self.embedding_layers(), inputs)]
+        model = tf.keras.Model(inputs, self._head(embedded))
+        for layer, values in zip(model.layers[len(self.tables):2 * len(self.tables)],
+                                 self.table_values):
+            layer.set_weights([values])
+        self._set_dense(model)
+        return model
+
+    def _set_dense(self, model):
+        model.get_layer("hidden").set_weights(self.dense_values[:2])
+        model.get_layer("logit").set_weights(self.dense_values[2:])
+
+
+def _concat(parts):
+    if isinstance(parts[0], tf.RaggedTensor):
+        return tf.concat(parts, axis=0)
+    return np.concatenate(parts)
+
+
+def loss_fn(labels, logits, sample_weight=None):
+    return tf.keras.losses.BinaryCrossentropy(from_logits=True)(labels, logits,
+                                                                  sample_weight=sample_weight)
+
+
+def table_weights(layer) -> list:
+    """Full tables of a DistributedEmbedding, on every rank."""
+    return layer.get_weights(all_ranks=True)
+
+
+def reference_tables(model, case: Case) -> list:
+    return [model.get_layer(t.name).get_weights()[0] for t in case.tables]
+
+
+def dense_weights(model) -> list:
+    return model.get_layer("hidden").get_weights() + model.get_layer("logit").get_weights()
+
+
+def world_size() -> int:
+    world = tfhybrid.init(model_parallel=1).size
+    from tfhybrid import mesh as mesh_lib
+    mesh_lib._reset_for_tests()
+    return world

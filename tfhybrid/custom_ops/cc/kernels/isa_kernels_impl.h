@@ -1,0 +1,288 @@
+// Bodies of the dispatched hot loops declared in isa_kernels.h.
+//
+// No include guard on purpose: isa_kernels.cc includes this file once per dispatch
+// level, each time inside its own namespace (isa_generic, isa_avx2, isa_avx512) and,
+// for the AVX levels, inside a `#pragma GCC target` region, so every function here
+// exists once per level under a distinct name. TFHYBRID_ISA_LEVEL (0, 1, 2) is set
+// before each inclusion; standard, Eigen and intrinsics headers are included by
+// isa_kernels.cc before the first inclusion, outside any target region, so that no
+// inline function shared with the baseline code is compiled with AVX instructions.
+//
+// Every loop accumulates each output element in the same order at any vector width,
+// and the library is compiled with -ffp-contract=off: all levels give bitwise-identical
+// results (see isa_kernels.h).
+
+#if !defined(TFHYBRID_ISA_LEVEL)
+#error "isa_kernels_impl.h is included only by isa_kernels.cc, with TFHYBRID_ISA_LEVEL set"
+#endif
+
+// ---------------------------------------------------------------- row conversions
+
+// dst[0, n) = float(src[0, n)). Exact for every T (F16C's conversion equals Eigen's).
+template <typename T>
+inline void ToFloats(const T* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// dst[0, n) = T(src[0, n)), rounded to nearest even like Eigen's scalar conversion.
+template <typename T>
+inline void FromFloats(const float* __restrict src, T* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+#if TFHYBRID_ISA_LEVEL >= 1
+template <>
+inline void ToFloats<Eigen::half>(const Eigen::half* __restrict src, float* __restrict dst,
+                                  int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void FromFloats<Eigen::half>(const float* __restrict src, Eigen::half* __restrict dst,
+                                    int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<Eigen::half>(src[i]);
+}
+#endif  // TFHYBRID_ISA_LEVEL >= 1
+
+enum class RowOp { kSet, kAdd, kSetScaled, kAddScaled };
+
+// acc[0, n) (=|+=) x[0, n) (* sc).
+template <RowOp kOp>
+inline void ApplyRow(const float* __restrict x, float sc, float* __restrict acc, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) {
+    if (kOp == RowOp::kSet) acc[d] = x[d];
+    if (kOp == RowOp::kAdd) acc[d] += x[d];
+    if (kOp == RowOp::kSetScaled) acc[d] = x[d] * sc;
+    if (kOp == RowOp::kAddScaled) acc[d] += x[d] * sc;
+  }
+}
+
+// ApplyRow on a row of T: float rows directly, others converted in L1-sized chunks.
+template <RowOp kOp, typename T>
+inline void RowInto(const T* __restrict src, float sc, float* __restrict acc, int64_t D) {
+  if constexpr (std::is_same<T, float>::value) {
+    ApplyRow<kOp>(src, sc, acc, D);
+  } else {
+    constexpr int64_t kChunk = 64;
+    float tmp[kChunk];
+    for (int64_t s = 0; s < D; s += kChunk) {
+      const int64_t n = std::min(kChunk, D - s);
+      ToFloats(src + s, tmp, n);
+      ApplyRow<kOp>(tmp, sc, acc + s, n);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- streaming stores
+
+// dst[0, D) = src[0, D) with non-temporal stores; D % 16 == 0, dst 64-byte aligned.
+inline void StreamRow(float* __restrict dst, const float* __restrict src, int64_t D) {
+#if TFHYBRID_ISA_LEVEL >= 2
+  for (int64_t d = 0; d < D; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
+#elif TFHYBRID_ISA_LEVEL >= 1
+  for (int64_t d = 0; d < D; d += 8) _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
+#elif defined(TFHYBRID_X86)
+  for (int64_t d = 0; d < D; d += 4) _mm_stream_ps(dst + d, _mm_loadu_ps(src + d));
+#else
+  std::memcpy(dst, src, D * sizeof(float));
+#endif
+}
+
+inline void StreamFence() {
+#if defined(TFHYBRID_X86)
+  _mm_sfence();
+#endif
+}
+
+// ---------------------------------------------------------------- forward
+
+template <typename T, typename Tidx, typename Tsplits>
+void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t begin,
+                        int64_t end, float* scratch) {
+  const T* __restrict table = a.table;
+  const Tidx* __restrict ids = a.ids;
+  const int64_t D = a.D;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  auto row = [&](int64_t p) { return table + static_cast<int64_t>(ids[p]) * D; };
+  // The prefetch runs kPrefetchDistance ids ahead, across bag boundaries, up to the
+  // last id of this range; warm up its pipeline first.
+  const int64_t prefetch_end = static_cast<int64_t>(a.splits[end]);
+  const int64_t first = static_cast<int64_t>(a.splits[begin]);
+  for (int64_t p = first; p < std::min(first + kPrefetchDistance, prefetch_end); ++p)
+    PrefetchRow(row(p), row_bytes);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t s = static_cast<int64_t>(a.splits[b]);
+    const int64_t e = static_cast<int64_t>(a.splits[b + 1]);
+    float* __restrict acc;
+    if constexpr (std::is_same<T, float>::value) {
+      acc = a.out + b * D;
+    } else {
+      acc = scratch;
+    }
+    if (s == e) {
+      std::fill(acc, acc + D, 0.0f);
+    } else {
+      for (int64_t p = s; p < e; ++p) {
+        if (p + kPrefetchDistance < prefetch_end) PrefetchRow(row(p + kPrefetchDistance), row_bytes);
+        if (p == s) {
+          RowInto<RowOp::kSet>(row(p), 1.0f, acc, D);
+        } else {
+          RowInto<RowOp::kAdd>(row(p), 1.0f, acc, D);
+        }
+      }
+      if (a.mean) {
+        const float cnt = static_cast<float>(e - s);
+        for (int64_t d = 0; d < D; ++d) acc[d] /= cnt;
+      }
+    }
+    if constexpr (!std::is_same<T, float>::value) FromFloats(acc, a.out + b * D, D);
+  }
+}
+
+// ---------------------------------------------------------------- backward
+
+template <typename T, Combiner C>
+void GradSegmentsRangeFor(const GradSegmentsArgs<T>& a, int64_t begin, int64_t end,
+                          float* scratch) {
+  constexpr int64_t kAhead = 4;  // positions ahead to prefetch gradient rows
+  const uint32_t* perm = a.perm;
+  const int64_t* seg = a.seg_start;
+  const int32_t* sample_of = a.sample_of;
+  const T* grad = a.grad;
+  const int64_t D = a.D;
+  const int64_t k_end = seg[end];
+  auto src_row = [&](int64_t k) -> int64_t {
+    const int64_t p = perm ? static_cast<int64_t>(perm[k]) : k;
+    return C == Combiner::kNone ? p : static_cast<int64_t>(sample_of[p]);
+  };
+#if defined(TFHYBRID_X86)
+  const bool stream = std::is_same<T, float>::value && a.stream;
+#else
+  const bool stream = false;
+#endif
+  for (int64_t u = begin; u < end; ++u) {
+    float* __restrict acc = scratch;
+    if constexpr (std::is_same<T, float>::value) {
+      if (!stream) acc = a.rows + u * D;
+    }
+    const int64_t ks = seg[u];
+    const int64_t ke = seg[u + 1];
+    for (int64_t k = ks; k < ke; ++k) {
+      if (k + kAhead < k_end) PrefetchRow(grad + src_row(k + kAhead) * D, D * sizeof(T));
+      const int64_t r = src_row(k);
+      const T* __restrict src = grad + r * D;
+      if (C == Combiner::kMean) {
+        const float sc = a.inv_count[r];
+        if (k == ks) {
+          RowInto<RowOp::kSetScaled>(src, sc, acc, D);
+        } else {
+          RowInto<RowOp::kAddScaled>(src, sc, acc, D);
+        }
+      } else if (k == ks) {
+        RowInto<RowOp::kSet>(src, 1.0f, acc, D);
+      } else {
+        RowInto<RowOp::kAdd>(src, 1.0f, acc, D);
+      }
+    }
+    if constexpr (std::is_same<T, float>::value) {
+      if (stream) StreamRow(a.rows + u * D, acc, D);
+    } else {
+      FromFloats(acc, a.rows + u * D, D);
+    }
+  }
+  if (stream) StreamFence();
+}
+
+template <typename T>
+void GradSegmentsRange(const GradSegmentsArgs<T>& a, int64_t begin, int64_t end,
+                       float* scratch) {
+  switch (a.combiner) {
+    case Combiner::kNone:
+      GradSegmentsRangeFor<T, Combiner::kNone>(a, begin, end, scratch);
+      break;
+    case Combiner::kSum:
+      GradSegmentsRangeFor<T, Combiner::kSum>(a, begin, end, scratch);
+      break;
+    case Combiner::kMean:
+      GradSegmentsRangeFor<T, Combiner::kMean>(a, begin, end, scratch);
+      break;
+  }
+}
+
+// ---------------------------------------------------------------- row-wise AdaGrad
+
+// Sum of squares in 16 fixed lanes, reduced in a fixed tree: the same float result at
+// every vector width (and it vectorizes).
+inline float SumSquares(const float* __restrict g, int64_t D) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {0};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] += g[d + j] * g[d + j];
+  }
+  for (; d < D; ++d) lanes[0] += g[d] * g[d];
+  for (int w = kLanes / 2; w >= 1; w /= 2) {
+    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  }
+  return lanes[0];
+}
+
+template <typename Tgrad>
+void RowwiseAdagradRange(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int64_t end,
+                         float* scratch) {
+  constexpr int64_t kPrefetch = 8;      // unique rows ahead (var / accum)
+  constexpr int64_t kGradPrefetch = 4;  // segments ahead (gradient rows)
+  const int64_t* uniq = a.unique_ids;
+  const int64_t* seg = a.seg_start;
+  const uint32_t* perm = a.perm;
+  const Tgrad* grad = a.grad;
+  const int64_t D = a.D;
+  float* w = a.w;
+  float* v = a.v;
+  float* __restrict acc = scratch;
+  auto pos = [&](int64_t k) -> int64_t { return perm ? static_cast<int64_t>(perm[k]) : k; };
+  for (int64_t u = begin; u < std::min(begin + kPrefetch, end); ++u) {
+    PrefetchRowForWrite(w + uniq[u] * D, D * sizeof(float));
+    __builtin_prefetch(v + uniq[u], 1, 3);
+  }
+  for (int64_t u = begin; u < end; ++u) {
+    if (u + kPrefetch < end) {  // rows are random: keep several misses in flight
+      const int64_t next = uniq[u + kPrefetch];
+      PrefetchRowForWrite(w + next * D, D * sizeof(float));
+      __builtin_prefetch(v + next, 1, 3);
+    }
+    if (u + kGradPrefetch < end) {  // gradient rows of an upcoming segment
+      const int64_t ks2 = seg[u + kGradPrefetch];
+      const int64_t ke2 = std::min(seg[u + kGradPrefetch + 1], ks2 + 2);
+      for (int64_t k = ks2; k < ke2; ++k) PrefetchRow(grad + pos(k) * D, D * sizeof(Tgrad));
+    }
+    const int64_t ks = seg[u];
+    const int64_t ke = seg[u + 1];
+    RowInto<RowOp::kSet>(grad + pos(ks) * D, 1.0f, acc, D);
+    for (int64_t k = ks + 1; k < ke; ++k) RowInto<RowOp::kAdd>(grad + pos(k) * D, 1.0f, acc, D);
+    const int64_t row = uniq[u];
+    const float vi = v[row] + SumSquares(acc, D) * a.inv_d;
+    v[row] = vi;
+    const float mult = a.lr / (std::sqrt(vi / a.scale) + a.eps);
+    float* __restrict wr = w + row * D;
+    if (a.decay != 0.0f) {
+      const float decay = a.decay;
+      for (int64_t d = 0; d < D; ++d) {
+        const float stepped = wr[d] - mult * acc[d];
+        wr[d] = stepped - decay * stepped;
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) wr[d] -= mult * acc[d];
+    }
+  }
+}
