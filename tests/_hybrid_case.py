@@ -29,14 +29,16 @@ class Table:
     hotness: int       # 0: [batch] ids; -1: ragged bags (some empty)
 
 
-# "wide" is sharded (64*4 elements), "tiny" replicated (10*2, under the threshold).
+# "wide" is one shard (64*4 elements), "tiny" replicated (10*2, under the threshold).
 # On M = 2 or M = 4 the positions after the first own no shard.
 IDLE_TABLES = (Table("wide", 64, 4, "sum", 3), Table("tiny", 10, 2, None, 0))
-# Every kind of placement on a 2x2 mesh: "rows" is row-sliced over both positions,
-# "wide" table-wise, "bag" (ragged, mean) table-wise, "tiny" replicated.
+# Every kind of placement: "rows" (96*3) row-sliced over every position, "wide" (64*4)
+# in two column slices, "bag" (ragged, mean) table-wise, "tiny" replicated.
 PLACEMENT_TABLES = (Table("wide", 64, 4, "sum", 3), Table("rows", 96, 3, "sum", 2),
                     Table("bag", 40, 2, "mean", -1), Table("tiny", 10, 2, None, 0))
-PLANNER = dict(data_parallel_threshold=30, row_slice_threshold=250)
+PLANNERS = {IDLE_TABLES: dict(data_parallel_threshold=30),
+            PLACEMENT_TABLES: dict(data_parallel_threshold=30, row_slice_threshold=270,
+                                   column_slice_threshold=200)}
 
 
 @dataclasses.dataclass
@@ -100,12 +102,12 @@ class Case:
         inputs = []
         for t in self.tables:
             if t.hotness == 0:
-                inputs.append(tf.keras.Input([], dtype=tf.int64, name=t.name))
+                inputs.append(tf.keras.Input([], dtype=tf.int64, name=f"{t.name}_ids"))
             elif t.hotness > 0:
-                inputs.append(tf.keras.Input([t.hotness], dtype=tf.int64, name=t.name))
+                inputs.append(tf.keras.Input([t.hotness], dtype=tf.int64, name=f"{t.name}_ids"))
             else:
                 inputs.append(tf.keras.Input([None], dtype=tf.int64, ragged=True,
-                                             name=t.name))
+                                             name=f"{t.name}_ids"))
         return inputs
 
     def _head(self, embedded):
@@ -122,7 +124,7 @@ class Case:
     def distributed_model(self, mesh, **layer_kwargs):
         inputs = self._inputs()
         layer = DistributedEmbedding(self.embedding_layers(), mesh=mesh,
-                                     **dict(PLANNER, **layer_kwargs))
+                                     **dict(PLANNERS[self.tables], **layer_kwargs))
         model = tf.keras.Model(inputs, self._head(layer(inputs)))
         layer.set_weights(self.table_values)
         self._set_dense(model)
@@ -132,9 +134,8 @@ class Case:
         inputs = self._inputs()
         embedded = [layer(x) for layer, x in zip(self.embedding_layers(), inputs)]
         model = tf.keras.Model(inputs, self._head(embedded))
-        for layer, values in zip(model.layers[len(self.tables):2 * len(self.tables)],
-                                 self.table_values):
-            layer.set_weights([values])
+        for table, values in zip(self.tables, self.table_values):
+            model.get_layer(table.name).set_weights([values])
         self._set_dense(model)
         return model
 

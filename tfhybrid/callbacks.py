@@ -37,7 +37,7 @@ class BroadcastVariables(tf.keras.callbacks.Callback):
             return
         # The model's weights only: optimizer slots are computed from synced gradients,
         # which are equal on every rank, and shard slots differ by position.
-        variables = list(self.model.weights)
+        variables = list(self.model.weights) if self.model.built else []
         if not variables:
             return  # nothing built yet: try again after the next batch
         distributed.broadcast_variables(variables, self.root_rank,

@@ -24,7 +24,8 @@ LAYOUTS = ("model_major", "data_major")
 # stalled job down, so a rank that stops calling collectives (an exception, a hang,
 # input that ended early) would leave the others waiting forever; ``init`` sets these
 # seconds wherever the environment sets nothing (the train app's --stall_check_seconds
-# and --stall_shutdown_seconds set them before it).
+# and --stall_shutdown_seconds set them before it). Horovod 0.28.1's Gloo controller
+# never acts on them (see tfhybrid.train.app._StallWatchdog, which does).
 STALL_CHECK_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 STALL_SHUTDOWN_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 STALL_DEFAULTS = {STALL_CHECK_ENV: 60, STALL_SHUTDOWN_ENV: 600}

@@ -83,8 +83,9 @@ def load_library():
             else:
                 # A bad TFHYBRID_KERNEL_ISA is a configuration error, not a reason to fall
                 # back to the slow path: fail now, naming it (not cached: the next call
-                # raises again).
-                _isa_info(lib)
+                # raises again). A library built before the op existed still works.
+                if hasattr(lib, "tfhybrid_kernel_isa"):
+                    _isa_info(lib)
                 _lib = lib
         _load_attempted = True
         return _lib
@@ -92,6 +93,9 @@ def load_library():
 
 def _isa_info(lib):
     """(chosen level, supported levels) from the library's TfhybridKernelIsa op."""
+    if not hasattr(lib, "tfhybrid_kernel_isa"):
+        raise RuntimeError(f"{library_path} predates kernel dispatch (no TfhybridKernelIsa "
+                           "op); rebuild it with `python -m tfhybrid.custom_ops.build --force`")
     with tf.init_scope():  # eager even while a tf.function is being traced
         try:
             isa, supported = lib.tfhybrid_kernel_isa()

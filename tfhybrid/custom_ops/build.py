@@ -35,8 +35,8 @@ CC_DIR = HERE / "cc"
 LIB_NAME = "_tfhybrid_ops.so"
 LIB_PATH = HERE / LIB_NAME
 
-# Baseline of the portable build on x86-64 (SSE4.2, POPCNT; every x86-64 CPU since
-# ~2009). TensorFlow's own wheels need AVX, so this never excludes a CPU TF runs on.
+# Baseline of the portable build on x86-64 (SSSE3, SSE4.2, POPCNT): every CPU with AVX
+# has it, and TensorFlow's own wheels need AVX, so it excludes no CPU TF runs on.
 # BUILD (Bazel) mirrors it.
 PORTABLE_MARCH_X86_64 = "x86-64-v2"
 NATIVE_MARCH = "native"

@@ -428,21 +428,24 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                                       tf.cast(tf.concat(route_ids[i], 0), tf.int64),
                                       tf.concat(route_lengths[i], 0),
                                       self._tables[r.table].name)
-            # the backward alltoall sums the M ranks' gradients of their own mean losses;
-            # 1/M makes the shard's gradient that of the model group's mean loss, so the
-            # optimizer's sync is a plain average (see tfhybrid/distributed.py)
-            summed = _scale_gradient(summed, 1.0 / group)
             sums.append(tf.reshape(summed, [group, -1]))   # [source, bags * width]
 
         # 4. send each source its rows back: one flat buffer per source
         if mine:
-            # under mixed precision, rows and their gradients cross in 16 bits
-            back = tf.cast(tf.reshape(tf.concat(sums, axis=1), [-1]), self._wire_float)
+            back = tf.reshape(tf.concat(sums, axis=1), [-1])
             back_sizes = tf.fill([group], tf.cast(tf.size(back) // group, tf.int32))
         else:
-            back = tf.zeros([0], self._wire_float)
+            back = tf.zeros([0], tf.float32)
             back_sizes = tf.zeros([group], tf.int32)
-        back = tf.concat([back, tf.cast(self._anchor, back.dtype)], 0)
+        # The backward alltoall sums the M ranks' gradients of their own mean losses; 1/M
+        # (in float32) makes the shard's gradient that of the model group's mean loss, so
+        # the optimizer's sync is a plain average (tfhybrid/distributed.py). Every rank,
+        # owner or not, scales: the ops before a collective must be the same on every
+        # rank, or the backward alltoall's name scope, and so its name, would differ.
+        back = _scale_gradient(back, 1.0 / group)
+        # under mixed precision, rows and their gradients cross in 16 bits
+        back = tf.concat([tf.cast(back, self._wire_float),
+                          tf.cast(self._anchor, self._wire_float)], 0)
         returned, returned_sizes = collectives.alltoall(
             back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
             differentiable=True)

@@ -77,12 +77,12 @@ def _stall_default(name: str) -> str:
 
 
 flags.DEFINE_integer(
-    "stall_check_seconds", None, "How often Horovod looks for collectives that some ranks "
-    "wait in and others have not joined, and logs the missing ranks ("
+    "stall_check_seconds", None, "How often each rank (and Horovod) checks for a stall, a "
+    "rank that stopped calling collectives, and warns of a slow step ("
     f"{_stall_default(mesh_lib.STALL_CHECK_ENV)}).")
 flags.DEFINE_integer(
-    "stall_shutdown_seconds", None, "Horovod shuts the job down (every rank fails) once a "
-    "collective has waited this long for a rank; at least --stall_check_seconds ("
+    "stall_shutdown_seconds", None, "Once no training step has finished for this long, "
+    "Horovod is shut down and every rank fails; at least --stall_check_seconds ("
     f"{_stall_default(mesh_lib.STALL_SHUTDOWN_ENV)}).")
 
 FLAGS = flags.FLAGS

@@ -13,6 +13,8 @@ import dataclasses
 import json
 import math
 import os
+import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -32,7 +34,7 @@ _HOROVOD_SHUT_DOWN = "Horovod has been shut down"
 # Test-only fault injection for tests/test_faults.py; a real run never sets these.
 # "RANK:STEP": rank RANK raises at the end of global training step STEP (before any
 # checkpoint of that step). "RANK:STEP:hang": it blocks there instead, as a rank stuck
-# in I/O would, so that only Horovod's stall shutdown can end the job.
+# in I/O would, so that only the stall shutdown (_StallWatchdog) can end the job.
 TEST_FAULT_ENV = "TFHYBRID_TEST_FAIL_AT_STEP"
 # "RANK:BATCHES": rank RANK's training input ends after BATCHES batches, whatever
 # --steps asks for (input that runs out early on one rank).
@@ -122,12 +124,12 @@ class TrainConfig:
 
 
 def stall_settings(config: TrainConfig, environ=os.environ) -> dict[str, tuple[int, str]]:
-    """The stall limits the run gives Horovod: {variable: (seconds, where it comes from)}.
+    """The run's stall limits: {Horovod variable: (seconds, where the value comes from)}.
 
     A flag wins over the variable in ``environ`` (horovodrun's --stall-check-* options
     set those too), which wins over tfhybrid's default. Raises ValueError naming the
-    values when Horovod would not honour them: a shutdown limit below the check interval
-    (Horovod then never shuts down), a variable that is not an integer, or a flag while
+    values when they could not work: a shutdown limit below the check interval (Horovod
+    then never shuts down), a variable that is not an integer, or a flag while
     HOROVOD_STALL_CHECK_DISABLE turns the check off.
     """
     settings = {}
@@ -136,28 +138,37 @@ def stall_settings(config: TrainConfig, environ=os.environ) -> dict[str, tuple[i
         if flag is not None:
             settings[name] = (flag, f"--{field}={flag}")
         elif environ.get(name, "").strip():
+            # 0 turns the shutdown off (Horovod's meaning); a check needs an interval
+            least = 1 if name == mesh_lib.STALL_CHECK_ENV else 0
             try:
-                settings[name] = (int(environ[name]), f"{name}={environ[name]}")
+                seconds = int(environ[name])
             except ValueError:
+                seconds = None
+            if seconds is None or seconds < least:
                 raise ValueError(f"{name}={environ[name]!r} must be an integer number of "
-                                 "seconds") from None
+                                 f"seconds >= {least}")
+            settings[name] = (seconds, f"{name}={environ[name]}")
         else:
             settings[name] = (mesh_lib.STALL_DEFAULTS[name], "tfhybrid's default "
                               f"{name}={mesh_lib.STALL_DEFAULTS[name]}")
     (check, check_from), (shutdown, shutdown_from) = (
         settings[mesh_lib.STALL_CHECK_ENV], settings[mesh_lib.STALL_SHUTDOWN_ENV])
-    # 0 (only reachable through the environment) is Horovod's "never shut down"
     if 0 < shutdown < check:
         raise ValueError(f"{shutdown_from} is below {check_from}: Horovod ignores a stall "
                          "shutdown limit shorter than its check interval (it would never "
                          "shut down); lower --stall_check_seconds too")
     flags = [f"--{field}" for field in STALL_FLAGS if getattr(config, field) is not None]
-    disable = environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip()
-    if flags and disable.lstrip("+-").isdigit() and int(disable) > 0:
-        raise ValueError(f"{' and '.join(flags)} cannot take effect: "
-                         f"HOROVOD_STALL_CHECK_DISABLE={disable} turns Horovod's stall check "
-                         "off")
+    if flags and _stall_check_disabled(environ):
+        raise ValueError(f"{' and '.join(flags)} cannot take effect: HOROVOD_STALL_CHECK_"
+                         f"DISABLE={environ['HOROVOD_STALL_CHECK_DISABLE']} turns the stall "
+                         "check off")
     return settings
+
+
+def _stall_check_disabled(environ=os.environ) -> bool:
+    # Horovod's own reading of the variable: strtol(value) > 0
+    value = environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip()
+    return value.lstrip("+-").isdigit() and int(value) > 0
 
 
 def _apply_stall_settings(config: TrainConfig) -> tuple[dict[str, int], list[str]]:
@@ -281,8 +292,8 @@ def _input_check_callback(steps: int, rank: int):
         """Raises when this rank's training input ended before the epoch's last step.
 
         Keras only warns and ends the epoch on this rank; the other ranks would wait for
-        it in their next step's collectives until Horovod's stall shutdown. Raising names
-        the cause at once (and horovodrun then stops every rank).
+        it in their next step's collectives until the stall shutdown. Raising names the
+        cause at once (and horovodrun then stops every rank).
         """
 
         def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -333,9 +344,9 @@ def _fault_callback(first_step: int, rank: int):
             self.step += 1
             if self.step != fault_step:
                 return
-            # the time lets a test measure how long the job took to end after the fault
+            # marks the moment of the fault in the log, for a test to time the job's end
             print(f"{TEST_FAULT_ENV}: rank {rank} {'hangs' if mode else 'raises'} after "
-                  f"step {fault_step} at time {time.time():.3f}", flush=True)
+                  f"step {fault_step}", flush=True)
             if mode == "hang":
                 time.sleep(_TEST_HANG_SECONDS)
             raise RuntimeError(f"{TEST_FAULT_ENV}: fault injected on rank {rank} after "
@@ -348,6 +359,76 @@ def _fault_callback(first_step: int, rank: int):
 _TEST_HANG_SECONDS = 3600
 
 
+class _StallWatchdog:
+    """Ends a training run whose ranks stopped meeting in collectives, after the stall limits.
+
+    Horovod's own stall shutdown never fires under horovodrun --gloo: Horovod 0.28.1's
+    Gloo controller fills its rank list after ``reserve()`` instead of ``resize()``, so
+    its stall inspector loops over zero ranks and finds no one missing. This thread
+    applies HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS to the
+    training steps instead: every check interval it looks at how long ago this rank
+    finished its last step (its callbacks, checkpoint saves among them, included); past
+    the check interval it warns, past the shutdown limit it shuts Horovod down, which
+    fails the pending collectives of every rank, so every rank raises. A rank stuck
+    outside Horovod (in Python or I/O) never sees that error: it exits with status 1
+    one check interval later. The first step of a fit is not timed: it traces the
+    train function, which takes long on a big model without any rank stalling.
+    """
+
+    def __init__(self, stall: dict[str, int], rank: int, first_step: int):
+        import tensorflow as tf
+
+        self.check = stall[mesh_lib.STALL_CHECK_ENV]
+        self.shutdown = stall[mesh_lib.STALL_SHUTDOWN_ENV]
+        self.rank = rank
+        self.step = first_step
+        self.last_step_end: float | None = None   # monotonic time; None: not armed
+        self.left = threading.Event()              # fit returned or raised
+        outer = self
+
+        class Callback(tf.keras.callbacks.Callback):
+            def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+                outer.step += 1
+                outer.last_step_end = time.monotonic()
+
+        self.callback = Callback()
+
+    def __enter__(self) -> "_StallWatchdog":
+        threading.Thread(target=self._watch, name="tfhybrid-stall-watchdog",
+                         daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.left.set()
+
+    def _say(self, text: str) -> None:
+        print(f"tfhybrid.train: rank {self.rank}: {text}", file=sys.stderr, flush=True)
+
+    def _watch(self) -> None:
+        import horovod.tensorflow as hvd
+        while not self.left.wait(self.check):
+            if self.last_step_end is None:
+                continue
+            idle = time.monotonic() - self.last_step_end
+            waiting = (f"no training step has finished for {idle:.0f} s, since step "
+                       f"{self.step}")
+            if idle <= self.shutdown:
+                if idle > self.check:
+                    self._say(f"{waiting}; a rank may have stopped calling collectives (the "
+                              f"stall shutdown comes after {self.shutdown} s)")
+                continue
+            self._say(f"{waiting}, beyond the stall shutdown limit of {self.shutdown} s: "
+                      "a rank stopped calling collectives (an exception, a hang, input that "
+                      "ran out) and the others wait for it; shutting Horovod down")
+            # hvd.shutdown agrees with the other ranks' background threads; it must not
+            # keep this thread from the exit below if they are gone
+            threading.Thread(target=hvd.shutdown, daemon=True).start()
+            if not self.left.wait(self.check):
+                self._say("still stuck outside Horovod's collectives; exiting")
+                os._exit(1)
+            return
+
+
 @contextlib.contextmanager
 def _explain_shutdown(rank: int, stall: dict[str, int]):
     """Adds the likely causes to the bare error of a collective that Horovod shut down."""
@@ -358,10 +439,10 @@ def _explain_shutdown(rank: int, stall: dict[str, int]):
             raise
         raise RuntimeError(
             f"rank {rank}: Horovod shut down while this rank waited in a collective: "
-            "another rank raised (its error is in the log), or a collective stalled "
-            f"longer than the stall shutdown limit of "
-            f"{stall[mesh_lib.STALL_SHUTDOWN_ENV]} s (rank 0's log names the missing "
-            "ranks and tensors)") from error
+            "another rank raised (its error is in the log), or the training steps stalled "
+            "longer than the stall shutdown limit of "
+            f"{stall[mesh_lib.STALL_SHUTDOWN_ENV]} s (the log says which rank and since "
+            "which step)") from error
 
 
 def _count_batches(dataset) -> int:
@@ -379,7 +460,7 @@ def evaluate(model, dataset, mesh) -> dict:
     """
     import numpy as np
     import tensorflow as tf
-    from tfhybrid import distributed
+    from tfhybrid import collectives
     from tfhybrid.train import metrics
 
     predict = tf.function(lambda features: model(features, training=False))
@@ -388,7 +469,7 @@ def evaluate(model, dataset, mesh) -> dict:
         logits.append(predict(features).numpy().reshape(-1))
         labels.append(batch_labels.numpy().reshape(-1))
     local = np.stack([np.concatenate(logits), np.concatenate(labels)]).T.astype(np.float64)
-    everyone = distributed.allgather(tf.constant(local), mesh.size, "tfhybrid_eval").numpy()
+    everyone = collectives.allgather(tf.constant(local), mesh.size, "tfhybrid_eval").numpy()
     probabilities = 1.0 / (1.0 + np.exp(-everyone[:, 0]))
     return {"auc": metrics.roc_auc(everyone[:, 1], probabilities),
             "logloss": metrics.log_loss(everyone[:, 1], probabilities),
@@ -467,8 +548,14 @@ def run(config: TrainConfig) -> dict:
 
     throughput = _Throughput(config.batch_size, min(config.warmup_steps,
                                                      max(0, steps * config.epochs - 1)))
+    # one process has no other rank to wait for
+    watchdog = (_StallWatchdog(stall, mesh.rank, first_step) if mesh.size > 1
+                and stall[mesh_lib.STALL_SHUTDOWN_ENV] > 0 and not _stall_check_disabled()
+                else None)
     # first: they must act before the defaults' collectives at the same hook
     fit_callbacks = [_input_check_callback(steps, mesh.rank)]
+    if watchdog:
+        fit_callbacks.insert(0, watchdog.callback)
     fault = _fault_callback(first_step, mesh.rank)
     if fault:
         fit_callbacks.append(fault)
@@ -483,15 +570,15 @@ def run(config: TrainConfig) -> dict:
               f"model-parallel ranks), global batch {config.batch_size}, "
               f"{steps} steps x {config.epochs} epochs, {config.mixed_precision}"
               f"{', XLA towers' if config.xla else ''}", flush=True)
-        shutdown = stall[mesh_lib.STALL_SHUTDOWN_ENV]
-        print(f"Horovod stall check every {stall[mesh_lib.STALL_CHECK_ENV]} s, shutdown "
-              f"{f'after {shutdown} s' if shutdown > 0 else 'never'}"
-              + "".join(f"; {note}" for note in stall_notes), flush=True)
+        if mesh.size > 1:
+            print(f"stall check every {stall[mesh_lib.STALL_CHECK_ENV]} s, shutdown "
+                  + (f"after {stall[mesh_lib.STALL_SHUTDOWN_ENV]} s" if watchdog else "off")
+                  + "".join(f"; {note}" for note in stall_notes), flush=True)
         print(model.embedding.plan.describe() if hasattr(model.embedding, "plan")
               and model.embedding.plan is not None else "", flush=True)
     train_loss = None
     if steps > 0:
-        with _explain_shutdown(mesh.rank, stall):
+        with _explain_shutdown(mesh.rank, stall), watchdog or contextlib.nullcontext():
             history = model.fit(train, epochs=config.epochs, steps_per_epoch=steps,
                                 callbacks=fit_callbacks, verbose=callbacks.verbose(1, mesh))
         train_loss = float(history.history["loss"][-1])
@@ -519,8 +606,8 @@ def run(config: TrainConfig) -> dict:
         _report(results, config)
     # Horovod shuts the job down when the first rank exits; a rank that finished early
     # would break the collectives (export's gathers) that others are still running.
-    from tfhybrid import distributed
-    distributed.allgather(tf.zeros([1]), mesh.size, "tfhybrid_train_done")
+    from tfhybrid import collectives
+    collectives.allgather(tf.zeros([1]), mesh.size, "tfhybrid_train_done")
     return results
 
 

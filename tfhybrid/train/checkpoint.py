@@ -311,7 +311,7 @@ def _collect(model: Any, optimizer: Any, mesh: mesh_lib.Mesh) -> _State:
                          for s, shard in enumerate(placement.shards)
                          if (t, s) in layer._shard_vars]
             targets.append([_Target(s, var, (sh.row_start, sh.row_end, sh.col_start,
-                                             sh.col_end), _slots(inner, var))
+                                             sh.col_end), _slots(optimizer, var))
                             for s, var, sh in pairs])
         layers.append(_Layer(path, layer, targets))
     # variables the walk did not reach (no layer tracks them) still get a stable key
@@ -319,7 +319,7 @@ def _collect(model: Any, optimizer: Any, mesh: mesh_lib.Mesh) -> _State:
         if id(var) not in seen and id(var) not in layer_vars:
             seen.add(id(var))
             dense[f"weights[{i}]"] = var
-    dense_state = {path: (var, _slots(inner, var)) for path, var in dense.items()}
+    dense_state = {path: (var, _slots(optimizer, var)) for path, var in dense.items()}
     return _State(layers, dense_state, _optimizer_vars(optimizer, inner, model),
                   None if inner is None else type(inner).__name__)
 
@@ -360,20 +360,21 @@ def _inner_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def _slots(inner: Any, var: tf.Variable) -> dict[str, tf.Variable]:
+def _slots(optimizer: Any, var: tf.Variable) -> dict[str, tf.Variable]:
     """The optimizer slots of ``var``, keyed by their name with the variable's name cut out.
 
     The key is the same for every shard, mesh and model instance: ``m/{}`` for Adam's
     ``m/dense/kernel``, ``{}/accumulator`` for ``<var>/accumulator``. Name scopes in front
     are dropped: a slot made inside ``apply_gradients`` is ``Adam/m/dense/kernel``, one
-    made by ``optimizer.build`` outside it ``m/dense/kernel``.
+    made by ``optimizer.build`` outside it ``m/dense/kernel``. The slots of a table come
+    from the embedding optimizer when the optimizer has one.
     """
-    if inner is None:
+    if optimizer is None:
         return {}
     shared = var._shared_name
     pattern = re.compile(r"(^|/)" + re.escape(shared) + r"(/|$)")
     out: dict[str, tf.Variable] = {}
-    for slot in distributed._optimizer_state_of(inner, var):
+    for slot in distributed._optimizer_state_of(optimizer, var):
         name = slot.name.split(":")[0]
         match = pattern.search(name)
         if match is None:
@@ -393,13 +394,17 @@ def _optimizer_vars(optimizer: Any, inner: Any, model: Any) -> dict[str, tf.Vari
     """Optimizer variables that belong to no model variable: iterations, loss scale."""
     if inner is None:
         return {}
-    variables = inner.variables() if callable(inner.variables) else inner.variables
-    slot_ids = {id(s) for v in model.weights for s in _slots(inner, v).values()}
+    slot_ids = {id(s) for v in model.weights for s in _slots(optimizer, v).values()}
     out = {}
-    for var in variables:
-        if id(var) not in slot_ids:
-            out[var.name.split(":")[0]] = var
-    out.setdefault("iteration", inner.iterations)
+    embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
+    for prefix, owner in (("", inner), ("embedding_optimizer/", embedding_optimizer)):
+        if owner is None:
+            continue
+        variables = owner.variables() if callable(owner.variables) else owner.variables
+        for var in variables:
+            if id(var) not in slot_ids:
+                out[prefix + var.name.split(":")[0]] = var
+        out.setdefault(prefix + "iteration", owner.iterations)
     state = getattr(optimizer, "_loss_scale", None)
     if hasattr(state, "current_loss_scale"):
         out["loss_scale/current_loss_scale"] = state.current_loss_scale
@@ -408,14 +413,21 @@ def _optimizer_vars(optimizer: Any, inner: Any, model: Any) -> dict[str, tf.Vari
 
 
 def _build_optimizer(optimizer: Any, model: Any) -> None:
-    """Creates the optimizer's slots for the model's variables if it has none yet."""
-    inner = _inner_optimizer(optimizer)
-    if hasattr(inner, "get_slot_names"):   # legacy Keras optimizer
-        if hasattr(inner, "_create_all_weights"):
-            inner._create_all_weights(model.trainable_variables)
-        return
-    if not getattr(inner, "_built", False):
-        inner.build(model.trainable_variables)
+    """Creates the optimizer's slots for the model's variables if it has none yet (the
+    embedding optimizer's for the tables, where there is one)."""
+    variables = model.trainable_variables
+    embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
+    owners = [(_inner_optimizer(optimizer), variables)]
+    if embedding_optimizer is not None:
+        owners = [(_inner_optimizer(optimizer),
+                   [v for v in variables if not distributed.is_embedding(v)]),
+                  (embedding_optimizer, [v for v in variables if distributed.is_embedding(v)])]
+    for inner, owned in owners:
+        if hasattr(inner, "get_slot_names"):   # legacy Keras optimizer
+            if hasattr(inner, "_create_all_weights"):
+                inner._create_all_weights(owned)
+        elif not getattr(inner, "_built", False):
+            inner.build(owned)
 
 
 # ------------------------------------------------------------------ saving

@@ -5,6 +5,8 @@
 // by one thread in id order (float32 accumulation), so the output is deterministic.
 // Backward: positions are grouped by id with a stable radix sort; each unique id's
 // gradient row is summed by one thread in position order (deterministic).
+// The row loops of both run at this process's dispatch level (isa_kernels.h), with the
+// same results at every level.
 
 #define EIGEN_USE_THREADS
 

@@ -1,8 +1,8 @@
 // Runtime dispatch of the embedding kernels' hot loops (see isa_kernels.h).
 //
 // isa_kernels_impl.h is compiled here three times: as baseline code (namespace
-// isa_generic) and, on x86-64 with GCC-compatible compilers, inside `#pragma GCC target`
-// regions for AVX2 (isa_avx2) and AVX-512 (isa_avx512). The rest of the library is
+// isa_generic) and, on x86-64 with GCC, inside `#pragma GCC target` regions for AVX2
+// (isa_avx2) and AVX-512 (isa_avx512). The rest of the library is
 // built for the baseline CPU and reaches the AVX variants only through the function
 // pointers returned below, after ActiveKernelIsa() has checked the CPU: a node without
 // AVX2 never executes an AVX2 instruction.

@@ -42,10 +42,6 @@ KernelIsa BestSupportedKernelIsa();
 // mean the best) or names a level this CPU does not support.
 bool ActiveKernelIsa(KernelIsa* isa, std::string* error);
 
-// The level the library's baseline (non-dispatched) code was compiled for: kGeneric for
-// the portable build, higher for an opt-in -march=native build.
-KernelIsa BaselineKernelIsa();
-
 enum class Combiner { kNone, kSum, kMean };
 
 // How far ahead (in ids) the forward prefetches table rows.
@@ -99,8 +95,8 @@ struct GradSegmentsArgs {
   const T* grad;              // [B, D] (sum / mean) or [nnz, D] (none)
   int64_t D;
   T* rows;                    // [U, D]
-  // Rows are 64-byte aligned multiples of 64 bytes and float: write them with streaming
-  // stores (the [U, D] output is read only later, by the optimizer).
+  // T is float and rows are 64-byte multiples at 64-byte aligned addresses: write them
+  // with non-temporal stores (x86; elsewhere ignored).
   bool stream;
 };
 

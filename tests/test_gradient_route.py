@@ -1,0 +1,214 @@
+"""One gradient route: the tape equals the optimizer, and both equal one process.
+
+``DistributedGradientTape`` and ``DistributedOptimizer`` hand their gradients to the same
+route (sync, overflow vote, clipping over the mesh, apply, weight sync), so a custom loop
+with the tape and ``fit`` with the optimizer must end with the same weights, for every
+optimizer and mode. And with the route's sync, every optimizer trains the hybrid model
+exactly as one process trains the global batch.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import mesh as mesh_lib
+from tfhybrid import optimizers
+from tests import _hybrid_case as hc
+
+HOROVOD_NP = (2, 4)
+
+# fp16 runs skip this step together: one rank's sample weights are infinite there
+OVERFLOW_STEP, OVERFLOW_RANK = 3, 1
+
+
+def _configs():
+    return {
+        "sgd": dict(make=lambda: tf.keras.optimizers.SGD(0.5)),
+        "rowwise_adagrad": dict(make=lambda: optimizers.RowWiseAdagrad(0.1)),
+        "ms_rowwise_adagrad_weight_sync": dict(
+            make=lambda: optimizers.MomentumScaledRowWiseAdagrad(0.1),
+            layer=dict(replica_sync="weights", sync_every=2)),
+        "fp16_loss_scale_with_overflow": dict(
+            make=lambda: tf.keras.optimizers.SGD(0.5), policy="mixed_float16"),
+        "global_clipnorm": dict(make=lambda: tf.keras.optimizers.SGD(0.5,
+                                                                     global_clipnorm=0.05)),
+    }
+
+
+def _sample_weights(case, rank, poisoned):
+    weights = np.ones([case.local_batch * case.steps], np.float32)
+    if poisoned and rank == OVERFLOW_RANK:
+        weights[OVERFLOW_STEP * case.local_batch:(OVERFLOW_STEP + 1) * case.local_batch] = \
+            np.inf
+    return weights
+
+
+def _fit(case, mesh, config):
+    model, layer = case.distributed_model(mesh, **config.get("layer", {}))
+    optimizer = tfhybrid.DistributedOptimizer(config["make"]())
+    model.compile(optimizer=optimizer, loss=hc.loss_fn)
+    ids, labels = case.local_data(mesh.rank)
+    model.fit(ids, labels, sample_weight=_sample_weights(case, mesh.rank, "policy" in config),
+              batch_size=case.local_batch, shuffle=False, verbose=0)
+    return model, layer, optimizer
+
+
+def _tape_loop(case, mesh, config):
+    model, layer = case.distributed_model(mesh, **config.get("layer", {}))
+    optimizer = config["make"]()
+    if "policy" in config:
+        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+    weights = _sample_weights(case, mesh.rank, "policy" in config)
+
+    @tf.function
+    def step(ids, labels, sample_weight):
+        with tf.GradientTape() as tape:
+            loss = hc.loss_fn(labels, model(ids, training=True), sample_weight)
+            if "policy" in config:
+                loss = optimizer.get_scaled_loss(loss)
+        tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if "policy" in config:
+            grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    for s in range(case.steps):
+        ids, labels = case.local_batch_of(s, mesh.rank)
+        step(ids, labels, weights[s * case.local_batch:(s + 1) * case.local_batch])
+    return model, layer, optimizer
+
+
+def _meshes(world):
+    return [m for m in range(1, world + 1) if world % m == 0 and 1 < world]
+
+
+class TapeEqualsOptimizerTest(tf.test.TestCase):
+
+    def tearDown(self):
+        tf.keras.mixed_precision.set_global_policy("float32")
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def test_fit_with_the_optimizer_equals_a_tape_loop(self):
+        world = hc.world_size()
+        model_parallel = 2   # 2x2 on four ranks, 1x2 on two
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=20, world=world, seed=11)
+        for name, config in _configs().items():
+            with self.subTest(config=name):
+                tf.keras.mixed_precision.set_global_policy(config.get("policy", "float32"))
+                mesh = tfhybrid.init(model_parallel=model_parallel)
+                fitted, fitted_layer, fit_optimizer = _fit(case, mesh, config)
+                looped, looped_layer, loop_optimizer = _tape_loop(case, mesh, config)
+                for got, want in zip(hc.table_weights(looped_layer),
+                                     hc.table_weights(fitted_layer)):
+                    self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
+                for got, want in zip(hc.dense_weights(looped), hc.dense_weights(fitted)):
+                    self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
+                if "policy" in config:
+                    # every rank skipped the poisoned step, so the scales agree everywhere
+                    scales = tfhybrid.collectives.allgather(
+                        tf.reshape(fit_optimizer.loss_scale, [1]), world, "scale_" + name)
+                    self.assertAllEqual(scales, tf.fill([world], scales[0]))
+                    self.assertAllEqual(fit_optimizer.loss_scale, loop_optimizer.loss_scale)
+                    self.assertLess(float(fit_optimizer.loss_scale), 2.0 ** 15)
+                mesh_lib._reset_for_tests()
+                tf.keras.mixed_precision.set_global_policy("float32")
+
+
+def _train_reference(case, make_dense, make_tables=None, dense_gradients=False):
+    """One process on the global batch; tables may take their own optimizer."""
+    model = case.reference_model()
+    dense_opt = make_dense()
+    table_opt = make_tables() if make_tables else None
+    table_vars = [model.get_layer(t.name).embeddings for t in case.tables]
+    table_ids = {id(v) for v in table_vars}
+    for step in range(case.steps):
+        ids, labels = case.global_batch(step)
+        with tf.GradientTape() as tape:
+            loss = hc.loss_fn(labels, model(ids))
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        if dense_gradients:   # the gradient itself: duplicate ids summed before a norm
+            grads = [tf.convert_to_tensor(g) for g in grads]
+        if table_opt is None:
+            dense_opt.apply_gradients(zip(grads, variables))
+            continue
+        pairs = list(zip(grads, variables))
+        dense_opt.apply_gradients([p for p in pairs if id(p[1]) not in table_ids])
+        table_opt.apply_gradients([p for p in pairs if id(p[1]) in table_ids])
+    return model
+
+
+class SingleProcessParityTest(tf.test.TestCase):
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def _check(self, case, mesh, reference, make, **optimizer_kwargs):
+        model, layer = case.distributed_model(mesh)
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(make(), **optimizer_kwargs),
+                      loss=hc.loss_fn)
+        ids, labels = case.local_data(mesh.rank)
+        model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0)
+        for got, want in zip(hc.table_weights(layer), hc.reference_tables(reference, case)):
+            self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
+        for got, want in zip(hc.dense_weights(model), hc.dense_weights(reference)):
+            self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
+
+    def test_rowwise_optimizers_equal_one_process(self):
+        world = hc.world_size()
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=10, world=world, seed=13)
+        for name, make in (("rowwise", lambda: optimizers.RowWiseAdagrad(0.1)),
+                           ("ms_rowwise", lambda: optimizers.MomentumScaledRowWiseAdagrad(
+                               0.1))):
+            reference = _train_reference(case, make)
+            for model_parallel in _meshes(world):
+                with self.subTest(optimizer=name, model_parallel=model_parallel):
+                    self._check(case, tfhybrid.init(model_parallel=model_parallel),
+                                reference, make)
+                mesh_lib._reset_for_tests()
+
+    def test_clipping_equals_one_process_clipping_of_the_global_gradient(self):
+        world = hc.world_size()
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=6, world=world, seed=17)
+        for name, kwargs in (("global_clipnorm", dict(global_clipnorm=0.05)),
+                             ("clipnorm", dict(clipnorm=0.02)),
+                             ("clipvalue", dict(clipvalue=0.01))):
+            make = lambda: tf.keras.optimizers.SGD(0.5, **kwargs)  # noqa: E731
+            reference = _train_reference(case, make, dense_gradients=True)
+            unclipped = _train_reference(case, lambda: tf.keras.optimizers.SGD(0.5))
+            # the limit really bites, or the test would prove nothing
+            self.assertNotAllClose(hc.dense_weights(reference), hc.dense_weights(unclipped))
+            for model_parallel in _meshes(world):
+                with self.subTest(clip=name, model_parallel=model_parallel):
+                    self._check(case, tfhybrid.init(model_parallel=model_parallel),
+                                reference, make)
+                mesh_lib._reset_for_tests()
+
+    def test_separate_embedding_and_dense_optimizers(self):
+        world = hc.world_size()
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=6, world=world, seed=19)
+        make_dense = lambda: tf.keras.optimizers.Adam(0.01)  # noqa: E731
+        make_tables = lambda: optimizers.RowWiseAdagrad(0.1)  # noqa: E731
+        reference = _train_reference(case, make_dense, make_tables)
+        for model_parallel in _meshes(world):
+            with self.subTest(model_parallel=model_parallel):
+                mesh = tfhybrid.init(model_parallel=model_parallel)
+                self._check(case, mesh, reference, make_dense,
+                            embedding_optimizer=make_tables())
+            mesh_lib._reset_for_tests()
+
+    def test_weight_sync_needs_the_optimizer_on_the_tape(self):
+        mesh = tfhybrid.init(model_parallel=1)
+        case = hc.Case(hc.IDLE_TABLES, local_batch=2, steps=1, world=mesh.size)
+        model, _ = case.distributed_model(mesh, replica_sync="weights", sync_every=2)
+        ids, labels = case.local_batch_of(0, mesh.rank)
+        with tf.GradientTape() as tape:
+            loss = hc.loss_fn(labels, model(ids))
+        with self.assertRaisesRegex(ValueError, "optimizer=opt"):
+            tfhybrid.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+
+
+if __name__ == "__main__":
+    tf.test.main()
