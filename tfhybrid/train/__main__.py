@@ -36,6 +36,14 @@ flags.DEFINE_enum("replica_sync", _DEFAULTS.replica_sync, list(train_app.REPLICA
 flags.DEFINE_integer("sync_every", _DEFAULTS.sync_every, "K for --replica_sync=weights.")
 flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, list(train_app.OPTIMIZERS), "Optimizer.")
 flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Learning rate.")
+flags.DEFINE_enum("embedding_optimizer", None, list(train_app.OPTIMIZERS),
+                  "Optimizer of the embedding tables (default: --optimizer).")
+flags.DEFINE_float("embedding_learning_rate", None, "Tables' learning rate (default: "
+                   "--learning_rate).")
+flags.DEFINE_enum("dense_optimizer", None, list(train_app.OPTIMIZERS),
+                  "Optimizer of the dense layers (default: --optimizer).")
+flags.DEFINE_float("dense_learning_rate", None, "Dense layers' learning rate (default: "
+                   "--learning_rate).")
 flags.DEFINE_enum("mixed_precision", _DEFAULTS.mixed_precision,
                   list(train_app.MIXED_PRECISION), "Compute precision.")
 flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the dense towers with XLA.")

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.train import data as data_lib
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "ms_rowwise_adagrad")
+OPTIMIZERS = ("sgd", "adagrad", "adam", "rowwise_adagrad", "ms_rowwise_adagrad")
 MIXED_PRECISION = {"none": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 LAYOUTS = ("model_major", "data_major")
 REPLICA_SYNC = ("gradients", "weights")
@@ -53,6 +53,12 @@ class TrainConfig:
     sync_every: int = 1
     optimizer: str = "sgd"
     learning_rate: float = 0.1
+    # separate optimizers for the embedding tables and the dense layers; None: --optimizer
+    # and --learning_rate for both
+    embedding_optimizer: str | None = None
+    embedding_learning_rate: float | None = None
+    dense_optimizer: str | None = None
+    dense_learning_rate: float | None = None
     mixed_precision: str = "none"
     xla: bool = False
     batch_size: int = 1024                     # global
@@ -109,6 +115,14 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"--{name}={value!r} must be an integer >= 0")
+        for name in ("embedding_optimizer", "dense_optimizer"):
+            if getattr(self, name) is not None and getattr(self, name) not in OPTIMIZERS:
+                raise ValueError(f"--{name}={getattr(self, name)!r} is unknown; expected one "
+                                 f"of {', '.join(OPTIMIZERS)}")
+        for name in ("embedding_learning_rate", "dense_learning_rate"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"--{name}={value!r} must be a finite number > 0")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"--learning_rate={self.learning_rate!r} must be a finite "
                              "number > 0")
@@ -212,18 +226,32 @@ def _configure_threads(config: TrainConfig) -> None:
 
 
 def _optimizer(config: TrainConfig):
+    """The distributed optimizer: one for everything, or one for the dense layers and
+    another for the tables (``--dense_optimizer`` / ``--embedding_optimizer``)."""
+    import tfhybrid
+    dense = _make_optimizer(config.dense_optimizer or config.optimizer,
+                            config.dense_learning_rate or config.learning_rate)
+    tables = None
+    if config.embedding_optimizer is not None:
+        tables = _make_optimizer(config.embedding_optimizer,
+                                 config.embedding_learning_rate or config.learning_rate)
+    return tfhybrid.DistributedOptimizer(dense, embedding_optimizer=tables)
+
+
+def _make_optimizer(name: str, lr: float):
     import tensorflow as tf
     from tfhybrid import optimizers
-    lr = config.learning_rate
-    if config.optimizer == "sgd":
+    if name == "sgd":
         # Keras 2.15's new SGD keeps a momentum slot for every variable even at momentum 0
         # and updates it densely: a full pass over every table per step, and twice the
         # memory. The legacy SGD scatters sparse gradients into the rows they touch.
         return tf.keras.optimizers.legacy.SGD(lr)
-    if config.optimizer == "adagrad":
+    if name == "adagrad":
         # an XLA-compiled update copies the whole table around its scatter
         return tf.keras.optimizers.Adagrad(lr, jit_compile=False)
-    if config.optimizer == "rowwise_adagrad":
+    if name == "adam":
+        return tf.keras.optimizers.Adam(lr, jit_compile=False)
+    if name == "rowwise_adagrad":
         return optimizers.RowWiseAdagrad(lr)
     return optimizers.MomentumScaledRowWiseAdagrad(lr)
 
@@ -264,7 +292,7 @@ def _sync_replicas(model, optimizer, mesh) -> None:
     """Averages weight-sync replicas (a no-op in gradient-sync mode), so that what is
     evaluated or saved is the same on every replica."""
     import tfhybrid
-    tfhybrid.sync_replicas(model, getattr(optimizer, "inner_optimizer", optimizer), mesh)
+    tfhybrid.sync_replicas(model, optimizer, mesh)
 
 
 def _checkpoint_callback(config: TrainConfig, model, optimizer, mesh, first_step: int):
@@ -510,7 +538,7 @@ def run(config: TrainConfig) -> dict:
     model = build_model(config.model, spec.table_rows, spec.dense_features, **model_options)
     local_batch = config.batch_size // mesh.size
     model(example_batch(model, local_batch))
-    optimizer = tfhybrid.DistributedOptimizer(_optimizer(config), mesh=mesh)
+    optimizer = _optimizer(config)
     # jit_compile stays off: the collectives cannot be compiled (xla=True compiles towers)
     model.compile(optimizer=optimizer,
                   loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),
