@@ -3,7 +3,7 @@
 # built op library with TensorFlow and list the ops it registers. Idempotent.
 #   bash scripts/bazel_build.sh           # incremental
 #   bash scripts/bazel_build.sh --cold    # bazel clean --expunge first (cold build)
-# Env: TFHYBRID_BAZEL_NATIVE=1 adds --config=native (a portable -march=x86-64-v2 with runtime ISA dispatch, as build.py does);
+# Env: TFHYBRID_BAZEL_NATIVE=1 adds --config=native (-march=native, as build.py does with TFHYBRID_MARCH_NATIVE=1; the default is portable);
 #      BAZEL_ARGS="..." extra build flags. Installs Debian's bazel-bootstrap if no bazel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
