@@ -8,6 +8,7 @@ import tfhybrid
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
+from tests import _hybrid_case as hc
 
 HOROVOD_NP = (2, 4)
 
@@ -201,6 +202,52 @@ class MixedPrecisionTest(tf.test.TestCase):
                 for got, ref in zip([full_table] + dense, want):
                     self.assertAllClose(got, ref, atol=3e-4, rtol=0)
             mesh_lib._reset_for_tests()
+
+    def test_16_bit_training_equals_one_process_in_the_same_precision(self):
+        # The reference is the same network in one process under the same policy, so
+        # both round to the same 16-bit type; they differ only in where they round. The
+        # reference rounds each looked-up row to 16 bits before it sums a bag, tfhybrid
+        # sums a bag in float32 and rounds once before the alltoall (which carries the
+        # 16-bit values exactly: test_bfloat16_crosses_bit_exactly). Both then run the
+        # same dense ops. So a forward value errs by a few roundings of its type: bf16
+        # keeps 8 significand bits (2**-9 relative), fp16 11 (2**-12). Gradients here
+        # stay below 0.2 and lr is 0.5, so 6 steps of at most ~4 such roundings move a
+        # weight by at most 6 * 0.5 * 0.2 * 4 * 2**-9 = 4.7e-3 (bf16), 5.9e-4 (fp16).
+        world = _world()
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=6, world=world, seed=23)
+        bounds = {"mixed_bfloat16": 4.7e-3, "mixed_float16": 5.9e-4}
+        for policy, bound in bounds.items():
+            tf.keras.mixed_precision.set_global_policy(policy)
+            reference = case.reference_model()
+            optimizer = tf.keras.optimizers.SGD(0.5)
+            if policy == "mixed_float16":
+                optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+            for step in range(case.steps):
+                ids, labels = case.global_batch(step)
+                with tf.GradientTape() as tape:
+                    loss = hc.loss_fn(labels, reference(ids))
+                    if policy == "mixed_float16":
+                        loss = optimizer.get_scaled_loss(loss)
+                grads = tape.gradient(loss, reference.trainable_variables)
+                if policy == "mixed_float16":
+                    grads = optimizer.get_unscaled_gradients(grads)
+                optimizer.apply_gradients(zip(grads, reference.trainable_variables))
+            for model_parallel in sorted({1, 2, world}):
+                with self.subTest(policy=policy, model_parallel=model_parallel):
+                    mesh = tfhybrid.init(model_parallel=model_parallel)
+                    model, layer = case.distributed_model(mesh)
+                    model.compile(optimizer=tfhybrid.DistributedOptimizer(
+                        tf.keras.optimizers.SGD(0.5)), loss=hc.loss_fn)
+                    ids, labels = case.local_data(mesh.rank)
+                    model.fit(ids, labels, batch_size=case.local_batch, shuffle=False,
+                              verbose=0)
+                    got = hc.table_weights(layer) + hc.dense_weights(model)
+                    want = hc.reference_tables(reference, case) + hc.dense_weights(reference)
+                    worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
+                    print(f"{policy} M={model_parallel}: largest weight difference {worst:.2e}")
+                    for g, w in zip(got, want):
+                        self.assertAllClose(g, w, atol=bound, rtol=0)
+                mesh_lib._reset_for_tests()
 
     @staticmethod
     def _one_table_model(mesh, rows, dim):

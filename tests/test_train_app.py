@@ -28,7 +28,9 @@ COMMON_FLAGS = ["--model=dlrm", "--dataset=synthetic", f"--steps={PARITY_STEPS}"
                 "--batch_size=512", "--eval_batches=32", "--embedding_dim=8",
                 "--bottom_mlp_dims=32,8", "--top_mlp_dims=32,16,1", "--learning_rate=0.5",
                 "--max_table_rows=20000", "--row_slice_threshold=40000",
-                "--data_parallel_threshold=200", "--warmup_steps=2"]
+                "--data_parallel_threshold=200", "--warmup_steps=2",
+                # tables and dense layers with their own optimizers (and checkpointed slots)
+                "--embedding_optimizer=rowwise_adagrad", "--embedding_learning_rate=0.1"]
 
 
 def _cli(flags, np_=1, timeout=420):
@@ -132,12 +134,41 @@ class TrainConfigTest(tf.test.TestCase):
                  (dict(steps=-1), "--steps=-1"),
                  (dict(learning_rate=float("nan")), "--learning_rate=nan"),
                  (dict(restore=True), "--checkpoint_dir"),
-                 (dict(model_parallel=0), "--model_parallel=0")]
+                 (dict(model_parallel=0), "--model_parallel=0"),
+                 (dict(embedding_optimizer="lamb"), "--embedding_optimizer='lamb'"),
+                 (dict(dense_optimizer="ftrl"), "--dense_optimizer='ftrl'"),
+                 (dict(embedding_learning_rate=0.0), "--embedding_learning_rate=0.0"),
+                 (dict(dense_learning_rate=float("inf")), "--dense_learning_rate=inf")]
         for values, message in cases:
             with self.assertRaisesRegex(ValueError, message.replace("[", r"\[")):
                 TrainConfig(**values).validate()
         with self.assertRaisesRegex(ValueError, "batchsize"):
             config_from_dict({"batchsize": 4})
+
+    def test_separate_optimizers_for_tables_and_dense_layers(self):
+        from tfhybrid import mesh as mesh_lib
+        from tfhybrid import optimizers
+        from tfhybrid.train.app import TrainConfig, _optimizer
+        import tfhybrid
+        tfhybrid.init(model_parallel=1)
+        try:
+            both = _optimizer(TrainConfig(optimizer="rowwise_adagrad", learning_rate=0.05))
+            self.assertIsInstance(both, optimizers.RowWiseAdagrad)
+            self.assertIsNone(both.embedding_optimizer)
+            pair = _optimizer(TrainConfig(
+                optimizer="sgd", learning_rate=0.3, embedding_optimizer="rowwise_adagrad",
+                embedding_learning_rate=0.05, dense_optimizer="adam",
+                dense_learning_rate=0.003))
+            self.assertIsInstance(pair, tf.keras.optimizers.Adam)
+            self.assertAllClose(float(pair.learning_rate), 0.003)
+            self.assertIsInstance(pair.embedding_optimizer, optimizers.RowWiseAdagrad)
+            self.assertAllClose(float(pair.embedding_optimizer.learning_rate), 0.05)
+            # a learning rate not given falls back to --learning_rate
+            fallback = _optimizer(TrainConfig(optimizer="sgd", learning_rate=0.3,
+                                              embedding_optimizer="adagrad"))
+            self.assertAllClose(float(fallback.embedding_optimizer.learning_rate), 0.3)
+        finally:
+            mesh_lib._reset_for_tests()
 
 
 if __name__ == "__main__":

@@ -501,10 +501,11 @@ class DistributedGradientTape:
     def __init__(self, tape: tf.GradientTape, optimizer: Any = None,
                  mesh: mesh_lib.Mesh | None = None):
         self._tape = tape
-        self._mesh = mesh
         self._optimizer = optimizer
         if optimizer is not None:
             _route_optimizer(optimizer, mesh)
+        # the optimizer's own route where it has one, so both halves share one object
+        self._route = getattr(optimizer, "_tfhybrid_route", None) or GradientRoute(mesh)
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
@@ -520,8 +521,7 @@ class DistributedGradientTape:
             loss_scaling = _is_loss_scaling(self._optimizer)
         else:
             loss_scaling = tf.keras.mixed_precision.global_policy().name == "mixed_float16"
-        route = GradientRoute(self._mesh)
-        flat_grads = route.sync(tf.nest.flatten(grads), flat_sources, loss_scaling)
+        flat_grads = self._route.sync(tf.nest.flatten(grads), flat_sources, loss_scaling)
         return tf.nest.pack_sequence_as(grads, flat_grads)
 
     def __enter__(self):
