@@ -41,7 +41,7 @@ def worker(args) -> None:
     b = args.local_batch
     layer = DistributedEmbedding(
         [Embedding(rows, dim, combiner="sum", name=name) for name, rows, dim, _ in TABLES],
-        mesh=mesh, strategy="memory_optimized", **THRESHOLDS)
+        mesh=mesh, strategy="bytes_balanced", **THRESHOLDS)
     head = tf.keras.Sequential([tf.keras.layers.Dense(64, activation="relu"),
                                 tf.keras.layers.Dense(1)])
     rng = np.random.default_rng(mesh.rank)

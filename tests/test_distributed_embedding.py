@@ -367,8 +367,8 @@ class ConfigTest(tf.test.TestCase):
             DistributedEmbedding([Embedding(5, 2)], strategy="fastest")
         with self.assertRaisesRegex(ValueError, r"input_table_map\[1\]=3 is not a table"):
             DistributedEmbedding([Embedding(5, 2)], input_table_map=[0, 3])
-        with self.assertRaisesRegex(ValueError, r"dp_input=False is not supported"):
-            DistributedEmbedding([Embedding(5, 2)], dp_input=False)
+        with self.assertRaisesRegex(ValueError, r"dp_input='no' must be True"):
+            DistributedEmbedding([Embedding(5, 2)], dp_input="no")
         with self.assertRaisesRegex(ValueError, r"combiner='max' is unknown"):
             Embedding(5, 2, combiner="max")
 

@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import sys
 import unittest
+from dataclasses import asdict
 
-from tfhybrid.planner import (KINDS, STRATEGIES, ShardingPlan, TableConfig,
-                              plan_sharding)
+from tfhybrid.planner import (DE_STRATEGIES, DEFAULT_STRATEGY, KINDS, STRATEGIES, ShardingPlan,
+                              TableConfig, input_ids_per_position, plan_sharding,
+                              table_ids_per_position)
 
 MESHES = (1, 2, 3, 4, 8)
 # Thresholds (elements) that make all four kinds appear in _random_tables when M > 1.
 THRESHOLDS = dict(data_parallel_threshold=2_000, column_slice_threshold=60_000,
                   row_slice_threshold=1_000_000)
+
+
+# bytes_balanced plans (see StrategyTest.test_bytes_balanced_as_before), computed with the
+# planner before DE's strategy names took DE's placement.
+BYTES_BALANCED_DIGESTS = {
+    "random0/m1": "a15b6b8084aef99f", "random0/m2": "47fd94386c4bd8c8",
+    "random0/m3": "f71756f350da207f", "random0/m4": "ddf3afd530314a41",
+    "random0/m8": "084b45ff5bcb5216", "random1/m1": "f161d3114ee9b14a",
+    "random1/m2": "a0c163dfb937c45d", "random1/m3": "20b0a01ce6f6ed31",
+    "random1/m4": "bc44a1e2a10864b8", "random1/m8": "315eef5b80c2a4e6",
+    "random2/m1": "366f2267a5779e39", "random2/m2": "2a0678585910cdf8",
+    "random2/m3": "8eed98bd6855fde6", "random2/m4": "6674ac7560d281e3",
+    "random2/m8": "e082015f89eb1c06", "random3/m1": "79eb346b1ec5cd4e",
+    "random3/m2": "2fe0953adbcc6efd", "random3/m3": "1d11e10ddefe6370",
+    "random3/m4": "ae80253bc94f7211", "random3/m8": "439f9cee4a6e6b6e",
+    "skewed0/m2": "deec8ffc98bdcbc5", "skewed0/m3": "6ed25f647fdcaf23",
+    "skewed0/m4": "4d5c58650d6f4649", "skewed0/m8": "812164640263b5f3",
+    "skewed1/m2": "ace37401b07589a4", "skewed1/m3": "f46f7bb084b6d8ee",
+    "skewed1/m4": "bf5cc3296f23cb6b", "skewed1/m8": "dcb17c86041dd38b",
+    "skewed39/m2": "8a09c418d10295fc", "skewed39/m3": "3670d3350cb661d0",
+    "skewed39/m4": "cb75b6c8cd179fc2", "skewed39/m8": "58bf6eed083652c4",
+    "skewed57/m2": "1b2558cba315a9ee", "skewed57/m3": "e14b8b10a644b093",
+    "skewed57/m4": "d1fd6515dd10dd6c", "skewed57/m8": "b9eca7c28a0b8526",
+}
 
 
 def _random_tables(seed: int) -> list[TableConfig]:
@@ -94,8 +122,11 @@ class PlanGeometryTest(unittest.TestCase):
                                 self.assertEqual(len(set(owners)), len(owners), p)
                                 self.assertTrue(2 <= len(owners) <= min(m, by_name[p.name].dim))
                                 widths = [s.col_end - s.col_start for s in p.shards]
-                                self.assertEqual(widths, sorted(widths, reverse=True))
-                                self.assertLessEqual(widths[0] - widths[-1], 1)
+                                if strategy == "bytes_balanced":
+                                    self.assertEqual(widths, sorted(widths, reverse=True))
+                                    self.assertLessEqual(widths[0] - widths[-1], 1)
+                                else:  # DE: columns run over the owners in ascending order
+                                    self.assertEqual(owners, sorted(owners))
                             else:
                                 self.assertEqual(len(owners), 1)
                             for o in owners:
@@ -104,10 +135,14 @@ class PlanGeometryTest(unittest.TestCase):
                         mp = [s for p in plan.tables for s in p.shards if s.owner is not None]
                         on = [s for pos in range(m) for s in plan.shards_on(pos)]
                         self.assertCountEqual(on, mp)
+                        # one shard per table and position, in tables_on order
                         for pos in range(m):
-                            order = [(plan.tables.index(plan.table(s.table)), s.col_start,
-                                      s.row_start) for s in plan.shards_on(pos)]
-                            self.assertEqual(order, sorted(order))
+                            order = [plan.tables.index(plan.table(s.table))
+                                     for s in plan.shards_on(pos)]
+                            self.assertEqual(order, plan.tables_on(pos))
+                            self.assertEqual(len(set(order)), len(order))
+                            if strategy == "bytes_balanced":
+                                self.assertEqual(order, sorted(order))
                         checked += 1
         self.assertEqual(checked, len(STRATEGIES) * 4 * len(MESHES))
 
@@ -138,19 +173,22 @@ class PlanGeometryTest(unittest.TestCase):
 
 
 class StrategyTest(unittest.TestCase):
-    """Placement rules of each strategy on small hand-checked inputs, and the comparison."""
+    """tfhybrid's own strategy (bytes_balanced) on hand-checked inputs and as before."""
 
-    def test_basic_round_robin(self):
-        tables = [TableConfig(f"t{i}", 10 * (i + 1), 4) for i in range(5)]
-        plan = plan_sharding(tables, 1, 2, strategy="basic")
-        self.assertEqual([p.shards[0].owner for p in plan.tables], [0, 1, 0, 1, 0])
+    def test_default_strategy(self):
+        self.assertEqual(DEFAULT_STRATEGY, "bytes_balanced")
+        self.assertEqual(STRATEGIES, DE_STRATEGIES + ("bytes_balanced",))
+        self.assertEqual(plan_sharding([TableConfig("t", 10, 4)], 1, 2).strategy,
+                         "bytes_balanced")
 
-    def test_memory_balanced_snake(self):
+    def test_bytes_balanced_snake(self):
         sizes = [10, 60, 30, 50, 20, 40]  # rows; descending order is t1 t3 t5 t2 t4 t0
-        plan = plan_sharding([TableConfig(f"t{i}", r, 4) for i, r in enumerate(sizes)], 1, 3)
+        plan = plan_sharding([TableConfig(f"t{i}", r, 4) for i, r in enumerate(sizes)], 1, 3,
+                             strategy="bytes_balanced")
         owners = {p.name: p.shards[0].owner for p in plan.tables}
         self.assertEqual([owners[n] for n in ["t1", "t3", "t5", "t2", "t4", "t0"]],
                          [0, 1, 2, 2, 1, 0])
+        self.assertEqual(table_ids_per_position(plan), [[0, 1], [3, 4], [2, 5]])
         # A position skipped because it already holds a slice of that table keeps its turn:
         # x -> 0, a[0] -> 1, a[1] skips 1 (holds a) -> 0, then y gets the waiting 1.
         # x has dim 1 so it stays table_wise and is the biggest shard.
@@ -158,36 +196,40 @@ class StrategyTest(unittest.TestCase):
         plan = plan_sharding(tables, 1, 2, column_slice_threshold=1000)
         self.assertEqual([s.owner for s in plan.table("a").shards], [1, 0])
         self.assertEqual([plan.table(n).shards[0].owner for n in "xy"], [0, 1])
+        # ceil(size / threshold) slices (not a power of two), widest first; no automatic
+        # slicing, so with fewer tables than positions some stay empty
+        plan = plan_sharding([TableConfig("c", 100, 8)], 1, 8, column_slice_threshold=300)
+        self.assertEqual([(s.col_start, s.col_end) for s in plan.table("c").shards],
+                         [(0, 3), (3, 6), (6, 8)])
+        self.assertEqual(table_ids_per_position(
+            plan_sharding([TableConfig("c", 100, 8)], 1, 4)), [[0], [], [], []])
+        # the row threshold is exclusive here (DE's is inclusive)
+        plan = plan_sharding([TableConfig("r", 1000, 4), TableConfig("t", 10, 4)], 1, 2,
+                             row_slice_threshold=4000)
+        self.assertEqual(plan.table("r").kind, "table_wise")
 
-    def test_memory_optimized_counts_row_wise_load(self):
-        # The row_wise table puts 2 rows on position 0 and 1 row on position 1, so the
-        # least-loaded placement sends "t" to position 1; the snake deal starts at 0.
-        tables = [TableConfig("rw", 3, 1000), TableConfig("t", 500, 2)]
-        kw = dict(row_slice_threshold=2_000)
-        opt = plan_sharding(tables, 1, 2, strategy="memory_optimized", **kw)
-        bal = plan_sharding(tables, 1, 2, strategy="memory_balanced", **kw)
-        self.assertEqual(opt.table("t").shards[0].owner, 1)
-        self.assertEqual(bal.table("t").shards[0].owner, 0)
-        self.assertLess(_peak(opt), _peak(bal))
+    def test_bytes_balanced_as_before(self):
+        # Digests of the plans the previous default ("memory_balanced" before DE's names
+        # took DE's placement) produced for these inputs: tables, kinds, shards, owners and
+        # every estimate must be unchanged.
+        def digest(plan):
+            data = [[(p.name, p.kind, [tuple(asdict(s).values()) for s in p.shards])
+                     for p in plan.tables], [tuple(asdict(r).values()) for r in plan.ranks]]
+            return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
 
-    def test_optimized_never_worse_than_balanced_on_skewed_sets(self):
-        compared = 0
-        # Seeds 39 and 57 are ones where plain greedy least-loaded loses to the snake deal
-        # (column slices pinned to distinct positions), which memory_optimized must absorb.
-        seeds = list(range(10)) + [39, 57]
-        for seed in seeds:
-            tables = _skewed_tables(seed)
+        got = {}
+        for seed in range(4):
+            for m in MESHES:
+                got[f"random{seed}/m{m}"] = digest(plan_sharding(
+                    _random_tables(seed), 2, m, strategy="bytes_balanced", local_batch_size=8,
+                    optimizer="adagrad", **THRESHOLDS))
+        for seed in (0, 1, 39, 57):
             for m in (2, 3, 4, 8):
-                for kw in ({}, {"column_slice_threshold": 4_000_000},
-                           {"column_slice_threshold": 4_000_000, "row_slice_threshold": 4 * 10**8}):
-                    for optimizer in ("sgd", "rowwise_adagrad"):
-                        with self.subTest(seed=seed, m=m, kw=kw, optimizer=optimizer):
-                            common = dict(optimizer=optimizer, **kw)
-                            opt = plan_sharding(tables, 2, m, strategy="memory_optimized", **common)
-                            bal = plan_sharding(tables, 2, m, strategy="memory_balanced", **common)
-                            self.assertLessEqual(_peak(opt), _peak(bal))
-                            compared += 1
-        self.assertEqual(compared, 12 * 4 * 3 * 2)
+                got[f"skewed{seed}/m{m}"] = digest(plan_sharding(
+                    _skewed_tables(seed), 2, m, strategy="bytes_balanced",
+                    optimizer="rowwise_adagrad", column_slice_threshold=4_000_000,
+                    row_slice_threshold=4 * 10**8))
+        self.assertEqual(got, BYTES_BALANCED_DIGESTS)
 
     def test_deterministic_and_json_round_trip(self):
         tables = _random_tables(7)
@@ -203,8 +245,17 @@ class StrategyTest(unittest.TestCase):
                     self.assertEqual(back, plan)
                     self.assertIsInstance(back.tables[0].shards, tuple)
                     self.assertEqual(ShardingPlan.from_json(plan.to_json(indent=2)), plan)
+                    self.assertIsInstance(back.position_tables[0], tuple)
         with self.assertRaisesRegex(ValueError, "ShardingPlan"):
             ShardingPlan.from_json('{"data_parallel": 1}')
+        # a plan saved before position_tables existed serves its tables in table order
+        plan = plan_sharding(tables, 3, 4, strategy="bytes_balanced", **THRESHOLDS)
+        old = json.loads(plan.to_json())
+        del old["position_tables"]
+        back = ShardingPlan.from_json(json.dumps(old))
+        self.assertEqual(back.position_tables, ())
+        self.assertEqual([back.shards_on(p) for p in range(4)],
+                         [plan.shards_on(p) for p in range(4)])
 
     def test_describe(self):
         tables = _random_tables(3)
@@ -221,6 +272,262 @@ class StrategyTest(unittest.TestCase):
         for p in range(4):
             self.assertTrue(any(ln.startswith(f"p{p} ") for ln in text.splitlines()), p)
         self.assertTrue("KiB" in text or "MiB" in text)
+
+
+def _owners(plan: ShardingPlan, name: str) -> list[tuple[int, int, int]]:
+    """(owner, col_start, col_end) of each shard of table ``name``, in column order."""
+    return [(s.owner, s.col_start, s.col_end) for s in plan.table(name).shards]
+
+
+class DEPlacementTest(unittest.TestCase):
+    """DE's strategies, against placements worked out by hand from DE's documented rules.
+
+    Sizes are elements (rows * dim). Expected positions lists are DE's ``table_ids``.
+    """
+
+    def assert_positions(self, tables, m, strategy, expected, **kw):
+        plan = plan_sharding(tables, 1, m, strategy=strategy, **kw)
+        self.assertEqual(table_ids_per_position(plan), expected,
+                         f"{strategy} M={m}\n{plan.describe()}")
+        return plan
+
+    def test_basic_round_robin(self):
+        # sizes 40 80 120 160 200; slice k -> position k % M, in table order
+        tables = [TableConfig(f"t{i}", 10 * (i + 1), 4) for i in range(5)]
+        for m, expected in [(1, [[0, 1, 2, 3, 4]]), (2, [[0, 2, 4], [1, 3]]),
+                            (3, [[0, 3], [1, 4], [2]]), (4, [[0, 4], [1], [2], [3]])]:
+            with self.subTest(m=m):
+                plan = self.assert_positions(tables, m, "basic", expected)
+                self.assertEqual({p.kind for p in plan.tables}, {"table_wise"})
+        # M=8 > 5 tables: automatic threshold. Pieces 200 -> 100+100 (threshold 199),
+        # 160 -> 80+80 (159), 120 -> 60+60 (119): 8 pieces, threshold 119. So t2 (120),
+        # t3 (160), t4 (200) are cut in 2 (the smallest power of two under 119 each);
+        # slices t0 t1 t2 t2 t3 t3 t4 t4 land on positions 0..7.
+        plan = self.assert_positions(tables, 8, "basic",
+                                     [[0], [1], [2], [2], [3], [3], [4], [4]])
+        self.assertEqual(_owners(plan, "t2"), [(2, 0, 2), (3, 2, 4)])
+        self.assertEqual(_owners(plan, "t4"), [(6, 0, 2), (7, 2, 4)])
+        self.assertEqual(plan.table("t1").kind, "table_wise")
+
+    def test_memory_balanced_two_way_deal(self):
+        # rows * 4: t1 240 > t3 200 > t5 160 > t2 120 > t4 80 > t0 40
+        tables = [TableConfig(f"t{i}", r, 4) for i, r in enumerate([10, 60, 30, 50, 20, 40])]
+        ranked = [1, 3, 5, 2, 4, 0]
+        # position p takes ranks p, p+2M, ... then 2M-1-p, 4M-1-p, ...: with M=2,
+        # p0 = ranks 0, 4 then 3; p1 = ranks 1, 5 then 2
+        r = ranked
+        self.assert_positions(tables, 2, "memory_balanced",
+                              [[r[0], r[4], r[3]], [r[1], r[5], r[2]]])
+        self.assertEqual([[r[0], r[4], r[3]], [r[1], r[5], r[2]]], [[1, 4, 2], [3, 0, 5]])
+        self.assert_positions(tables, 3, "memory_balanced", [[1, 0], [3, 4], [5, 2]])
+        self.assert_positions(tables, 4, "memory_balanced", [[1], [3], [5, 0], [2, 4]])
+        # DE runs "basic" in a single process: table order, not size order
+        self.assert_positions(tables, 1, "memory_balanced", [[0, 1, 2, 3, 4, 5]])
+        # M=8 > 6 tables: pieces 240 -> 120+120 (threshold 239), 200 -> 100+100 (199):
+        # threshold 199, so t1 (240) and t3 (200) are cut in 2. Slices by size: t5 160,
+        # t2 120, t1 120, t1 120, t3 100, t3 100, t4 80, t0 40 (equal sizes: higher
+        # table index first); one round of 2M = 16 covers them all, one slice each.
+        plan = self.assert_positions(tables, 8, "memory_balanced",
+                                     [[5], [2], [1], [1], [3], [3], [4], [0]])
+        self.assertEqual(_owners(plan, "t1"), [(2, 0, 2), (3, 2, 4)])
+        self.assertEqual(_owners(plan, "t3"), [(4, 0, 2), (5, 2, 4)])
+        # equal sizes: the higher table index ranks first
+        same = [TableConfig(f"s{i}", 10, 4) for i in range(4)]
+        self.assert_positions(same, 2, "memory_balanced", [[3, 0], [2, 1]])
+
+    def test_memory_optimized_greedy(self):
+        # dim 1 (no column slices); sizes 100 60 50 40 30. Each slice goes to the first
+        # position in (elements, table list) order, then positions are re-sorted by it:
+        # [0] -> (100,[0]); [1] -> (60,[1]); t2 -> (110,[1,2]); t3 -> (140,[0,3]);
+        # t4 -> (140,[1,2,4]), which sorts after (140,[0,3]).
+        tables = [TableConfig(f"t{i}", r, 1) for i, r in enumerate([100, 60, 50, 40, 30])]
+        self.assert_positions(tables, 2, "memory_optimized", [[0, 3], [1, 2, 4]])
+        # M=4: 0 -> (100,[0]), 1 -> (60,[1]), 2 -> (50,[2]), 3 -> (40,[3]),
+        # 4 -> (70,[3,4]); final order by elements: 50, 60, 70, 100
+        self.assert_positions(tables, 4, "memory_optimized", [[2], [1], [3, 4], [0]])
+        # M=8: dim 1 cannot be sliced, so 3 positions stay empty and, having the least
+        # elements, come first
+        self.assert_positions(tables, 8, "memory_optimized",
+                              [[], [], [], [4], [3], [2], [1], [0]])
+        self.assert_positions(tables, 1, "memory_optimized", [[0, 1, 2, 3, 4]])
+        # sizes 100 80 60 40 20 20 (t5 before t4: equal sizes, higher index first):
+        # t0 (100,[0]); t1 (80,[1]); t2 (60,[2]); t3 -> (100,[2,3]); t5 -> (100,[1,5]);
+        # t4 -> (120,[0,4]); sorted: (100,[1,5]) (100,[2,3]) (120,[0,4])
+        tables = [TableConfig(f"t{i}", r, 2) for i, r in enumerate([50, 40, 30, 20, 10, 10])]
+        self.assert_positions(tables, 3, "memory_optimized", [[1, 5], [2, 3], [0, 4]])
+
+    def test_auto_column_slices_one_table(self):
+        # No column_slice_threshold and fewer tables than positions: 800 is halved until
+        # there are M pieces; the threshold is one below the last piece halved.
+        # M=2: 799 -> 2 slices; M=3: 399 -> 4, capped at M=3, widths 3 3 2;
+        # M=4: 399 -> 4; M=8: 199 -> 8 slices of one column.
+        t = [TableConfig("only", 100, 8)]
+        expected = {
+            1: [(0, 0, 8)],
+            2: [(0, 0, 4), (1, 4, 8)],
+            3: [(0, 0, 3), (1, 3, 6), (2, 6, 8)],
+            4: [(0, 0, 2), (1, 2, 4), (2, 4, 6), (3, 6, 8)],
+            8: [(p, p, p + 1) for p in range(8)],
+        }
+        for strategy in DE_STRATEGIES:
+            for m, owners in expected.items():
+                with self.subTest(strategy=strategy, m=m):
+                    plan = plan_sharding(t, 1, m, strategy=strategy)
+                    # slice widths are handed out in position order, whatever the deal
+                    self.assertEqual(_owners(plan, "only"), owners)
+                    self.assertEqual(plan.table("only").kind,
+                                     "table_wise" if m == 1 else "column_wise")
+                    self.assertTrue(all(plan.shards_on(p) for p in range(m)))  # none idle
+        # an explicit threshold turns the automatic slicing off: ranks may idle
+        plan = plan_sharding(t, 1, 4, strategy="basic", column_slice_threshold=10**6)
+        self.assertEqual(table_ids_per_position(plan), [[0], [], [], []])
+
+    def test_auto_column_slices_fewer_tables_than_ranks(self):
+        # a 800, b 200, M=4: pieces 800 -> 400+400 (799), 400 -> 200+200 (399): threshold
+        # 399. a needs 4 slices (800/2 > 399), b none: slices a a a a b (200 each).
+        tables = [TableConfig("a", 100, 8), TableConfig("b", 50, 4)]
+        plan = self.assert_positions(tables, 4, "basic", [[0, 1], [0], [0], [0]])
+        self.assertEqual(_owners(plan, "a"), [(p, 2 * p, 2 * p + 2) for p in range(4)])
+        # memory_balanced: ranked b a a a a; p3 takes ranks 3 and 4 (2M-1-3 = 4): two
+        # slices of a, merged into one 4-column shard
+        plan = self.assert_positions(tables, 4, "memory_balanced", [[1], [0], [0], [0]])
+        self.assertEqual(_owners(plan, "a"), [(1, 0, 2), (2, 2, 4), (3, 4, 8)])
+        self.assertEqual(plan.table("a").kind, "column_wise")
+        # memory_optimized: b -> (200,[1]), a to the three empty ones, the 5th slice to
+        # (200,[0]) -> (400,[0,0]); final order (200,[0]) (200,[0]) (200,[1]) (400,[0,0])
+        plan = self.assert_positions(tables, 4, "memory_optimized", [[0], [0], [1], [0]])
+        self.assertEqual(_owners(plan, "a"), [(0, 0, 2), (1, 2, 4), (3, 4, 8)])
+        self.assertEqual(_owners(plan, "b"), [(2, 0, 4)])
+        # three equal tables (100 each), M=4: threshold 99 cuts all three in 2
+        equal = [TableConfig(f"e{i}", 10, 10) for i in range(3)]
+        plan = self.assert_positions(equal, 4, "basic", [[0, 2], [0, 2], [1], [1]])
+        self.assertEqual(_owners(plan, "e2"), [(0, 0, 5), (1, 5, 10)])
+
+    def test_m8_three_tables(self):
+        # a 16000, b 4000, c 400 over M=8: halving gives threshold 3999. a: 8 slices of
+        # 2 columns (2000 each); b: 2 slices of 4 columns (2000 each); c: 1 slice.
+        tables = [TableConfig("a", 1000, 16), TableConfig("b", 500, 8),
+                  TableConfig("c", 100, 4)]
+        plan = self.assert_positions(tables, 8, "basic",
+                                     [[0, 1], [0, 1], [0, 2], [0], [0], [0], [0], [0]])
+        self.assertEqual(_owners(plan, "b"), [(0, 0, 4), (1, 4, 8)])
+        # ranked b b a*8 c; rounds of 16: position p takes rank p, then rank 15-p
+        plan = self.assert_positions(tables, 8, "memory_balanced",
+                                     [[1], [1], [0], [0], [0], [0, 2], [0], [0]])
+        self.assertEqual(_owners(plan, "a"), [(2, 0, 2), (3, 2, 4), (4, 4, 6), (5, 6, 8),
+                                              (6, 8, 12), (7, 12, 16)])
+        self.assertEqual(_owners(plan, "c"), [(5, 0, 4)])
+        # greedy: the 8 positions fill with 2000 each (a ones sort before b ones), the
+        # last two a slices double up, c joins the first (2000,[0]) -> (2400,[0,2])
+        plan = self.assert_positions(tables, 8, "memory_optimized",
+                                     [[0], [0], [0], [1], [1], [0, 2], [0], [0]])
+        self.assertEqual(_owners(plan, "a"), [(0, 0, 2), (1, 2, 4), (2, 4, 6), (5, 6, 8),
+                                              (6, 8, 12), (7, 12, 16)])
+        self.assertEqual(_owners(plan, "b"), [(3, 0, 4), (4, 4, 8)])
+
+    def test_power_of_two_column_slices(self):
+        t = [TableConfig("c", 100, 8)]
+        # 800 elements, threshold 300: smallest power of two with 800/n <= 300 is 4
+        plan = plan_sharding(t, 1, 8, strategy="basic", column_slice_threshold=300)
+        self.assertEqual(_owners(plan, "c"), [(p, 2 * p, 2 * p + 2) for p in range(4)])
+        # threshold 150 -> 8, capped at M = 3 (not a power of two), wider slices first
+        plan = plan_sharding(t, 1, 3, strategy="basic", column_slice_threshold=150)
+        self.assertEqual(_owners(plan, "c"), [(0, 0, 3), (1, 3, 6), (2, 6, 8)])
+        # and capped at dim
+        plan = plan_sharding([TableConfig("n", 1000, 2)], 1, 8, strategy="basic",
+                             column_slice_threshold=10)
+        self.assertEqual(_owners(plan, "n"), [(0, 0, 1), (1, 1, 2)])
+        # no slicing in a single process
+        plan = plan_sharding(t, 1, 1, strategy="basic", column_slice_threshold=10)
+        self.assertEqual(_owners(plan, "c"), [(0, 0, 8)])
+
+    def test_merge_widths_follow_position_order(self):
+        # x: 50 elements, threshold 30 -> 2 slices, widths 3 and 2 (30 and 20 elements).
+        # Ranked y 40, x 30, z 25, x 20: p0 = ranks 0, 3 (y, the 20-element slice of x),
+        # p1 = ranks 1, 2. DE hands out widths in position order, so p0 still gets the
+        # first 3 columns.
+        tables = [TableConfig("x", 10, 5), TableConfig("y", 40, 1), TableConfig("z", 25, 1)]
+        plan = self.assert_positions(tables, 2, "memory_balanced", [[1, 0], [0, 2]],
+                                     column_slice_threshold=30)
+        self.assertEqual(_owners(plan, "x"), [(0, 0, 3), (1, 3, 5)])
+        self.assertEqual([s.table for s in plan.shards_on(0)], ["y", "x"])
+        # both slices of a on one position: one shard, the whole table
+        tables = [TableConfig("a", 10, 2), TableConfig("b", 30, 1), TableConfig("c", 5, 1)]
+        plan = self.assert_positions(tables, 2, "memory_balanced", [[1, 2], [0]],
+                                     column_slice_threshold=10)
+        self.assertEqual(plan.table("a").kind, "table_wise")
+        self.assertEqual(_owners(plan, "a"), [(1, 0, 2)])
+
+    def test_thresholds(self):
+        # r 4000 >= row threshold 4000 (DE: inclusive) -> row slices on every position;
+        # d 10 <= 10 -> data parallel; only t (800) is table-parallel, so the automatic
+        # threshold cuts it in 4.
+        tables = [TableConfig("r", 1000, 4), TableConfig("d", 5, 2), TableConfig("t", 100, 8)]
+        kw = dict(row_slice_threshold=4000, data_parallel_threshold=10)
+        for strategy in DE_STRATEGIES:
+            with self.subTest(strategy=strategy):
+                plan = self.assert_positions(tables, 4, strategy, [[2, 0]] * 4, **kw)
+                self.assertEqual([p.kind for p in plan.tables],
+                                 ["row_wise", "data_parallel", "column_wise"])
+                self.assertEqual([(s.row_start, s.row_end, s.owner)
+                                  for s in plan.table("r").shards],
+                                 [(0, 250, 0), (250, 500, 1), (500, 750, 2), (750, 1000, 3)])
+                self.assertEqual(_owners(plan, "t"), [(p, 2 * p, 2 * p + 2) for p in range(4)])
+                self.assertEqual(_owners(plan, "d"), [(None, 0, 2)])
+        # one position: the row-sliced table is one whole shard, served after the others
+        plan = self.assert_positions(tables, 1, "basic", [[2, 0]], **kw)
+        self.assertEqual(plan.table("r").kind, "table_wise")
+        # tfhybrid's own strategy: exclusive row threshold, no automatic slicing
+        plan = plan_sharding(tables, 1, 4, strategy="bytes_balanced", **kw)
+        self.assertEqual([p.kind for p in plan.tables],
+                         ["table_wise", "data_parallel", "table_wise"])
+
+    def test_input_ids_per_position(self):
+        # a 800 -> 2 slices (threshold 400), b 200 whole, c data parallel; features
+        # 0 and 2 read a, 1 and 4 read b, 3 reads c.
+        tables = [TableConfig("a", 100, 8), TableConfig("b", 50, 4), TableConfig("c", 5, 2)]
+        kw = dict(column_slice_threshold=400, data_parallel_threshold=10)
+        fmap = [0, 1, 0, 2, 1]
+        plan = self.assert_positions(tables, 2, "basic", [[0, 1], [0]], **kw)
+        self.assertEqual(input_ids_per_position(plan, fmap), [[0, 2, 1, 4], [0, 2]])
+        # ranked a a b: p0 = rank 0, p1 = ranks 1 then 2
+        plan = self.assert_positions(tables, 2, "memory_balanced", [[0], [0, 1]], **kw)
+        self.assertEqual(input_ids_per_position(plan, fmap), [[0, 2], [0, 2, 1, 4]])
+        self.assertEqual(input_ids_per_position(plan, (0, 0, 0)), [[0, 1, 2], [0, 1, 2]])
+        self.assertEqual(input_ids_per_position(plan, [2, 2]), [[], []])
+        # row-wise tables come last on every position that holds a row shard
+        rows = tables + [TableConfig("r", 3, 1000)]
+        plan = self.assert_positions(rows, 4, "basic", [[0, 3], [0, 3], [1, 3], []],
+                                     row_slice_threshold=3000, **kw)
+        self.assertEqual(input_ids_per_position(plan, [3, 0, 1, 2, 0]),
+                         [[1, 4, 0], [1, 4, 0], [2, 0], []])
+        for bad in ([0, 4], [0, -1], [0, True], [0, 1.0]):
+            with self.subTest(bad=bad):
+                with self.assertRaisesRegex(ValueError, r"input_table_map\[1\]"):
+                    input_ids_per_position(plan, bad)
+
+    def test_input_ids_cover_every_shard(self):
+        # Every feature of a model-parallel table is on exactly the positions owning a
+        # shard of it, once each; data-parallel features nowhere.
+        for strategy in STRATEGIES:
+            for seed in range(3):
+                tables = _random_tables(seed)
+                rng = random.Random(seed)
+                fmap = [rng.randrange(len(tables)) for _ in range(2 * len(tables))]
+                for m in MESHES:
+                    with self.subTest(strategy=strategy, seed=seed, m=m):
+                        plan = plan_sharding(tables, 2, m, strategy=strategy, **THRESHOLDS)
+                        ids = input_ids_per_position(plan, fmap)
+                        self.assertEqual(len(ids), m)
+                        for p in range(m):
+                            self.assertEqual(len(set(ids[p])), len(ids[p]))
+                            for k, t in enumerate(fmap):
+                                owns = any(s.owner == p for s in plan.tables[t].shards)
+                                self.assertEqual(k in ids[p], owns, (p, k, t))
+                            # grouped by table, in tables_on order, input order inside
+                            expect = [k for t in plan.tables_on(p)
+                                      for k, tt in enumerate(fmap) if tt == t]
+                            self.assertEqual(ids[p], expect)
 
 
 class ValidationTest(unittest.TestCase):

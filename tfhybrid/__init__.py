@@ -5,7 +5,8 @@ The public surface is small on purpose, like Horovod's:
 - ``tfhybrid.init(model_parallel=M, layout=...)`` builds the D x M process mesh;
 - ``tfhybrid.layers.DistributedEmbedding`` shards embedding tables over it;
 - ``tfhybrid.DistributedGradientTape`` / ``tfhybrid.DistributedOptimizer`` route gradients;
-- ``tfhybrid.broadcast_variables`` makes every rank start from the same weights;
+- ``tfhybrid.broadcast_variables`` (and the ``BroadcastGlobalVariablesCallback``) makes
+  every rank start from the same weights;
 - ``tfhybrid.optimizers`` holds the row-wise AdaGrad optimizers.
 
 Attributes load lazily, so ``import tfhybrid.planner`` pulls in neither TensorFlow nor
@@ -28,6 +29,8 @@ _LAZY_ATTRIBUTES = {
     "DistributedOptimizer": "tfhybrid.distributed",
     "broadcast_variables": "tfhybrid.distributed",
     "sync_replicas": "tfhybrid.distributed",
+    "DistributedEmbedding": "tfhybrid.layers.distributed_embedding",
+    "BroadcastGlobalVariablesCallback": "tfhybrid.callbacks",
 }
 _LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train"}
 

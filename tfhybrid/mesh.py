@@ -138,11 +138,34 @@ class Mesh:
         return "\n".join(lines)
 
 
+class _SingleRankSet:
+    """Stands for a group of one rank, which needs no Horovod process set.
+
+    Every collective over a group of one is skipped (it would be the identity), so
+    this is never handed to Horovod. Not registering it is what lets a script call
+    ``hvd.init()`` itself (static process sets) and still use M = N or M = 1.
+    """
+
+    def __init__(self, rank: int):
+        self.ranks = [rank]
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"_SingleRankSet(rank={self.ranks[0]})"
+
+
 def _process_set_for(hvd: Any, ranks: Sequence[int]) -> Any:
     # A group spanning every rank is the global set; Horovod rejects a second set
     # with the same ranks, and the global one needs no registration.
     if len(ranks) == hvd.size():
         return hvd.global_process_set
+    if len(ranks) == 1:
+        return _SingleRankSet(ranks[0])
     process_set = hvd.add_process_set(list(ranks))
     _OWNED_PROCESS_SETS.append(process_set)
     return process_set
@@ -183,7 +206,7 @@ def init(model_parallel: int | None = None, layout: str = "model_major") -> Mesh
         return _MESH
     model_groups, data_groups = mesh_groups(size, resolved, layout)
     if any(len(g) not in (1, size) for g in model_groups + data_groups):
-        _require_dynamic_process_sets()
+        _require_dynamic_process_sets(resolved, size)
     model_sets = [_process_set_for(hvd, g) for g in model_groups]
     data_sets = [_process_set_for(hvd, g) for g in data_groups]
     rank = hvd.rank()
@@ -197,13 +220,18 @@ def init(model_parallel: int | None = None, layout: str = "model_major") -> Mesh
     return _MESH
 
 
-def _require_dynamic_process_sets() -> None:
+def _require_dynamic_process_sets(model_parallel: int, size: int) -> None:
     # hvd.init() reads this variable once: process sets can only be added after it
     # when Horovod was started in dynamic mode.
     if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
         raise RuntimeError(
-            "Horovod was initialised without dynamic process sets; call tfhybrid.init() "
-            "instead of hvd.init(), or hvd.init(process_sets='dynamic') before it")
+            f"tfhybrid.init(model_parallel={model_parallel}) on {size} ranks needs Horovod "
+            "process sets for its model and data groups, but Horovod was initialised "
+            "(hvd.init()) without dynamic process sets. Do one of: call "
+            "tfhybrid.init(model_parallel=...) before hvd.init() (it initialises Horovod "
+            "itself); call hvd.init(process_sets='dynamic') instead of hvd.init(); or launch "
+            "with HOROVOD_DYNAMIC_PROCESS_SETS=1. (M = N and M = 1 need no process sets "
+            "and work after a plain hvd.init().)")
 
 
 def current_mesh() -> Mesh:

@@ -5,7 +5,24 @@ p in [0, M) is its index inside its model group; every model-parallel shard live
 one position of every model group (so it has D copies).  The planner only sees (D, M)
 and returns a :class:`ShardingPlan` that can be printed, saved as JSON and unit-tested
 without TensorFlow or Horovod (TorchRec style).  Option names follow NVIDIA
-distributed-embeddings so its users can migrate; thresholds are in ELEMENTS (rows*dim).
+distributed-embeddings (DE) so its users can migrate; thresholds are in ELEMENTS (rows*dim).
+
+Strategies (see :func:`plan_sharding` for the exact rules):
+
+* ``"basic"``, ``"memory_balanced"``, ``"memory_optimized"`` place tables exactly as DE's
+  ``DistEmbeddingStrategy`` does with the same names, DE's "workers" being the M
+  positions of a model group: power-of-two column slices (automatic when there are
+  fewer table-parallel tables than positions, so no position idles), DE's round robin /
+  sorted two-way deal / greedy least-loaded on element counts, and slices of one table
+  that land on one position merged into one shard.
+* ``"bytes_balanced"`` (:data:`DEFAULT_STRATEGY`) is tfhybrid's own planner: ceil(size /
+  threshold) column slices, never two slices of a table on one position, dealt by bytes
+  (dtype and optimizer state included) in snake order; positions may stay empty.
+
+Every strategy also fixes each position's *table order* (:meth:`ShardingPlan.tables_on`),
+the order in which the layer serves that position's shards; see
+:func:`table_ids_per_position` and :func:`input_ids_per_position` (DE's ``table_ids`` and
+``input_ids_list``).
 
 Byte model: the wire format of ``tfhybrid.layers.DistributedEmbedding``, per position p.
 Symbols: b = local_batch_size, h = hotness (ids per sample, summed over the table's
@@ -36,16 +53,21 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 COMBINERS = (None, "sum", "mean")
-STRATEGIES = ("basic", "memory_balanced", "memory_optimized")
+# DE's names with DE's placement, then tfhybrid's own planner
+DE_STRATEGIES = ("basic", "memory_balanced", "memory_optimized")
+STRATEGIES = DE_STRATEGIES + ("bytes_balanced",)
+DEFAULT_STRATEGY = "bytes_balanced"
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 KINDS = ("data_parallel", "table_wise", "column_wise", "row_wise")
 
 __all__ = ["TableConfig", "Shard", "TablePlacement", "RankEstimate", "ShardingPlan",
-           "plan_sharding", "sync_is_sparse", "sync_bytes", "DTYPE_BYTES", "COMBINERS", "STRATEGIES", "OPTIMIZERS", "KINDS"]
+           "plan_sharding", "sync_is_sparse", "sync_bytes", "input_ids_per_position",
+           "table_ids_per_position", "DTYPE_BYTES", "COMBINERS", "STRATEGIES",
+           "DE_STRATEGIES", "DEFAULT_STRATEGY", "OPTIMIZERS", "KINDS"]
 
 
 def _check_int(what: str, value: Any, minimum: int) -> None:
@@ -164,6 +186,11 @@ def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[in
 class ShardingPlan:
     """The result of :func:`plan_sharding`: plain data, JSON round-trippable.
 
+    ``position_tables[p]`` lists the indices (into ``tables``) of the model-parallel
+    tables with a shard on position p, in that position's order (see
+    :meth:`tables_on`); each table at most once per position.  An empty tuple (a plan
+    serialized before the field existed) means table order.
+
     >>> plan = plan_sharding([TableConfig("a", 100, 8), TableConfig("b", 50, 8)], 2, 2)
     >>> [s.table for s in plan.shards_on(0)], plan.table("b").kind
     (['a'], 'table_wise')
@@ -180,6 +207,7 @@ class ShardingPlan:
     row_slice_threshold: int | None
     data_parallel_threshold: int | None
     local_batch_size: int
+    position_tables: tuple[tuple[int, ...], ...] = ()
 
     def table(self, name: str) -> TablePlacement:
         """The placement of table ``name``; ValueError if unknown."""
@@ -188,15 +216,33 @@ class ShardingPlan:
                 return placement
         raise ValueError(f"no table named {name!r} in this plan")
 
-    def shards_on(self, position: int) -> list[Shard]:
-        """Model-parallel shards owned by ``position``: table order, then col, then row."""
+    def _check_position(self, position: int) -> None:
         _check_int("position", position, 0)
         if position >= self.model_parallel:
             raise ValueError(f"position must be < model_parallel={self.model_parallel}, "
                              f"got {position}")
+
+    def tables_on(self, position: int) -> list[int]:
+        """Indices of the tables with a model-parallel shard on ``position``, in its order.
+
+        DE strategies: DE's ``table_ids`` order for table-wise and column-sliced tables
+        (the order the strategy dealt them to this position, a table counted at its first
+        slice here), then row-wise tables in table order. ``bytes_balanced``: table order.
+        """
+        self._check_position(position)
+        if self.position_tables:
+            return list(self.position_tables[position])
+        return [t for t, pl in enumerate(self.tables)
+                if any(s.owner == position for s in pl.shards)]
+
+    def shards_on(self, position: int) -> list[Shard]:
+        """Model-parallel shards owned by ``position``, in :meth:`tables_on` order.
+
+        A table has one shard per position, except in a hand-built plan (then col, row).
+        """
         out = []
-        for placement in self.tables:
-            mine = [s for s in placement.shards if s.owner == position]
+        for t in self.tables_on(position):
+            mine = [s for s in self.tables[t].shards if s.owner == position]
             out.extend(sorted(mine, key=lambda s: (s.col_start, s.row_start)))
         return out
 
@@ -213,8 +259,9 @@ class ShardingPlan:
                 TablePlacement(t["name"], t["kind"], tuple(Shard(**sh) for sh in t["shards"]))
                 for t in d.pop("tables"))
             ranks = tuple(RankEstimate(**r) for r in d.pop("ranks"))
-            return cls(tables=tables, ranks=ranks, **d)
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+            order = tuple(tuple(int(t) for t in p) for p in d.pop("position_tables", ()))
+            return cls(tables=tables, ranks=ranks, position_tables=order, **d)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a serialized ShardingPlan ({e!r}): {s[:200]!r}") from e
 
     def describe(self) -> str:
@@ -269,52 +316,176 @@ def _snake(m: int) -> Iterator[int]:
         yield from range(m - 1, -1, -1)
 
 
-def _place(strategy: str, placeable: list[tuple[int, int, int, int]], base_load: list[int],
-           base_holds: list[set[int]]) -> tuple[dict[tuple[int, int, int], int], list[int]]:
-    """Owners {(table index, col_start, row_start): position} and the resulting loads."""
-    m = len(base_load)
-    load, holds = list(base_load), [set(h) for h in base_holds]
-    owners: dict[tuple[int, int, int], int] = {}
+# (row_start, row_end, col_start, col_end, owner) of one shard, per table
+_Layout = list[tuple[str, list[tuple[int, int, int, int, int | None]]]]
 
-    def assign(nbytes: int, ti: int, c0: int, r0: int, p: int) -> None:
+
+def _layout_bytes_balanced(tables: Sequence[TableConfig], m: int, col_thr: int | None,
+                           row_thr: int | None, dp_thr: int | None,
+                           shard_load: Callable[..., int]
+                           ) -> tuple[_Layout, list[list[int]]]:
+    """tfhybrid's own planner: (kind, shards) per table and each position's table order."""
+    # Geometry first: (kind, [(r0, r1, c0, c1), ...]) per table.
+    geometry: list[tuple[str, list[tuple[int, int, int, int]]]] = []
+    for t in tables:
+        elements = t.rows * t.dim
+        full = [(0, t.rows, 0, t.dim)]
+        if dp_thr is not None and elements <= dp_thr:
+            geometry.append(("data_parallel", full))
+        elif m > 1 and row_thr is not None and elements > row_thr:
+            geometry.append(("row_wise", [(r0, r1, 0, t.dim)
+                                          for r0, r1 in _split(t.rows, min(m, t.rows))]))
+        elif m > 1 and col_thr is not None and elements > col_thr:
+            n = min(-(-elements // col_thr), m, t.dim)
+            if n > 1:
+                geometry.append(("column_wise", [(0, t.rows, c0, c1)
+                                                 for c0, c1 in _split(t.dim, n)]))
+            else:
+                geometry.append(("table_wise", full))
+        else:
+            geometry.append(("table_wise", full))
+
+    holds: list[set[int]] = [set() for _ in range(m)]
+    owners: dict[tuple[int, int, int], int | None] = {}
+    placeable = []  # (bytes, table index, col_start, row_start)
+    for ti, (kind, geoms) in enumerate(geometry):
+        for i, (r0, r1, c0, c1) in enumerate(geoms):
+            nbytes = shard_load(ti, r0, r1, c0, c1)
+            if kind == "data_parallel":
+                owners[ti, c0, r0] = None
+            elif kind == "row_wise":
+                owners[ti, c0, r0] = i
+                holds[i].add(ti)
+            else:
+                placeable.append((nbytes, ti, c0, r0))
+
+    # By bytes descending, dealt in snake order; a position skipped because it already
+    # holds a slice of that table keeps its turn (waiting).
+    turns, waiting = _snake(m), []
+    for _, ti, c0, r0 in sorted(placeable, key=lambda x: (-x[0], x[1], x[2])):
+        p = next((q for q in waiting if ti not in holds[q]), None)
+        if p is not None:
+            waiting.remove(p)
+        else:
+            p = next(turns)
+            while ti in holds[p]:
+                waiting.append(p)
+                p = next(turns)
         owners[ti, c0, r0] = p
-        load[p] += nbytes
         holds[p].add(ti)
 
-    by_size = sorted(placeable, key=lambda x: (-x[0], x[1], x[2]))
+    layout = [(kind, [(r0, r1, c0, c1, owners[ti, c0, r0]) for r0, r1, c0, c1 in geoms])
+              for ti, (kind, geoms) in enumerate(geometry)]
+    order = [[ti for ti, (_, shards) in enumerate(layout) if any(s[4] == p for s in shards)]
+             for p in range(m)]
+    return layout, order
+
+
+def _de_auto_column_threshold(elements: list[int], m: int) -> int | None:
+    """DE's column_slice_threshold when none is given: while there are fewer pieces than
+    positions, halve (floor) the largest piece; the threshold is one below the last
+    piece halved. None when there are at least M tables."""
+    pieces, threshold = list(elements), None
+    while len(pieces) < m:
+        pieces.sort()
+        largest = pieces.pop()
+        threshold = largest - 1
+        pieces += [largest // 2, largest // 2]
+    return threshold
+
+
+def _de_slice_count(elements: int, threshold: int | None, cap: int) -> int:
+    """DE's column slice count: the smallest power of two n with elements / n <= threshold,
+    capped at ``cap`` = min(M, dim); no threshold is one slice."""
+    n = 1
+    if threshold is not None:
+        # stopping at the cap gives DE's min(n, cap) and ends where DE would not (threshold < 1)
+        while n < cap and elements > threshold * n:
+            n *= 2
+    return min(n, cap)
+
+
+def _de_deal(strategy: str, m: int, slices: list[tuple[int, int]]) -> list[list[int]]:
+    """DE's apply_strategy. ``slices``: (elements, table index) in table order, a table's
+    slices consecutive. Returns, per position, the table index of every slice dealt to it,
+    in the order dealt."""
     if strategy == "basic":
-        for k, (nbytes, ti, c0, r0) in enumerate(placeable):
-            p = k % m
-            while ti in holds[p]:
-                p = (p + 1) % m
-            assign(nbytes, ti, c0, r0, p)
-    elif strategy == "memory_balanced":
-        turns, waiting = _snake(m), []  # waiting: skipped positions keep their turn
-        for nbytes, ti, c0, r0 in by_size:
-            p = next((q for q in waiting if ti not in holds[q]), None)
-            if p is not None:
-                waiting.remove(p)
-            else:
-                p = next(turns)
-                while ti in holds[p]:
-                    waiting.append(p)
-                    p = next(turns)
-            assign(nbytes, ti, c0, r0, p)
-    else:
-        for nbytes, ti, c0, r0 in by_size:
-            p = min((q for q in range(m) if ti not in holds[q]), key=lambda q: (load[q], q))
-            assign(nbytes, ti, c0, r0, p)
-        # Greedy least-loaded is a heuristic: with column slices pinned to distinct
-        # positions it can lose to the snake deal by a few small tables.  Keeping the
-        # better of the two makes "optimized <= balanced" (peak bytes) an invariant.
-        snake_owners, snake_load = _place("memory_balanced", placeable, base_load, base_holds)
-        if max(snake_load) < max(load):
-            return snake_owners, snake_load
-    return owners, load
+        # round robin in table order: slice k -> position k % M
+        return [[t for _, t in slices[p::m]] for p in range(m)]
+    # largest first; equal sizes: the higher table index first
+    ranked = sorted(slices, reverse=True)
+    if strategy == "memory_balanced":
+        # ranked slices in rounds of 2M: position p takes the p-th of every round, then the
+        # (2M-1-p)-th of every round (a snake deal, each position's list grouped by pass)
+        ids = [t for _, t in ranked]
+        return [ids[p::2 * m] + ids[2 * m - 1 - p::2 * m] for p in range(m)]
+    # memory_optimized: each slice goes to the bin first in (elements, table list) order;
+    # bins end in that order, bin k on position k
+    bins: list[tuple[int, list[int]]] = [(0, []) for _ in range(m)]
+    for size, t in ranked:
+        load, ids = bins[0]
+        bins[0] = (load + size, ids + [t])
+        bins.sort()
+    return [ids for _, ids in bins]
+
+
+def _layout_de(strategy: str, tables: Sequence[TableConfig], m: int, col_thr: int | None,
+               row_thr: int | None, dp_thr: int | None) -> tuple[_Layout, list[list[int]]]:
+    """DE's DistEmbeddingStrategy placement: (kind, shards) per table, positions' orders."""
+    elements = [t.rows * t.dim for t in tables]
+    dp, tp, rw = [], [], []
+    for ti, e in enumerate(elements):
+        if dp_thr is not None and e <= dp_thr:
+            dp.append(ti)
+        elif row_thr is not None and e >= row_thr:   # DE: >= (its docs say "more than")
+            rw.append(ti)
+        else:
+            tp.append(ti)
+
+    if col_thr is None and tp:
+        col_thr = _de_auto_column_threshold([elements[ti] for ti in tp], m)
+    widths: dict[int, list[int]] = {}
+    slices = []  # (elements, table index), table order
+    for ti in tp:
+        n = _de_slice_count(elements[ti], col_thr, min(m, tables[ti].dim))
+        widths[ti] = [c1 - c0 for c0, c1 in _split(tables[ti].dim, n)]
+        slices += [(tables[ti].rows * w, ti) for w in widths[ti]]
+    # DE runs "basic" in a single process
+    dealt = _de_deal("basic" if m == 1 else strategy, m, slices)
+
+    # Merge a table's slices on one position into one shard. Slice widths are handed out in
+    # position order (a table's slices in column order), so position p's columns of a table
+    # are contiguous and follow those of the positions before it.
+    order = [list(dict.fromkeys(d)) for d in dealt]
+    next_col = dict.fromkeys(tp, 0)
+    shards: dict[int, list[tuple[int, int, int, int, int | None]]] = {ti: [] for ti in tp}
+    for p in range(m):
+        for ti in order[p]:
+            k = dealt[p].count(ti)
+            w = sum(widths[ti][:k])
+            del widths[ti][:k]
+            shards[ti].append((0, tables[ti].rows, next_col[ti], next_col[ti] + w, p))
+            next_col[ti] += w
+
+    layout: _Layout = []
+    for ti, t in enumerate(tables):
+        if ti in dp:
+            layout.append(("data_parallel", [(0, t.rows, 0, t.dim, None)]))
+        elif ti in tp:
+            layout.append(("column_wise" if len(shards[ti]) > 1 else "table_wise", shards[ti]))
+        elif m == 1:
+            layout.append(("table_wise", [(0, t.rows, 0, t.dim, 0)]))
+        else:
+            layout.append(("row_wise", [(r0, r1, 0, t.dim, i) for i, (r0, r1)
+                                        in enumerate(_split(t.rows, min(m, t.rows)))]))
+    # DE serves row-sliced tables after the table-parallel ones, in table order
+    for p in range(m):
+        order[p] += [ti for ti in rw if any(s[4] == p for s in layout[ti][1])]
+    return layout, order
 
 
 def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_parallel: int, *,
-                  strategy: str = "memory_balanced",
+                  strategy: str = DEFAULT_STRATEGY,
                   column_slice_threshold: int | None = None,
                   row_slice_threshold: int | None = None,
                   data_parallel_threshold: int | None = None,
@@ -323,19 +494,40 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                   local_batch_size: int = 1) -> ShardingPlan:
     """Decide the kind and owners of every table's shards and estimate per-position cost.
 
-    Kind priority: data_parallel (rows*dim <= data_parallel_threshold), row_wise
-    (rows*dim > row_slice_threshold and M > 1; min(M, rows) shards on positions 0..k-1),
-    column_wise (rows*dim > column_slice_threshold and M > 1; n = ceil(rows*dim /
-    threshold) capped at min(M, dim), n == 1 falls back), else table_wise.  The strategy
-    places table_wise shards and column slices ("placeable"), never two slices of one
-    table on the same position, after row_wise shards are counted in the load:
+    **DE strategies** (``basic``, ``memory_balanced``, ``memory_optimized``) reproduce
+    NVIDIA distributed-embeddings' ``DistEmbeddingStrategy`` on one model group of M
+    positions (DE's workers). Groups by elements e = rows*dim: data_parallel if e <=
+    data_parallel_threshold; else row-sliced if e >= row_slice_threshold (row_wise,
+    min(M, rows) near-equal shards on positions 0..k-1; one table_wise shard when M == 1);
+    else table-parallel. Each table-parallel table is cut into n = min(N, M, dim) column
+    slices, N the smallest power of two with e / N <= column_slice_threshold, widths
+    near-equal with the wider slices first. Without column_slice_threshold and with fewer
+    table-parallel tables than M, the threshold is automatic: the largest of the tables'
+    sizes is halved until there are M pieces, the threshold being one below the last
+    piece halved (so no position idles; equal tables are all sliced, so there may be
+    more slices than M). Slices (elements, table index) are then dealt:
 
-    * ``basic``: placeable shard k (input order) -> position k % M, next free if taken.
-    * ``memory_balanced``: by bytes descending, dealt in snake order 0..M-1, M-1..0, ...;
-      a position skipped for holding a slice of the same table keeps its turn.
-    * ``memory_optimized``: by bytes descending, each to the least-loaded position (ties
-      -> lowest); if the memory_balanced deal has a strictly lower peak it is kept
-      instead, so memory_optimized's peak is never above memory_balanced's.
+    * ``basic``: in table order, slice k -> position k % M.
+    * ``memory_balanced``: sorted by elements, then table index, descending; position p
+      takes ranks p, p+2M, p+4M, ... then 2M-1-p, 4M-1-p, ... (in that order).
+    * ``memory_optimized``: in the same descending order, each slice to the position
+      whose (elements, table list) is smallest; positions are then numbered by that same
+      (elements, table list) order, smallest first.
+
+    With M == 1 DE always runs ``basic``. Slices of one table on one position merge into
+    one shard (column_wise if the table keeps >= 2 shards, else table_wise); slice widths
+    are consumed in position order, so a table's columns run over its positions in
+    ascending order. A position serves its tables in first-dealt order, then its
+    row-wise tables in table order (:meth:`ShardingPlan.tables_on`).
+
+    **bytes_balanced** (:data:`DEFAULT_STRATEGY`, tfhybrid's own): data_parallel if e <=
+    data_parallel_threshold, row_wise if e > row_slice_threshold and M > 1 (min(M, rows)
+    shards on positions 0..k-1), column_wise if e > column_slice_threshold and M > 1
+    (n = ceil(e / threshold) capped at min(M, dim), n == 1 falls back), else table_wise;
+    no automatic slicing. Table-wise shards and column slices are dealt by bytes (param +
+    optimizer state) descending in snake order 0..M-1, M-1..0, ..., never two slices of a
+    table on one position (a position skipped for holding a slice of the same table keeps
+    its turn); positions serve their tables in table order.
 
     Load = param + optimizer bytes.  With ``memory_budget_bytes`` a shard or position
     over budget raises ValueError naming the table and the bytes.
@@ -345,6 +537,9 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     ...                      column_slice_threshold=200_000, data_parallel_threshold=100)
     >>> [(t.kind, len(t.shards)) for t in plan.tables]
     [('column_wise', 4), ('data_parallel', 1)]
+    >>> de = plan_sharding([TableConfig("only", 100, 8)], 1, 4, strategy="basic")
+    >>> [(s.owner, s.col_start, s.col_end) for s in de.table("only").shards]
+    [(0, 0, 2), (1, 2, 4), (2, 4, 6), (3, 6, 8)]
     """
     _check_int("data_parallel", data_parallel, 1)
     _check_int("model_parallel", model_parallel, 1)
@@ -367,26 +562,6 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
         seen.add(t.name)
     m = model_parallel
 
-    # Geometry first: (kind, [(r0, r1, c0, c1), ...]) per table.
-    layout: list[tuple[str, list[tuple[int, int, int, int]]]] = []
-    for t in tables:
-        elements = t.rows * t.dim
-        full = [(0, t.rows, 0, t.dim)]
-        if data_parallel_threshold is not None and elements <= data_parallel_threshold:
-            layout.append(("data_parallel", full))
-        elif m > 1 and row_slice_threshold is not None and elements > row_slice_threshold:
-            layout.append(("row_wise", [(r0, r1, 0, t.dim)
-                                        for r0, r1 in _split(t.rows, min(m, t.rows))]))
-        elif m > 1 and column_slice_threshold is not None and elements > column_slice_threshold:
-            n = min(-(-elements // column_slice_threshold), m, t.dim)
-            if n > 1:
-                layout.append(("column_wise", [(0, t.rows, c0, c1)
-                                               for c0, c1 in _split(t.dim, n)]))
-            else:
-                layout.append(("table_wise", full))
-        else:
-            layout.append(("table_wise", full))
-
     def load_of(ti: int, r0: int, r1: int, c0: int, c1: int) -> int:
         param, opt = _shard_bytes(tables[ti], r1 - r0, c1 - c0, optimizer)
         if memory_budget_bytes is not None and param + opt > memory_budget_bytes:
@@ -395,43 +570,32 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                 f"{param + opt} bytes, over memory_budget_bytes={memory_budget_bytes}")
         return param + opt
 
-    load = [0] * m
-    holds: list[set[int]] = [set() for _ in range(m)]
-    owners: dict[tuple[int, int, int], int | None] = {}
-    placeable = []  # (bytes, table index, col_start, row_start), input order
-    for ti, (kind, geoms) in enumerate(layout):
-        for i, (r0, r1, c0, c1) in enumerate(geoms):
-            nbytes = load_of(ti, r0, r1, c0, c1)
-            if kind == "data_parallel":
-                owners[ti, c0, r0] = None
-                load = [x + nbytes for x in load]
-            elif kind == "row_wise":
-                owners[ti, c0, r0] = i
-                load[i] += nbytes
-                holds[i].add(ti)
-            else:
-                placeable.append((nbytes, ti, c0, r0))
-
-    chosen, load = _place(strategy, placeable, load, holds)
-    owners.update(chosen)
+    thresholds = (column_slice_threshold, row_slice_threshold, data_parallel_threshold)
+    if strategy == "bytes_balanced":
+        layout, order = _layout_bytes_balanced(tables, m, *thresholds, load_of)
+    else:
+        layout, order = _layout_de(strategy, tables, m, *thresholds)
 
     placements = tuple(
-        TablePlacement(t.name, kind, tuple(Shard(t.name, r0, r1, c0, c1, owners[ti, c0, r0])
-                                           for r0, r1, c0, c1 in geoms))
-        for ti, (t, (kind, geoms)) in enumerate(zip(tables, layout)))
+        TablePlacement(t.name, kind, tuple(Shard(t.name, r0, r1, c0, c1, owner) for
+                                           r0, r1, c0, c1, owner in sorted(
+                                               shards, key=lambda s: (s[2], s[0]))))
+        for t, (kind, shards) in zip(tables, layout))
 
+    # Per-table bytes on each position (data_parallel tables count everywhere).
+    on_position: list[dict[int, int]] = [{} for _ in range(m)]
+    for ti, pl in enumerate(placements):
+        for s in pl.shards:
+            nbytes = load_of(ti, s.row_start, s.row_end, s.col_start, s.col_end)
+            for p in (range(m) if s.owner is None else [s.owner]):
+                on_position[p][ti] = on_position[p].get(ti, 0) + nbytes
     if memory_budget_bytes is not None:
-        for p in range(m):
-            if load[p] > memory_budget_bytes:
-                per_table = {}
-                for ti, pl in enumerate(placements):
-                    for s in pl.shards:
-                        if s.owner in (None, p):
-                            per_table[ti] = per_table.get(ti, 0) + load_of(
-                                ti, s.row_start, s.row_end, s.col_start, s.col_end)
+        for p, per_table in enumerate(on_position):
+            load = sum(per_table.values())
+            if load > memory_budget_bytes:
                 worst = min(per_table, key=lambda ti: (-per_table[ti], ti))
                 raise ValueError(
-                    f"position {p} needs {load[p]} bytes, over memory_budget_bytes="
+                    f"position {p} needs {load} bytes, over memory_budget_bytes="
                     f"{memory_budget_bytes}; largest table there is {tables[worst].name!r} "
                     f"with {per_table[worst]} bytes")
 
@@ -439,7 +603,49 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                             data_parallel)
                   for p in range(m))
     return ShardingPlan(data_parallel, m, strategy, placements, ranks, column_slice_threshold,
-                        row_slice_threshold, data_parallel_threshold, local_batch_size)
+                        row_slice_threshold, data_parallel_threshold, local_batch_size,
+                        tuple(tuple(o) for o in order))
+
+
+def table_ids_per_position(plan: ShardingPlan) -> list[list[int]]:
+    """For each position, the indices of the tables it holds a shard of, in its order.
+
+    DE's ``table_ids`` (with indices into ``plan.tables``), extended with row-wise tables
+    after the table-parallel ones; data-parallel tables are not listed. Each table appears
+    at most once per position.
+
+    >>> plan = plan_sharding([TableConfig("a", 100, 8), TableConfig("b", 10, 4)], 1, 3,
+    ...                      strategy="basic")
+    >>> table_ids_per_position(plan)
+    [[0], [0], [1]]
+    """
+    return [plan.tables_on(p) for p in range(plan.model_parallel)]
+
+
+def input_ids_per_position(plan: ShardingPlan, input_table_map: Sequence[int]
+                           ) -> list[list[int]]:
+    """For each position, the input features it looks up, in DE's ``input_ids_list`` order.
+
+    For each table in :func:`table_ids_per_position` order, the features k with
+    ``input_table_map[k] == table``, ascending. A feature appears once on every position
+    holding a shard of its table (every column slice or row shard owner needs it);
+    features of data-parallel tables appear nowhere.
+
+    >>> plan = plan_sharding([TableConfig("a", 100, 8), TableConfig("b", 10, 4)], 1, 3,
+    ...                      strategy="basic")
+    >>> input_ids_per_position(plan, [1, 0, 1])
+    [[1], [1], [0, 2]]
+    """
+    input_table_map = list(input_table_map)
+    for k, t in enumerate(input_table_map):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < len(plan.tables):
+            raise ValueError(f"input_table_map[{k}]={t!r} is not a table index in "
+                             f"[0, {len(plan.tables)})")
+    features: dict[int, list[int]] = {}
+    for k, t in enumerate(input_table_map):
+        features.setdefault(t, []).append(k)
+    return [[k for t in tables for k in features.get(t, [])]
+            for tables in table_ids_per_position(plan)]
 
 
 def sync_is_sparse(rows: int, width: int, ids_per_step: float) -> bool:

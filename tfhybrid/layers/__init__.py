@@ -3,5 +3,10 @@
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.layers.xla import XlaCompiled
+# distributed-embeddings' `distributed_embeddings.python.layers.embedding` names.
+from tfhybrid.layers.embedding import CPUInitializer
+from tfhybrid.layers.concat_one_hot import ConcatEmbedding, ConcatOneHotEmbedding
+from tfhybrid.layers.integer_lookup import IntegerLookup
 
 __all__ = ["Embedding", "DistributedEmbedding", "XlaCompiled"]
+__all__ += ["CPUInitializer", "ConcatOneHotEmbedding", "ConcatEmbedding", "IntegerLookup"]

@@ -19,7 +19,9 @@ allreduce them over the right process set before the optimizer applies them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,6 +37,8 @@ from tfhybrid.layers.embedding import Embedding
 
 REPLICA_SYNC = ("gradients", "weights")
 
+_LOG = logging.getLogger("tfhybrid")
+
 # Full-table gathers and scatters move at most this many bytes per collective, so a
 # table never needs more than its own size plus one chunk of extra memory.
 _CHUNK_BYTES = 8 * 1024 * 1024
@@ -47,6 +51,10 @@ class _Table:
     dim: int
     combiner: str | None
     initializer: Any
+    # a layer class with its own ``call`` (not Keras' or tfhybrid's Embedding): every
+    # shard is an instance of it, made from its config with the shard's shape
+    custom_class: Any = None
+    custom_config: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +69,144 @@ class _Route:
     width: int
 
 
-def _table_from_layer(layer: Any) -> _Table:
+_LOOKUP_CALLS = (tf.keras.layers.Embedding.call, Embedding.call)
+
+
+def _as_layer(layer: Any) -> Any:
     if isinstance(layer, dict):
-        layer = tf.keras.layers.deserialize(layer, custom_objects={"Embedding": Embedding})
-    if not isinstance(layer, tf.keras.layers.Embedding):
+        return tf.keras.layers.deserialize(layer, custom_objects={"Embedding": Embedding})
+    return layer
+
+
+def _table_from_layer(layer: Any) -> _Table:
+    config = layer.get_config() if isinstance(layer, tf.keras.layers.Layer) else {}
+    if not {"input_dim", "output_dim"} <= set(config or {}):
         raise ValueError(
-            f"embeddings must hold tf.keras.layers.Embedding or tfhybrid.layers.Embedding "
-            f"layers; got {layer!r}")
-    return _Table(name=layer.name, rows=int(layer.input_dim), dim=int(layer.output_dim),
+            "embeddings must hold tf.keras.layers.Embedding / tfhybrid.layers.Embedding "
+            "layers, or Keras layers whose get_config() has input_dim and output_dim (a "
+            f"custom embedding layer); got {layer!r}")
+    custom = type(layer).call not in _LOOKUP_CALLS
+    initializer = getattr(layer, "embeddings_initializer", None)
+    return _Table(name=layer.name, rows=int(config["input_dim"]),
+                  dim=int(config["output_dim"]),
                   combiner=getattr(layer, "combiner", None),
-                  initializer=tf.keras.initializers.get(layer.embeddings_initializer))
+                  initializer=tf.keras.initializers.get(initializer) if initializer else None,
+                  custom_class=type(layer) if custom else None,
+                  custom_config=config if custom else None)
+
+
+def _custom_shard_layer(table: _Table, rows: int, width: int, name: str) -> Any:
+    return table.custom_class.from_config(
+        dict(table.custom_config, input_dim=rows, output_dim=width, name=name))
+
+
+def _check_custom_table(table: _Table, placement: Any) -> None:
+    """A custom table layer runs on its shards' ids, so it must look up each id alone."""
+    if placement.kind == "row_wise":
+        raise ValueError(
+            f"embedding layer {table.name!r} is a custom layer ({table.custom_class.__name__})"
+            f", which the plan would split row_wise; raise row_slice_threshold above its "
+            f"{table.rows * table.dim} elements (a custom call cannot look up part of a row "
+            "range)")
+    # probed eagerly, on every rank alike, so a bad layer fails everywhere at once
+    with tf.init_scope():
+        probe = _custom_shard_layer(table, 3, 2, f"{table.name}_probe")
+        ids = tf.constant([[0, 1], [2, 0]], tf.int64)
+        probe.build(tf.TensorShape([None]))
+        probe.built = True
+        got = tf.TensorShape(probe(ids).shape)
+    if got != tf.TensorShape([2, 2, 2]) or len(probe.weights) != 1:
+        raise ValueError(
+            f"custom embedding layer {table.name!r} ({table.custom_class.__name__}) must map "
+            "ids of shape S to outputs of shape S + [output_dim] with one [input_dim, "
+            f"output_dim] weight; on ids [2, 2] with output_dim=2 it gave {got} and has "
+            f"{len(probe.weights)} weights")
+
+
+def _check_table_config(layer: Any, table: _Table, placement: Any) -> None:
+    """Raises ``ValueError`` for a Keras Embedding setting the plan cannot honour."""
+    variable_dtype = tf.as_dtype(layer.dtype_policy.variable_dtype)
+    if variable_dtype != tf.float32:
+        raise ValueError(
+            f"embedding layer {table.name!r} has dtype={variable_dtype.name!r}; tables are "
+            "stored in float32 (use a mixed precision policy such as 'mixed_float16' for "
+            "16-bit compute and communication)")
+    constraint = getattr(layer, "embeddings_constraint", None)
+    if constraint is None or len(placement.shards) == 1:
+        return
+    axis = constraint.get_config().get("axis") if hasattr(constraint, "get_config") else None
+    axes = set(axis if isinstance(axis, (list, tuple)) else [axis]) if axis is not None else set()
+    # a norm over an axis the plan splits would see only part of its vector
+    split = {0} if placement.kind == "row_wise" else {1, -1}
+    if axes & split or (axis is None and not isinstance(
+            constraint, tf.keras.constraints.NonNeg)):
+        raise ValueError(
+            f"embedding layer {table.name!r} has embeddings_constraint={constraint!r}, "
+            f"which needs whole {'columns' if 0 in split else 'rows'}, but the plan splits "
+            f"the table {placement.kind} into {len(placement.shards)} shards; raise "
+            "row_slice_threshold / column_slice_threshold above its size, or use an "
+            "element-wise constraint")
+
+
+def _mesh_for_layer() -> mesh_lib.Mesh:
+    """The current mesh; without one, ``tfhybrid.init()``'s default, said in one line."""
+    if mesh_lib._MESH is not None:
+        return mesh_lib._MESH
+    mesh = mesh_lib.init()
+    if mesh.model_parallel != mesh.size:
+        _LOG.warning(
+            "DistributedEmbedding: no tfhybrid.init() call; using model_parallel=%d "
+            "(ranks per node) on %d ranks, mesh %dx%d. NVIDIA distributed-embeddings shards "
+            "over all ranks: call tfhybrid.init(model_parallel=hvd.size()) first for that.",
+            mesh.model_parallel, mesh.size, mesh.data_parallel, mesh.model_parallel)
+    return mesh
+
+
+class ShardingStrategy:
+    """A plan as NVIDIA distributed-embeddings' ``layer.strategy`` shows it.
+
+    ``input_ids_list[rank]``: the input features rank feeds with ``dp_input=False`` (its
+    position's shards' features in the position's table order, then the features of
+    data-parallel tables), for its model group's batch. ``table_ids[rank]``: the tables
+    rank holds a shard of. Both have one entry per global rank. It compares equal to its
+    strategy name.
+
+    Example::
+
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.layers import DistributedEmbedding
+        tfhybrid.init(model_parallel=1)
+        layer = DistributedEmbedding([tf.keras.layers.Embedding(10, 4)], strategy="basic")
+        assert layer.strategy == "basic" and layer.strategy.input_ids_list == [[0]]
+    """
+
+    def __init__(self, name: str, plan: planner.ShardingPlan, mesh: mesh_lib.Mesh,
+                 input_table_map: Sequence[int]):
+        self.name = name
+        self.plan = plan
+        by_position = planner.input_ids_per_position(plan, input_table_map)
+        tables_by_position = planner.table_ids_per_position(plan)
+        replicated = [f for f, t in enumerate(input_table_map)
+                      if plan.tables[t].kind == "data_parallel"]
+        position_of = {rank: p for group in mesh.model_groups for p, rank in enumerate(group)}
+        self.input_ids_list = [list(by_position[position_of[r]]) + replicated
+                               for r in range(mesh.size)]
+        self.table_ids = [list(tables_by_position[position_of[r]]) for r in range(mesh.size)]
+
+    def __eq__(self, other: Any) -> bool:
+        if isinstance(other, ShardingStrategy):
+            return self.name == other.name and self.plan == other.plan
+        return self.name == other
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"ShardingStrategy({self.name!r}, input_ids_list={self.input_ids_list})"
 
 
 class DistributedEmbedding(tf.keras.layers.Layer):
@@ -116,14 +252,20 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     """
 
     def __init__(self, embeddings: Sequence[Any], mesh: mesh_lib.Mesh | None = None,
-                 strategy: str = "memory_balanced",
+                 strategy: str = planner.DEFAULT_STRATEGY,
                  column_slice_threshold: int | None = None,
                  row_slice_threshold: int | None = None,
                  data_parallel_threshold: int | None = None,
                  input_table_map: Sequence[int] | None = None,
                  dp_input: bool = True, replica_sync: str = "gradients",
-                 sync_every: int = 1, **kwargs: Any):
+                 sync_every: int = 1, gpu_embedding_size: int | None = None,
+                 use_custom_kernel: bool = True, row_slice: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
+        if row_slice is not None:
+            # DE 0.1's placeholder argument, which DE itself rejected when set
+            raise ValueError(f"row_slice={row_slice!r} is not supported; use "
+                             "row_slice_threshold (elements above which a table is split "
+                             "by rows)")
         if replica_sync not in REPLICA_SYNC:
             raise ValueError(f"replica_sync={replica_sync!r} is unknown; expected one of "
                              f"{REPLICA_SYNC}")
@@ -133,14 +275,22 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         self.sync_every = sync_every
         if not embeddings:
             raise ValueError("embeddings is empty; expected at least one Embedding layer")
-        if dp_input is not True:
-            raise ValueError(f"dp_input={dp_input!r} is not supported; only dp_input=True "
-                             "(each rank feeds its own local batch)")
+        if not isinstance(dp_input, bool):
+            raise ValueError(f"dp_input={dp_input!r} must be True (each rank feeds its own "
+                             "local batch of every feature) or False (each rank feeds the "
+                             "features of its own shards for its model group's batch)")
         if strategy not in planner.STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is unknown; expected one of "
                              f"{planner.STRATEGIES}")
-        self._embedding_layers = list(embeddings)
-        self._tables = [_table_from_layer(e) for e in embeddings]
+        if gpu_embedding_size is not None and (
+                isinstance(gpu_embedding_size, bool) or not isinstance(gpu_embedding_size, int)
+                or gpu_embedding_size < 0):
+            raise ValueError(f"gpu_embedding_size={gpu_embedding_size!r} must be None or an "
+                             "int >= 0 (bytes of tables per GPU; the rest live in host memory)")
+        if not isinstance(use_custom_kernel, bool):
+            raise ValueError(f"use_custom_kernel={use_custom_kernel!r} must be True or False")
+        self._embedding_layers = [_as_layer(e) for e in embeddings]
+        self._tables = [_table_from_layer(e) for e in self._embedding_layers]
         names = [t.name for t in self._tables]
         if len(set(names)) != len(names):
             raise ValueError(f"embedding layer names must be unique; got {names}")
@@ -152,53 +302,117 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 raise ValueError(f"input_table_map[{feature}]={table} is not a table index "
                                  f"in [0, {len(self._tables)})")
         self.input_table_map = input_table_map
-        self.strategy = strategy
+        self._strategy_name = strategy
         self.column_slice_threshold = column_slice_threshold
         self.row_slice_threshold = row_slice_threshold
         self.data_parallel_threshold = data_parallel_threshold
         self.dp_input = dp_input
+        self.gpu_embedding_size = gpu_embedding_size
+        self.use_custom_kernel = use_custom_kernel
         self._mesh = mesh
         self.plan: planner.ShardingPlan | None = None
+        self._strategy: ShardingStrategy | None = None
+        masked = [layer.name for layer in self._embedding_layers
+                  if getattr(layer, "mask_zero", False)]
+        if not dp_input and masked:
+            raise ValueError(f"embedding layers {masked} set mask_zero=True, which needs "
+                             "dp_input=True (with dp_input=False a rank does not see the "
+                             "ids of the features it receives rows for)")
+        if not dp_input:
+            # a model-parallel input is chosen by the plan, which the user needs before
+            # the first batch (``layer.strategy.input_ids_list``)
+            self._make_plan(hotness=[1.0] * len(self._tables), local_batch=1)
 
-    # ------------------------------------------------------------------ build
-    def build(self, input_shape):
+    @property
+    def strategy(self) -> "ShardingStrategy":
+        """The placement in DE's terms: ``.name``, ``.input_ids_list``, ``.table_ids``.
+
+        The plan is fixed the first time it is needed (this property, or the first
+        batch); it compares equal to its strategy name.
+        """
+        if self._strategy is None:
+            self._make_plan(hotness=[1.0] * len(self._tables), local_batch=1)
+        return self._strategy
+
+    def _make_plan(self, hotness: Sequence[float], local_batch: int) -> None:
         if self._mesh is None:
-            self._mesh = mesh_lib.current_mesh_or_init()
-        shapes = input_shape if isinstance(input_shape, (list, tuple)) else [input_shape]
-        if len(shapes) != len(self.input_table_map):
-            raise ValueError(f"DistributedEmbedding got {len(shapes)} inputs; expected "
-                             f"{len(self.input_table_map)} (one per input_table_map entry)")
-        hotness = [0.0] * len(self._tables)
-        features = [0] * len(self._tables)
-        local_batch = 1
-        for feature, shape in enumerate(shapes):
-            shape = tf.TensorShape(shape)
-            h = shape[1] if shape.rank == 2 and shape[1] is not None else 1
-            hotness[self.input_table_map[feature]] += float(h)
-            features[self.input_table_map[feature]] += 1
-            local_batch = shape[0] or local_batch
+            self._mesh = _mesh_for_layer()
         mesh = self._mesh
+        features = [max(1, self.input_table_map.count(t)) for t in range(len(self._tables))]
         self.plan = planner.plan_sharding(
             [planner.TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
-                                 combiner=t.combiner, features=max(f, 1))
+                                 combiner=t.combiner, features=f)
              for t, h, f in zip(self._tables, hotness, features)],
-            mesh.data_parallel, mesh.model_parallel, strategy=self.strategy,
+            mesh.data_parallel, mesh.model_parallel, strategy=self._strategy_name,
             column_slice_threshold=self.column_slice_threshold,
             row_slice_threshold=self.row_slice_threshold,
             data_parallel_threshold=self.data_parallel_threshold,
             local_batch_size=local_batch)
+        self._strategy = ShardingStrategy(self._strategy_name, self.plan, mesh,
+                                          self.input_table_map)
+        # the features this rank's inputs hold, in order
+        self._fed_features = (list(range(len(self.input_table_map))) if self.dp_input
+                              else self._strategy.input_ids_list[mesh.rank])
+        if not self.dp_input and not self._fed_features:
+            raise ValueError(
+                f"dp_input=False: position {mesh.model_position} of the model group holds "
+                f"no table (plan: {self.plan.describe()}); lower column_slice_threshold, use "
+                "strategy='basic' or 'memory_balanced' (they slice tables so every position "
+                "holds one), or use fewer ranks per model group")
+
+    # ------------------------------------------------------------------ build
+    def build(self, input_shape):
+        shapes = input_shape if isinstance(input_shape, (list, tuple)) else [input_shape]
+        if self.plan is None:
+            if len(shapes) != len(self.input_table_map):
+                raise ValueError(f"DistributedEmbedding got {len(shapes)} inputs; expected "
+                                 f"{len(self.input_table_map)} (one per input_table_map "
+                                 "entry)")
+            hotness = [0.0] * len(self._tables)
+            local_batch = 1
+            for feature, shape in enumerate(shapes):
+                shape = tf.TensorShape(shape)
+                h = shape[1] if shape.rank == 2 and shape[1] is not None else 1
+                hotness[self.input_table_map[feature]] += float(h)
+                local_batch = shape[0] or local_batch
+            self._make_plan(hotness, local_batch)
+        if len(shapes) != len(self._fed_features):
+            raise ValueError(
+                f"DistributedEmbedding got {len(shapes)} inputs; expected "
+                f"{len(self._fed_features)}: "
+                + ("one per input_table_map entry" if self.dp_input else
+                   f"with dp_input=False, the features "
+                   f"layer.strategy.input_ids_list[{self._mesh.rank}]="
+                   f"{self._fed_features}"))
+        mesh = self._mesh
+        # ids per step per table, for choosing sparse or dense gradient syncs
+        hotness = [0.0] * len(self._tables)
+        local_batch = 1
+        for feature, shape in zip(self._fed_features, shapes):
+            shape = tf.TensorShape(shape)
+            h = shape[1] if shape.rank == 2 and shape[1] is not None else 1
+            hotness[self.input_table_map[feature]] += float(h)
+            if shape[0]:
+                local_batch = shape[0] if self.dp_input else max(
+                    1, shape[0] // mesh.model_parallel)
         position = mesh.model_position
+        for t in range(len(self._tables)):
+            _check_table_config(self._embedding_layers[t], self._tables[t],
+                                self.plan.tables[t])
+            if self._tables[t].custom_class is not None:
+                _check_custom_table(self._tables[t], self.plan.tables[t])
+        # a custom table's shards are instances of its layer (tracked, so their weights
+        # are this layer's), keyed like _table_vars / _shard_vars
+        self._custom_shards: dict[tuple[int, int], Any] = {}
+        on_host = self._memory_tiers(position)
         # variables: one per data-parallel table, one per model-parallel shard we own
         self._table_vars: dict[int, tf.Variable] = {}
         self._shard_vars: dict[tuple[int, int], tf.Variable] = {}
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
             ids_per_step = local_batch * hotness[t]
             if placement.kind == "data_parallel":
-                self._table_vars[t] = self.add_weight(
-                    name=table.name, shape=[table.rows, table.dim],
-                    initializer=_slice_initializer(table, placement.shards[0]),
-                    dtype=tf.float32,
-                    experimental_autocast=False)
+                self._table_vars[t] = self._add_table_weight(
+                    t, 0, table.name, placement.shards[0], on_host[(t, 0)])
                 distributed.mark_embedding(self._table_vars[t])
                 distributed.mark_sparse_sync(self._table_vars[t], planner.sync_is_sparse(
                     table.rows, table.dim, ids_per_step))
@@ -208,11 +422,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             for s, shard in enumerate(placement.shards):
                 if shard.owner != position:
                     continue
-                var = self.add_weight(
-                    name=f"{table.name}/shard_{s}",
-                    shape=[shard.row_end - shard.row_start, shard.col_end - shard.col_start],
-                    initializer=_slice_initializer(table, shard), dtype=tf.float32,
-                    experimental_autocast=False)
+                var = self._add_table_weight(t, s, f"{table.name}/shard_{s}", shard,
+                                             on_host[(t, s)])
                 distributed.mark_model_parallel(
                     var, mesh, self.sync_every if self.replica_sync == "weights" else None,
                     table_key=self._table_key(t))
@@ -247,6 +458,59 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         compute = tf.as_dtype(self.compute_dtype)
         self._wire_float = compute if compute in (tf.float16, tf.bfloat16) else tf.float32
         super().build(input_shape)
+        self._register_for_checkpoints()
+
+    def _memory_tiers(self, position: int) -> dict[tuple[int, int], bool]:
+        """Which of this rank's tables and shards live in host memory (DE's
+        ``gpu_embedding_size``: past that many bytes per GPU, tables go to the host)."""
+        mine = []   # (table, shard, bytes), in plan order
+        for t, placement in enumerate(self.plan.tables):
+            for s, shard in enumerate(placement.shards):
+                if placement.kind == "data_parallel" or shard.owner == position:
+                    mine.append(((t, s), 4 * (shard.row_end - shard.row_start)
+                                 * (shard.col_end - shard.col_start)))
+                if placement.kind == "data_parallel":
+                    break
+        if not tf.config.list_logical_devices("GPU"):
+            if self.gpu_embedding_size is not None:
+                _LOG.info("DistributedEmbedding %r: no GPU is visible, so every table is in "
+                          "host memory (gpu_embedding_size=%d is not needed)", self.name,
+                          self.gpu_embedding_size)
+            return {key: False for key, _ in mine}
+        budget = float("inf") if self.gpu_embedding_size is None else self.gpu_embedding_size
+        on_host, used = {}, 0
+        for key, nbytes in mine:
+            on_host[key] = used + nbytes > budget
+            used += 0 if on_host[key] else nbytes
+        if any(on_host.values()):
+            _LOG.info("DistributedEmbedding %r: %d of this rank's %d tables/shards exceed "
+                      "gpu_embedding_size=%d bytes and live in host memory", self.name,
+                      sum(on_host.values()), len(mine), self.gpu_embedding_size)
+        return on_host
+
+    def _add_table_weight(self, table: int, index: int, name: str, shard: planner.Shard,
+                          on_host: bool) -> tf.Variable:
+        """One table's (or shard's) variable, with its Keras layer's regularizer and
+        constraint; each shard lives on one position, so a regularizer's loss is counted
+        once per replica, and the gradient sync averages the replicas."""
+        layer = self._embedding_layers[table]
+        rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
+        with tf.device("/CPU:0") if on_host else contextlib.nullcontext():
+            if self._tables[table].custom_class is not None:
+                custom = _custom_shard_layer(self._tables[table], rows, width,
+                                             name.replace("/", "_"))
+                custom.build(tf.TensorShape([None]))
+                # as Keras' own first call would: a build that does not call
+                # super().build() leaves built False, and the call would build again
+                custom.built = True
+                self._custom_shards[(table, index)] = custom
+                return custom.weights[0]
+            return self.add_weight(
+                name=name, shape=[rows, width],
+                initializer=_slice_initializer(self._tables[table], shard),
+                regularizer=getattr(layer, "embeddings_regularizer", None),
+                constraint=getattr(layer, "embeddings_constraint", None),
+                dtype=tf.float32, experimental_autocast=False)
 
     def _table_key(self, table: int) -> str:
         return f"{self.name}/{self._tables[table].name}"
@@ -259,37 +523,149 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 "(jit_compile=True), but its Horovod alltoall/allgather cannot be compiled. "
                 "Use model.compile(jit_compile=False) and wrap the dense towers in "
                 "tfhybrid.layers.XlaCompiled(...) to run them under XLA.")
-        inputs = inputs if isinstance(inputs, (list, tuple)) else [inputs]
-        if len(inputs) != len(self.input_table_map):
+        inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        fed = self._fed_features
+        if len(inputs) != len(fed):
             raise ValueError(f"DistributedEmbedding got {len(inputs)} inputs; expected "
-                             f"{len(self.input_table_map)}")
+                             f"{len(fed)}" + ("" if self.dp_input else
+                                              f" (features {fed}, dp_input=False)"))
         mesh = self._mesh
-        bags = [self._as_bags(f, x) for f, x in enumerate(inputs)]
-        batch = bags[0].batch
+        raw = dict(zip(fed, inputs))
+        invalid: dict[int, str] = {}
+        if self.dp_input:
+            bags = {f: self._as_bags(f, x) for f, x in raw.items()}
+            local_batch = bags[0].batch
+        else:
+            local_batch = self._local_batch_of_group(inputs[0])
+            start = tf.cast(mesh.model_position, local_batch.dtype) * local_batch
+            bags = {}
+            for f, x in raw.items():
+                if self.plan.tables[self.input_table_map[f]].kind == "data_parallel":
+                    # a replicated table looks up only this rank's share of the batch
+                    x = x[start:start + local_batch]
+                bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
 
         # 1. validate on every rank, together
-        checked = self._validate_everywhere(bags, batch)
+        checked = self._validate_everywhere(bags, local_batch, invalid)
         with tf.control_dependencies(checked):
-            bags = [dataclasses.replace(b, values=tf.identity(b.values)) for b in bags]
+            bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
+                    for f, b in bags.items()}
 
         # 2-4. model-parallel features through the model group
-        partials = self._exchange(bags, batch) if any(self._routes) else {}
+        partials = self._exchange(bags, local_batch) if any(self._routes) else {}
 
         outputs = []
-        for f, bag in enumerate(bags):
-            t = self.input_table_map[f]
+        for f, t in enumerate(self.input_table_map):
             table, placement = self._tables[t], self.plan.tables[t]
             if placement.kind == "data_parallel":
                 # 5. data-parallel tables: local lookup
-                summed = self._lookup_sum(self._table_vars[t], bag.values, bag.lengths,
-                                          table.name)
-            elif placement.kind == "column_wise":
+                outputs.append(self._finish(bags[f], self._lookup_sum(
+                    (t, 0), self._table_vars[t], bags[f].values, bags[f].lengths)))
+                continue
+            if placement.kind == "column_wise":
                 summed = tf.concat([partials[(f, s)] for s in range(len(placement.shards))],
                                    axis=1)
             else:  # table_wise is one shard; row_wise partial sums add up
                 summed = tf.add_n([partials[(f, s)] for s in range(len(placement.shards))])
-            outputs.append(self._finish(bag, summed))
+            if self.dp_input:
+                outputs.append(self._finish(bags[f], summed))
+            else:
+                # the owners already divided means; one bag per sample (checked)
+                outputs.append(tf.cast(summed, self.compute_dtype))
+        self._add_activity_losses(outputs, local_batch)
         return outputs
+
+    def _add_activity_losses(self, outputs: list, local_batch) -> None:
+        """A table layer's ``activity_regularizer``, divided by the batch as Keras does.
+
+        The per-rank mean over the local batch, averaged by the gradient sync, is the
+        reference's mean over the global batch (for regularizers that sum over samples).
+        """
+        for f, out in enumerate(outputs):
+            regularizer = getattr(self._embedding_layers[self.input_table_map[f]],
+                                  "activity_regularizer", None)
+            if regularizer is not None:
+                self.add_loss(regularizer(out) / tf.cast(local_batch, out.dtype))
+
+    def compute_mask(self, inputs, mask=None):
+        """Keras' ``mask_zero``: ``ids != 0`` for each feature of a table that sets it
+        (and has no combiner); ``None`` for the others."""
+        if not any(getattr(layer, "mask_zero", False) for layer in self._embedding_layers):
+            return None
+        inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        masks = []
+        for f, ids in enumerate(inputs):
+            layer = self._embedding_layers[self.input_table_map[f]]
+            masks.append(tf.not_equal(ids, 0) if getattr(layer, "mask_zero", False)
+                         and getattr(layer, "combiner", None) is None else None)
+        return masks
+
+    def _dp_to_mp_input(self, dp_inputs: Sequence[Any]) -> list:
+        """Turns a data-parallel batch (every feature, this rank's samples) into this
+        rank's ``dp_input=False`` input: ``strategy.input_ids_list[rank]``'s features for
+        the model group's batch, samples in rank order. Every rank of the mesh must call
+        it (one allgather per feature in the model group)."""
+        dp_inputs = list(dp_inputs) if isinstance(dp_inputs, (list, tuple)) else [dp_inputs]
+        if len(dp_inputs) != len(self.input_table_map):
+            raise ValueError(f"_dp_to_mp_input got {len(dp_inputs)} inputs; expected "
+                             f"{len(self.input_table_map)} (one per input_table_map entry)")
+        strategy = self.strategy
+        mesh = self._mesh
+        group_inputs = []
+        for f, ids in enumerate(dp_inputs):
+            def gather(x, part):
+                return collectives.allgather(x, mesh.model_parallel,
+                                             f"tfhybrid_{self.name}_dp_to_mp_{f}_{part}",
+                                             mesh.model_process_set)
+            if isinstance(ids, tf.RaggedTensor):
+                group_inputs.append(tf.RaggedTensor.from_row_lengths(
+                    gather(ids.flat_values, "values"), gather(ids.row_lengths(), "lengths")))
+            else:
+                group_inputs.append(gather(tf.convert_to_tensor(ids), "ids"))
+        return [group_inputs[f] for f in strategy.input_ids_list[mesh.rank]]
+
+    def _local_batch_of_group(self, ids) -> tf.Tensor:
+        """dp_input=False: the model group's batch G fed here, divided by M (int64)."""
+        group = self._mesh.model_parallel
+        rows = ids.nrows() if isinstance(ids, tf.RaggedTensor) else None
+        static = (ids.shape[0] if not isinstance(ids, tf.RaggedTensor) else
+                  tf.get_static_value(rows))
+        if static is not None and int(static) % group:
+            raise ValueError(
+                f"DistributedEmbedding {self.name!r} (dp_input=False): the model group's "
+                f"batch size {int(static)} is not divisible by the {group} ranks of the "
+                "model group; feed a batch that splits evenly")
+        if rows is None:
+            rows = tf.shape(tf.convert_to_tensor(ids), out_type=tf.int64)[0]
+        rows = tf.cast(rows, tf.int64)
+        with tf.control_dependencies([tf.debugging.assert_equal(
+                rows % group, tf.constant(0, tf.int64),
+                message=f"DistributedEmbedding {self.name!r} (dp_input=False): the model "
+                        f"group's batch size is not divisible by the {group} ranks of the "
+                        "model group")]):
+            return tf.identity(rows // group)
+
+    def _as_model_parallel_bags(self, feature: int, ids) -> tuple["_Bags", str]:
+        """dp_input=False: this rank's bags, or a stand-in and the reason they are bad.
+
+        Only this rank sees this feature, so raising here would leave the other ranks
+        waiting in a collective; the reason travels in the validation instead.
+        """
+        table = self._tables[self.input_table_map[feature]]
+        try:
+            bags = self._as_bags(feature, ids)
+            if bags.per_sample != 1:
+                raise ValueError(
+                    f"feature {feature} (table {table.name!r}, combiner=None) has shape "
+                    f"{ids.shape}; with dp_input=False a table without a combiner takes one "
+                    "id per sample ([batch] ids), because the other ranks must know its "
+                    "output shape")
+            return bags, ""
+        except ValueError as error:
+            _LOG.error("DistributedEmbedding %r: %s", self.name, error)
+            batch = (ids.nrows() if isinstance(ids, tf.RaggedTensor)
+                     else tf.shape(tf.convert_to_tensor(ids), out_type=tf.int64)[0])
+            return self._as_bags(feature, tf.zeros([batch], tf.int64)), str(error)
 
     # --------------------------------------------------------------- helpers
     @dataclasses.dataclass(frozen=True)
@@ -336,14 +712,20 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return self._Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                           table.combiner)
 
-    def _validate_everywhere(self, bags, batch) -> list:
+    def _validate_everywhere(self, bags: dict, batch, invalid: dict) -> list:
         """Asserts that every id is in range and every rank has the same batch size.
 
-        Each rank contributes [batch, (bad?, first bad id) per feature]; after one
-        allgather every rank raises the same error, so none is left in a collective.
+        Each rank contributes [batch, (bad?, first bad id, bad input?) per feature] (zeros
+        for a feature it does not feed); after one allgather every rank raises the same
+        error, so none is left in a collective.
         """
-        report = [tf.reshape(batch, [1])]
-        for f, bag in enumerate(bags):
+        num_features = len(self.input_table_map)
+        report = [tf.reshape(tf.cast(batch, tf.int64), [1])]
+        for f in range(num_features):
+            if f not in bags:
+                report.append(tf.zeros([3], tf.int64))
+                continue
+            bag = bags[f]
             rows = self._tables[self.input_table_map[f]].rows
             # padded with one good id, so a rank with no ids for this feature (empty
             # bags, zero hotness) still has an element to take the argmax of
@@ -352,51 +734,69 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             first_bad = tf.gather(values, tf.argmax(tf.cast(bad, tf.int32)))
             any_bad = tf.reduce_any(bad)
             report += [tf.reshape(tf.cast(any_bad, tf.int64), [1]),
-                       tf.reshape(tf.where(any_bad, first_bad, 0), [1])]
+                       tf.reshape(tf.where(any_bad, first_bad, 0), [1]),
+                       tf.constant([1 if invalid.get(f) else 0], tf.int64)]
         report = tf.reshape(tf.concat(report, 0), [1, -1])
         everyone = collectives.allgather(report, self._mesh.size,
                                          f"tfhybrid_{self.name}_validate")
         sizes = everyone[:, 0]
-        flags = tf.reshape(everyone[:, 1:], [self._mesh.size, len(bags), 2])
-        bad_any = flags[:, :, 0] > 0
-        where = tf.argmax(tf.cast(tf.reshape(bad_any, [-1]), tf.int32))
-        bad_rank = where // len(bags)
-        bad_feature = where % len(bags)
+        flags = tf.reshape(everyone[:, 1:], [self._mesh.size, num_features, 3])
         names = tf.constant([self._tables[t].name for t in self.input_table_map])
         rows = tf.constant([self._tables[t].rows for t in self.input_table_map], tf.int64)
+
+        def first(mask):
+            where = tf.argmax(tf.cast(tf.reshape(mask, [-1]), tf.int32))
+            return where, where // num_features, where % num_features
+
+        bad_any = flags[:, :, 0] > 0
+        where, bad_rank, bad_feature = first(bad_any)
         id_message = tf.strings.join([
             "DistributedEmbedding: embedding table '", tf.gather(names, bad_feature),
-            "' got id ", tf.strings.as_string(tf.reshape(flags, [-1, 2])[where, 1]),
+            "' got id ", tf.strings.as_string(tf.reshape(flags, [-1, 3])[where, 1]),
             " on rank ", tf.strings.as_string(bad_rank), "; expected ids in [0, ",
             tf.strings.as_string(tf.gather(rows, bad_feature)), ")"])
+        bad_input = flags[:, :, 2] > 0
+        _, input_rank, input_feature = first(bad_input)
+        input_message = tf.strings.join([
+            "DistributedEmbedding: feature ", tf.strings.as_string(input_feature),
+            " (table '", tf.gather(names, input_feature), "') on rank ",
+            tf.strings.as_string(input_rank), " is not a supported input; that rank's log "
+            "says why"] + [f" (here: {reason})" for reason in invalid.values() if reason][:1])
         batch_message = tf.strings.format(
-            "DistributedEmbedding: local batch sizes differ across ranks; batch size of "
-            "rank 0..{}: {}", [self._mesh.size - 1, sizes], summarize=-1)
+            "DistributedEmbedding: {} batch sizes differ across ranks; batch size of "
+            "rank 0..{}: {}", ["local" if self.dp_input else "model-group",
+                               self._mesh.size - 1, sizes], summarize=-1)
         return [
+            tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad_input)), [input_message]),
             tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad_any)), [id_message]),
             tf.debugging.Assert(tf.reduce_all(tf.equal(sizes, sizes[0])), [batch_message]),
         ]
 
-    def _exchange(self, bags, batch) -> dict:
-        """Steps 2-4: ids out, owner lookups, embeddings back. Returns sums per route."""
+    def _shard_ids(self, bag: "_Bags", route: _Route) -> tuple[tf.Tensor, tf.Tensor]:
+        """The route's ids (relative to its shard) and the number of them in each bag."""
+        if self.plan.tables[route.table].kind != "row_wise":
+            return bag.values, bag.lengths
+        inside = tf.logical_and(bag.values >= route.row_start, bag.values < route.row_end)
+        bag_index = tf.repeat(tf.range(tf.size(bag.lengths, out_type=tf.int64)), bag.lengths)
+        return (tf.boolean_mask(bag.values, inside) - route.row_start,
+                tf.math.unsorted_segment_sum(tf.cast(inside, tf.int64), bag_index,
+                                             tf.size(bag.lengths)))
+
+    def _ids_through_group(self, bags: dict, batch) -> tuple[list, list]:
+        """dp_input=True, step 2: every rank sends each owner the ids of its routes.
+
+        Returns, for each route this position owns, the ids and bag lengths of all M
+        ranks' samples, in rank order.
+        """
         mesh = self._mesh
         group = mesh.model_parallel
         wire = self._wire_id_dtype
-        # 2. route ids: to each position, [lengths of its routes | ids of its routes]
+        # to each position, [lengths of its routes | ids of its routes]
         payloads, sizes = [], []
         for routes in self._routes:
             lengths, values = [], []
             for r in routes:
-                bag = bags[r.feature]
-                if self.plan.tables[r.table].kind == "row_wise":
-                    inside = tf.logical_and(bag.values >= r.row_start, bag.values < r.row_end)
-                    owner_ids = tf.boolean_mask(bag.values, inside) - r.row_start
-                    bag_index = tf.repeat(tf.range(tf.size(bag.lengths, out_type=tf.int64)),
-                                          bag.lengths)
-                    bag_lengths = tf.math.unsorted_segment_sum(
-                        tf.cast(inside, tf.int64), bag_index, tf.size(bag.lengths))
-                else:
-                    owner_ids, bag_lengths = bag.values, bag.lengths
+                owner_ids, bag_lengths = self._shard_ids(bags[r.feature], r)
                 lengths.append(tf.cast(bag_lengths, wire))
                 values.append(tf.cast(owner_ids, wire))
             payload = tf.concat(lengths + values, 0) if routes else tf.zeros([0], wire)
@@ -405,15 +805,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         received, received_sizes = collectives.alltoall(
             tf.concat(payloads, 0), tf.stack(sizes), mesh.model_process_set, group,
             f"tfhybrid_{self.name}_ids")
-
-        # 3. owner: look up and sum the bags of all M ranks of the model group
         mine = self._routes[mesh.model_position]
         bags_per_route = [bags[r.feature].per_sample for r in mine]
         header = batch * int(sum(bags_per_route))
-        from_sources = tf.split(received, received_sizes, num=group)
         route_lengths = [[] for _ in mine]
         route_ids = [[] for _ in mine]
-        for chunk in from_sources:
+        for chunk in tf.split(received, received_sizes, num=group):
             head = tf.cast(chunk[:header], tf.int64)
             lengths = tf.split(head, [batch * k for k in bags_per_route], num=len(mine)) \
                 if mine else []
@@ -422,12 +819,34 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             for i in range(len(mine)):
                 route_lengths[i].append(lengths[i])
                 route_ids[i].append(ids[i])
+        return ([tf.cast(tf.concat(x, 0), tf.int64) for x in route_ids],
+                [tf.concat(x, 0) for x in route_lengths])
+
+    def _exchange(self, bags: dict, batch) -> dict:
+        """Steps 2-4: ids to the owners, owner lookups, embeddings back.
+
+        Returns each (feature, shard)'s rows for this rank's samples.
+        """
+        mesh = self._mesh
+        group = mesh.model_parallel
+        mine = self._routes[mesh.model_position]
+        if self.dp_input:
+            route_ids, route_lengths = self._ids_through_group(bags, batch)
+        else:
+            # the input already holds the model group's batch of this position's features
+            shard_ids = [self._shard_ids(bags[r.feature], r) for r in mine]
+            route_ids = [ids for ids, _ in shard_ids]
+            route_lengths = [lengths for _, lengths in shard_ids]
+
+        # 3. owner: look up and sum the bags of all M ranks of the model group
         sums = []
         for i, r in enumerate(mine):
-            summed = self._lookup_sum(self._shard_vars[(r.table, r.shard)],
-                                      tf.cast(tf.concat(route_ids[i], 0), tf.int64),
-                                      tf.concat(route_lengths[i], 0),
-                                      self._tables[r.table].name)
+            summed = self._lookup_sum((r.table, r.shard), self._shard_vars[(r.table, r.shard)],
+                                      route_ids[i], route_lengths[i])
+            if not self.dp_input and self._tables[r.table].combiner == "mean":
+                # only the owner sees whole bags here (a row shard's ids are a part)
+                counts = tf.maximum(bags[r.feature].lengths, 1)
+                summed = summed / tf.cast(counts, summed.dtype)[:, None]
             sums.append(tf.reshape(summed, [group, -1]))   # [source, bags * width]
 
         # 4. send each source its rows back: one flat buffer per source
@@ -454,17 +873,27 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             routes = self._routes[owner]
             if not routes:
                 continue
-            widths = [batch * bags[r.feature].per_sample * r.width for r in routes]
+            # with dp_input=False every feature here has one bag per sample (checked)
+            widths = [batch * (bags[r.feature].per_sample if self.dp_input else 1) * r.width
+                      for r in routes]
             for r, part in zip(routes, tf.split(chunk, widths, num=len(routes))):
                 # partial sums add up in float32 even when they travelled in 16 bits
                 partials[(r.feature, r.shard)] = tf.cast(tf.reshape(part, [-1, r.width]),
                                                          tf.float32)
         return partials
 
-    def _lookup_sum(self, var, ids, lengths, table_name):
+    def _lookup_sum(self, key: tuple[int, int], var, ids, lengths):
+        """The sum of each bag's rows of one table or shard (``key``: table, shard)."""
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
-        return custom_ops.embedding_lookup_combine(var, ragged, combiner="sum",
-                                                   table_name=table_name)
+        custom = self._custom_shards.get(key)
+        if custom is not None:
+            # without a combiner every bag is one id (checked in _check_custom_table)
+            out = custom(ragged if self._tables[key[0]].combiner else ids)
+            return tf.cast(out, tf.float32)
+        # use_custom_kernel=True: the C++ op where it is built (else pure TF)
+        return custom_ops.embedding_lookup_combine(
+            var, ragged, combiner="sum", table_name=self._tables[key[0]].name,
+            use_custom_op=None if self.use_custom_kernel else False)
 
     def _finish(self, bag, summed):
         if bag.combiner == "mean":
@@ -517,12 +946,24 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 "it on a batch of ids first (or build the model), so the plan and the "
                 "shards exist")
 
-    def set_weights(self, weights: Sequence[np.ndarray]) -> None:
-        """Slices full tables (one per table, every rank passes the same) onto the plan."""
+    def set_weights(self, weights: Sequence[Any], chunk: int | None = None,
+                    use_lock: bool = False) -> None:
+        """Slices full tables (one per table, every rank passes the same) onto the plan.
+
+        As in NVIDIA distributed-embeddings, an entry may be a path to a ``.npy`` file
+        (memory-mapped, so only the rows this rank holds are read), and ``chunk`` bounds
+        the elements written at once. ``use_lock`` (DE: ranks take turns to bound host
+        memory) is accepted; it is not needed, since no rank ever copies a whole table.
+        """
         self._require_built("set_weights")
         if len(weights) != len(self._tables):
             raise ValueError(f"set_weights got {len(weights)} tables; expected "
                              f"{len(self._tables)}")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1):
+            raise ValueError(f"chunk={chunk!r} must be None or an int >= 1 (elements)")
+        weights = [np.load(w, mmap_mode="r") if isinstance(w, (str, bytes)) or hasattr(
+            w, "__fspath__") else w for w in weights]
         for t, (table, full) in enumerate(zip(self._tables, weights)):
             if tuple(np.shape(full)) != (table.rows, table.dim):
                 raise ValueError(f"set_weights: table {table.name!r} has shape "
@@ -534,7 +975,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                         if tt == t])
             for var, shard in targets:
                 width = shard.col_end - shard.col_start
-                for start, stop in _chunks(shard.row_end - shard.row_start, width):
+                for start, stop in _chunks(shard.row_end - shard.row_start, width,
+                                           None if chunk is None else 4 * chunk):
                     # scatter_update writes in place; a sliced assign may copy the table
                     var.scatter_update(tf.IndexedSlices(
                         np.asarray(full[shard.row_start + start:shard.row_start + stop,
@@ -546,13 +988,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         config = super().get_config()
         config.update(
             embeddings=[tf.keras.layers.serialize(e) for e in self._embedding_layers],
-            strategy=self.strategy,
+            strategy=self._strategy_name,
             column_slice_threshold=self.column_slice_threshold,
             row_slice_threshold=self.row_slice_threshold,
             data_parallel_threshold=self.data_parallel_threshold,
             input_table_map=list(self.input_table_map),
             dp_input=self.dp_input, replica_sync=self.replica_sync,
-            sync_every=self.sync_every)
+            sync_every=self.sync_every, gpu_embedding_size=self.gpu_embedding_size,
+            use_custom_kernel=self.use_custom_kernel)
         return config
 
     @classmethod
@@ -562,6 +1005,20 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             tf.keras.layers.deserialize(e, custom_objects={"Embedding": Embedding})
             for e in config["embeddings"]]
         return cls(**config)
+
+    # ---------------------------------------- checkpoints (issue 12): delegation only
+    # A checkpoint holds each table whole, under a name that does not depend on the mesh,
+    # so it restores onto any mesh; see tfhybrid/layers/_checkpointing.py. Imported
+    # here, not at the top, so that this block stays the only checkpoint code here.
+    def _register_for_checkpoints(self) -> None:
+        from tfhybrid.layers import _checkpointing
+        _checkpointing.register_layer(self)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        from tfhybrid.layers import _checkpointing
+        return _checkpointing.layer_children(
+            self, super()._trackable_children(save_type, **kwargs), save_type)
+    # ---------------------------------------- end of the checkpoints block
 
 
 # Seeded tables are drawn in blocks of this many rows, each from its own seed, so any
@@ -613,7 +1070,7 @@ def _scale_gradient(x: tf.Tensor, factor: float) -> tf.Tensor:
     return _scale_gradient_by(x, tf.constant(factor, x.dtype))
 
 
-def _chunks(rows: int, width: int):
-    step = max(1, _CHUNK_BYTES // max(1, 4 * width))
+def _chunks(rows: int, width: int, chunk_bytes: int | None = None):
+    step = max(1, (chunk_bytes or _CHUNK_BYTES) // max(1, 4 * width))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)

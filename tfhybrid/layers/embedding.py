@@ -1,23 +1,85 @@
-"""A Keras Embedding with a combiner: the single-table layer tfhybrid shards."""
+"""A Keras Embedding with a combiner: the single-table layer tfhybrid shards.
+
+This module is also a drop-in for NVIDIA Merlin distributed-embeddings'
+``distributed_embeddings.python.layers.embedding``: it offers the same names
+(``Embedding``, ``CPUInitializer``, ``ConcatOneHotEmbedding`` / ``ConcatEmbedding``,
+``IntegerLookup``), so code written against that module runs with only its import changed.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from tfhybrid import custom_ops
+# Re-exported so that `tfhybrid.layers.embedding.X` resolves every X that
+# distributed-embeddings' embedding module has; each lives in its own module.
+from tfhybrid.layers.concat_one_hot import ConcatEmbedding, ConcatOneHotEmbedding  # noqa: F401
+from tfhybrid.layers.integer_lookup import IntegerLookup  # noqa: F401
+
+__all__ = ["Embedding", "CPUInitializer", "ConcatOneHotEmbedding", "ConcatEmbedding",
+           "IntegerLookup", "COMBINERS"]
+
+_LOG = logging.getLogger(__name__)
 
 COMBINERS = (None, "sum", "mean")
+
+
+class CPUInitializer(tf.keras.initializers.Initializer):
+    """Wraps an initializer so the initial table is drawn on the CPU.
+
+    A table larger than an accelerator's memory can still be created there and then
+    sharded; the values are exactly those of the wrapped initializer.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.layers import CPUInitializer
+        init = CPUInitializer(tf.keras.initializers.Constant(0.5))
+        assert float(init((2, 3))[1, 2]) == 0.5
+    """
+
+    def __init__(self, initializer: Any):
+        self._initializer = tf.keras.initializers.get(initializer)
+
+    def __call__(self, shape, dtype=None, **kwargs) -> tf.Tensor:
+        with tf.device("/CPU:0"):
+            if dtype is not None:
+                kwargs["dtype"] = dtype
+            return self._initializer(shape, **kwargs)
+
+    def get_config(self) -> dict:
+        return {"initializer": tf.keras.initializers.serialize(self._initializer)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "CPUInitializer":
+        return cls(tf.keras.initializers.deserialize(config["initializer"]))
 
 
 class Embedding(tf.keras.layers.Embedding):
     """``tf.keras.layers.Embedding`` plus an optional combiner over each sample's ids.
 
-    With ``combiner=None`` it is exactly the Keras layer. With ``"sum"`` or ``"mean"``,
-    ids of shape ``[batch, hotness]`` or a ``tf.RaggedTensor`` ``[batch, None]`` give
-    ``[batch, output_dim]`` (an empty bag gives zeros). It runs on tfhybrid's fused
-    lookup+combine op where that is built, else on plain TF ops.
+    With ``combiner=None`` it gives what the Keras layer gives: dense ids of any shape
+    ``S`` give ``S + [output_dim]``, a ``tf.RaggedTensor`` gives a ragged result with one
+    more (uniform) dimension, and float ids are cast to int32 first.
+
+    With ``combiner="sum"`` or ``"mean"`` the embeddings of the last id dimension are
+    reduced (as distributed-embeddings' ``Embedding`` does):
+
+    - dense ``[d1, ..., dn]`` (n >= 2) gives ``[d1, ..., d(n-1), output_dim]``;
+    - ``tf.RaggedTensor`` or ``tf.SparseTensor`` ``[batch, None]`` gives
+      ``[batch, output_dim]`` (a sparse row's ids are combined whatever their columns);
+    - an empty bag gives zeros (``"mean"`` divides by ``max(bag size, 1)``);
+    - dense ``[batch]`` ids are taken as one id per sample, giving ``[batch, output_dim]``
+      (distributed-embeddings raises ValueError here; an INFO line says so once).
+
+    ``use_custom_kernel=True`` (the default) runs tfhybrid's fused lookup+combine C++ op
+    (``tfhybrid.custom_ops.embedding_lookup_combine``) where it is built and the table is
+    on the CPU, else plain TF ops; ``False`` always uses plain TF ops. Both give the same
+    values.
 
     Example::
 
@@ -26,33 +88,166 @@ class Embedding(tf.keras.layers.Embedding):
         layer = Embedding(100, 8, combiner="mean")
         out = layer(tf.ragged.constant([[1, 2, 3], [4]]))
         assert out.shape == (2, 8)
+        ids = tf.constant([[[1, 2], [3, 4], [5, 6]]])   # [1, 3, 2] -> [1, 3, 8]
+        assert layer(ids).shape == (1, 3, 8)
     """
 
     def __init__(self, input_dim: int, output_dim: int, combiner: str | None = None,
-                 **kwargs: Any):
+                 use_custom_kernel: bool = True, **kwargs: Any):
         if combiner not in COMBINERS:
-            raise ValueError(f"combiner={combiner!r} is unknown; expected one of {COMBINERS}")
+            hint = (" (distributed-embeddings' 'indices_weight' is not supported)"
+                    if combiner == "indices_weight" else "")
+            raise ValueError(
+                f"combiner={combiner!r} is unknown; expected one of {COMBINERS}{hint}")
+        if not isinstance(use_custom_kernel, bool):
+            raise ValueError(f"use_custom_kernel={use_custom_kernel!r}; expected True or False")
+        if combiner is not None and kwargs.get("mask_zero"):
+            # A combined output has no id axis left to carry the mask.
+            raise ValueError(f"mask_zero=True needs combiner=None; got combiner={combiner!r}")
+        if combiner is not None and kwargs.get("sparse"):
+            raise ValueError(f"sparse=True (a SparseTensor output) needs combiner=None; got "
+                             f"combiner={combiner!r}")
         super().__init__(input_dim, output_dim, **kwargs)
         self.combiner = combiner
+        self.use_custom_kernel = use_custom_kernel
+        self._logged_1d = False
 
+    # -------------------------------------------------------------------- call
     def call(self, inputs):
-        if self.combiner is None and not isinstance(inputs, tf.RaggedTensor):
-            return super().call(inputs)
-        if self.combiner is None:
-            raise ValueError(
-                f"Embedding {self.name!r}: a RaggedTensor input needs combiner='sum' or "
-                "'mean'; got combiner=None")
         ids = inputs
-        if not isinstance(ids, tf.RaggedTensor) and ids.shape.rank == 1:
-            ids = tf.expand_dims(ids, 1)
-        out = custom_ops.embedding_lookup_combine(
-            self.embeddings, ids, combiner=self.combiner, table_name=self.name)
+        if self.combiner is None and (isinstance(ids, tf.SparseTensor)
+                                      or getattr(self, "sparse", False)
+                                      or getattr(self, "_use_one_hot_matmul", False)):
+            # Keras' own semantics for SparseTensor ids (safe_embedding_lookup_sparse), a
+            # SparseTensor output or the one-hot matmul are what a combiner-less table
+            # promises; only Keras implements them.
+            return super().call(ids)
+        ids = _int_ids(ids)
+        if self.combiner is None:
+            if isinstance(ids, tf.RaggedTensor):
+                out = tf.ragged.map_flat_values(self._lookup_flat, ids)
+            else:
+                out = self._lookup_dense(ids)
+        else:
+            out = self._lookup_combined(ids)
         return tf.cast(out, self.compute_dtype)
 
+    def _lookup_option(self):
+        # None lets custom_ops pick the fused op when it is loaded and the table is on a
+        # CPU (and fall back, warning once, when it is not built); False forces plain TF.
+        return None if self.use_custom_kernel else False
+
+    def _lookup_flat(self, flat_ids):
+        """[N] ids -> [N, output_dim] rows (no combine)."""
+        if _in_xla_context():
+            return tf.gather(self.embeddings, flat_ids)  # what Keras' Embedding compiles to
+        return custom_ops.embedding_lookup_combine(
+            self.embeddings, flat_ids, combiner=None, table_name=self.name,
+            use_custom_op=self._lookup_option())
+
+    def _lookup_dense(self, ids):
+        """Dense ids of any rank -> ids.shape + [output_dim]."""
+        if ids.shape.rank is None:
+            raise ValueError(f"Embedding {self.name!r}: ids need a known rank; got shape "
+                             f"{ids.shape}")
+        rows = self._lookup_flat(tf.reshape(ids, [-1]))
+        out = tf.reshape(rows, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+        out.set_shape(ids.shape.concatenate([self.output_dim]))
+        return out
+
+    def _lookup_combined(self, ids):
+        if isinstance(ids, tf.SparseTensor):
+            if ids.shape.rank != 2:
+                raise ValueError(f"Embedding {self.name!r}: a SparseTensor input must be "
+                                 f"[batch, max_hotness]; got shape {ids.shape}")
+            # A row's ids are combined whatever their columns (gaps allowed, as in
+            # distributed-embeddings), so only the row of each value matters.
+            ids = tf.sparse.reorder(ids)
+            ids = tf.RaggedTensor.from_value_rowids(ids.values, ids.indices[:, 0],
+                                                    nrows=ids.dense_shape[0])
+        if isinstance(ids, tf.RaggedTensor):
+            if ids.shape.rank != 2 or ids.ragged_rank != 1:
+                raise ValueError(f"Embedding {self.name!r}: a RaggedTensor input with "
+                                 f"combiner={self.combiner!r} must be [batch, None]; got "
+                                 f"shape {ids.shape} (ragged_rank {ids.ragged_rank})")
+            return self._combine(ids)
+        rank = ids.shape.rank
+        if rank is None:
+            raise ValueError(f"Embedding {self.name!r}: ids need a known rank; got shape "
+                             f"{ids.shape}")
+        if rank == 0:
+            raise ValueError(f"Embedding {self.name!r}: combiner={self.combiner!r} needs ids "
+                             f"of rank >= 1; got a scalar")
+        if rank == 1:
+            if not self._logged_1d:
+                _LOG.info("Embedding %r: 1-D ids with combiner=%r are one id per sample "
+                          "([batch] -> [batch, output_dim]); distributed-embeddings raises "
+                          "ValueError for them", self.name, self.combiner)
+                self._logged_1d = True
+            return self._combine(tf.expand_dims(ids, 1))
+        if rank == 2:
+            return self._combine(ids)
+        # [d1, ..., dn] -> bags [d1*...*d(n-1), dn] -> [d1, ..., d(n-1), output_dim]
+        hotness = ids.shape[-1] if ids.shape[-1] is not None else tf.shape(ids)[-1]
+        pooled = self._combine(tf.reshape(ids, [-1, hotness]))
+        out = tf.reshape(pooled, tf.concat([tf.shape(ids)[:-1], [self.output_dim]], 0))
+        out.set_shape(ids.shape[:-1].concatenate([self.output_dim]))
+        return out
+
+    def _combine(self, ids):
+        if _in_xla_context() and not isinstance(ids, tf.RaggedTensor):
+            return _combine_dense_plain(self.embeddings, ids, self.combiner)
+        return custom_ops.embedding_lookup_combine(
+            self.embeddings, ids, combiner=self.combiner, table_name=self.name,
+            use_custom_op=self._lookup_option())
+
+    # ------------------------------------------------------------------ shapes
     def compute_output_shape(self, input_shape):
         if self.combiner is None:
             return super().compute_output_shape(input_shape)
-        return tf.TensorShape([input_shape[0], self.output_dim])
+        shape = tf.TensorShape(input_shape)
+        if shape.rank == 1:
+            return tf.TensorShape([shape[0], self.output_dim])
+        return shape[:-1].concatenate([self.output_dim])
+
+    def compute_mask(self, inputs, mask=None):
+        if self.combiner is not None:
+            return None  # the id axis is combined away
+        return super().compute_mask(inputs, mask)
 
     def get_config(self) -> dict:
-        return dict(super().get_config(), combiner=self.combiner)
+        return dict(super().get_config(), combiner=self.combiner,
+                    use_custom_kernel=self.use_custom_kernel)
+
+
+def _in_xla_context() -> bool:
+    """True while tracing for XLA (jit_compile): neither the fused op nor the range checks
+    of custom_ops' pure-TF path (StringFormat, Assert) have XLA kernels, so lookups there
+    are plain gathers, which XLA compiles (clamping out-of-range ids, as for Keras)."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _combine_dense_plain(params, ids, combiner: str):
+    """[B, H] ids -> [B, D] with plain ops; half-precision tables accumulate in float32."""
+    rows = tf.gather(params, ids)
+    acc_dtype = tf.float32 if rows.dtype in (tf.float16, tf.bfloat16) else rows.dtype
+    out = tf.reduce_sum(tf.cast(rows, acc_dtype), axis=1)
+    if combiner == "mean":
+        out = out / tf.cast(tf.maximum(tf.shape(ids)[1], 1), acc_dtype)
+    return tf.cast(out, rows.dtype)
+
+
+def _int_ids(ids):
+    """Casts non-integer ids to int32, as Keras' Embedding does (floats are truncated)."""
+    if isinstance(ids, tf.RaggedTensor):
+        if ids.dtype in (tf.int32, tf.int64):
+            return ids
+        return ids.with_flat_values(tf.cast(ids.flat_values, tf.int32))
+    if isinstance(ids, tf.SparseTensor):
+        if ids.dtype in (tf.int32, tf.int64):
+            return ids
+        return tf.SparseTensor(ids.indices, tf.cast(ids.values, tf.int32), ids.dense_shape)
+    ids = tf.convert_to_tensor(ids)
+    if ids.dtype in (tf.int32, tf.int64):
+        return ids
+    return tf.cast(ids, tf.int32)

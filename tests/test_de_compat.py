@@ -1,0 +1,210 @@
+"""A script written for NVIDIA distributed-embeddings (DE) runs on tfhybrid unchanged.
+
+DE's only layout is pure model parallelism over all ranks after a plain ``hvd.init()``,
+so this module calls ``hvd.init()`` itself, as such a script does, and uses M = N (and
+M = 1). Each test is written from DE's documented behaviour: the same numbers as plain
+Keras layers on the global batch (forward 1e-6, tables 1e-5 after an SGD step).
+"""
+
+import logging
+import os
+import tempfile
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import mesh as mesh_lib
+from tests import _de_case as de
+
+HOROVOD_NP = (2, 4)
+
+hvd.init()   # what a DE script does first: static process sets
+
+TABLES = [[11, 7], [5, 8], [3, 8], [5, 8], [12, 25], [3, 12], [7, 13]]
+
+
+class GatherEmbedding(tf.keras.layers.Layer):
+    """A custom table layer as DE users write them: its own weight and ``call``."""
+
+    def __init__(self, input_dim, output_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.input_dim = input_dim
+        self.output_dim = output_dim
+
+    def build(self, _):
+        self.params = self.add_weight("params", shape=[self.input_dim, self.output_dim])
+
+    def call(self, inputs):
+        return tf.gather(self.params, inputs) * 2.0   # its own call, visibly
+
+    def get_config(self):
+        return dict(super().get_config(), input_dim=self.input_dim,
+                    output_dim=self.output_dim)
+
+
+class DeCompatTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        tfhybrid.init(model_parallel=hvd.size())
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def test_hvd_init_first_model_parallel_over_all_ranks(self):
+        mesh = tfhybrid.current_mesh()
+        self.assertEqual((mesh.data_parallel, mesh.model_parallel), (1, hvd.size()))
+        de.run_step(self, TABLES, strategy="basic")
+
+    def test_hvd_init_first_pure_data_parallel(self):
+        mesh_lib._reset_for_tests()
+        tfhybrid.init(model_parallel=1)
+        de.run_step(self, TABLES, strategy="basic")
+
+    def test_hvd_init_first_two_dimensional_says_what_to_do(self):
+        if hvd.size() < 4:
+            mesh_lib._reset_for_tests()
+            with self.assertRaisesRegex(ValueError, "model_parallel=3"):
+                tfhybrid.init(model_parallel=3)
+            return
+        mesh_lib._reset_for_tests()
+        with self.assertRaisesRegex(RuntimeError, r"hvd.init\(process_sets='dynamic'\)"):
+            tfhybrid.init(model_parallel=2)
+
+    def test_layer_without_tfhybrid_init_uses_the_existing_horovod(self):
+        mesh_lib._reset_for_tests()
+        layer = de.run_step(self, TABLES[:3])
+        self.assertEqual(layer._mesh.size, hvd.size())
+
+    def test_default_strategy_and_each_de_strategy(self):
+        for strategy in ("basic", "memory_balanced", "memory_optimized"):
+            layer = de.run_step(self, TABLES, strategy=strategy)
+            self.assertEqual(layer.strategy, strategy)
+            for tables in layer.strategy.table_ids:
+                self.assertEqual(len(tables), len(set(tables)))
+
+    def test_model_parallel_input(self):
+        de.run_step(self, TABLES, strategy="basic", dp_input=False)
+
+    def test_model_parallel_input_shared_tables(self):
+        for strategy in ("basic", "memory_balanced"):
+            de.run_step(self, TABLES, strategy=strategy, dp_input=False,
+                        input_table_map=[0, 1, 2, 3, 4, 5, 6, 4, 0, 2])
+
+    def test_model_parallel_input_multi_hot_and_ragged(self):
+        de.run_step(self, TABLES, combiner="sum", hotness=5, strategy="basic",
+                    dp_input=False)
+        de.run_step(self, TABLES, combiner="mean", hotness=3, ragged=True,
+                    strategy="memory_balanced", dp_input=False)
+
+    def test_model_parallel_input_sliced_tables(self):
+        # more ranks than tables: every rank gets a column slice
+        layer = de.run_step(self, [[100, 8]], strategy="memory_balanced", dp_input=False)
+        self.assertLen(layer.plan.tables[0].shards, hvd.size())
+        de.run_step(self, [[10, 4], [11, 2], [4, 2], [4, 2]], strategy="memory_balanced",
+                    dp_input=False, column_slice_threshold=10)
+        de.run_step(self, [[40, 4], [30, 6]], combiner="mean", hotness=3, ragged=True,
+                    dp_input=False, row_slice_threshold=100, input_table_map=[0, 1, 0])
+
+    def test_dp_to_mp_input_helper(self):
+        de.run_step(self, TABLES, combiner="sum", hotness=2, ragged=True, strategy="basic",
+                    dp_input=False, use_dp_to_mp=True)
+        de.run_step(self, TABLES, strategy="memory_balanced", dp_input=False,
+                    use_dp_to_mp=True, input_table_map=[0, 1, 2, 3, 4, 5, 6, 1])
+
+    def test_model_parallel_input_indivisible_batch(self):
+        layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES), dp_input=False)
+        inputs = [tf.zeros([hvd.size() * 2 - 1], tf.int64)
+                  for _ in layer.strategy.input_ids_list[hvd.rank()]]
+        with self.assertRaisesRegex(ValueError, "not divisible"):
+            layer(inputs)
+
+    def test_model_parallel_input_wrong_feature_count(self):
+        layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES), dp_input=False)
+        wanted = layer.strategy.input_ids_list[hvd.rank()]
+        with self.assertRaisesRegex(ValueError, rf"expected {len(wanted)}"):
+            layer([tf.zeros([hvd.size()], tf.int64)] * (len(wanted) + 1))
+
+    def test_de_keyword_arguments(self):
+        with self.assertLogs("tfhybrid", logging.INFO) as logs:
+            de.run_step(self, TABLES, strategy="basic", gpu_embedding_size=32000)
+        self.assertIn("every table is in host memory", "\n".join(logs.output))
+        de.run_step(self, TABLES, combiner="sum", hotness=2, use_custom_kernel=False)
+        with self.assertRaisesRegex(ValueError, "gpu_embedding_size=-1"):
+            tfhybrid.DistributedEmbedding(de.make_layers(TABLES), gpu_embedding_size=-1)
+
+    def test_custom_embedding_layer(self):
+        layer = de.run_step(
+            self, TABLES, strategy="basic",
+            layer_factory=lambda: [GatherEmbedding(r, d, name=f"g{i}")
+                                   for i, (r, d) in enumerate(TABLES)])
+        self.assertTrue(layer._custom_shards or hvd.size() > len(TABLES))
+
+    def test_custom_layer_that_pools_is_refused(self):
+        class Pooling(GatherEmbedding):
+            def call(self, inputs):
+                return tf.reduce_sum(tf.gather(self.params, inputs), axis=-2)
+        layer = tfhybrid.DistributedEmbedding([Pooling(10, 4, name="p")])
+        with self.assertRaisesRegex(ValueError, "custom embedding layer 'p'"):
+            layer([tf.zeros([2], tf.int64)])
+
+    def test_regularizer_constraint_and_mask(self):
+        de.run_step(self, TABLES, strategy="basic",
+                    embedding_kwargs=dict(embeddings_regularizer=tf.keras.regularizers.L2(0.1),
+                                          activity_regularizer=tf.keras.regularizers.L1(0.01)))
+        # Keras' legacy optimizers refuse constraints on sparse gradients
+        layer = de.run_step(self, TABLES, strategy="basic",
+                            optimizer=tf.keras.optimizers.SGD,
+                            embedding_kwargs=dict(
+                                embeddings_constraint=tf.keras.constraints.NonNeg()))
+        for table in layer.get_weights(all_ranks=True):
+            self.assertGreaterEqual(table.min(), 0.0)
+        masked = tfhybrid.DistributedEmbedding(
+            [tf.keras.layers.Embedding(10, 4, mask_zero=True, name="m"),
+             tf.keras.layers.Embedding(10, 4, name="n")])
+        ids = [tf.constant([0, 3, 0]), tf.constant([0, 1, 2])]
+        masked(ids)
+        masks = masked.compute_mask(ids)
+        self.assertAllEqual(masks[0], [False, True, False])
+        self.assertIsNone(masks[1])
+
+    def test_config_the_plan_cannot_honour_is_named(self):
+        layer = tfhybrid.DistributedEmbedding(
+            [tf.keras.layers.Embedding(100, 8, name="u",
+                                       embeddings_constraint=tf.keras.constraints.UnitNorm())],
+            row_slice_threshold=10)
+        with self.assertRaisesRegex(ValueError, "embeddings_constraint"):
+            layer([tf.zeros([2], tf.int64)])
+        layer = tfhybrid.DistributedEmbedding(
+            [tf.keras.layers.Embedding(10, 4, name="d", dtype="float64")])
+        with self.assertRaisesRegex(ValueError, "dtype='float64'"):
+            layer([tf.zeros([2], tf.int64)])
+        with self.assertRaisesRegex(ValueError, "mask_zero"):
+            tfhybrid.DistributedEmbedding(
+                [tf.keras.layers.Embedding(10, 4, mask_zero=True)], dp_input=False)
+
+    def test_set_weights_from_npy_files_and_chunks(self):
+        layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES), strategy="basic")
+        layer([tf.zeros([2], tf.int64)] * len(TABLES))
+        rng = np.random.default_rng(5)
+        full = [rng.standard_normal(shape).astype(np.float32) for shape in TABLES]
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = []
+            for i, table in enumerate(full):
+                paths.append(os.path.join(tmp, f"{i}.npy"))
+                np.save(paths[-1], table)
+            layer.set_weights(paths, chunk=16)
+        for got, want in zip(layer.get_weights(all_ranks=True), full):
+            self.assertAllEqual(got, want)
+
+    def test_set_weights_before_build(self):
+        layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES))
+        with self.assertRaises(ValueError):
+            layer.set_weights([np.zeros(shape, np.float32) for shape in TABLES])
+
+
+if __name__ == "__main__":
+    tf.test.main()
