@@ -139,11 +139,11 @@ class Mesh:
 
 
 class _SingleRankSet:
-    """Stands for a group of one rank, which needs no Horovod process set.
+    """Stands for a group of one rank when Horovod cannot register process sets.
 
-    Every collective over a group of one is skipped (it would be the identity), so
-    this is never handed to Horovod. Not registering it is what lets a script call
-    ``hvd.init()`` itself (static process sets) and still use M = N or M = 1.
+    tfhybrid skips every collective over a group of one (it would be the identity), so
+    it never hands this to Horovod. It is what lets a script call ``hvd.init()`` itself
+    (static process sets) and still use M = N or M = 1.
     """
 
     def __init__(self, rank: int):
@@ -164,7 +164,9 @@ def _process_set_for(hvd: Any, ranks: Sequence[int]) -> Any:
     # with the same ranks, and the global one needs no registration.
     if len(ranks) == hvd.size():
         return hvd.global_process_set
-    if len(ranks) == 1:
+    if len(ranks) == 1 and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
+        # Horovod started without dynamic sets (a plain hvd.init()); where it can, a
+        # real set is registered, so a user's own hvd calls may take mesh process sets
         return _SingleRankSet(ranks[0])
     process_set = hvd.add_process_set(list(ranks))
     _OWNED_PROCESS_SETS.append(process_set)
