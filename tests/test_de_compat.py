@@ -200,6 +200,22 @@ class DeCompatTest(tf.test.TestCase):
         for got, want in zip(layer.get_weights(all_ranks=True), full):
             self.assertAllEqual(got, want)
 
+    def test_unseeded_initializers_leave_the_ranks_random_streams_alike(self):
+        # ranks hold different numbers of tables; a replicated table and a layer built
+        # after the embedding must still start alike on every rank, as one seed promises
+        tf.keras.utils.set_random_seed(3)
+        layer = tfhybrid.DistributedEmbedding(
+            de.make_layers(TABLES), strategy="memory_balanced", data_parallel_threshold=40)
+        layer([tf.zeros([2], tf.int64)] * len(TABLES))
+        dense = tf.keras.layers.Dense(3)
+        dense(tf.zeros([1, 4]))
+        replicated = [v for v in layer.trainable_variables if v.shape == (3, 12)]
+        self.assertLen(replicated, 1)
+        for value in (replicated[0], dense.kernel):
+            gathered = hvd.allgather(tf.expand_dims(tf.convert_to_tensor(value), 0))
+            for other in tf.unstack(gathered)[1:]:
+                self.assertAllEqual(other, gathered[0])
+
     def test_set_weights_before_build(self):
         layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES))
         with self.assertRaises(ValueError):

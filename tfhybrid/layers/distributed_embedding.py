@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import random
 from typing import Any, Sequence
 
 import numpy as np
@@ -87,10 +88,21 @@ def _table_from_layer(layer: Any) -> _Table:
             f"custom embedding layer); got {layer!r}")
     custom = type(layer).call not in _LOOKUP_CALLS
     initializer = getattr(layer, "embeddings_initializer", None)
+    if initializer is not None:
+        initializer = tf.keras.initializers.get(initializer)
+        init_config = initializer.get_config()
+        if "seed" in init_config and init_config["seed"] is None:
+            # An unseeded initializer draws its seed from Python's random when first
+            # called, and only the ranks that hold the table call it: the ranks' random
+            # streams (hence replicated tables and later layers) would drift apart.
+            # Drawn here, for every table on every rank, the streams stay alike, and the
+            # table starts the same on every mesh.
+            initializer = type(initializer).from_config(
+                dict(init_config, seed=random.randint(1, 2**31 - 2)))
     return _Table(name=layer.name, rows=int(config["input_dim"]),
                   dim=int(config["output_dim"]),
                   combiner=getattr(layer, "combiner", None),
-                  initializer=tf.keras.initializers.get(initializer) if initializer else None,
+                  initializer=initializer,
                   custom_class=type(layer) if custom else None,
                   custom_config=config if custom else None)
 
@@ -353,10 +365,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # the features this rank's inputs hold, in order
         self._fed_features = (list(range(len(self.input_table_map))) if self.dp_input
                               else self._strategy.input_ids_list[mesh.rank])
-        if not self.dp_input and not self._fed_features:
+        # every rank checks every rank, so all raise together (none waits in a collective)
+        idle = [r for r, ids in enumerate(self._strategy.input_ids_list) if not ids]
+        if not self.dp_input and idle:
             raise ValueError(
-                f"dp_input=False: position {mesh.model_position} of the model group holds "
-                f"no table (plan: {self.plan.describe()}); lower column_slice_threshold, use "
+                f"dp_input=False: ranks {idle} would feed no feature (their positions hold "
+                f"no table; plan: {self.plan.describe()}); lower column_slice_threshold, use "
                 "strategy='basic' or 'memory_balanced' (they slice tables so every position "
                 "holds one), or use fewer ranks per model group")
 
