@@ -115,6 +115,33 @@ class DeCompatTest(tf.test.TestCase):
         de.run_step(self, TABLES, strategy="memory_balanced", dp_input=False,
                     use_dp_to_mp=True, input_table_map=[0, 1, 2, 3, 4, 5, 6, 1])
 
+    def test_dp_to_mp_input_function(self):
+        # DE's free function: features by id, ranks by rank; dense, ragged, and a rank
+        # that receives nothing
+        size, rank = hvd.size(), hvd.rank()
+        global_ids = de.global_ids(TABLES, [0, 1, 2], size * de.LOCAL_BATCH, hotness=2,
+                                   ragged=True)
+        dense = tf.reshape(tf.range(size * de.LOCAL_BATCH * 2, dtype=tf.int64), [-1, 2])
+        first = rank * de.LOCAL_BATCH
+        dp = {0: global_ids[0][first:first + de.LOCAL_BATCH],
+              2: global_ids[2][first:first + de.LOCAL_BATCH],
+              5: dense[first:first + de.LOCAL_BATCH]}
+        wanted = {r: [] for r in range(size)}
+        wanted[0] = [5, 0]
+        wanted[size - 1] += [2]
+        got = tfhybrid._dp_to_mp_input(dp, wanted)
+        self.assertEqual(list(got), wanted[rank])
+        expected = {0: global_ids[0], 2: global_ids[2], 5: dense}
+        for f, ids in got.items():
+            want = expected[f]
+            if isinstance(want, tf.RaggedTensor):
+                self.assertAllEqual(ids.row_lengths(), want.row_lengths())
+                self.assertAllEqual(ids.flat_values, want.flat_values)
+            else:
+                self.assertAllEqual(ids, want)
+        with self.assertRaisesRegex(ValueError, r"no features \[7\]"):
+            tfhybrid._dp_to_mp_input(dp, {0: [7]})
+
     def test_model_parallel_input_indivisible_batch(self):
         layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES), dp_input=False)
         inputs = [tf.zeros([hvd.size() * 2 - 1], tf.int64)

@@ -31,10 +31,12 @@ _LAZY_ATTRIBUTES = {
     "sync_replicas": "tfhybrid.distributed",
     "DistributedEmbedding": "tfhybrid.layers.distributed_embedding",
     "BroadcastGlobalVariablesCallback": "tfhybrid.callbacks",
+    # NVIDIA distributed-embeddings' private helper, for scripts that import it
+    "_dp_to_mp_input": "tfhybrid.layers.distributed_embedding",
 }
 _LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train"}
 
-__all__ = sorted(_LAZY_ATTRIBUTES) + sorted(_LAZY_SUBMODULES)
+__all__ = sorted(n for n in _LAZY_ATTRIBUTES if not n.startswith("_")) + sorted(_LAZY_SUBMODULES)
 
 
 def __getattr__(name: str) -> Any:

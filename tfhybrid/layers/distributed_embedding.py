@@ -174,6 +174,42 @@ def _mesh_for_layer() -> mesh_lib.Mesh:
     return mesh
 
 
+def _dp_to_mp_input(dp_inputs: dict, rank_to_local_features: dict,
+                    mesh: mesh_lib.Mesh | None = None) -> dict:
+    """NVIDIA distributed-embeddings' helper: data-parallel ids to model-parallel ones.
+
+    ``dp_inputs`` maps each feature to this rank's ids (a ``tf.Tensor`` or a
+    ``tf.RaggedTensor``); ``rank_to_local_features`` maps each global rank to the
+    features it should receive. Returns ``{feature: ids}`` for this rank's features, for
+    its model group's batch (the global batch when M = N, DE's only layout), samples in
+    rank order. Every rank must call it with the same ``rank_to_local_features``: each
+    wanted feature is one allgather in the model group (two for a ragged one).
+    """
+    mesh = mesh or _mesh_for_layer()
+    if set(rank_to_local_features) - set(range(mesh.size)):
+        raise ValueError(f"rank_to_local_features has ranks "
+                         f"{sorted(set(rank_to_local_features) - set(range(mesh.size)))}; "
+                         f"expected ranks in [0, {mesh.size})")
+    wanted = sorted({f for features in rank_to_local_features.values() for f in features})
+    missing = [f for f in wanted if f not in dp_inputs]
+    if missing:
+        raise ValueError(f"dp_inputs has no features {missing}, which "
+                         "rank_to_local_features asks for")
+    gathered = {}
+    for f in wanted:     # the same order on every rank: the collectives pair up by name
+        def gather(x, part):
+            return collectives.allgather(x, mesh.model_parallel,
+                                         f"tfhybrid_dp_to_mp_{f}_{part}",
+                                         mesh.model_process_set)
+        ids = dp_inputs[f]
+        if isinstance(ids, tf.RaggedTensor):
+            gathered[f] = tf.RaggedTensor.from_row_lengths(
+                gather(ids.flat_values, "values"), gather(ids.row_lengths(), "lengths"))
+        else:
+            gathered[f] = gather(tf.convert_to_tensor(ids), "ids")
+    return {f: gathered[f] for f in rank_to_local_features.get(mesh.rank, [])}
+
+
 class ShardingStrategy:
     """A plan as NVIDIA distributed-embeddings' ``layer.strategy`` shows it.
 
@@ -617,26 +653,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     def _dp_to_mp_input(self, dp_inputs: Sequence[Any]) -> list:
         """Turns a data-parallel batch (every feature, this rank's samples) into this
         rank's ``dp_input=False`` input: ``strategy.input_ids_list[rank]``'s features for
-        the model group's batch, samples in rank order. Every rank of the mesh must call
-        it (one allgather per feature in the model group)."""
+        the model group's batch. Every rank of the mesh must call it."""
         dp_inputs = list(dp_inputs) if isinstance(dp_inputs, (list, tuple)) else [dp_inputs]
         if len(dp_inputs) != len(self.input_table_map):
             raise ValueError(f"_dp_to_mp_input got {len(dp_inputs)} inputs; expected "
                              f"{len(self.input_table_map)} (one per input_table_map entry)")
         strategy = self.strategy
-        mesh = self._mesh
-        group_inputs = []
-        for f, ids in enumerate(dp_inputs):
-            def gather(x, part):
-                return collectives.allgather(x, mesh.model_parallel,
-                                             f"tfhybrid_{self.name}_dp_to_mp_{f}_{part}",
-                                             mesh.model_process_set)
-            if isinstance(ids, tf.RaggedTensor):
-                group_inputs.append(tf.RaggedTensor.from_row_lengths(
-                    gather(ids.flat_values, "values"), gather(ids.row_lengths(), "lengths")))
-            else:
-                group_inputs.append(gather(tf.convert_to_tensor(ids), "ids"))
-        return [group_inputs[f] for f in strategy.input_ids_list[mesh.rank]]
+        wanted = dict(enumerate(strategy.input_ids_list))
+        mine = _dp_to_mp_input(dict(enumerate(dp_inputs)), wanted, self._mesh)
+        return [mine[f] for f in strategy.input_ids_list[self._mesh.rank]]
 
     def _local_batch_of_group(self, ids) -> tf.Tensor:
         """dp_input=False: the model group's batch G fed here, divided by M (int64)."""
