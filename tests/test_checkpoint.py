@@ -1,10 +1,12 @@
 """A checkpoint written on a 2x2 mesh restores onto 2x2, 1x4, 4x1 and 1x1 meshes.
 
-The model has a row-wise, a column-wise, a table-wise and a data-parallel table and is
+The app's ``tfhybrid.train.checkpoint`` (``tf.train.Checkpoint`` + ``CheckpointManager``)
+saves a model with a row-wise, a column-wise, a table-wise and a data-parallel table,
 trained with RowWiseAdagrad; the restores change the layout and the placement of tables
 (data-parallel <-> model-parallel, a different column split). Tables and dense weights
-must come back bit-identical, and a restored 2x2 run must continue like the
-uninterrupted one.
+come back bit-identical, row-wise accumulators exactly where the column split is kept
+(column-weighted means where it is not), Adam's moments exactly everywhere, and a
+restored 2x2 run continues like the uninterrupted one.
 
 This file also holds the helpers of ``tests/test_checkpoint_single.py`` and the child
 processes both start: ``python -m tests.test_checkpoint child-restore|child-save ...``.
@@ -12,21 +14,24 @@ processes both start: ``python -m tests.test_checkpoint child-restore|child-save
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
+from tensorflow.python.ops import io_ops
 
 import tfhybrid
+from tfhybrid import _resharding
 from tfhybrid import mesh as mesh_lib
-from tfhybrid.layers import DistributedEmbedding, Embedding
+from tfhybrid.layers import DistributedEmbedding, Embedding, _checkpointing
 from tfhybrid.optimizers import RowWiseAdagrad
 from tfhybrid.train import checkpoint
 
@@ -41,8 +46,8 @@ TABLES = [("big", 300, 8), ("wide", 100, 8), ("mid", 60, 6), ("tiny", 20, 4)]
 THRESHOLDS = dict(data_parallel_threshold=100, row_slice_threshold=2000,
                   column_slice_threshold=600)
 TRAIN_STEPS = 3
-# tiny chunks, so every chunked read and write loops many times
-checkpoint._CHUNK_BYTES = 256
+TABLE_KEY = "model/layer_with_weights-0/tables/.ATTRIBUTES/table_{}"
+SLOT_KEY = "optimizer/tfhybrid_table_slots/layer_0/.ATTRIBUTES/table_{}_{}"
 
 
 # ---------------------------------------------------------------- helpers
@@ -114,7 +119,8 @@ def gather_slots(layer, optimizer) -> list[list[tuple[tuple, dict]]]:
                      for s, shard in enumerate(placement.shards)
                      if mesh.replica == 0 and (t, s) in layer._shard_vars]
         for var, shard in pairs:
-            slots = {key: s.numpy() for key, s in checkpoint._slots(optimizer, var).items()}
+            slots = {key: s.numpy() for key, s in
+                     _checkpointing._slots_of(optimizer, var).items()}
             items.append((t, (shard.row_start, shard.row_end, shard.col_start, shard.col_end),
                           slots))
     out: list[list] = [[] for _ in TABLES]
@@ -145,11 +151,11 @@ def snapshot(model, optimizer) -> dict:
 
 
 def expected_row_slot(saved: dict, cols: tuple[int, int]) -> np.ndarray:
-    """A new column slice's accumulator: column-weighted mean of the old overlapping ones."""
-    c0, c1 = cols
-    total = sum(np.asarray(values, np.float64) * (min(a1, c1) - max(a0, c0))
-                for (a0, a1), values in saved.items() if min(a1, c1) > max(a0, c0))
-    return (total / (c1 - c0)).astype(np.float32)
+    """A new column slice's accumulator from the saved ones (see _resharding.rowwise_weights)."""
+    weights = _resharding.rowwise_weights(cols, list(saved))
+    total = sum(np.asarray(values, np.float64) * w
+                for w, values in zip(weights, saved.values()) if w > 0)
+    return total.astype(np.float32)
 
 
 def child_env() -> dict:
@@ -207,6 +213,11 @@ def _barrier(name: str) -> None:
     hvd.allgather_object(0, name=name)
 
 
+def _shared_tempdir(prefix: str) -> str:
+    made = tempfile.mkdtemp(prefix=prefix) if hvd.rank() == 0 else None
+    return hvd.broadcast_object(made, root_rank=0, name=f"{prefix}dir")
+
+
 class ReshardTest(tf.test.TestCase):
     """One 2x2 checkpoint (setUpClass), restored onto several meshes."""
 
@@ -214,8 +225,7 @@ class ReshardTest(tf.test.TestCase):
     def setUpClass(cls):
         super().setUpClass()
         mesh = tfhybrid.init(model_parallel=2)
-        made = tempfile.mkdtemp(prefix="tfhybrid-ckpt-test-") if mesh.rank == 0 else None
-        cls.directory = hvd.broadcast_object(made, root_rank=0, name="test_checkpoint_dir")
+        cls.directory = _shared_tempdir("tfhybrid-ckpt-test-")
         model = build_model(mesh)
         init_weights(model)
         optimizer = make_optimizer(mesh)
@@ -243,6 +253,7 @@ class ReshardTest(tf.test.TestCase):
     # ------------------------------------------------------------ checks
     def _restore(self, model_parallel, layout="model_major", **thresholds):
         mesh = tfhybrid.init(model_parallel=model_parallel, layout=layout)
+        _barrier("test_checkpoint_mesh")   # every rank has registered the process sets
         model = build_model(mesh, **thresholds)
         optimizer = make_optimizer(mesh)
         self.assertEqual(checkpoint.restore(self.directory, model, optimizer), TRAIN_STEPS)
@@ -256,6 +267,7 @@ class ReshardTest(tf.test.TestCase):
         for got, want in zip(snap["dense"], self.saved["dense"]):
             self.assertAllEqual(got, want)
         for (name, *_), got, saved in zip(TABLES, snap["slots"], self.saved["slots"]):
+            self.assertNotEmpty(got)
             for cols, values in got.items():
                 self.assertFalse(np.isnan(values).any(), f"table {name} cols {cols}")
                 if cols in saved:      # same column split: exact
@@ -273,22 +285,27 @@ class ReshardTest(tf.test.TestCase):
             self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
 
     # ------------------------------------------------------------- tests
-    def test_saved_plan_covers_every_placement(self):
-        kinds = [t.kind for t in self.saved_plan.tables]
-        self.assertEqual(kinds, ["row_wise", "column_wise", "table_wise", "data_parallel"])
-        manifest = json.load(open(os.path.join(self.path, checkpoint.MANIFEST)))
-        self.assertEqual(manifest["step"], TRAIN_STEPS)
-        self.assertEqual(manifest["mesh"], {"size": 4, "data_parallel": 2,
-                                            "model_parallel": 2, "layout": "model_major"})
-        self.assertEqual(manifest["optimizer"]["class"], "RowWiseAdagrad")
-        self.assertEqual(manifest["optimizer"]["iterations"], TRAIN_STEPS)
-        (layer,) = manifest["embeddings"].values()
-        self.assertEqual(layer["plan"], json.loads(self.saved_plan.to_json()))
-        # one copy of each shard: 2 + 2 + 1 + 1 shards, each with its accumulator
-        shard_files = [n for n in manifest["files"] if n.startswith("e")]
-        self.assertLen(shard_files, 2 * 6)
-        self.assertEqual(sorted(os.listdir(self.path)),
-                         sorted(list(manifest["files"]) + [checkpoint.MANIFEST]))
+    def test_saved_tensors_are_whole_tables_under_mesh_free_names(self):
+        self.assertEqual([t.kind for t in self.saved_plan.tables],
+                         ["row_wise", "column_wise", "table_wise", "data_parallel"])
+        saved = dict(tf.train.list_variables(self.path))
+        for t, (_, rows, dim) in enumerate(TABLES):
+            self.assertEqual(saved[TABLE_KEY.format(t)], [rows, dim])
+            # the row-wise accumulator is stored broadcast over the table's columns
+            self.assertEqual(saved[SLOT_KEY.format(t, "accumulator")], [rows, dim])
+        self.assertEqual([k for k in saved if "shard" in k or "distributed_embedding" in k],
+                         [])
+        reader = tf.train.load_checkpoint(self.path)
+        for t, table in enumerate(self.saved["tables"]):
+            self.assertAllEqual(reader.get_tensor(TABLE_KEY.format(t)), table)
+        self.assertEqual(reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"),
+                         TRAIN_STEPS)
+        # one index, one data file per rank that wrote (replica 0: ranks 0 and 1), and
+        # nothing left of the parts (the other tests add their own files here)
+        self.assertEqual(sorted(n for n in os.listdir(self.directory)
+                                if n.startswith(("ckpt", "checkpoint"))),
+                         ["checkpoint", "ckpt-3.data-00000-of-00002",
+                          "ckpt-3.data-00001-of-00002", "ckpt-3.index"])
         self.assertEqual(checkpoint.latest(self.directory), self.path)
 
     def test_2x2_restores_exactly_and_continues_like_the_uninterrupted_run(self):
@@ -297,19 +314,17 @@ class ReshardTest(tf.test.TestCase):
         self._assert_continues(model, optimizer, mesh)
 
         # a rank that fails to write makes every rank raise; step 3 stays the latest
-        real = checkpoint._write_npy
+        real = io_ops.save_v2
 
-        def broken(path, var):
-            raise OSError(f"disk full (test) writing {os.path.basename(path)}")
+        def broken(prefix, *args, **kwargs):
+            raise OSError("disk full (test)")
 
-        if mesh.rank == 1:
-            checkpoint._write_npy = broken
         try:
-            with self.assertRaisesRegex(OSError, r"failed on 1 rank\(s\): rank 1: OSError: "
-                                                 r"disk full \(test\)"):
-                checkpoint.save(self.directory, model, optimizer, step=TRAIN_STEPS + 1)
+            with mock.patch.object(io_ops, "save_v2", broken if mesh.rank == 1 else real):
+                with self.assertRaisesRegex(OSError, r"failed on 1 rank\(s\): rank 1: "
+                                                     r"OSError: disk full \(test\)"):
+                    checkpoint.save(self.directory, model, optimizer, step=TRAIN_STEPS + 1)
         finally:
-            checkpoint._write_npy = real
             _barrier("test_checkpoint_failed_save")
         self.assertEqual(checkpoint.latest(self.directory), self.path)
         self.assertEqual([n for n in os.listdir(self.directory)
@@ -326,7 +341,7 @@ class ReshardTest(tf.test.TestCase):
 
     def test_1x4_with_a_new_column_split(self):
         # wide is cut into 3 column slices instead of 2: its row-wise accumulators become
-        # column-weighted means (an approximation, see checkpoint's docstring)
+        # column-weighted means (see _resharding.rowwise_weights)
         mesh, model, optimizer = self._restore(4, column_slice_threshold=300)
         plan = embedding_of(model).plan
         self.assertEqual((mesh.data_parallel, mesh.model_parallel), (1, 4))
@@ -397,8 +412,7 @@ class FullShapeSlotTest(tf.test.TestCase):
 
     def test_adam_2x2_to_1x4(self):
         mesh = tfhybrid.init(model_parallel=2)
-        made = tempfile.mkdtemp(prefix="tfhybrid-ckpt-adam-") if mesh.rank == 0 else None
-        directory = hvd.broadcast_object(made, root_rank=0, name="test_checkpoint_adam_dir")
+        directory = _shared_tempdir("tfhybrid-ckpt-adam-")
         try:
             model = build_model(mesh)
             init_weights(model)
@@ -418,7 +432,7 @@ class FullShapeSlotTest(tf.test.TestCase):
                 self.assertAllEqual(got, want)
             restored = self._full_slots(embedding_of(model), optimizer)
             for (name, *_), got, want in zip(TABLES, restored, saved):
-                self.assertEqual(sorted(got), ["m/{}", "v/{}"])
+                self.assertEqual(sorted(got), ["m", "v"])
                 for key in want:
                     self.assertFalse(np.isnan(got[key]).any())
                     self.assertAllEqual(got[key], want[key], msg=f"{name} {key}")
@@ -426,6 +440,39 @@ class FullShapeSlotTest(tf.test.TestCase):
             _barrier("test_checkpoint_adam_done")
             if hvd.rank() == 0:
                 shutil.rmtree(directory, ignore_errors=True)
+
+
+class SaveTogetherTest(tf.test.TestCase):
+    """Every rank must save, to the same path (a save on rank 0 alone: see
+    tests/test_keras_checkpoint.py, since it leaves that rank unable to go on)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.mesh = tfhybrid.init(model_parallel=2)
+        cls.directory = _shared_tempdir("tfhybrid-ckpt-together-")
+        cls.model = build_model(cls.mesh)
+
+    @classmethod
+    def tearDownClass(cls):
+        _barrier("test_checkpoint_together_done")
+        if hvd.rank() == 0:
+            shutil.rmtree(cls.directory, ignore_errors=True)
+        mesh_lib._reset_for_tests()
+        super().tearDownClass()
+
+    def test_ranks_saving_to_different_paths_raise(self):
+        path = os.path.join(self.directory, "per_rank", f"weights-{hvd.rank()}")
+        with self.assertRaisesRegex(ValueError, r"different paths: rank 0: .*weights-0', "
+                                                r"rank 1: .*weights-1'"):
+            self.model.save_weights(path)
+        self.assertEqual(glob.glob(path + "*"), [])
+        # and then every rank saves to one path, from all ranks
+        path = os.path.join(self.directory, "together", "weights")
+        self.model.save_weights(path)
+        self.assertEqual(sorted(os.path.basename(p) for p in glob.glob(path + "*")),
+                         ["weights.data-00000-of-00002", "weights.data-00001-of-00002",
+                          "weights.index"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,440 @@
+"""What a checkpoint holds of a ``DistributedEmbedding``: tables and their optimizer state
+under names that do not depend on the mesh, through TensorFlow's own checkpoints.
+
+Every Keras and TensorFlow path (``model.save_weights`` / ``load_weights``,
+``tf.train.Checkpoint`` + ``CheckpointManager``, ``ModelCheckpoint``,
+``BackupAndRestore``) walks the object graph and asks each object for its state; this
+module answers for the layer and for the optimizer:
+
+- **Tables.** The layer's checkpoint children are replaced by one node, ``tables``,
+  whose attribute ``table_<t>`` is table t as ONE tensor of its full shape
+  ``[rows, dim]``. Each rank offers the rectangles it holds (its shards, or the whole of
+  a data-parallel table) as slices of that tensor; the writer
+  (``tfhybrid/_checkpoint_writer.py``) writes every slice once. Restoring asks for the
+  rectangles of the CURRENT plan, and TensorFlow's reader assembles each from the saved
+  slices that overlap it, so a checkpoint restores onto any mesh and any plan. Names
+  depend on the table's index in the layer (checked by shape), not on Keras' per-process
+  layer names. The per-shard variables are not checkpoint children: their names and
+  number depend on the mesh.
+- **Optimizer slots of tables.** Keras optimizers track their slots by position in a
+  list, and both the positions and the shapes of table slots depend on the mesh.
+  ``attach_optimizer`` (called by ``tfhybrid.DistributedOptimizer``) takes them out of
+  the optimizer's lists (the views below keep every other entry, numbered as before
+  minus the table slots, which is the same on every mesh) and adds the child
+  ``tfhybrid_table_slots``: per ``DistributedEmbedding`` (``layer_<k>``, k its order
+  among the optimizer's layers) the attribute ``table_<t>_<slot>``, a full-table tensor
+  like the tables. A row-wise slot (``[rows]``, row-wise AdaGrad) is stored broadcast
+  over its shard's columns and read back as the mean over the new shard's columns
+  (``tfhybrid._resharding.rowwise_weights``).
+- **Restore before build.** ``BackupAndRestore`` and ``load_weights`` may restore before
+  the optimizer has slots (or a subclassed model its layer). TensorFlow then defers the
+  missing children, as it does for Keras' own lists; the layer (``register_layer``, at
+  the end of its build) and the optimizer (its ``build``, wrapped by
+  ``attach_optimizer``) hand the deferred restorations their new objects, before the
+  first step uses them.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import tensorflow as tf
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.trackable import data_structures
+from tensorflow.python.training.saving import saveable_object
+
+from tfhybrid import _checkpoint_writer
+from tfhybrid import _resharding
+from tfhybrid import distributed
+
+# The layer's and the optimizer's checkpoint children (part of the checkpoint format).
+TABLES_CHILD = "tables"
+SLOTS_CHILD = "tfhybrid_table_slots"
+
+# Built layers, so that an optimizer can tell which of its slots belong to tables.
+_LAYERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# optimizer -> its _OptimizerState (weak: the state dies with its optimizer)
+_STATES: "weakref.WeakKeyDictionary[Any, _OptimizerState]" = weakref.WeakKeyDictionary()
+
+
+# ------------------------------------------------------------------ slices
+class _Piece(NamedTuple):
+    """One rectangle of a full-table tensor that this rank holds."""
+    rect: _resharding.Rect
+    dtype: tf.DType
+    device: str
+    read: Callable[[], tf.Tensor]          # the rectangle's values, [rows, cols]
+    assign: Callable[[tf.Tensor], Any]     # writes restored [rows, cols] values back
+
+
+class _FullTensorSaveable(saveable_object.SaveableObject):
+    """The pieces this rank holds of one full-table tensor (possibly none).
+
+    A legacy ``SaveableObject``, because TensorFlow 2.15 pairs restored slices with the
+    wrong names when one ``_serialize_to_tensors`` name has several slices; this restores
+    each slice to its own piece.
+    """
+
+    def __init__(self, name: str, full_shape: tuple[int, int], pieces: list[_Piece]):
+        self._pieces = pieces
+        specs = [_checkpoint_writer.PieceSpec(
+            p.read, _resharding.slice_spec(full_shape, p.rect), name, p.dtype, p.device,
+            p.rect.shape) for p in pieces]
+        super().__init__(None, specs, name)
+
+    @property
+    def device(self) -> str:
+        # a rank may hold no piece of a table; the base class would read specs[0]
+        return self.specs[0].device if self.specs else "/cpu:0"
+
+    def restore(self, restored_tensors, restored_shapes):
+        del restored_shapes  # every slice was read in the shape of its piece
+        return tf.group([piece.assign(value)
+                         for piece, value in zip(self._pieces, restored_tensors)])
+
+
+def _factory(full_shape: tuple[int, int], pieces: list[_Piece]) -> Callable:
+    return lambda name: _FullTensorSaveable(name, full_shape, pieces)
+
+
+def _write_rows(variable: tf.Variable, value: tf.Tensor) -> Any:
+    # scatter_update writes in place; assign would make a second copy of a big table
+    rows = tf.shape(value, out_type=tf.int64)[0]
+    return variable.scatter_update(tf.IndexedSlices(tf.cast(value, variable.dtype),
+                                                    tf.range(rows)))
+
+
+def _variable_piece(rect: _resharding.Rect, variable: tf.Variable) -> _Piece:
+    return _Piece(rect, variable.dtype, variable.device, variable.read_value,
+                  lambda value: _write_rows(variable, value))
+
+
+def _slot_piece(rect: _resharding.Rect, slot: tf.Variable) -> _Piece:
+    """A slot as a rectangle of its table: row-wise slots broadcast over the columns."""
+    if _resharding.slot_layout(slot.shape.as_list(), rect) == "full":
+        return _variable_piece(rect, slot)
+    rows, cols = rect.shape
+
+    def read() -> tf.Tensor:
+        return tf.broadcast_to(slot.read_value()[:, None], [rows, cols])
+
+    def assign(value: tf.Tensor) -> Any:
+        # the mean over this shard's columns: each saved column slice counts with the
+        # columns it shares with this shard (see _resharding.rowwise_weights)
+        return _write_rows(slot, tf.reduce_mean(tf.cast(value, tf.float64), axis=1))
+
+    return _Piece(rect, slot.dtype, slot.device, read, assign)
+
+
+# ------------------------------------------------------------------ the layer
+def _held(layer: Any) -> list[list[tuple[_resharding.Rect, tf.Variable]]]:
+    """Per table, the (rectangle, variable) pairs this rank holds under the layer's plan."""
+    position = layer._mesh.model_position
+    held = []
+    for t, placement in enumerate(layer.plan.tables):
+        pieces = _resharding.held_pieces(placement.kind, placement.shards, position)
+        held.append([(rect, layer._table_vars[t] if placement.kind == "data_parallel"
+                      else layer._shard_vars[(t, s)]) for s, rect in pieces])
+    return held
+
+
+class _LayerTables(trackable_base.Trackable):
+    """The ``tables`` node of a built layer: one full-table attribute per table."""
+
+    def __init__(self, layer: Any):
+        self._layer = weakref.ref(layer)
+
+    def _gather_saveables_for_checkpoint(self) -> dict:
+        layer = self._layer()
+        if layer is None:
+            return {}
+        return {f"table_{t}": _factory((table.rows, table.dim),
+                                       [_variable_piece(rect, var) for rect, var in pieces])
+                for t, (table, pieces) in enumerate(zip(layer._tables, _held(layer)))}
+
+
+def register_layer(layer: Any) -> None:
+    """Called at the end of ``DistributedEmbedding.build``: the layer's tables become its
+    checkpoint node, and a restore that ran before the build gets them now."""
+    # from now on, saves that hold its shards are written by all ranks together
+    _checkpoint_writer.install()
+    _LAYERS.add(layer)
+    node = _LayerTables(layer)
+    # set past Keras' __setattr__, which would track it as a child of its own
+    object.__setattr__(layer, "_tfhybrid_tables", node)
+    layer._handle_deferred_dependencies(TABLES_CHILD, node)
+
+
+def layer_children(layer: Any, children: dict, save_type: Any) -> dict:
+    """``DistributedEmbedding._trackable_children``: in a checkpoint, only the tables.
+
+    Everything else the layer tracks is mesh-dependent (shard variables and the dicts
+    holding them) or holds no state (the Embedding layers that describe the tables).
+    SavedModel export keeps Keras' children.
+    """
+    if save_type != trackable_base.SaveType.CHECKPOINT:
+        return children
+    node = layer.__dict__.get("_tfhybrid_tables")
+    return {TABLES_CHILD: node} if node is not None else {}
+
+
+# ----------------------------------------------------------- optimizer slots
+def _owner(optimizer: Any, variable: tf.Variable) -> Any:
+    """The optimizer that holds ``variable``'s slots (a loss scale's inner one; the
+    embedding optimizer for tables when there is one)."""
+    embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
+    if embedding_optimizer is not None and distributed.is_embedding(variable):
+        optimizer = embedding_optimizer
+    return distributed._base_optimizer(optimizer)
+
+
+def _variables_of(optimizer: Any) -> list:
+    # new Keras optimizers: a (callable) list property; legacy ones: a method
+    found = optimizer.variables
+    return list(found() if callable(found) and not isinstance(found, list) else found)
+
+
+def _slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
+    """``variable``'s optimizer slots by slot name ("m", "accumulator", ...)."""
+    owner = _owner(optimizer, variable)
+    if owner is None:
+        return {}
+    if hasattr(owner, "get_slot_names"):   # legacy Keras optimizers
+        slots = {}
+        for name in owner.get_slot_names():
+            try:
+                slots[name] = owner.get_slot(variable, name)
+            except KeyError:   # no slot for this variable (yet)
+                pass
+        return slots
+    # new Keras optimizers: only variables they were built with (a name check alone
+    # would take another model's layer of the same name for this one)
+    if owner._var_key(variable) not in getattr(owner, "_index_dict", {}):
+        return {}
+    shared = variable._shared_name
+    pattern = re.compile(r"(^|/)" + re.escape(shared) + r"(/|:|$)")
+    slots = {}
+    for slot in _variables_of(owner):
+        name = slot.name.split(":")[0]
+        match = pattern.search(name)
+        if slot is variable or match is None:
+            continue
+        # "m/<var>" -> "m", "<var>/accumulator" -> "accumulator"; name scopes in front
+        # ("Adam/m/<var>" when built inside apply_gradients) are dropped
+        suffix = name[match.end():].strip("/")
+        slot_name = suffix or name[:match.start()].strip("/").rsplit("/", 1)[-1]
+        if slot_name in slots:
+            raise ValueError(f"optimizer {type(owner).__name__} has two slots named "
+                             f"{slot_name!r} for variable {variable.name!r}")
+        slots[slot_name] = slot
+    return slots
+
+
+class _LayerSlots(trackable_base.Trackable):
+    """One layer's table slots in one optimizer: ``table_<t>_<slot>`` per table."""
+
+    def __init__(self, optimizer: Any, layer: Any):
+        self._optimizer = weakref.ref(optimizer)
+        self._layer = weakref.ref(layer)
+
+    def _gather_saveables_for_checkpoint(self) -> dict:
+        optimizer, layer = self._optimizer(), self._layer()
+        if optimizer is None or layer is None:
+            return {}
+        # the anchor is on every rank, so its slot names are the same everywhere even
+        # where a rank holds no shard of a table
+        names = sorted(_slots_of(optimizer, layer._anchor))
+        factories = {}
+        for t, (table, pieces) in enumerate(zip(layer._tables, _held(layer))):
+            per_slot: dict[str, list[_Piece]] = {name: [] for name in names}
+            for rect, var in pieces:
+                slots = _slots_of(optimizer, var)
+                if sorted(slots) != names:
+                    raise ValueError(
+                        f"the optimizer gives table {table.name!r} of layer "
+                        f"{layer.name!r} the slots {sorted(slots)} but the layer's anchor "
+                        f"{names}; tfhybrid saves the same slots for every table")
+                for name, slot in slots.items():
+                    per_slot[name].append(_slot_piece(rect, slot))
+            for name, slot_pieces in per_slot.items():
+                factories[f"table_{t}_{name}"] = _factory((table.rows, table.dim),
+                                                          slot_pieces)
+        return factories
+
+
+class _WithoutTableSlots(trackable_base.Trackable):
+    """An optimizer's tracked list, minus the slots of tables, numbered as a list.
+
+    It stands in for the list in checkpoints: the other entries (iterations, the slots
+    of dense variables) keep positions that are the same on every mesh.
+    """
+
+    def __init__(self, state: "_OptimizerState", source: Any):
+        self._state = state
+        self.source = source
+
+    def entries(self) -> list:
+        table_slots = self._state.table_slot_ids()
+        return [v for v in self.source if id(v) not in table_slots]
+
+    def _trackable_children(self, save_type=trackable_base.SaveType.CHECKPOINT, **kwargs):
+        return {str(i): v for i, v in enumerate(self.entries())}
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        children = cached_dependencies or self._trackable_children()
+        return children.get(name)
+
+    def restore_deferred(self) -> None:
+        for name, entry in self._trackable_children().items():
+            self._handle_deferred_dependencies(name, entry)
+
+
+class _TableSlots(trackable_base.Trackable):
+    """The optimizer's ``tfhybrid_table_slots`` node: ``layer_<k>`` per layer it holds
+    table slots of, k in the order the optimizer holds them (the same on every mesh:
+    every rank holds each layer's anchor)."""
+
+    def __init__(self, state: "_OptimizerState"):
+        self._state = state
+        self._children: "weakref.WeakKeyDictionary[Any, _LayerSlots]" = \
+            weakref.WeakKeyDictionary()
+
+    def _trackable_children(self, save_type=trackable_base.SaveType.CHECKPOINT, **kwargs):
+        optimizer = self._state.optimizer()
+        if optimizer is None:
+            return {}
+        children = {}
+        for k, layer in enumerate(self._state.layers()):
+            if layer not in self._children:
+                self._children[layer] = _LayerSlots(optimizer, layer)
+            children[f"layer_{k}"] = self._children[layer]
+        return children
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        children = cached_dependencies or self._trackable_children()
+        return children.get(name)
+
+    def restore_deferred(self) -> None:
+        for name, child in self._trackable_children().items():
+            self._handle_deferred_dependencies(name, child)
+
+
+class _OptimizerState:
+    """What ``attach_optimizer`` keeps for one optimizer (and the ones inside it)."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = weakref.ref(optimizer)
+        self.slots_node = _TableSlots(self)
+        # (optimizer, child name) -> its view; kept across builds, because restorations
+        # that wait for entries are registered on the view
+        self._views: dict[tuple[int, str], _WithoutTableSlots] = {}
+        # the optimizers' variable counts when the views were last placed: Keras calls
+        # build on every apply_gradients, and only a build that made slots matters
+        self._built_counts: tuple[int, ...] | None = None
+
+    def members(self) -> list:
+        """The optimizer, the optimizers a loss scale wraps, and the embedding optimizer."""
+        optimizer = self.optimizer()
+        found, todo = [], [optimizer]
+        while todo:
+            current = todo.pop(0)
+            if current is None or any(current is f for f in found):
+                continue
+            found.append(current)
+            todo += [getattr(current, "inner_optimizer", None),
+                     getattr(current, "embedding_optimizer", None)]
+        return found
+
+    def layers(self) -> list:
+        """The built layers whose tables have slots here, in slot order."""
+        optimizer = self.optimizer()
+        order = []
+        for layer in list(_LAYERS):
+            slots = list(_slots_of(optimizer, layer._anchor).values())
+            if slots:
+                owner = _owner(optimizer, layer._anchor)
+                position = next(i for i, v in enumerate(_variables_of(owner))
+                                if v is slots[0])
+                order.append((position, id(layer), layer))
+        return [layer for _, _, layer in sorted(order)]
+
+    def table_slot_ids(self) -> set[int]:
+        optimizer = self.optimizer()
+        ids = set()
+        for layer in self.layers():
+            for var in layer.weights:
+                ids.update(id(s) for s in _slots_of(optimizer, var).values())
+        return ids
+
+    def install_views(self) -> None:
+        """Puts a view in place of each list the optimizers track (Keras re-assigns
+        some lists when it builds, so this runs again after every build)."""
+        for member in self.members():
+            for name, child in list(member._trackable_children().items()):
+                if not isinstance(child, data_structures.ListWrapper):
+                    continue
+                view = self._views.setdefault((id(member), name),
+                                              _WithoutTableSlots(self, child))
+                view.source = child
+                member._track_trackable(view, name=name, overwrite=True)
+
+    def after_build(self) -> None:
+        """Slots exist now: re-place the views, then restore what waited for them."""
+        counts = tuple(len(_variables_of(m)) for m in self.members())
+        if counts == self._built_counts:
+            return
+        self._built_counts = counts
+        self.install_views()
+        for member in self.members():
+            children = member._trackable_children()
+            for name in list(member._deferred_dependencies):
+                if name in children:
+                    member._handle_deferred_dependencies(name, children[name])
+        for view in self._views.values():
+            view.restore_deferred()
+        self.slots_node.restore_deferred()
+
+
+def attach_optimizer(optimizer: Any) -> None:
+    """Makes ``optimizer``'s checkpoints hold the slots of ``DistributedEmbedding`` tables
+    under mesh-independent names (see the module doc). Idempotent.
+
+    ``tfhybrid.DistributedOptimizer`` calls it; so does ``DistributedGradientTape`` for
+    the optimizer it is given.
+    """
+    if optimizer in _STATES:
+        return
+    state = _OptimizerState(optimizer)
+    _STATES[optimizer] = state
+    optimizer._track_trackable(state.slots_node, name=SLOTS_CHILD, overwrite=True)
+    state.install_views()
+    for member in state.members():
+        _after_build(member, state)
+
+
+def _after_build(member: Any, state: _OptimizerState) -> None:
+    """Wraps ``member.build`` so that restorations that waited for its slots reach them
+    through the views (Keras builds inside the first ``apply_gradients``, before it steps).
+
+    Keras creates some tracked lists in ``build``; TensorFlow would hand a restoration
+    waiting for such a list to the new list itself, whose positions are mesh-dependent.
+    So the waiting restorations are held back during the build and handed to the views.
+    """
+    # legacy Keras optimizers make their slots in _create_all_weights
+    method = "_create_all_weights" if hasattr(member, "get_slot_names") else "build"
+    own_build = getattr(member, method)
+
+    def build(*args, **kwargs):
+        waiting = dict(member._deferred_dependencies)
+        member._deferred_dependencies.clear()
+        try:
+            return own_build(*args, **kwargs)
+        finally:
+            for name, positions in waiting.items():
+                member._deferred_dependencies.setdefault(name, []).extend(positions)
+            state.after_build()
+
+    # an instance attribute, as distributed._route_optimizer wraps apply_gradients
+    object.__setattr__(member, method, build)
