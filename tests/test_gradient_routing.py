@@ -87,7 +87,7 @@ class RoutingTest(tf.test.TestCase):
         self.assertAllClose(w, np.array([1.0, 2.0]) - 0.1 * mean_factor)
         self.assertIsInstance(opt, tf.keras.optimizers.SGD)
 
-    def test_broadcast_dense_from_root_and_shards_from_data_group(self):
+    def test_broadcast_dense_from_root_and_shards_from_roots_replica(self):
         for m, layout in _meshes():
             mesh = tfhybrid.init(model_parallel=m, layout=layout)
             dense = tf.Variable([float(mesh.rank)] * 2)
@@ -96,7 +96,10 @@ class RoutingTest(tf.test.TestCase):
             root = mesh.size - 1
             tfhybrid.broadcast_variables([dense, shard], root_rank=root, mesh=mesh)
             self.assertAllEqual(dense, [float(root)] * 2)
-            self.assertAllEqual(shard, [10.0 * mesh.data_group_ranks[0]] * 3)
+            # a shard comes from its copy in root's replica (as DE's broadcast)
+            root_replica = next(d for d, g in enumerate(mesh.model_groups) if root in g)
+            source = mesh.model_groups[root_replica][mesh.model_position]
+            self.assertAllEqual(shard, [10.0 * source] * 3)
             mesh_lib._reset_for_tests()
 
 

@@ -11,43 +11,82 @@ from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 
 
-class BroadcastVariables(tf.keras.callbacks.Callback):
-    """Makes every rank's weights rank ``root_rank``'s (shards from their data group).
+class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
+    """Horovod's and DE's broadcast callback: after the first batch, every rank's model
+    and optimizer variables become those of ``root_rank``'s replica.
 
-    Broadcasts at the start of training if the model already has its weights, else after
-    the first batch, once ``fit`` has built the model, as Horovod's callback does. Until
-    then ranks may hold different dense weights, so the first step is exact only when
-    every rank starts equal (seeded initializers); build the model before ``fit`` (call
-    it on a batch) to broadcast before the first step. It never counts as done while the
-    model has no weights.
+    As ``horovod.tensorflow.keras.callbacks.BroadcastGlobalVariablesCallback`` (and DE's
+    hybrid version of it), it broadcasts once, at the end of the first training batch,
+    when ``fit`` has built the model and the optimizer, the model's variables and then
+    the optimizer's (its slots, ``iterations``, a loss scale, and a
+    ``DistributedOptimizer``'s embedding optimizer's). The rule of
+    ``tfhybrid.broadcast_variables`` applies: replicated variables come from global rank
+    ``root_rank``; each model-parallel shard and its slots come from its copy in
+    ``root_rank``'s replica, inside its data group. The first step itself is taken from
+    each rank's own starting weights, as under Horovod. ``device`` is where the broadcasts
+    run (Horovod's argument); ``register_local_var(var)`` (Horovod's) keeps a variable out
+    of the broadcast.
+
+    Example::
+
+        model.fit(ds, callbacks=[tfhybrid.BroadcastGlobalVariablesCallback(0)])
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "",
+                 mesh: mesh_lib.Mesh | None = None):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self._mesh = mesh
+        self.broadcast_done = False
+        self._local_vars: set = set()
+
+    @property
+    def _done(self) -> bool:
+        return self.broadcast_done
+
+    def register_local_var(self, var: tf.Variable) -> None:
+        """Keeps ``var`` out of the broadcast (Horovod's worker-local variables)."""
+        self._local_vars.add(var.ref())
+
+    def _broadcast(self) -> None:
+        """The one rule: model variables, then optimizer variables, once."""
+        if self.broadcast_done:
+            return
+        model_variables = list(self.model.variables) if self.model.built else []
+        if not model_variables:
+            return  # nothing built yet: try again after the next batch
+        variables = [v for v in model_variables + distributed._optimizer_variables(
+            getattr(self.model, "optimizer", None)) if v.ref() not in self._local_vars]
+        with tf.device(self.device):
+            distributed.broadcast_variables(variables, self.root_rank,
+                                            self._mesh or mesh_lib.current_mesh())
+        self.broadcast_done = True
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._broadcast()
+
+
+class BroadcastVariables(BroadcastGlobalVariablesCallback):
+    """``BroadcastGlobalVariablesCallback`` that broadcasts before the first step when it
+    can: at the start of training if the model already has its weights (so every rank
+    takes the first step from the same weights), else after the first batch, once
+    ``fit`` has built the model. Until then ranks may hold different dense weights, so the
+    first step is exact only when every rank starts equal (seeded initializers); build
+    the model before ``fit`` (call it on a batch) to broadcast before the first step. It
+    never counts as done while the model has no weights. ``tfhybrid.callbacks.defaults``
+    holds one.
 
     Example::
 
         model.fit(ds, callbacks=[tfhybrid.callbacks.BroadcastVariables()])
     """
 
-    def __init__(self, root_rank: int = 0, mesh: mesh_lib.Mesh | None = None):
-        super().__init__()
-        self.root_rank = root_rank
-        self._mesh = mesh
-        self._done = False
-
-    def _broadcast(self) -> None:
-        if self._done:
-            return
-        # The model's weights only: optimizer slots are computed from synced gradients,
-        # which are equal on every rank, and shard slots differ by position.
-        variables = list(self.model.weights) if self.model.built else []
-        if not variables:
-            return  # nothing built yet: try again after the next batch
-        distributed.broadcast_variables(variables, self.root_rank,
-                                        self._mesh or mesh_lib.current_mesh())
-        self._done = True
+    def __init__(self, root_rank: int = 0, mesh: mesh_lib.Mesh | None = None,
+                 device: str = ""):
+        super().__init__(root_rank, device, mesh)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._broadcast()
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._broadcast()
 
 
@@ -166,5 +205,5 @@ def defaults(mesh: mesh_lib.Mesh | None = None) -> list:
     return [BroadcastVariables(mesh=mesh), ConsistentSteps(mesh=mesh), MetricAverage(mesh=mesh)]
 
 
-__all__ = ["BroadcastVariables", "SyncReplicas", "MetricAverage", "ConsistentSteps",
+__all__ = ["BroadcastGlobalVariablesCallback", "BroadcastVariables", "SyncReplicas", "MetricAverage", "ConsistentSteps",
            "verbose", "defaults"]

@@ -165,10 +165,24 @@ def allreduce(tensor: tf.Tensor, op: Any, name: str, process_set: Any = None) ->
 
 
 def grouped_allreduce(tensors: list, op: Any, name: str, process_set: Any = None,
-                      postscale_factor: float = 1.0) -> list:
-    """``hvd.grouped_allreduce``: one negotiation for many tensors; named, never pruned."""
-    reduced = hvd.grouped_allreduce(tensors, op=op, postscale_factor=postscale_factor,
+                      postscale_factor: float = 1.0, prescale_factor: float = 1.0) -> list:
+    """``hvd.grouped_allreduce``: one negotiation for many tensors of one dtype; named,
+    never pruned. The scale factors apply inside Horovod, in the tensors' dtype."""
+    reduced = hvd.grouped_allreduce(tensors, op=op, prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor,
                                     process_set=process_set or hvd.global_process_set,
                                     name=collective_name(name))
     must_run(reduced)
     return reduced
+
+
+def broadcast(tensor: tf.Tensor, root_rank: int, name: str,
+              process_set: Any = None) -> tf.Tensor:
+    """``hvd.broadcast`` (global by default), named alike on every rank, never pruned.
+
+    ``root_rank`` is a global rank, also inside a process set (Horovod's convention).
+    """
+    received = hvd.broadcast(tensor, root_rank, name=collective_name(name),
+                             process_set=process_set or hvd.global_process_set)
+    must_run(received)
+    return received

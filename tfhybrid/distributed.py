@@ -16,8 +16,11 @@
      ``(1/N) sum_d G_d = (1/D) sum_d G_d / M``: the average over its data group;
    - a shard in weight-sync mode steps on its own replica's ``G_d / M`` (no collective).
 
-   Every step is an average, so syncing twice (a ``DistributedGradientTape`` whose
-   gradients a ``DistributedOptimizer`` applies) changes nothing but the traffic.
+   A gradient is synced once: a ``DistributedOptimizer`` skips the gradients a
+   ``DistributedGradientTape`` returned (they carry a tag), and an optimizer handed to
+   the tape as ``optimizer=`` never syncs. (A second average of equal values would
+   change nothing but the traffic; a second ``hvd.Sum`` would multiply by N again, and a
+   second fp16 compression would round again.)
 2. **overflow agreement** (loss scaling): if any rank's gradient is not finite, every
    rank's is made so, and every loss-scale optimizer skips the step together.
 3. **clipping** with norms over the whole mesh: each shard counted once, each
@@ -30,11 +33,52 @@
 
 A ``DistributedGradientTape`` runs steps 1-2 in ``gradient``; steps 3-5 run where the
 optimizer applies, so they need the optimizer: pass it as ``optimizer=`` (or apply with a
-``DistributedOptimizer``).
+``DistributedOptimizer``). A gradient transformed after the tape (a loss scale's
+unscaling, say) is a new, untagged tensor: a ``DistributedOptimizer`` syncs it again,
+while the tape's own ``optimizer=`` applies it as it is.
+
+**Horovod's options** (``horovod.tensorflow(.keras)``'s keywords, with Horovod's meaning;
+``SyncOptions`` holds them):
+
+- ``op=hvd.Average`` (default): step 1 as above. ``op=hvd.Sum``: every synced gradient is
+  the gradient of the *sum* of the N ranks' losses, ``sum_r grad L_r``: N times the
+  Average result, for every kind of variable alike. For a dense variable or a data-
+  parallel table that is Horovod's plain sum over the N ranks. A shard's gradient arrives
+  already scaled by 1/M (``G_d / M``), so its sum is *not* the plain sum over its data
+  group (that would be ``sum_d G_d / M``, M times too small next to the dense
+  variables): it is that sum times M, ``sum_d G_d``. A weight-sync shard steps on
+  ``N * G_d / M``. Other ops (``hvd.Adasum``, ``Min``, ``Max``, ``Product``) raise
+  ``ValueError``.
+- ``compression`` (``hvd.Compression.none`` / ``hvd.Compression.fp16`` / any object with
+  Horovod's ``compress``/``decompress``): every gradient value that crosses the wire in
+  step 1 is compressed before and decompressed after (fp16: sent and summed in 16 bits,
+  returned in its own dtype). Gradients that cross no wire (a group of one, weight-sync
+  shards) are left alone, as Horovod leaves them on one rank.
+- ``sparse_as_dense``: IndexedSlices gradients are densified before step 1, so they go in
+  the dense allreduce (and reach the optimizer dense).
+- ``gradient_predivide_factor=f`` (Average only): each gradient is scaled by 1/f before
+  the sum and f/n after it (n: its process set's size).
+- ``backward_passes_per_step=k`` (``DistributedOptimizer`` only), with
+  ``average_aggregated_gradients``: as Horovod's ``LocalGradientAggregationHelper``, each
+  call of ``apply_gradients`` adds its local (unsynced) gradients to local accumulators;
+  every k-th call runs steps 1-5 on the sum (divided by k if
+  ``average_aggregated_gradients``) and zeroes the accumulators. The other calls apply
+  nothing and only advance every optimizer's ``iterations``, so ``iterations`` counts
+  passes, as under Horovod (weight-sync's K counts applied steps).
+- ``device_dense`` / ``device_sparse``: the devices of the dense allreduce and of the
+  sparse allgathers. ``name``: the prefix of the collectives' names.
+- ``num_groups`` / ``groups``: accepted and ignored with one log line; each process set's
+  dense gradients already go in one grouped allreduce (they only change Horovod's fusion).
+- ``process_set``: only the global set (or None): each gradient's process set comes from
+  the mesh (all ranks, or a shard's data group). ``scale_local_gradients``: only True
+  (tfhybrid scales shard gradients by the rule above; there are no Horovod local
+  variables).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 from typing import Any, Callable, Sequence
 
@@ -43,6 +87,8 @@ import horovod.tensorflow as hvd
 
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
+
+_LOG = logging.getLogger("tfhybrid")
 
 # ------------------------------------------------------------------ variable tags
 # DistributedEmbedding tags its variables; the route reads the tags.
@@ -68,6 +114,11 @@ _SHARDED_TABLES_ATTR = "_tfhybrid_sharded_tables"
 # Without a static row count, a sparse gradient is sent sparse when its table is at least
 # this many elements: every rank sees the same static shapes, so all choose alike.
 _SPARSE_DEFAULT_MIN_ELEMENTS = 1 << 16
+# On a gradient a DistributedGradientTape returned: synced already, never synced again.
+_SYNCED_ATTR = "_tfhybrid_synced"
+# On an optimizer slot of a model-parallel shard (tagged when the route first applies):
+# it lives on the shard's position, so it is broadcast inside the shard's data group.
+_SHARD_STATE_ATTR = "_tfhybrid_shard_state"
 
 
 def mark_model_parallel(variable: tf.Variable, mesh: mesh_lib.Mesh,
@@ -108,6 +159,97 @@ def weight_sync_every(variable: tf.Variable) -> int | None:
     return getattr(variable, _SYNC_EVERY_ATTR, None)
 
 
+# ------------------------------------------------------------ Horovod's options
+_OP_NAMES = {hvd.Average: "hvd.Average", hvd.Sum: "hvd.Sum", hvd.Adasum: "hvd.Adasum",
+             hvd.Min: "hvd.Min", hvd.Max: "hvd.Max", hvd.Product: "hvd.Product"}
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        _LOG.info(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncOptions:
+    """How step 1 sends gradients: Horovod's allreduce options (see the module doc).
+
+    Build it with ``sync_options``, which checks the values.
+    """
+
+    op: int = hvd.Average
+    compression: Any = hvd.Compression.none
+    sparse_as_dense: bool = False
+    gradient_predivide_factor: float = 1.0
+    device_dense: str = ""
+    device_sparse: str = ""
+    name: str = "tfhybrid"
+
+
+def _is_global_process_set(process_set: Any) -> bool:
+    return process_set is None or process_set is hvd.global_process_set or getattr(
+        process_set, "process_set_id", None) == 0
+
+
+def sync_options(*, op: Any = hvd.Average, compression: Any = hvd.Compression.none,
+                 sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                 device_dense: str = "", device_sparse: str = "", name: str | None = None,
+                 num_groups: int = 0, groups: Any = None, process_set: Any = None,
+                 scale_local_gradients: bool = True) -> SyncOptions:
+    """Checks Horovod's allreduce keywords and returns them as ``SyncOptions``.
+
+    Values tfhybrid cannot honour raise ``ValueError`` naming the value; ``num_groups`` and
+    ``groups`` are accepted and ignored (one log line). See the module doc.
+    """
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(
+            f"op={_OP_NAMES.get(op, repr(op))} is not supported: tfhybrid syncs gradients "
+            "with op=hvd.Average (the default) or op=hvd.Sum")
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise ValueError(f"compression={compression!r} is not a Horovod compressor; pass "
+                         "hvd.Compression.none, hvd.Compression.fp16 or an object with "
+                         "compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx)")
+    if not isinstance(sparse_as_dense, bool):
+        raise ValueError(f"sparse_as_dense={sparse_as_dense!r} must be True or False")
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+            gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a "
+                         "number > 0")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} splits an "
+                         f"average; it needs op=hvd.Average, not op={_OP_NAMES[op]}")
+    for key, device in (("device_dense", device_dense), ("device_sparse", device_sparse)):
+        if not isinstance(device, str):
+            raise ValueError(f"{key}={device!r} must be a device string ('' for the default)")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"name={name!r} must be a string")
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups={num_groups!r} must be an int >= 0")
+    if groups is not None and not (isinstance(groups, list) or (
+            isinstance(groups, int) and not isinstance(groups, bool) and groups > 0)):
+        raise ValueError(f"groups={groups!r} must be an int > 0 or a list of lists of "
+                         "variables")
+    if num_groups or groups is not None:
+        _log_once("tfhybrid: num_groups/groups are ignored: each process set's dense "
+                  "gradients already go in one grouped allreduce")
+    if not _is_global_process_set(process_set):
+        raise ValueError(
+            f"process_set={process_set!r} is not supported: tfhybrid reduces each gradient "
+            "over its own process set of the mesh (all ranks, or a shard's data group); "
+            "pass mesh= to choose the ranks")
+    if scale_local_gradients is not True:
+        raise ValueError(
+            f"scale_local_gradients={scale_local_gradients!r} is not supported: tfhybrid has "
+            "no Horovod local variables; it scales model-parallel shards by its own rule")
+    return SyncOptions(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                       gradient_predivide_factor=float(gradient_predivide_factor),
+                       device_dense=device_dense, device_sparse=device_sparse,
+                       name=name or "tfhybrid")
+
+
 # ------------------------------------------------------------------ 1. sync
 def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
     planned = getattr(variable, _SPARSE_SYNC_ATTR, None)
@@ -123,61 +265,107 @@ def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
 
 
 def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
-                        mesh: mesh_lib.Mesh | None = None) -> list:
-    """Step 1: averages each gradient over its process set (see the module doc).
+                        mesh: mesh_lib.Mesh | None = None,
+                        options: SyncOptions | None = None) -> list:
+    """Step 1: reduces each gradient over its process set (see the module doc).
 
-    Dense gradients of one process set go in one grouped allreduce; IndexedSlices stay
-    sparse (an allgather, then 1/n: their concatenation stands for the sum) where that
-    moves fewer bytes.
+    With ``op=hvd.Average`` each gradient becomes its average over its process set; with
+    ``op=hvd.Sum`` N times that (the gradient of the sum of the ranks' losses). Dense
+    gradients of one process set go in one grouped allreduce; IndexedSlices stay sparse
+    (an allgather, then 1/n: their concatenation stands for the sum) where that moves
+    fewer bytes, unless ``options.sparse_as_dense``.
     """
     mesh = mesh or mesh_lib.current_mesh()
+    options = options or SyncOptions()
+    average = options.op == hvd.Average
+    predivide = options.gradient_predivide_factor
+    compression = options.compression
     reduced: list = list(grads)
-    dense_groups: dict[str, tuple[Any, list[int]]] = {}
+    # (process set key, wire dtype) -> (process set, group size, [(index, wire, ctx)])
+    dense_groups: dict[tuple[str, str], tuple[Any, int, list]] = {}
     for i, (grad, var) in enumerate(zip(grads, variables)):
         if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
             continue
+        if options.sparse_as_dense and isinstance(grad, tf.IndexedSlices):
+            grad = reduced[i] = tf.convert_to_tensor(grad)
         if weight_sync_every(var) is not None:
             # the replica steps on its own G_d / M, the gradient of the mean loss over its
-            # model group's samples; no collective here
+            # model group's samples; no collective here (Sum: N times that)
+            if not average:
+                reduced[i] = _scaled(grad, float(mesh.size))
             continue
         if is_model_parallel(var):
-            process_set, group_size = mesh.data_process_set, mesh.data_parallel
+            key, process_set, group_size = "data", mesh.data_process_set, mesh.data_parallel
         else:
-            process_set, group_size = hvd.global_process_set, mesh.size
+            key, process_set, group_size = "global", hvd.global_process_set, mesh.size
+        # the factor after the sum: the average's 1/n, or for Sum N/n (1 for a variable
+        # reduced over all ranks; M for a shard, whose gradient the layer scaled by 1/M)
+        post = predivide / group_size if average else mesh.size / group_size
         if isinstance(grad, tf.IndexedSlices) and (
                 group_size == 1 or _sparse_is_cheaper(grad, var)):
             values, indices = grad.values, grad.indices
+            factor = 1.0 / group_size if average else post
             if group_size > 1:
-                collectives.count("allreduce",
-                                  tf.size(values, out_type=tf.int64) * values.dtype.size
-                                  + tf.size(indices, out_type=tf.int64) * indices.dtype.size)
-                name = f"tfhybrid_sync_{var.name}"
-                values = collectives.allgather(values, group_size, name + "_values",
-                                               process_set)
-                indices = collectives.allgather(indices, group_size, name + "_indices",
-                                                process_set)
-            reduced[i] = tf.IndexedSlices(values * tf.cast(1.0 / group_size, values.dtype),
-                                          indices, grad.dense_shape)
+                name = f"{options.name}_sync_{var.name}"
+                with tf.device(options.device_sparse):
+                    if average and predivide != 1.0:
+                        values = values * tf.cast(1.0 / predivide, values.dtype)
+                        factor = post
+                    wire, ctx = compression.compress(values)
+                    collectives.count("allreduce",
+                                      tf.size(wire, out_type=tf.int64) * wire.dtype.size
+                                      + tf.size(indices, out_type=tf.int64)
+                                      * indices.dtype.size)
+                    wire = collectives.allgather(wire, group_size, name + "_values",
+                                                 process_set)
+                    indices = collectives.allgather(indices, group_size, name + "_indices",
+                                                    process_set)
+                    values = compression.decompress(wire, ctx)
+            if factor != 1.0:
+                values = values * tf.cast(factor, values.dtype)
+            reduced[i] = tf.IndexedSlices(values, indices, grad.dense_shape)
             continue
         grad = tf.convert_to_tensor(grad)
         if group_size == 1:
-            reduced[i] = grad
+            reduced[i] = grad if average else _scaled(grad, post)
             continue
-        key = "global" if process_set is hvd.global_process_set else "data"
-        dense_groups.setdefault(key, (process_set, []))[1].append(i)
-    for key in sorted(dense_groups):
-        process_set, members = dense_groups[key]
+        wire, ctx = compression.compress(grad)
+        dense_groups.setdefault((key, wire.dtype.name), (process_set, group_size, []))[
+            2].append((i, wire, ctx))
+    for key, dtype in sorted(dense_groups):
+        process_set, group_size, members = dense_groups[(key, dtype)]
         # the variable's shape: a densified IndexedSlices has no static shape
         collectives.count("allreduce", sum(variables[i].shape.num_elements()
-                                           * grads[i].dtype.size for i in members))
-        group_size = mesh.size if key == "global" else mesh.data_parallel
-        summed = collectives.grouped_allreduce(
-            [tf.convert_to_tensor(grads[i]) for i in members], op=hvd.Sum,
-            name=f"tfhybrid_sync_{key}", process_set=process_set,
-            postscale_factor=1.0 / group_size)
-        for i, value in zip(members, summed):
-            reduced[i] = value
+                                           * wire.dtype.size for i, wire, _ in members))
+        if average:
+            pre, post = 1.0 / predivide, predivide / group_size
+        else:
+            pre, post = 1.0, mesh.size / group_size
+        suffix = "" if dtype == "float32" else f"_{dtype}"
+        with tf.device(options.device_dense):
+            summed = collectives.grouped_allreduce(
+                [wire for _, wire, _ in members], op=hvd.Sum,
+                name=f"{options.name}_sync_{key}{suffix}", process_set=process_set,
+                prescale_factor=pre, postscale_factor=post)
+        for (i, _, ctx), value in zip(members, summed):
+            reduced[i] = compression.decompress(value, ctx)
     return reduced
+
+
+def _mark_synced(grad: Any) -> Any:
+    """Tags a gradient as synced (a DistributedGradientTape's output), so no optimizer
+    syncs it again; tags are Python attributes, so a transformed gradient is a new,
+    untagged tensor."""
+    if grad is not None:
+        try:
+            setattr(grad, _SYNCED_ATTR, True)
+        except (AttributeError, TypeError):
+            pass
+    return grad
+
+
+def _is_synced(grad: Any) -> bool:
+    return bool(getattr(grad, _SYNCED_ATTR, False))
 
 
 def _scaled(grad, factor):
@@ -385,13 +573,17 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
 
 
 def _sync_if_due(optimizer: Any, variables: Sequence[tf.Variable],
-                 mesh: mesh_lib.Mesh) -> None:
+                 mesh: mesh_lib.Mesh, passes_per_step: int = 1) -> None:
     shards = [v for v in variables if weight_sync_every(v) is not None]
     if not shards or mesh.data_parallel == 1:
         return
     every = min(weight_sync_every(v) for v in shards)
-    # every rank has the same step count, so all take the same branch of the cond
-    due = tf.equal(tf.math.floormod(optimizer.iterations, every), 0)
+    # every rank has the same step count, so all take the same branch of the cond;
+    # ``iterations`` counts backward passes, K counts applied steps
+    steps = optimizer.iterations
+    if passes_per_step > 1:
+        steps = tf.math.floordiv(steps, passes_per_step)
+    due = tf.equal(tf.math.floormod(steps, every), 0)
 
     def sync():
         sync_replicas(shards, optimizer, mesh)
@@ -400,27 +592,67 @@ def _sync_if_due(optimizer: Any, variables: Sequence[tf.Variable],
     tf.cond(due, sync, lambda: tf.constant(False))
 
 
+def _tag_shard_state(optimizer: Any, variables: Sequence[tf.Variable],
+                     done: set) -> None:
+    """Tags the optimizer slots of model-parallel shards (at trace time, once they exist),
+    so ``broadcast_variables`` sends them inside the shard's data group. ``done`` holds
+    the (optimizer, shard) pairs already tagged."""
+    for var in variables:
+        if not is_model_parallel(var) or (id(optimizer), var.ref()) in done:
+            continue
+        slots = _optimizer_state_of(optimizer, var)
+        for slot in slots:
+            setattr(slot, _SHARD_STATE_ATTR, True)
+        if slots:
+            done.add((id(optimizer), var.ref()))
+
+
 # ------------------------------------------------------------------ the route
 class GradientRoute:
     """The whole path of a gradient over the mesh (steps 1-5 of the module doc).
 
-    ``DistributedOptimizer`` runs ``apply``; ``DistributedGradientTape`` runs ``sync`` in
-    ``gradient`` and makes its optimizer run ``apply`` (whose sync then finds every
-    gradient already equal to its average).
+    ``DistributedOptimizer`` runs ``apply``, which syncs every gradient no tape synced
+    before. ``DistributedGradientTape`` runs ``sync`` in ``gradient``; an optimizer
+    handed to the tape as ``optimizer=`` gets a route with ``sync_in_apply=False``, whose
+    ``apply`` runs steps 3-5 only. ``backward_passes_per_step=k`` accumulates k calls of
+    ``apply`` before one step (see the module doc).
     """
 
-    def __init__(self, mesh: mesh_lib.Mesh | None = None, embedding_optimizer: Any = None):
+    def __init__(self, mesh: mesh_lib.Mesh | None = None, embedding_optimizer: Any = None,
+                 options: SyncOptions | None = None, backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False, sync_in_apply: bool = True):
         self._mesh = mesh
         self.embedding_optimizer = embedding_optimizer
+        self.options = options or SyncOptions()
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self.sync_in_apply = sync_in_apply
+        # backward_passes_per_step > 1: local sums of the gradients, and the pass count
+        self._accumulators: dict[Any, tf.Variable] = {}
+        self._passes: tf.Variable | None = None
+        self._tagged: set = set()
 
     @property
     def mesh(self) -> mesh_lib.Mesh:
         return self._mesh or mesh_lib.current_mesh()
 
     def sync(self, grads: Sequence[Any], variables: Sequence[tf.Variable],
-             loss_scaling: bool) -> list:
+             loss_scaling: bool, options: SyncOptions | None = None) -> list:
         """Steps 1-2: the sync, then the overflow vote when a loss scale is in use."""
-        grads = allreduce_gradients(grads, variables, self.mesh)
+        grads = allreduce_gradients(grads, variables, self.mesh, options or self.options)
+        if loss_scaling:
+            grads = _agree_on_overflow(grads, self.mesh)
+        return grads
+
+    def _sync_unsynced(self, grads: list, variables: list, loss_scaling: bool) -> list:
+        """Step 1 for the gradients no tape synced; step 2 for all. Every rank runs the
+        vote, whichever gradients it had left to sync."""
+        todo = [i for i, g in enumerate(grads) if g is not None and not _is_synced(g)]
+        synced = allreduce_gradients([grads[i] for i in todo], [variables[i] for i in todo],
+                                     self.mesh, self.options)
+        grads = list(grads)
+        for i, grad in zip(todo, synced):
+            grads[i] = grad
         if loss_scaling:
             grads = _agree_on_overflow(grads, self.mesh)
         return grads
@@ -429,8 +661,15 @@ class GradientRoute:
               *args: Any, **kwargs: Any) -> Any:
         """Steps 1-5; ``apply_fn`` is the optimizer's own ``apply_gradients``."""
         pairs = list(grads_and_vars)
+        if self.backward_passes_per_step > 1:
+            return self._accumulate_then_apply(optimizer, apply_fn, pairs, args, kwargs)
+        return self._apply(optimizer, apply_fn, pairs, args, kwargs)
+
+    def _apply(self, optimizer: Any, apply_fn: Callable, pairs: list, args: tuple,
+               kwargs: dict) -> Any:
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
-        grads = self.sync(grads, variables, _is_loss_scaling(optimizer))
+        if self.sync_in_apply:
+            grads = self._sync_unsynced(grads, variables, _is_loss_scaling(optimizer))
         mesh = self.mesh
         groups = [(optimizer, apply_fn, list(range(len(pairs))))]
         if self.embedding_optimizer is not None:
@@ -451,12 +690,84 @@ class GradientRoute:
             else:
                 results.append(self._apply_unless_skipped(optimizer, apply_group,
                                                           group_pairs))
+        _tag_shard_state(optimizer, variables, self._tagged)
         result = results[0] if results else None
         # weight-sync mode: every K steps (counted after this step) average the replicas
         with tf.control_dependencies([r for r in results if r is not None]
                                      if not tf.executing_eagerly() else []):
-            _sync_if_due(optimizer, variables, mesh)
+            _sync_if_due(optimizer, variables, mesh, self.backward_passes_per_step)
         return result
+
+    # ------------------------------------------------ backward_passes_per_step > 1
+    def _accumulator(self, variable: tf.Variable) -> tf.Variable:
+        key = variable.ref()
+        if key not in self._accumulators:
+            name = variable.name.split(":")[0].replace("/", "_") + "_tfhybrid_accumulated"
+            with tf.init_scope(), tf.device(variable.device or None):
+                self._accumulators[key] = tf.Variable(
+                    tf.zeros(variable.shape, variable.dtype.base_dtype), trainable=False,
+                    name=name)
+        return self._accumulators[key]
+
+    def _pass_counter(self) -> tf.Variable:
+        if self._passes is None:
+            with tf.init_scope():
+                self._passes = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="tfhybrid_backward_passes")
+        return self._passes
+
+    def _accumulate_then_apply(self, optimizer: Any, apply_fn: Callable, pairs: list,
+                               args: tuple, kwargs: dict) -> Any:
+        """Horovod's local gradient aggregation: k calls, one step (see the module doc).
+
+        Every rank calls ``apply_gradients`` equally often, so all take the same branch.
+        IndexedSlices are added into dense accumulators (duplicate rows summed), so the
+        k-th call syncs them dense.
+        """
+        k = self.backward_passes_per_step
+        accumulators = []
+        for grad, var in pairs:
+            if grad is None:
+                accumulators.append(None)
+                continue
+            acc = self._accumulator(var)
+            if isinstance(grad, tf.IndexedSlices):
+                acc.scatter_add(tf.IndexedSlices(tf.cast(grad.values, acc.dtype),
+                                                 grad.indices))
+            else:
+                acc.assign_add(tf.cast(grad, acc.dtype))
+            accumulators.append(acc)
+        # a tape's synced gradients sum to a synced gradient
+        synced = [_is_synced(g) for g, _ in pairs]
+        variables = [v for _, v in pairs]
+        passes = self._pass_counter().assign_add(1)
+
+        def step():
+            summed = []
+            for acc, was_synced in zip(accumulators, synced):
+                if acc is None:
+                    summed.append(None)
+                    continue
+                value = acc.read_value()
+                if self.average_aggregated_gradients:
+                    value = value * tf.cast(1.0 / k, value.dtype)
+                summed.append(_mark_synced(value) if was_synced else value)
+            self._apply(optimizer, apply_fn, list(zip(summed, variables)), args, kwargs)
+            for acc in accumulators:
+                if acc is not None:
+                    acc.assign(tf.zeros_like(acc))
+            self._passes.assign(0)
+            return tf.constant(True)
+
+        def count_pass():
+            # as Horovod's helper: iterations counts every backward pass
+            for owner in (optimizer, self.embedding_optimizer):
+                if owner is not None:
+                    owner.iterations.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(tf.equal(passes, k), step, count_pass)
+        return optimizer.iterations
 
     @staticmethod
     def _apply_unless_skipped(optimizer: Any, apply_fn: Callable, pairs: list) -> Any:
@@ -478,11 +789,20 @@ class DistributedGradientTape:
     """Wraps a ``tf.GradientTape`` so ``gradient`` returns gradients synced over the mesh.
 
     ``gradient`` runs the sync (and, with a loss-scale optimizer or the mixed_float16
-    policy, the overflow vote). Clipping, a separate embedding optimizer and
-    weight-sync mode happen where the optimizer applies: pass the optimizer as
-    ``optimizer=`` and the tape makes its ``apply_gradients`` run the rest of the route
-    (as ``DistributedOptimizer`` does), or apply with a ``DistributedOptimizer``. Weight-
-    sync shards without either raise ``ValueError``.
+    policy, the overflow vote), with Horovod's options: ``op``, ``compression``,
+    ``sparse_as_dense``, ``gradient_predivide_factor``, ``device_dense``,
+    ``device_sparse``, and (accepted, see the module doc) ``num_groups``, ``groups``,
+    ``process_set``, ``scale_local_gradients``. ``op=hvd.Sum`` returns N times the
+    average for every variable, shards included (the module doc says why a shard's sum
+    is M times its data group's sum).
+
+    Clipping, a separate embedding optimizer and weight-sync mode happen where the
+    optimizer applies: pass the optimizer as ``optimizer=`` and the tape makes its
+    ``apply_gradients`` run the rest of the route (steps 3-5: it applies the tape's
+    gradients as they are and never syncs them again), or apply with a
+    ``DistributedOptimizer`` (which syncs only gradients no tape synced: a gradient
+    transformed after the tape is a new tensor, and is synced again). Weight-sync shards
+    without either raise ``ValueError``.
 
     Example (one process)::
 
@@ -499,15 +819,37 @@ class DistributedGradientTape:
     """
 
     def __init__(self, tape: tf.GradientTape, optimizer: Any = None,
-                 mesh: mesh_lib.Mesh | None = None):
+                 mesh: mesh_lib.Mesh | None = None, *, device_dense: str = "",
+                 device_sparse: str = "", compression: Any = hvd.Compression.none,
+                 sparse_as_dense: bool = False, op: Any = hvd.Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: Any = None, process_set: Any = None,
+                 scale_local_gradients: bool = True):
+        if optimizer is not None and not hasattr(optimizer, "apply_gradients"):
+            raise ValueError(
+                f"optimizer={optimizer!r} is not a Keras optimizer; Horovod's options of "
+                "tfhybrid.DistributedGradientTape are keywords (device_dense=..., "
+                "compression=...)")
+        if mesh is not None and not isinstance(mesh, mesh_lib.Mesh):
+            raise ValueError(f"mesh={mesh!r} is not a tfhybrid Mesh; pass Horovod's options "
+                             "by keyword")
         self._tape = tape
         self._optimizer = optimizer
+        self._options = sync_options(
+            op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor, device_dense=device_dense,
+            device_sparse=device_sparse, num_groups=num_groups,
+            groups=groups, process_set=process_set,
+            scale_local_gradients=scale_local_gradients)
         if optimizer is not None:
             _route_optimizer(optimizer, mesh)
         # the optimizer's own route where it has one, so both halves share one object
         self._route = getattr(optimizer, "_tfhybrid_route", None) or GradientRoute(mesh)
 
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=None,
+                 **kwargs):
+        """Synced gradients. ``use_generic_names`` (Horovod's) is accepted: tfhybrid's
+        collectives always have generic, rank-independent names."""
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources = tf.nest.flatten(sources)
         if self._optimizer is None and any(weight_sync_every(v) is not None
@@ -521,8 +863,9 @@ class DistributedGradientTape:
             loss_scaling = _is_loss_scaling(self._optimizer)
         else:
             loss_scaling = tf.keras.mixed_precision.global_policy().name == "mixed_float16"
-        flat_grads = self._route.sync(tf.nest.flatten(grads), flat_sources, loss_scaling)
-        return tf.nest.pack_sequence_as(grads, flat_grads)
+        flat_grads = self._route.sync(tf.nest.flatten(grads), flat_sources, loss_scaling,
+                                      self._options)
+        return tf.nest.pack_sequence_as(grads, [_mark_synced(g) for g in flat_grads])
 
     def __enter__(self):
         self._tape.__enter__()
@@ -535,11 +878,20 @@ class DistributedGradientTape:
         return getattr(self._tape, name)
 
 
+def _keep_table_state_in_checkpoints(optimizer: Any) -> None:
+    """Checkpoints keep the optimizer's slots of DistributedEmbedding tables under
+    mesh-independent names, so they restore onto another mesh
+    (tfhybrid/layers/_checkpointing.py)."""
+    from tfhybrid.layers import _checkpointing   # tfhybrid.layers imports this module
+    _checkpointing.attach_optimizer(optimizer)
+
+
 def _route_optimizer(optimizer: Any, mesh: mesh_lib.Mesh | None) -> None:
-    """Makes ``optimizer.apply_gradients`` run the route's steps (once per optimizer)."""
+    """Makes ``optimizer.apply_gradients`` run the route's steps 3-5 (once per optimizer):
+    the tape that was given the optimizer has synced its gradients already."""
     if getattr(optimizer, "_tfhybrid_route", None) is not None:
         return
-    route = GradientRoute(mesh)
+    route = GradientRoute(mesh, sync_in_apply=False)
     own_apply = optimizer.apply_gradients
 
     def apply_gradients(grads_and_vars, *args, **kwargs):
@@ -547,6 +899,7 @@ def _route_optimizer(optimizer: Any, mesh: mesh_lib.Mesh | None) -> None:
 
     optimizer._tfhybrid_route = route
     optimizer.apply_gradients = apply_gradients
+    _keep_table_state_in_checkpoints(optimizer)
 
 
 # -------------------------------------------------------------- optimizer
@@ -565,7 +918,15 @@ class _RoutedApply:
 
 def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                          mesh: mesh_lib.Mesh | None = None,
-                         embedding_optimizer: tf.keras.optimizers.Optimizer | None = None):
+                         embedding_optimizer: tf.keras.optimizers.Optimizer | None = None,
+                         *, name: str | None = None, device_dense: str = "",
+                         device_sparse: str = "", compression: Any = hvd.Compression.none,
+                         sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op: Any = hvd.Average,
+                         backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, process_set: Any = None,
+                         scale_local_gradients: bool = True, use_locking: bool = False):
     """Returns a copy of a Keras optimizer whose ``apply_gradients`` runs the whole route.
 
     Works in custom loops and in ``model.fit`` (which calls ``apply_gradients``). Under
@@ -574,6 +935,16 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
     gradients overflow. ``embedding_optimizer`` (row-wise AdaGrad, say) then applies the
     gradients of ``DistributedEmbedding``'s tables, and ``optimizer`` those of every
     other variable; each clips with its own settings over its own variables.
+
+    Horovod's keywords (``horovod.tensorflow.keras.DistributedOptimizer``'s, and
+    ``use_locking`` of ``horovod.tensorflow``'s) keep Horovod's meaning; the module doc
+    lists them. In short: ``op=hvd.Sum`` makes every gradient N times the average (for a
+    shard, M times the sum over its data group, since the layer already scaled it by
+    1/M); ``compression`` sends gradients compressed; ``sparse_as_dense`` densifies
+    IndexedSlices first; ``backward_passes_per_step=k`` sums k calls' local gradients
+    (divided by k with ``average_aggregated_gradients``) and steps on every k-th call,
+    while ``iterations`` counts every call. Gradients a ``DistributedGradientTape``
+    returned are not synced again.
 
     Example (one process)::
 
@@ -586,6 +957,25 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
         w = tf.Variable([1.0])
         opt.apply_gradients([(tf.constant([1.0]), w)])   # w == [0.9] on one rank
     """
+    if mesh is not None and not isinstance(mesh, mesh_lib.Mesh):
+        raise ValueError(
+            f"mesh={mesh!r} is not a tfhybrid Mesh: tfhybrid.DistributedOptimizer's second "
+            "argument is the mesh; pass Horovod's options by keyword (name=..., "
+            "compression=...)")
+    options = sync_options(
+        op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, device_dense=device_dense,
+        device_sparse=device_sparse, name=name, num_groups=num_groups, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if isinstance(backward_passes_per_step, bool) or not isinstance(
+            backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an "
+                         "int >= 1")
+    if not isinstance(average_aggregated_gradients, bool):
+        raise ValueError(f"average_aggregated_gradients={average_aggregated_gradients!r} "
+                         "must be True or False")
+    if use_locking:
+        _log_once("tfhybrid: use_locking=True is ignored: Keras optimizers take no locks")
     if embedding_optimizer is not None:
         if _is_loss_scaling(embedding_optimizer) or isinstance(embedding_optimizer,
                                                                _RoutedApply):
@@ -598,29 +988,109 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                              "optimizer")
     if isinstance(optimizer, _RoutedApply):
         raise ValueError("optimizer is already a tfhybrid.DistributedOptimizer")
+    if not hasattr(optimizer, "apply_gradients") or not hasattr(optimizer, "get_config"):
+        raise ValueError(f"optimizer={optimizer!r} is not a Keras optimizer")
     if (tf.keras.mixed_precision.global_policy().name == "mixed_float16"
             and not _is_loss_scaling(optimizer)):
         # Keras would wrap us in a loss-scale optimizer whose skip decision is local;
         # wrapping it inside lets every rank agree on each skip (_agree_on_overflow).
         optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
     base = optimizer.__class__
-    route = GradientRoute(mesh, embedding_optimizer)
+    route = GradientRoute(mesh, embedding_optimizer, options, backward_passes_per_step,
+                          average_aggregated_gradients)
     cls = type(base.__name__, (_RoutedApply, base), {"_tfhybrid_route": route})
     routed = cls.from_config(optimizer.get_config())
     if embedding_optimizer is not None:
         # an attribute, so checkpoints of the optimizer track its slots too
         routed._tfhybrid_embedding_optimizer = embedding_optimizer
+    _keep_table_state_in_checkpoints(routed)
     return routed
 
 
 # -------------------------------------------------------------- broadcast
-def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
-                        mesh: mesh_lib.Mesh | None = None) -> None:
-    """Makes every copy of every variable equal to its root's.
+def _optimizer_variables(optimizer: Any) -> list:
+    """An optimizer's variables (new Keras: a property; legacy: a method), with those of
+    a DistributedOptimizer's embedding optimizer."""
+    if optimizer is None:
+        return []
+    found = optimizer.variables
+    found = list(found() if callable(found) and not isinstance(found, list) else found)
+    embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
+    if embedding_optimizer is not None:
+        found += _optimizer_variables(embedding_optimizer)
+    return found
 
-    Dense variables come from global ``root_rank``; model-parallel shards come from the
-    first member (replica 0) of their data group, since the root itself may not hold
-    them. Every rank must call it with its variables in the same order.
+
+def _lives_on_one_position(variables: Sequence[tf.Variable]) -> list[bool]:
+    """Which variables are shards or their optimizer slots: one copy per replica.
+
+    Slots are known by the tag the route sets when it first applies, or else by name (a
+    slot's name holds its variable's, as Keras and tfhybrid's optimizers name them).
+    """
+    flags = [is_model_parallel(v) or bool(getattr(v, _SHARD_STATE_ATTR, False))
+             for v in variables]
+    patterns = [re.compile(r"(^|/)" + re.escape(v._shared_name) + r"(/|:|$)")
+                for v in variables if is_model_parallel(v) and hasattr(v, "_shared_name")]
+    if patterns:
+        for j, var in enumerate(variables):
+            if not flags[j] and any(p.search(var.name) for p in patterns):
+                flags[j] = True
+    return flags
+
+
+def _signature(variables: Sequence[tf.Variable]) -> list[tuple]:
+    return [(v.name, tuple(v.shape.as_list()), v.dtype.base_dtype.name) for v in variables]
+
+
+def _check_broadcast_lists(replicated: list, shards: list, mesh: mesh_lib.Mesh) -> None:
+    """Raises ``ValueError`` on every rank alike unless all ranks pass equal variable lists
+    (shapes and dtypes; shards: equal inside each data group): a broadcast of mismatched
+    lists would hang or mix variables up."""
+    everyone = hvd.allgather_object(
+        (mesh.model_position, _signature(replicated), _signature(shards)),
+        name="tfhybrid_broadcast_check")
+    # every rank runs the same comparisons on the same lists, so all raise alike
+    first_of_position: dict[int, int] = {}
+    for rank, (position, replicated_sig, shard_sig) in enumerate(everyone):
+        first = first_of_position.setdefault(position, rank)
+        for kind, other, want, got in (("replicated", 0, everyone[0][1], replicated_sig),
+                                       ("model-parallel", first, everyone[first][2],
+                                        shard_sig)):
+            if [s[1:] for s in want] == [s[1:] for s in got]:
+                continue
+            detail = (f"it passes {len(got)} {kind} variables, rank {other} passes "
+                      f"{len(want)}")
+            for j, (a, b) in enumerate(zip(want, got)):
+                if a[1:] != b[1:]:
+                    detail = (f"its {kind} variable #{j} is {b[0]!r} {list(b[1])} {b[2]}, "
+                              f"rank {other}'s is {a[0]!r} {list(a[1])} {a[2]}")
+                    break
+            raise ValueError(
+                f"broadcast_variables: rank {rank}'s variables differ from rank {other}'s: "
+                f"{detail}; every rank must pass its variables in the same order")
+
+
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
+                        mesh: mesh_lib.Mesh | None = None, *, process_set: Any = None,
+                        inplace: bool = False) -> None:
+    """Makes every copy of every variable equal to the copy in ``root_rank``'s replica.
+
+    As DE's ``broadcast_variables`` (which replaces Horovod's for hybrid models), and
+    typically called after the first step with the model's and the optimizer's
+    variables:
+
+    - replicated variables (dense layers, data-parallel tables, their optimizer slots,
+      ``iterations``, loss scales) come from global rank ``root_rank``;
+    - a model-parallel shard and its optimizer slots are broadcast inside the shard's
+      data group only, from the member in ``root_rank``'s replica (the root itself may
+      hold other shards). With D = 1 each shard has one copy and is left alone, as DE
+      leaves its model-parallel variables alone. After it every replica is the same model,
+      so every rank's outputs match.
+
+    The layer's empty alltoall anchor is skipped. Every rank must call it with its
+    variables in the same order; eagerly, mismatched lists raise ``ValueError`` on every
+    rank (instead of a hang). ``process_set`` (Horovod's) may only be the global set;
+    ``inplace`` is accepted (variables are always assigned in place).
 
     Example (one process: every variable is already its own root's)::
 
@@ -630,15 +1100,40 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
         tfhybrid.broadcast_variables([tf.Variable([1.0])])
     """
     mesh = mesh or mesh_lib.current_mesh()
-    dense = [v for v in variables if not is_model_parallel(v)]
-    shards = [v for v in variables if is_model_parallel(v)]
-    if not 0 <= root_rank < mesh.size:
-        raise ValueError(f"root_rank={root_rank} is not a rank in [0, {mesh.size})")
-    # Horovod's root_rank is a global rank, also inside a process set
-    if mesh.size > 1:
-        for var in dense:
-            var.assign(hvd.broadcast(var, root_rank, process_set=hvd.global_process_set))
-    if mesh.data_parallel > 1:
-        for var in shards:
-            var.assign(hvd.broadcast(var, mesh.data_group_ranks[0],
-                                     process_set=mesh.data_process_set))
+    if not _is_global_process_set(process_set):
+        raise ValueError(f"process_set={process_set!r} is not supported: tfhybrid broadcasts "
+                         "replicated variables over all ranks and shards over their data "
+                         "groups")
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not (
+            0 <= root_rank < mesh.size):
+        raise ValueError(f"root_rank={root_rank!r} is not a rank in [0, {mesh.size})")
+    variables = list(variables)
+    one_position = _lives_on_one_position(variables)
+    replicated, shards = [], []
+    for var, local in zip(variables, one_position):
+        if getattr(var, _LOCAL_ONLY_ATTR, False) or var.shape.num_elements() == 0:
+            continue
+        (shards if local else replicated).append(var)
+    if mesh.size == 1:
+        return
+    if tf.executing_eagerly():
+        _check_broadcast_lists(replicated, shards, mesh)
+    # Horovod's root_rank is a global rank, also inside a process set: a shard's root is
+    # the member of its data group in root_rank's replica
+    root_replica = next(d for d, group in enumerate(mesh.model_groups) if root_rank in group)
+    shard_root = mesh.model_groups[root_replica][mesh.model_position]
+
+    def assign_all():
+        for var in replicated:
+            var.assign(collectives.broadcast(var, root_rank, "tfhybrid_broadcast",
+                                             hvd.global_process_set))
+        if mesh.data_parallel > 1:
+            for var in shards:
+                var.assign(collectives.broadcast(var, shard_root, "tfhybrid_broadcast_shard",
+                                                 mesh.data_process_set))
+
+    if tf.executing_eagerly():
+        # one function, so Horovod negotiates (and fuses) the broadcasts together
+        tf.function(assign_all)()
+    else:
+        assign_all()
