@@ -243,6 +243,15 @@ class DeCompatTest(tf.test.TestCase):
             for other in tf.unstack(gathered)[1:]:
                 self.assertAllEqual(other, gathered[0])
 
+    def test_whole_model_save_on_many_ranks_is_refused(self):
+        inputs = [tf.keras.Input([], dtype=tf.int64) for _ in TABLES[:2]]
+        outputs = tfhybrid.DistributedEmbedding(de.make_layers(TABLES[:2]))(inputs)
+        model = tf.keras.Model(inputs, tf.keras.layers.Concatenate()(outputs))
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in (os.path.join(tmp, "saved"), os.path.join(tmp, "m.keras")):
+                with self.assertRaisesRegex(ValueError, "save_weights"):
+                    model.save(path)
+
     def test_set_weights_before_build(self):
         layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES))
         with self.assertRaises(ValueError):

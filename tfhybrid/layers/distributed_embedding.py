@@ -1055,8 +1055,25 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         from tfhybrid.layers import _checkpointing
+        if save_type != "checkpoint" and getattr(self._mesh, "size", 1) > 1:
+            self._refuse_whole_model_save("a SavedModel (model.save, or ModelCheckpoint "
+                                          "with save_weights_only=False)")
         return _checkpointing.layer_children(
             self, super()._trackable_children(save_type, **kwargs), save_type)
+
+    def save_own_variables(self, store):
+        # Keras' .keras format: each rank would write its own shards to the same file
+        if getattr(self._mesh, "size", 1) > 1:
+            self._refuse_whole_model_save("a .keras file (model.save)")
+        super().save_own_variables(store)
+
+    def _refuse_whole_model_save(self, what: str) -> None:
+        raise ValueError(
+            f"DistributedEmbedding {self.name!r}: saving {what} on {self._mesh.size} ranks "
+            "would have every rank write its own shards to one file. Save the weights "
+            "instead (model.save_weights, tf.train.Checkpoint, ModelCheckpoint("
+            "save_weights_only=True) or BackupAndRestore: every rank, same path), which "
+            "restore onto any mesh; for serving, export a single-process model")
     # ---------------------------------------- end of the checkpoints block
 
 
