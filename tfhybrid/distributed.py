@@ -1029,11 +1029,15 @@ def _lives_on_one_position(variables: Sequence[tf.Variable]) -> list[bool]:
     """
     flags = [is_model_parallel(v) or bool(getattr(v, _SHARD_STATE_ATTR, False))
              for v in variables]
-    patterns = [re.compile(r"(^|/)" + re.escape(v._shared_name) + r"(/|:|$)")
-                for v in variables if is_model_parallel(v) and hasattr(v, "_shared_name")]
+    shard_names = {v._shared_name for v in variables
+                   if is_model_parallel(v) and hasattr(v, "_shared_name")}
+    patterns = [re.compile(r"(^|/)" + re.escape(name) + r"(/|:|$)") for name in shard_names]
     if patterns:
         for j, var in enumerate(variables):
-            if not flags[j] and any(p.search(var.name) for p in patterns):
+            # a slot's name holds its variable's and more; a variable that merely has the
+            # same name (plain tf.Variables are all "Variable") is not a slot
+            if (not flags[j] and var.name.split(":")[0] not in shard_names
+                    and any(p.search(var.name) for p in patterns)):
                 flags[j] = True
     return flags
 
