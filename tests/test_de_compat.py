@@ -163,6 +163,28 @@ class DeCompatTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "gpu_embedding_size=-1"):
             tfhybrid.DistributedEmbedding(de.make_layers(TABLES), gpu_embedding_size=-1)
 
+    def test_gpu_embedding_size_puts_tables_past_the_budget_in_host_memory(self):
+        # the placement rule, as on a GPU machine (this one has none: GPUs are faked)
+        real = tf.config.list_logical_devices
+        tf.config.list_logical_devices = lambda kind=None: (
+            ["/GPU:0"] if kind == "GPU" else real(kind))
+        try:
+            layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES), strategy="basic",
+                                                  gpu_embedding_size=0)
+            layer.strategy
+            position = layer._mesh.model_position
+            self.assertTrue(all(layer._memory_tiers(position).values()))
+            first = [4 * r * d for t, (r, d) in enumerate(TABLES)
+                     if layer.plan.tables[t].shards[0].owner == position][0]
+            layer.gpu_embedding_size = first
+            tiers = list(layer._memory_tiers(position).values())
+            self.assertEqual(tiers, [False] + [True] * (len(tiers) - 1))
+            with self.assertLogs("tfhybrid", logging.INFO) as logs:
+                layer([tf.zeros([2], tf.int64)] * len(TABLES))
+            self.assertIn("live in host memory", "\n".join(logs.output))
+        finally:
+            tf.config.list_logical_devices = real
+
     def test_custom_embedding_layer(self):
         layer = de.run_step(
             self, TABLES, strategy="basic",
