@@ -179,6 +179,7 @@ class DeCompatTest(tf.test.TestCase):
             layer.gpu_embedding_size = first
             tiers = list(layer._memory_tiers(position).values())
             self.assertEqual(tiers, [False] + [True] * (len(tiers) - 1))
+            layer.gpu_embedding_size = 0   # every rank then has a table on the host
             with self.assertLogs("tfhybrid", logging.INFO) as logs:
                 layer([tf.zeros([2], tf.int64)] * len(TABLES))
             self.assertIn("live in host memory", "\n".join(logs.output))
