@@ -264,7 +264,20 @@ class _LayerSlots(trackable_base.Trackable):
         return factories
 
 
-class _WithoutTableSlots(trackable_base.Trackable):
+class _DerivedChildren(trackable_base.Trackable):
+    """A checkpoint node whose children are computed (``_trackable_children``), so a
+    lookup asks that, and a restore that ran before they existed reaches them later."""
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        children = cached_dependencies or self._trackable_children()
+        return children.get(name)
+
+    def restore_deferred(self) -> None:
+        for name, child in self._trackable_children().items():
+            self._handle_deferred_dependencies(name, child)
+
+
+class _WithoutTableSlots(_DerivedChildren):
     """An optimizer's tracked list, minus the slots of tables, numbered as a list.
 
     It stands in for the list in checkpoints: the other entries (iterations, the slots
@@ -282,16 +295,9 @@ class _WithoutTableSlots(trackable_base.Trackable):
     def _trackable_children(self, save_type=trackable_base.SaveType.CHECKPOINT, **kwargs):
         return {str(i): v for i, v in enumerate(self.entries())}
 
-    def _lookup_dependency(self, name, cached_dependencies=None):
-        children = cached_dependencies or self._trackable_children()
-        return children.get(name)
-
-    def restore_deferred(self) -> None:
-        for name, entry in self._trackable_children().items():
-            self._handle_deferred_dependencies(name, entry)
 
 
-class _TableSlots(trackable_base.Trackable):
+class _TableSlots(_DerivedChildren):
     """The optimizer's ``tfhybrid_table_slots`` node: ``layer_<k>`` per layer it holds
     table slots of, k in the order the optimizer holds them (the same on every mesh:
     every rank holds each layer's anchor)."""
@@ -312,13 +318,6 @@ class _TableSlots(trackable_base.Trackable):
             children[f"layer_{k}"] = self._children[layer]
         return children
 
-    def _lookup_dependency(self, name, cached_dependencies=None):
-        children = cached_dependencies or self._trackable_children()
-        return children.get(name)
-
-    def restore_deferred(self) -> None:
-        for name, child in self._trackable_children().items():
-            self._handle_deferred_dependencies(name, child)
 
 
 class _OptimizerState:
