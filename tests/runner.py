@@ -60,6 +60,11 @@ def declared_sizes(path: str) -> tuple[int, ...]:
     return (1,)
 
 
+def missing_ranks(reports: dict, size: int) -> list[int]:
+    """Ranks that wrote no report (they died or never started)."""
+    return sorted(set(range(size)) - set(reports))
+
+
 def run_module(path: str, size: int, python: str, log_path: str
                ) -> tuple[dict[str, dict], str]:
     """Runs one module at one size; returns ({test_id: outcome}, a crash message).
@@ -105,7 +110,11 @@ def run_module(path: str, size: int, python: str, log_path: str
                 seen["detail"] += f"--- rank {rank} ---\n{outcome['detail']}\n"
             elif outcome["status"] == "skip" and seen["status"] == "pass":
                 seen["status"], seen["detail"] = "skip", outcome["detail"]
-    missing = sorted(set(range(size)) - set(reports))
+    if crash.startswith("exit code") and not missing_ranks(reports, size) and any(
+            seen["status"] == "fail" for seen in merged.values()):
+        # a rank exits non-zero because a test failed: that failure is already counted
+        crash = ""
+    missing = missing_ranks(reports, size)
     if missing:
         crash = (crash + "; " if crash else "") + f"no report from rank(s) {missing}"
     return merged, crash

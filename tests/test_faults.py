@@ -107,13 +107,25 @@ class FaultTest(tf.test.TestCase):
         self.addCleanup(shutil.rmtree, self.work, ignore_errors=True)
 
     def assertJobFailed(self, code, output, end, cause, fault_line):
-        """Every rank exited non-zero, the output names ``cause``, and the job ended
-        within ENDS_WITHIN_S of the first line containing ``fault_line``."""
+        """Every rank ended without success, the output names ``cause``, and the job
+        ended within ENDS_WITHIN_S of the first line containing ``fault_line``.
+
+        A rank ends either with its own non-zero exit or, when another rank failed
+        first, by horovodrun's "Terminating remaining workers"; which of the two comes
+        first is a race, and horovodrun does not report the exit of a rank it ended.
+        """
         tail = output[-6000:]
         self.assertNotEqual(code, 0, tail)
         exits = _rank_exit_codes(output)
-        self.assertEqual(sorted(exits), list(range(RANKS)), tail)
+        self.assertTrue(exits, tail)
         self.assertNotIn(0, exits.values(), tail)
+        terminated = re.search(r"Terminating remaining workers after failure of "
+                               r"Process (\d+)", output)
+        if sorted(exits) != list(range(RANKS)):
+            self.assertIsNotNone(terminated, tail)
+            self.assertIn(int(terminated.group(1)), exits, tail)
+        # no rank finished training: none printed the final results line
+        self.assertNotIn("eval: AUC", output, tail)
         self.assertIn(cause, output, tail)
         ended_after = end - _first_stamp(output, fault_line)
         print(f"{cause!r}: the job ended {ended_after:.0f} s after {fault_line!r}")
