@@ -29,13 +29,19 @@ if [ -f "$VENV/.tfhybrid-setup" ] && [ "$(cat "$VENV/.tfhybrid-setup")" = "$STAM
   exit 0
 fi
 
-step "system packages (g++, cmake, make)"
+step "system packages (g++, cmake, make; iproute2 and openssh for the emulated cluster)"
+# command -> Debian package; the emulated multi-node cluster (tfhybrid/testing/cluster.py)
+# needs ip, tc, ssh, ssh-keygen and sshd
 missing=()
-for tool in g++ cmake make; do command -v "$tool" >/dev/null 2>&1 || missing+=("$tool"); done
+for pair in g++:g++ cmake:cmake make:make ip:iproute2 tc:iproute2 ssh:openssh-client \
+            ssh-keygen:openssh-client /usr/sbin/sshd:openssh-server; do
+  command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair##*:}")
+done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then echo "need root to apt-get install: ${missing[*]}" >&2; false; fi
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ cmake make
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    $(printf '%s\n' "${missing[@]}" | sort -u)
 fi
 # horovod's gloo build rejects CMake 4 unless told the policy floor.
 export CMAKE_POLICY_VERSION_MINIMUM=3.5

@@ -64,6 +64,8 @@ def _flatten(suite):
 
 def main(argv: list[str]) -> int:
     path, report_dir = argv[1], argv[2]
+    # optional: only the tests whose id contains one of these (e.g. "ParityTest.test_x")
+    selected = argv[3:]
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
@@ -78,7 +80,8 @@ def main(argv: list[str]) -> int:
         suite = unittest.TestSuite(
             test for test in _flatten(unittest.defaultTestLoader.loadTestsFromModule(module))
             # tf.test.TestCase inherits a deprecated `test_session` that only skips
-            if test.id().rsplit(".", 1)[-1] != "test_session")
+            if test.id().rsplit(".", 1)[-1] != "test_session"
+            and (not selected or any(name in test.id() for name in selected)))
         result = unittest.TextTestRunner(
             stream=sys.stderr, verbosity=2 if rank == 0 else 0,
             resultclass=_RecordingResult).run(suite)

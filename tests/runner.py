@@ -49,20 +49,53 @@ def discover() -> list[str]:
     return files
 
 
-def declared_sizes(path: str) -> tuple[int, ...]:
-    """Reads ``HOROVOD_NP`` without importing the module (imports cost seconds)."""
+def _declared(path: str, name: str):
+    """A module-level constant's value, read without importing the module (imports
+    cost seconds); None when the module does not set it."""
     tree = ast.parse(open(path).read(), path)
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "HOROVOD_NP" for t in node.targets):
-            sizes = ast.literal_eval(node.value)
-            return tuple(int(n) for n in sizes)
-    return (1,)
+                isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
 
 
-def missing_ranks(reports: dict, size: int) -> list[int]:
-    """Ranks that wrote no report (they died or never started)."""
-    return sorted(set(range(size)) - set(reports))
+def declared_sizes(path: str) -> tuple[int, ...]:
+    """The module's ``HOROVOD_NP`` (the rank counts to run it at), default (1,)."""
+    sizes = _declared(path, "HOROVOD_NP")
+    return (1,) if sizes is None else tuple(int(n) for n in sizes)
+
+
+def declared_timeout(path: str, size: int) -> int:
+    """The module's ``RUN_TIMEOUT_S`` (a module that starts its own jobs may need more
+    than one run's default), else the default for its size."""
+    timeout = _declared(path, "RUN_TIMEOUT_S")
+    if timeout is not None:
+        return int(timeout)
+    return SINGLE_TIMEOUT_S if size == 1 else MULTI_TIMEOUT_S
+
+
+def read_reports(report_dir: str, size: int) -> tuple[dict[str, dict], list[int]]:
+    """Merges the ranks' reports: ({test_id: outcome}, ranks that wrote none).
+
+    A test passes only if it passed on every rank; the details of every failing rank
+    are kept.
+    """
+    reports = {}
+    for rank in range(size):
+        report = os.path.join(report_dir, f"rank{rank}.json")
+        if os.path.exists(report):
+            reports[rank] = json.load(open(report))["tests"]
+    merged: dict[str, dict] = {}
+    for rank, tests in sorted(reports.items()):
+        for test_id, outcome in tests.items():
+            seen = merged.setdefault(test_id, {"status": "pass", "detail": ""})
+            if outcome["status"] == "fail":
+                seen["status"] = "fail"
+                seen["detail"] += f"--- rank {rank} ---\n{outcome['detail']}\n"
+            elif outcome["status"] == "skip" and seen["status"] == "pass":
+                seen["status"], seen["detail"] = "skip", outcome["detail"]
+    return merged, sorted(set(range(size)) - set(reports))
 
 
 def run_module(path: str, size: int, python: str, log_path: str
@@ -75,13 +108,13 @@ def run_module(path: str, size: int, python: str, log_path: str
     env = dict(os.environ, **TEST_ENV)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     inner = [python, os.path.join(ROOT, "tests", "_rank_main.py"), path, report_dir]
+    timeout = declared_timeout(path, size)
     if size == 1:
-        cmd, timeout = inner, SINGLE_TIMEOUT_S
+        cmd = inner
     else:
         horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
         cmd = [horovodrun, "-np", str(size), "-H", f"localhost:{size}", "--gloo",
                "--start-timeout", "60"] + inner
-        timeout = MULTI_TIMEOUT_S
     crash = ""
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
@@ -95,26 +128,12 @@ def run_module(path: str, size: int, python: str, log_path: str
         proc.wait()
         crash = f"killed after {timeout} s"
     log.close()
-    reports = {}
-    for rank in range(size):
-        report = os.path.join(report_dir, f"rank{rank}.json")
-        if os.path.exists(report):
-            reports[rank] = json.load(open(report))["tests"]
+    merged, missing = read_reports(report_dir, size)
     shutil.rmtree(report_dir, ignore_errors=True)
-    merged: dict[str, dict] = {}
-    for rank, tests in sorted(reports.items()):
-        for test_id, outcome in tests.items():
-            seen = merged.setdefault(test_id, {"status": "pass", "detail": ""})
-            if outcome["status"] == "fail":
-                seen["status"] = "fail"
-                seen["detail"] += f"--- rank {rank} ---\n{outcome['detail']}\n"
-            elif outcome["status"] == "skip" and seen["status"] == "pass":
-                seen["status"], seen["detail"] = "skip", outcome["detail"]
-    if crash.startswith("exit code") and not missing_ranks(reports, size) and any(
+    if crash.startswith("exit code") and not missing and any(
             seen["status"] == "fail" for seen in merged.values()):
         # a rank exits non-zero because a test failed: that failure is already counted
         crash = ""
-    missing = missing_ranks(reports, size)
     if missing:
         crash = (crash + "; " if crash else "") + f"no report from rank(s) {missing}"
     return merged, crash

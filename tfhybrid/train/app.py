@@ -618,7 +618,8 @@ def run(config: TrainConfig) -> dict:
     with _explain_shutdown(mesh.rank, stall):
         results = evaluate(model, eval_data, mesh)
     results.update(
-        model=config.model, dataset=config.dataset, mesh=list(mesh.shape), steps=last_step,
+        model=config.model, dataset=config.dataset, mesh=list(mesh.shape), layout=mesh.layout,
+        steps=last_step,
         global_batch=config.batch_size,
         train_loss=train_loss,
         samples_per_second=throughput.samples_per_second(), best_auc=spec.best_auc,

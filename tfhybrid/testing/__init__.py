@@ -1,0 +1,1 @@
+"""Test and benchmark harnesses (not part of the training API)."""
