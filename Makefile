@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test run bench clean
+.PHONY: setup test run bench bench-setup clean
 
 setup:
 	@bash scripts/setup.sh
@@ -20,5 +20,21 @@ run: setup
 	@OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/horovodrun -np 4 -H localhost:4 --gloo \
 		$(PY) -m tfhybrid.train $(RUN_FLAGS)
 
+# Optional: FBGEMM's CPU TBE, the kernel anchor of benchmarks/optimizer_apply.py, in a venv of
+# its own so the TF venv never imports torch. fbgemm-gpu-cpu 1.8.0 is built against torch 2.13
+# (the compatibility table in its fbgemm_gpu/__init__.py; its metadata names no torch), and
+# torch 2.13.0 is the CPU wheel on this machine's disk: installed first, by exact version, so
+# nothing pulls a multi-GB CUDA build of a newer torch.
+BENCH_VENV := .venv-bench
+BENCH_TORCH := torch==2.13.0
+BENCH_FBGEMM := fbgemm-gpu-cpu==1.8.0
+bench-setup: $(BENCH_VENV)/.bench-setup
+$(BENCH_VENV)/.bench-setup: Makefile
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q $(BENCH_TORCH)
+	$(BENCH_VENV)/bin/pip install -q $(BENCH_FBGEMM) numpy $(BENCH_TORCH)
+	$(BENCH_VENV)/bin/python -c "import torch, fbgemm_gpu; print('bench-setup: torch', torch.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) .test-reports tfhybrid/custom_ops/_tfhybrid_ops.so
+	rm -rf $(VENV) $(BENCH_VENV) .test-reports tfhybrid/custom_ops/_tfhybrid_ops.so

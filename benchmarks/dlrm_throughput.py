@@ -1,19 +1,26 @@
-"""DLRM training throughput (samples/s after warm-up) in NVIDIA's TF2 DLRM configuration.
+"""DLRM training step time and samples/s through model.fit, tfhybrid vs plain Keras, in one run.
 
-The configuration of NVIDIA's TF2 DLRM example: Criteo-1TB's 26 tables capped at
-1,000,000 rows, embedding dim 128, bottom MLP 512-256-128, top MLP 1024-1024-512-256-1,
-global batch 4096, SGD. Each case runs in its own job (``horovodrun`` for two
-processes) through ``model.fit``, as a user would train:
+The model of NVIDIA's TF2 DLRM example: Criteo-1TB's 26 tables capped at --max_table_rows
+rows, embedding dim 128, 13 dense features, bottom MLP 512-256-128, top MLP
+1024-1024-512-256-1, dot interaction, global batch 4096, SGD(0.01), binary cross-entropy.
+Every case trains that model through ``model.fit`` in its own job (``horovodrun`` for two
+processes), on the same cycled synthetic batches:
 
-- meshes: 1 process, 2x1 (two data-parallel replicas) and 1x2 (tables split over two ranks);
-- fp32 and bf16 (``mixed_bfloat16``), with and without XLA-compiled dense towers.
+- ``keras:<precision>[:xla]``: the baseline, measured in the same run: the same model with
+  whole ``tf.keras.layers.Embedding`` tables in one process (``DLRM(distributed=False)``),
+  plain ``tf.keras.optimizers.legacy.SGD(0.01)``; no Horovod, no tfhybrid kernels;
+- ``DxM:<precision>[:xla]``: tfhybrid, tables in a DistributedEmbedding on a D x M mesh,
+  ``tfhybrid.DistributedOptimizer(SGD(0.01))``, tfhybrid's default callbacks.
 
-The baseline of every ratio is the 1-process fp32 run without XLA of the same run.
-NVIDIA's own code is not run here, so no ratio to it is printed: a figure of it from
-another day would not be a measurement (issue 13's benchmarks run it in the same run).
+Each process gets cores / processes intra- and inter-op threads. Per case it prints the
+median step time with its spread over the timed steps (rank 0's step ends; ranks move in
+lockstep through their collectives) and samples/s at the median step time, and the ratio
+of medians to the baseline case of this run. NVIDIA's own TF2 DLRM is not run here (its
+code is not installed on this machine), so nothing is compared with it: published figures
+belong in the README, with their source.
 
-Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--steps 30] [--warmup 5]
-           [--cases 1x1:fp32,1x1:bf16:xla,...] [--max_table_rows 1000000]
+Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--quick] [--steps 30] [--warmup 5]
+           [--cases keras:fp32,1x1:fp32,1x2:bf16:xla,...] [--max_table_rows 1000000]
 """
 
 from __future__ import annotations
@@ -24,120 +31,192 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CASES = tuple(f"{mesh}:{precision}{xla}" for mesh in ("1x1", "2x1", "1x2")
-                      for precision in ("fp32", "bf16") for xla in ("", ":xla"))
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCHMARKS)
+sys.path.insert(0, BENCHMARKS)
+import _stats  # noqa: E402  (after the path it lives in)
+
+BASELINE_MESH = "keras"
+DEFAULT_CASES = (f"{BASELINE_MESH}:fp32",) + tuple(
+    f"{mesh}:{precision}{xla}" for mesh in ("1x1", "2x1", "1x2")
+    for precision in ("fp32", "bf16") for xla in ("", ":xla"))
+FULL = dict(cases=",".join(DEFAULT_CASES), steps=30, warmup=5, batch=4096,
+            max_table_rows=1_000_000)
+QUICK = dict(cases=f"{BASELINE_MESH}:fp32,1x1:fp32,1x2:fp32", steps=8, warmup=3, batch=512,
+             max_table_rows=10_000)
+EMBEDDING_DIM, DENSE_FEATURES = 128, 13
+BOTTOM_MLP, TOP_MLP = [512, 256, 128], [1024, 1024, 512, 256, 1]
+LEARNING_RATE = 0.01
+DISTINCT_BATCHES = 4  # cycled: the input pipeline is not what is measured
 
 
-def _child(args) -> None:
-    """One case, in this process (one rank of a horovodrun job for 2-process meshes)."""
+@dataclass(frozen=True)
+class Case:
+    name: str
+    plain_keras: bool
+    data_parallel: int
+    model_parallel: int
+    precision: str
+    xla: bool
+
+    @property
+    def processes(self) -> int:
+        return self.data_parallel * self.model_parallel
+
+    @staticmethod
+    def parse(name: str) -> "Case":
+        parts = name.split(":")
+        if len(parts) < 2 or parts[1] not in ("fp32", "bf16") or \
+                any(p != "xla" for p in parts[2:]):
+            raise ValueError(f"case {name!r}: expected <DxM|{BASELINE_MESH}>:<fp32|bf16>[:xla]")
+        if parts[0] == BASELINE_MESH:
+            data_parallel, model_parallel = 1, 1
+        else:
+            data_parallel, model_parallel = (int(x) for x in parts[0].split("x"))
+        return Case(name, parts[0] == BASELINE_MESH, data_parallel, model_parallel, parts[1],
+                    "xla" in parts[2:])
+
+
+def _child(args: argparse.Namespace) -> None:
+    """One case in this process (one rank of a horovodrun job for 2-process meshes)."""
     import numpy as np
     import tensorflow as tf
 
-    import tfhybrid
     from tfhybrid.train.data import CRITEO_1TB_CARDINALITIES
     from tfhybrid.train.models import DLRM, example_batch
 
-    cores = os.cpu_count() or 1
-    ranks = int(os.environ.get("HOROVOD_LOCAL_SIZE", "1"))
-    threads = max(1, cores // ranks)
+    case = Case.parse(args.case)
+    threads = max(1, (os.cpu_count() or 1) // case.processes)
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads)
     tf.keras.mixed_precision.set_global_policy(
-        "mixed_bfloat16" if args.precision == "bf16" else "float32")
-    mesh = tfhybrid.init(model_parallel=args.model_parallel)
+        "mixed_bfloat16" if case.precision == "bf16" else "float32")
     rows = [min(r, args.max_table_rows) for r in CRITEO_1TB_CARDINALITIES]
-    model = DLRM(rows, 13, 128, bottom_mlp_dims=[512, 256, 128],
-                 top_mlp_dims=[1024, 1024, 512, 256, 1], xla=args.xla)
-    local = args.batch // mesh.size
+    sgd = tf.keras.optimizers.legacy.SGD(LEARNING_RATE)  # sparse row updates, no slots
+    if case.plain_keras:
+        rank, size = 0, 1
+        model = DLRM(rows, DENSE_FEATURES, EMBEDDING_DIM, bottom_mlp_dims=BOTTOM_MLP,
+                     top_mlp_dims=TOP_MLP, xla=case.xla, distributed=False)
+        optimizer, callbacks = sgd, []
+    else:
+        import tfhybrid
+        mesh = tfhybrid.init(model_parallel=case.model_parallel)
+        rank, size = mesh.rank, mesh.size
+        model = DLRM(rows, DENSE_FEATURES, EMBEDDING_DIM, bottom_mlp_dims=BOTTOM_MLP,
+                     top_mlp_dims=TOP_MLP, xla=case.xla)
+        optimizer = tfhybrid.DistributedOptimizer(sgd)
+        callbacks = tfhybrid.callbacks.defaults()
+    local = args.batch // size
     model(example_batch(model, local))
-    # the app's SGD (see tfhybrid/train/app.py): sparse row updates, no momentum slots
-    model.compile(optimizer=tfhybrid.DistributedOptimizer(
-                      tf.keras.optimizers.legacy.SGD(0.01)),
+    model.compile(optimizer=optimizer,
                   loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
-    rng = np.random.default_rng(mesh.rank)
-    # a few different batches, cycled: the input pipeline is not what is measured
-    batches = [({"dense": rng.random([local, 13], np.float32),
+    rng = np.random.default_rng(rank)
+    batches = [({"dense": rng.random([local, DENSE_FEATURES], np.float32),
                  "categorical": np.stack([rng.integers(0, r, local) for r in rows],
                                          1).astype(np.int32)},
-                rng.integers(0, 2, [local, 1]).astype(np.float32)) for _ in range(4)]
+                rng.integers(0, 2, [local, 1]).astype(np.float32))
+               for _ in range(DISTINCT_BATCHES)]
     data = tf.data.Dataset.from_tensor_slices(
         tf.nest.map_structure(lambda *x: np.stack(x), *batches)).repeat().prefetch(2)
-    times = []
+    step_ends: list[float] = []
 
-    class Timer(tf.keras.callbacks.Callback):
+    class StepEnds(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            times.append(tf.timestamp().numpy())
+            step_ends.append(float(tf.timestamp().numpy()))
 
     model.fit(data, steps_per_epoch=args.warmup + args.steps, verbose=0,
-              callbacks=tfhybrid.callbacks.defaults() + [Timer()])
-    if mesh.rank == 0:
-        seconds = times[-1] - times[args.warmup - 1]
+              callbacks=callbacks + [StepEnds()])
+    if rank == 0:
+        timed = step_ends[args.warmup - 1:]  # the end of the last warm-up step starts step 1
         with open(args.out, "w") as f:
-            json.dump({"samples_per_second": args.steps * args.batch / seconds,
-                       "step_ms": 1000 * seconds / args.steps}, f)
+            json.dump({"step_seconds": [b - a for a, b in zip(timed, timed[1:])],
+                       "threads": threads}, f)
 
 
-def _run_case(case: str, args) -> dict:
-    parts = case.split(":")
-    mesh, precision, xla = parts[0], parts[1], "xla" in parts[2:]
-    data_parallel, model_parallel = (int(x) for x in mesh.split("x"))
-    size = data_parallel * model_parallel
+def _run_case(case: Case, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         command = [sys.executable, os.path.abspath(__file__), "--child", "--out", out,
-                   "--precision", precision, "--model_parallel", str(model_parallel),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--batch", str(args.batch), "--max_table_rows", str(args.max_table_rows)]
-        if xla:
-            command.append("--xla")
-        if size > 1:
+                   "--case", case.name, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--batch", str(args.batch),
+                   "--max_table_rows", str(args.max_table_rows)]
+        if case.processes > 1:
             command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np",
-                       str(size), "-H", f"localhost:{size}", "--gloo"] + command
+                       str(case.processes), "-H", f"localhost:{case.processes}",
+                       "--gloo"] + command
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
         done = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
         if done.returncode != 0 or not os.path.exists(out):
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-25:])
-            raise RuntimeError(f"case {case} failed (exit {done.returncode}):\n{tail}")
+            raise RuntimeError(f"case {case.name} failed (exit {done.returncode}):\n{tail}")
         with open(out) as f:
-            return dict(json.load(f), size=size)
+            return json.load(f)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
-                        help="mesh:precision[:xla], comma separated")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=4096)
-    parser.add_argument("--max_table_rows", type=int, default=1_000_000)
-    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: " + ", ".join(f"--{k} {v}" for k, v in QUICK.items())
+                        + " (unless given)")
+    parser.add_argument("--cases", help="<DxM|keras>:<fp32|bf16>[:xla], comma separated "
+                        f"(default {FULL['cases']})")
+    parser.add_argument("--baseline", help="the case every ratio divides by (default: the "
+                        "first keras case, else the first case)")
+    parser.add_argument("--steps", type=int, help=f"timed steps (default {FULL['steps']})")
+    parser.add_argument("--warmup", type=int,
+                        help=f"untimed steps first (default {FULL['warmup']})")
+    parser.add_argument("--batch", type=int, help=f"global batch (default {FULL['batch']})")
+    parser.add_argument("--max_table_rows", type=int,
+                        help=f"default {FULL['max_table_rows']:,}")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
-    parser.add_argument("--model_parallel", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--xla", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup={args.warmup} and --steps={args.steps} must be >= 1")
     if args.child:
         _child(args)
         return
-    cases = args.cases.split(",")
-    print(f"DLRM, NVIDIA TF2 config: 26 tables capped at {args.max_table_rows:,} rows x 128, "
-          f"bottom 512-256-128, top 1024-1024-512-256-1, batch {args.batch}, SGD; "
-          f"{args.steps} timed steps after {args.warmup} warm-up steps")
-    print(f"{'case':<16}{'step ms':>10}{'samples/s':>12}{'vs 1x1 fp32':>13}")
-    baseline = None
-    for case in cases:
+    try:
+        cases = [Case.parse(name) for name in args.cases.split(",")]
+    except ValueError as error:
+        parser.error(str(error))
+    baseline = args.baseline or next((c.name for c in cases if c.plain_keras), cases[0].name)
+    if baseline not in [c.name for c in cases]:
+        parser.error(f"--baseline {baseline} is not one of --cases")
+    cores = os.cpu_count() or 1
+    print(f"DLRM (NVIDIA TF2 example's model): 26 tables capped at {args.max_table_rows:,} "
+          f"rows x {EMBEDDING_DIM}, bottom {'-'.join(map(str, BOTTOM_MLP))}, top "
+          f"{'-'.join(map(str, TOP_MLP))}, global batch {args.batch}, SGD({LEARNING_RATE}); "
+          f"{args.steps} timed steps after {args.warmup} warm-up steps; {cores} CPUs, each "
+          "process with cores / processes intra- and inter-op threads")
+    print(f"keras = plain Keras in one process (no Horovod, no tfhybrid); DxM = tfhybrid "
+          f"on D x M processes; ratios: median step time of {baseline} / the case's "
+          f"(> 1: faster than {baseline}). Step time in ms, {_stats.SPREAD_LEGEND}.")
+    print(f"{'case':<16}{'procs x threads':>16}  {'step ms':<38}{'samples/s':>10}"
+          f"{'ratio':>8}")
+    results: dict[str, _stats.Summary] = {}
+
+    def report(case: Case, result: dict) -> None:
+        summary = results[case.name]
+        ratio = (f"{results[baseline].median / summary.median:.2f}x"
+                 if baseline in results else "-")
+        print(f"{case.name:<16}{case.processes:>12} x {result['threads']:<2}  "
+              f"{summary.format(1e3, 1):<38}{args.batch / summary.median:>10,.0f}{ratio:>8}",
+              flush=True)
+
+    # The baseline runs first, so every row can print its ratio as soon as it is measured.
+    for case in sorted(cases, key=lambda c: c.name != baseline):
         result = _run_case(case, args)
-        rate = result["samples_per_second"]
-        if case == "1x1:fp32":
-            baseline = rate
-        ratio = f"{rate / baseline:.2f}x" if baseline else "-"
-        print(f"{case:<16}{result['step_ms']:>10.1f}{rate:>12,.0f}{ratio:>13}", flush=True)
+        results[case.name] = _stats.summarize(result["step_seconds"])
+        report(case, result)
 
 
 if __name__ == "__main__":

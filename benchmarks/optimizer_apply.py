@@ -1,41 +1,42 @@
-"""Embedding forward / train-step benchmark: tfhybrid custom ops vs pure TF vs TF composite.
+"""Embedding forward and train step: tfhybrid's kernels vs its anchors, measured in one run.
 
-Workload (defaults): 8 tables of 1,000,000 x 64 fp32, global batch 4096, 8 ids per sample
-per table (dense [4096, 8]) drawn from a Zipf(1.05) distribution bounded to [0, 1e6) via
-its inverse CDF (hot rows scattered by a fixed random permutation per table), combiner sum.
+Workload (design notes, "Anchors to measure against"): 8 tables of 1,000,000 x 64 fp32,
+batch 4096, 8 ids per bag (dense [4096, 8] per table), Zipf(1.05) ids bounded to the table
+(inverse CDF, hot rows scattered by a fixed permutation per table), combiner sum.
+--scale s multiplies the rows and the batch (--quick: s = 1/16, few repeats).
 
-Paths:
-  (a) tfhybrid kernels: EmbeddingLookupCombine(sum) + EmbeddingLookupCombineGrad +
-      RowwiseAdagradApply
-  (b) tfhybrid pure-TF path (tf.gather + reduce_sum, sort + segment_sum + scatter updates)
-  (c) tf.nn.embedding_lookup + reduce_sum + tf.keras.optimizers.legacy.Adagrad via
-      GradientTape
+Every path computes the same output, one [batch, 8 * 64] tensor (the concat of the 8
+pooled bags, what FBGEMM's TBE returns), and the same optimizer, EXACT_ROWWISE_ADAGRAD
+(duplicate ids summed first, one accumulator per row: v += mean_j g_j^2,
+w -= lr * g / (sqrt(v) + eps)), on the same ids, initial tables and upstream gradient:
+  (a) tfhybrid: EmbeddingLookupCombine + its gradient kernel + RowwiseAdagradApply;
+  (b) TF composite: tf.gather + tf.math.segment_sum, and the same row-wise AdaGrad written
+      with TF ops (tf.unique + unsorted_segment_sum + gathers + scatter updates);
+  (c) FBGEMM's CPU TBE (SplitTableBatchedEmbeddingBagsCodegen, EXACT_ROWWISE_ADAGRAD fused
+      into its backward) from `make bench-setup`'s .venv-bench, in a worker process that
+      reads the ids this process saved (.npy): the TF venv never imports torch. Without
+      that venv, (c) is reported as not measured.
+"forward" is a forward pass returning the concat; "train step" is forward + backward +
+optimizer apply, loss = sum(output * upstream). Both return once computed (CPU, eager
+calls of tf.function / torch are synchronous).
 
-Each path runs in a tf.function; we warm up, then report the median over --iters steps
-(each iteration uses a different pre-generated batch), timed in --rounds rounds that
-rotate over the paths (forward and train step) so that load on a shared machine
-affects all paths alike.
-
-The random row accesses are page-walk bound with 4 KB pages; --thp re-runs the process
-with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 so the tables (of every path) get transparent
-huge pages. The "machine load from other processes" line tells whether the timings were
-taken on a quiet machine.
+Before timing, the paths' outputs are compared on batch 0 (the forward, and the rows and
+accumulators after one step from the initial state; the touched rows are then put back).
+Timing runs in rounds rotating over the paths and over forward / train step, each block
+after one untimed call, so a shared machine's drifting load hits every path alike. It
+prints per path and kind the median with its spread over the timed calls, and ratios of
+those medians: nothing but what this run measured.
 
 --compare-builds times path (a) with the portable library (baseline x86-64 code, hot
-loops dispatched at run time to AVX2 / AVX-512) against a -march=native build of the
-same sources, built into a temporary folder. Two libraries registering the same ops
-cannot share a process, so each runs in its own worker process (same seed, same tables,
-same batches, same sequence of steps). In each of --ab-rounds rounds the parent has
-them run --ab-iters timed forward passes back to back, then --ab-iters train steps (the
-order of the builds flips every round). It prints each build's medians with spread and,
-per kind, the median over rounds of the paired ratio portable / native with a bootstrap
-95% interval: pairing cancels the drifting load of a shared machine. The workers'
-train-step losses are compared bitwise too (every dispatch level and both builds
-compute identical results). --native-lib / --portable-lib compare prebuilt libraries
-(e.g. a -march=native build of older sources).
+loops dispatched at run time to AVX2 / AVX-512) against a -march=native build of the same
+sources, each in its own worker process (two libraries registering the same ops cannot
+share a process), alternating in --ab-rounds rounds; it prints each build's medians with
+spread and the median over rounds of the paired ratio portable / native with a bootstrap
+95% interval, and whether the train-step losses are bitwise equal.
 
-Usage: python benchmarks/optimizer_apply.py [--threads 2] [--iters 15] [--paths a,b,c] [--thp]
-       python benchmarks/optimizer_apply.py --compare-builds [--ab-rounds 60] [--ab-iters 5]
+Usage: .venv/bin/python benchmarks/optimizer_apply.py [--quick | --scale 0.25]
+           [--threads 2] [--iters 15] [--rounds 3] [--paths a,b,c] [--thp]
+       .venv/bin/python benchmarks/optimizer_apply.py --compare-builds [--ab-rounds 60]
 """
 
 from __future__ import annotations
@@ -47,36 +48,75 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+BENCHMARKS = Path(__file__).resolve().parent
+ROOT = BENCHMARKS.parent
+sys.path.insert(0, str(BENCHMARKS))
+import _stats  # noqa: E402  (after the path it lives in)
+import _tbe_workload as workload_lib  # noqa: E402
+
+BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"  # made by `make bench-setup`
+FBGEMM_WORKER = BENCHMARKS / "_fbgemm_tbe.py"
+FULL_ROWS, FULL_BATCH = 1_000_000, 4096  # --scale 1
+QUICK_SCALE = 1 / 16
+# Differences of outputs relative to max(1, |reference|): float32 sums in another order
+# differ by ~1e-7 of the largest accumulated term; a wrong kernel differs by far more.
+AGREEMENT_TOLERANCE = 1e-4
+PATH_LABELS = {"a": "(a) tfhybrid kernels", "b": "(b) TF composite",
+               "c": "(c) FBGEMM CPU TBE"}
+KINDS = {"fwd": "forward", "step": "train step"}
+# (iters, rounds, warmup, ab_rounds) of a full run and of --quick
+FULL_REPEATS, QUICK_REPEATS = (15, 3, 3, 60), (6, 3, 1, 4)
+# torch's OpenMP threads spin at every barrier by default. On a 2-core machine that other
+# processes also use, a spinning thread holds the core its partner needs: FBGEMM's backward
+# (many parallel regions) then took 2-660 ms per step where it takes ~4 ms with passive
+# waiting (seen here, quick workload, 2 threads). TF's thread pool does not stall like
+# that, so the anchor waits passively unless told otherwise: a stalled anchor would
+# flatter tfhybrid.
+FBGEMM_DEFAULT_OMP_WAIT_POLICY = "PASSIVE"
 
 
-
-def parse_args():
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=2, help="TF intra-op threads (default 2)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"--scale {QUICK_SCALE:g} and few repeats, for a smoke run")
+    p.add_argument("--scale", type=float, help="multiplies rows and batch (default 1)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="intra-op threads of TF and of torch (default 2)")
     p.add_argument("--inter-threads", type=int, default=0,
                    help="TF inter-op threads (0 = TF default)")
     p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--hotness", type=int, default=8)
     p.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent")
-    p.add_argument("--iters", type=int, default=15, help="timed iterations per path")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="timed iterations are split in rounds rotating over the paths")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, help="timed calls per path and kind "
+                   f"(default {FULL_REPEATS[0]}, --quick {QUICK_REPEATS[0]})")
+    p.add_argument("--rounds", type=int, help="the timed calls are split in rounds "
+                   f"rotating over the paths (default {FULL_REPEATS[1]})")
+    p.add_argument("--warmup", type=int, help="untimed calls per path and kind first "
+                   f"(default {FULL_REPEATS[2]}, --quick {QUICK_REPEATS[2]})")
     p.add_argument("--paths", default="a,b,c", help="comma list of a,b,c")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON,
+                   help="python with torch and fbgemm_gpu for path (c)")
+    p.add_argument("--fbgemm-omp-wait-policy", default=FBGEMM_DEFAULT_OMP_WAIT_POLICY,
+                   help="OMP_WAIT_POLICY of the FBGEMM worker, or 'default' for the "
+                        f"library's own (default {FBGEMM_DEFAULT_OMP_WAIT_POLICY}, unless "
+                        "OMP_WAIT_POLICY is set in the environment)")
     p.add_argument("--thp", action="store_true",
                    help="re-run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 so that large "
-                        "allocations (the tables, for every path) use transparent huge pages")
+                        "allocations (the tables, of every path and worker) use transparent "
+                        "huge pages")
     p.add_argument("--compare-builds", action="store_true",
                    help="path (a): portable library vs a -march=native build of the same "
                         "sources, in alternating worker processes")
-    p.add_argument("--ab-rounds", type=int, default=60,
-                   help="--compare-builds: rounds, each timing both builds (default 60)")
+    p.add_argument("--ab-rounds", type=int,
+                   help="--compare-builds: rounds, each timing both builds "
+                        f"(default {FULL_REPEATS[3]}, --quick {QUICK_REPEATS[3]})")
     p.add_argument("--ab-iters", type=int, default=5,
                    help="--compare-builds: timed forward and train steps per build per round")
     p.add_argument("--portable-lib", type=Path,
@@ -84,25 +124,62 @@ def parse_args():
     p.add_argument("--native-lib", type=Path,
                    help="--compare-builds: this library instead of a fresh -march=native build")
     p.add_argument("--worker-lib", type=Path, help=argparse.SUPPRESS)  # internal
+    p.add_argument("--worker-rows", type=int, help=argparse.SUPPRESS)  # internal
+    p.add_argument("--worker-batch", type=int, help=argparse.SUPPRESS)  # internal
     args = p.parse_args()
-    for name in ("iters", "rounds", "ab_rounds", "ab_iters", "tables", "batch", "hotness"):
+    repeats = QUICK_REPEATS if args.quick else FULL_REPEATS
+    for name, default in zip(("iters", "rounds", "warmup", "ab_rounds"), repeats):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.scale is None:
+        args.scale = QUICK_SCALE if args.quick else 1.0
+    if not 0 < args.scale <= 1:
+        p.error(f"--scale must be in (0, 1], got {args.scale}")
+    for name in ("iters", "rounds", "warmup", "ab_rounds", "ab_iters", "tables", "hotness",
+                 "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 
 
-def _cpu_snapshot():
-    """(machine busy jiffies, our process CPU seconds, wall time) for load accounting."""
+def workload_of(args: argparse.Namespace) -> workload_lib.Workload:
+    rows = args.worker_rows or max(1, round(FULL_ROWS * args.scale))
+    batch = args.worker_batch or max(1, round(FULL_BATCH * args.scale))
+    return workload_lib.Workload(tables=args.tables, rows=rows, dim=args.dim, batch=batch,
+                                 hotness=args.hotness, zipf_alpha=args.alpha, seed=args.seed)
+
+
+# ------------------------------------------------------------------ machine accounting
+
+def _cpu_snapshot() -> tuple[float | None, float, float]:
+    """(machine busy CPU seconds, our process's CPU seconds, wall time)."""
     import resource
     busy = None
     try:
         with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        busy = (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+            jiffies = [int(x) for x in f.readline().split()[1:9]]
+        busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
         pass
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return busy, ru.ru_utime + ru.ru_stime, time.perf_counter()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return busy, usage.ru_utime + usage.ru_stime, time.perf_counter()
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _print_other_load(before: tuple, after: tuple, workers_cpu_seconds: float) -> None:
+    if before[0] is None:
+        return
+    wall = after[2] - before[2]
+    ours = (after[1] - before[1]) + workers_cpu_seconds
+    other = max(0.0, (after[0] - before[0]) - ours) / wall
+    print(f"machine load from other processes during timing: {other:.2f} CPUs busy "
+          f"(of {os.cpu_count()}); timings are noisy when this is well above 0")
 
 
 def _anon_huge_mb() -> float:
@@ -116,275 +193,6 @@ def _anon_huge_mb() -> float:
     return 0.0
 
 
-LR, EPS = 0.01, 1e-8  # row-wise AdaGrad / Adagrad step of every path
-
-
-def _import_tf(args):
-    """Imports numpy and TensorFlow with the benchmark's thread settings."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import numpy as np
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    if args.inter_threads:
-        tf.config.threading.set_inter_op_parallelism_threads(args.inter_threads)
-    return np, tf
-
-
-def make_batches(args, np, tf, rng):
-    """--warmup + --iters batches: per table, ids [B, H] from a bounded Zipf (inverse
-    CDF), hot rows scattered by a per-table permutation."""
-    T, R, B, H = args.tables, args.rows, args.batch, args.hotness
-    k = np.arange(1, R + 1, dtype=np.float64)
-    cdf = np.cumsum(k ** -args.alpha)
-    cdf /= cdf[-1]
-    perms = [rng.permutation(R) for _ in range(T)]
-    batches = []
-    for _ in range(args.iters + args.warmup):
-        batches.append([tf.constant(perms[t][np.minimum(np.searchsorted(cdf, rng.random((B, H))),
-                                                        R - 1)], tf.int64)
-                        for t in range(T)])
-    return batches
-
-
-def make_tables(args, tf):
-    """The tables (seeded: equal in every process) and their row-wise accumulators."""
-    tables = [tf.Variable(tf.random.uniform([args.rows, args.dim], -0.05, 0.05, seed=t),
-                          name=f"table{t}") for t in range(args.tables)]
-    accums = [tf.Variable(tf.zeros([args.rows]), name=f"accum{t}") for t in range(args.tables)]
-    return tables, accums
-
-
-def make_loss_fn(tf, upstream):
-    """The loss of every path: sum over tables of <output, upstream>."""
-    def loss_fn(outs):
-        return tf.add_n([tf.reduce_sum(o * upstream) for o in outs])
-    return loss_fn
-
-
-def make_tfhybrid_fns(tf, co, tables, accums, upstream, use_op):
-    """(forward, train step) tf.functions of path (a) (use_op=True) or (b) (False)."""
-    T = len(tables)
-    loss_fn = make_loss_fn(tf, upstream)
-
-    @tf.function
-    def fwd(ids):
-        return [co.embedding_lookup_combine(tables[t], ids[t], "sum", use_custom_op=use_op)
-                for t in range(T)]
-
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            outs = [co.embedding_lookup_combine(tables[t], ids[t], "sum", use_custom_op=use_op)
-                    for t in range(T)]
-            loss = loss_fn(outs)
-        grads = tape.gradient(loss, tables)
-        for t in range(T):
-            co.rowwise_adagrad_apply(tables[t], accums[t], grads[t].indices, grads[t].values,
-                                     LR, EPS, use_custom_op=use_op)
-        return loss
-    return fwd, step
-
-
-# ---------------------------------------------------------------- --compare-builds
-
-_PROTOCOL = "@optimizer_apply "  # prefix of the worker's protocol lines on stdout
-KINDS = {"fwd": "forward", "step": "train step"}
-
-
-def _send(kind, payload):
-    print(_PROTOCOL + kind + " " + json.dumps(payload), flush=True)
-
-
-def build_worker(args):
-    """One build's worker: loads --worker-lib, sets up the workload, then answers
-    "run fwd" / "run step" lines on stdin with the times of --ab-iters forward passes or
-    train steps, after one untimed call that re-warms caches after the other worker ran."""
-    np, tf = _import_tf(args)
-    from tfhybrid import custom_ops as co
-    from tfhybrid.custom_ops import build as ops_build
-
-    co.library_path = str(args.worker_lib)  # before the first load
-    if not co.custom_ops_available():
-        raise RuntimeError(f"worker: cannot load {args.worker_lib}: {co._load_error}")  # pylint: disable=protected-access
-    rng = np.random.default_rng(args.seed)
-    batches = make_batches(args, np, tf, rng)
-    tables, accums = make_tables(args, tf)
-    upstream = tf.constant(rng.normal(0, 1, (args.batch, args.dim)).astype(np.float32))
-    fns = dict(zip(("fwd", "step"), make_tfhybrid_fns(tf, co, tables, accums, upstream,
-                                                      use_op=True)))
-    for i in range(args.warmup):
-        fns["fwd"](batches[i])
-        fns["step"](batches[i])
-    try:
-        isa = co.kernel_isa()
-    except RuntimeError:  # a library built before kernel dispatch (--native-lib)
-        isa = "n/a (library without dispatch)"
-    _send("ready", {"isa": isa, "march": ops_build.library_march(args.worker_lib)})
-    next_batch = 0
-    for line in sys.stdin:
-        command = line.split()
-        if command == ["quit"]:
-            return 0
-        if len(command) != 2 or command[0] != "run" or command[1] not in fns:
-            raise ValueError(f"worker: unknown command {line.strip()!r} (expected "
-                             "'run fwd', 'run step' or 'quit')")
-        fn = fns[command[1]]
-        fn(batches[0])
-        times, out = [], None
-        for _ in range(args.ab_iters):
-            batch = batches[args.warmup + next_batch % args.iters]
-            next_batch += 1
-            t0 = time.perf_counter()
-            out = fn(batch)
-            times.append(time.perf_counter() - t0)
-        # The train step's loss: the same bits in both workers if the builds compute
-        # the same (the tables evolve through the same sequence of steps).
-        loss = float(out.numpy()).hex() if command[1] == "step" else None
-        _send("times", {"times": times, "loss": loss})
-    raise RuntimeError("worker: stdin closed without quit")
-
-
-def _proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class _Worker:
-    def __init__(self, name, lib, args):
-        self.name, self.lib = name, lib
-        argv = [sys.executable, str(Path(__file__).resolve()), "--worker-lib", str(lib)]
-        for opt in ("threads", "inter_threads", "tables", "rows", "dim", "batch", "hotness",
-                    "alpha", "iters", "warmup", "seed", "ab_iters"):
-            argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
-
-    def receive(self, kind):
-        for line in self.proc.stdout:
-            if line.startswith(_PROTOCOL):
-                got, payload = line[len(_PROTOCOL):].split(" ", 1)
-                if got != kind:
-                    raise RuntimeError(f"{self.name} worker sent {got!r}, expected {kind!r}")
-                return json.loads(payload)
-        raise RuntimeError(f"{self.name} worker ({self.lib}) exited with code "
-                           f"{self.proc.wait()} (its errors are above)")
-
-    def run(self, kind):
-        self.proc.stdin.write(f"run {kind}\n")
-        self.proc.stdin.flush()
-        return self.receive("times")
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-
-
-def compare_builds(args):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import numpy as np
-    from tfhybrid.custom_ops import build as ops_build
-
-    print(f"tfhybrid optimizer_apply --compare-builds: {os.cpu_count()} CPUs "
-          f"({_cpu_model()}), intra-op threads {args.threads}")
-    print(f"workload: path (a) tfhybrid kernels, {args.tables} tables x {args.rows:,} x "
-          f"{args.dim} fp32, batch {args.batch}, {args.hotness} ids/sample/table, "
-          f"Zipf({args.alpha}), combiner sum, row-wise AdaGrad")
-    tmp = Path(tempfile.mkdtemp(prefix="tfhybrid-bench-builds-"))
-    workers = []
-    try:
-        libs = {}
-        for name, given, native in (("portable", args.portable_lib, False),
-                                    ("native", args.native_lib, True)):
-            if given is not None:
-                libs[name] = given
-                continue
-            if not native and ops_build.is_up_to_date(ops_build.LIB_PATH, native=False):
-                libs[name] = ops_build.LIB_PATH
-                print(f"{name} build: {libs[name]} (up to date)")
-                continue
-            t0 = time.perf_counter()
-            libs[name] = ops_build.build(force=True, verbose=False, native=native,
-                                         output=tmp / f"{name}{ops_build.LIB_NAME}")
-            print(f"{name} build: {libs[name]} (built in {time.perf_counter() - t0:.0f} s)",
-                  flush=True)
-        workers = [_Worker(name, lib, args) for name, lib in libs.items()]
-        for w in workers:
-            w.info = w.receive("ready")
-            print(f"{w.name:9s} library {w.lib}: -march={w.info['march']}, "
-                  f"kernels {w.info['isa']}", flush=True)
-
-        busy0 = _cpu_snapshot()
-        cpu0 = sum(_proc_cpu_seconds(w.proc.pid) for w in workers)
-        # Per round and kind, the two builds run back to back (order flipped every round),
-        # so both see nearly the same load from the rest of the machine.
-        rounds = []  # per round: {(name, kind): {"times": [...], "loss": ...}}
-        for r in range(args.ab_rounds):
-            order = workers if r % 2 == 0 else workers[::-1]
-            rounds.append({(w.name, kind): w.run(kind) for kind in KINDS for w in order})
-        busy1 = _cpu_snapshot()
-        cpu1 = sum(_proc_cpu_seconds(w.proc.pid) for w in workers)
-    finally:
-        for w in workers:
-            w.close()
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
-
-    if busy0[0] is not None:
-        wall = busy1[2] - busy0[2]
-        ours = (cpu1 - cpu0) + (busy1[1] - busy0[1])
-        other = max(0.0, (busy1[0] - busy0[0]) - ours) / wall
-        print(f"machine load from other processes during timing: {other:.2f} CPUs busy "
-              f"(of {os.cpu_count()}); timings are noisy when this is well above 0")
-    n = args.ab_rounds * args.ab_iters
-    print(f"{args.ab_rounds} rounds x {args.ab_iters} timed iterations = {n} per build and "
-          "kind; in each round and kind the builds run back to back, order flipped every "
-          "round")
-    print("times (ms): median [p25, p75] (min, max) over all iterations:")
-    names = [w.name for w in workers]
-    for kind in KINDS:
-        for name in names:
-            xs = 1e3 * np.array([t for rd in rounds for t in rd[(name, kind)]["times"]])
-            p25, med, p75 = np.percentile(xs, [25, 50, 75])
-            print(f"  {KINDS[kind]:10s} {name:9s} {med:7.2f} [{p25:6.2f}, {p75:6.2f}] "
-                  f"({xs.min():.2f}, {xs.max():.2f})")
-    # The estimate: per round, median(portable) / median(native) of the back-to-back
-    # blocks, then the median over rounds with a bootstrap 95% interval. The machine's
-    # load drifts between rounds (other users), which makes the pooled times above
-    # multi-modal; the paired ratios cancel it.
-    print("ratio portable / native (> 1: portable slower):")
-    boot = np.random.default_rng(12345)
-    worst = 0.0
-    for kind in KINDS:
-        paired = np.array([np.median(rd[("portable", kind)]["times"])
-                           / np.median(rd[("native", kind)]["times"]) for rd in rounds])
-        q25, q50, q75 = np.percentile(paired, [25, 50, 75])
-        resampled = np.median(boot.choice(paired, (2000, paired.size)), axis=1)
-        lo, hi = np.percentile(resampled, [2.5, 97.5])
-        pooled = (np.median([t for rd in rounds for t in rd[("portable", kind)]["times"]])
-                  / np.median([t for rd in rounds for t in rd[("native", kind)]["times"]]))
-        worst = max(worst, q50)
-        print(f"  {KINDS[kind]:10s} per-round paired ratio: median {q50:.3f} "
-              f"[p25 {q25:.3f}, p75 {q75:.3f}], 95% CI of the median [{lo:.3f}, {hi:.3f}]; "
-              f"ratio of the pooled medians {pooled:.3f}")
-    same = all(rd[("portable", "step")]["loss"] == rd[("native", "step")]["loss"]
-               for rd in rounds)
-    print(f"train-step losses bitwise equal between the builds in every round: {same}")
-    print(f"target: portable at most 5% slower (median paired ratio <= 1.05): "
-          f"{'MET' if worst <= 1.05 else 'NOT MET'} (worst {worst:.3f})")
-    return 0
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -396,7 +204,484 @@ def _cpu_model() -> str:
     return "unknown CPU"
 
 
-def main():
+# ------------------------------------------------------------------ the TF paths
+
+def _import_tf(args: argparse.Namespace):
+    """TensorFlow with the benchmark's thread settings."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, str(ROOT))
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    if args.inter_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(args.inter_threads)
+    return tf
+
+
+class TfState:
+    """The tables, accumulators, batches and upstream gradient the TF paths share."""
+
+    def __init__(self, tf, workload: workload_lib.Workload, ids: np.ndarray,
+                 upstream: np.ndarray):
+        self.workload = workload
+        self.tables = [tf.Variable(workload_lib.initial_table(workload, t), name=f"table{t}")
+                       for t in range(workload.tables)]
+        self.accumulators = [tf.Variable(tf.zeros([workload.rows]), name=f"accum{t}")
+                             for t in range(workload.tables)]
+        self.batches = [[tf.constant(batch_ids[t]) for t in range(workload.tables)]
+                        for batch_ids in ids]
+        self.upstream = tf.constant(upstream)
+
+
+StepFunctions = dict[str, Callable[[Any], Any]]  # "fwd" / "step" -> call on one batch
+
+
+def _loss(tf, output, upstream):
+    return tf.reduce_sum(output * upstream)
+
+
+def make_tfhybrid_fns(tf, co, state: TfState) -> StepFunctions:
+    """Path (a): tfhybrid's lookup-combine kernel, its gradient kernel and its row-wise
+    AdaGrad kernel."""
+    def output(ids):
+        return tf.concat([co.embedding_lookup_combine(table, table_ids, "sum",
+                                                      use_custom_op=True)
+                          for table, table_ids in zip(state.tables, ids)], axis=1)
+
+    @tf.function
+    def forward(ids):
+        return output(ids)
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, output(ids), state.upstream)
+        grads = tape.gradient(loss, state.tables)
+        for table, accumulator, grad in zip(state.tables, state.accumulators, grads):
+            co.rowwise_adagrad_apply(table, accumulator, grad.indices, grad.values,
+                                     workload_lib.LEARNING_RATE, workload_lib.EPSILON,
+                                     use_custom_op=True)
+        return loss
+    return {"fwd": forward, "step": step}
+
+
+def make_composite_fns(tf, state: TfState) -> StepFunctions:
+    """Path (b): what TF offers without tfhybrid, with the same output and optimizer."""
+    workload = state.workload
+    bag_of_id = tf.constant(np.repeat(np.arange(workload.batch), workload.hotness))
+
+    def output(ids):
+        return tf.concat([tf.math.segment_sum(tf.gather(table, tf.reshape(table_ids, [-1])),
+                                              bag_of_id)
+                          for table, table_ids in zip(state.tables, ids)], axis=1)
+
+    def rowwise_adagrad(table, accumulator, grad):
+        # gather's gradient holds one row per looked-up id: sum the duplicates first
+        unique_ids, position = tf.unique(grad.indices)
+        summed = tf.math.unsorted_segment_sum(grad.values, position, tf.size(unique_ids))
+        v = tf.gather(accumulator, unique_ids) + tf.reduce_mean(tf.square(summed), axis=1)
+        step_size = workload_lib.LEARNING_RATE / (tf.sqrt(v) + workload_lib.EPSILON)
+        w = tf.gather(table, unique_ids) - step_size[:, None] * summed
+        accumulator.scatter_update(tf.IndexedSlices(v, unique_ids))
+        table.scatter_update(tf.IndexedSlices(w, unique_ids))
+
+    @tf.function
+    def forward(ids):
+        return output(ids)
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, output(ids), state.upstream)
+        grads = tape.gradient(loss, state.tables)
+        for table, accumulator, grad in zip(state.tables, state.accumulators, grads):
+            rowwise_adagrad(table, accumulator, grad)
+        return loss
+    return {"fwd": forward, "step": step}
+
+
+# ------------------------------------------------------------------ worker processes
+
+class Worker:
+    """A process answering JSON commands on stdin with protocol lines on stdout."""
+
+    def __init__(self, name: str, argv: list[str], env: dict | None = None):
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1, env=env)
+        self.info: dict = {}
+
+    def receive(self, kind: str) -> Any:
+        for line in self.proc.stdout:
+            parsed = workload_lib.parse_worker_line(line)
+            if parsed is None:
+                continue
+            got, payload = parsed
+            if got != kind:
+                raise RuntimeError(f"{self.name} worker sent {got!r}, expected {kind!r}")
+            return payload
+        raise RuntimeError(f"{self.name} worker exited with code {self.proc.wait()} "
+                           "(its errors are above)")
+
+    def command(self, reply: str, **command: Any) -> Any:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self.receive(reply)
+
+    def run(self, kind: str, warm: int, batches: list[int]) -> dict:
+        return self.command("times", command="run", kind=kind, warm=warm, batches=batches)
+
+    def cpu_seconds(self) -> float:
+        return _proc_cpu_seconds(self.proc.pid)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"command": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_fbgemm_worker(args: argparse.Namespace, inputs: Path) -> Worker | str:
+    """The FBGEMM worker, or why path (c) is not measured."""
+    if not args.bench_python.exists():
+        return f"{args.bench_python} not found (`make bench-setup` creates it)"
+    env = dict(os.environ)
+    if "OMP_WAIT_POLICY" not in env and args.fbgemm_omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = args.fbgemm_omp_wait_policy
+    return Worker("FBGEMM", [str(args.bench_python), str(FBGEMM_WORKER), "--inputs",
+                             str(inputs), "--threads", str(args.threads)], env=env)
+
+
+# ------------------------------------------------------------------ agreement check
+
+def _max_differences(value: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(max abs difference, max difference relative to max(1, |reference|))."""
+    difference = np.abs(value.astype(np.float64) - reference)
+    return (float(difference.max(initial=0.0)),
+            float((difference / np.maximum(1.0, np.abs(reference))).max(initial=0.0)))
+
+
+def check_agreement(tf, state: TfState, tf_fns: dict[str, StepFunctions],
+                    fbgemm: Worker | None, inputs: Path, ids: np.ndarray) -> bool:
+    """Compares every path's forward output, and its rows and accumulators after one step
+    from the initial state, on batch 0; puts the touched rows back afterwards."""
+    touched = workload_lib.unique_ids_per_table(ids[0])
+    initial_rows = [tf.gather(table, u).numpy() for table, u in zip(state.tables, touched)]
+    results: dict[str, dict[str, np.ndarray]] = {}
+    for name, fns in tf_fns.items():
+        forward = fns["fwd"](state.batches[0]).numpy()
+        fns["step"](state.batches[0])
+        results[name] = {
+            "forward": forward,
+            "rows": np.concatenate([tf.gather(table, u).numpy()
+                                    for table, u in zip(state.tables, touched)]),
+            "accumulators": np.concatenate([tf.gather(accumulator, u).numpy()
+                                            for accumulator, u in zip(state.accumulators,
+                                                                      touched)])}
+        for table, accumulator, u, rows in zip(state.tables, state.accumulators, touched,
+                                               initial_rows):
+            table.scatter_update(tf.IndexedSlices(rows, u))
+            accumulator.scatter_update(tf.IndexedSlices(np.zeros(u.size, np.float32), u))
+    if fbgemm is not None:
+        fbgemm.command("checked", command="check")
+        results["c"] = {"forward": np.load(inputs / workload_lib.FBGEMM_FORWARD_FILE),
+                        "rows": np.load(inputs / workload_lib.FBGEMM_ROWS_FILE),
+                        "accumulators": np.load(inputs / workload_lib.FBGEMM_ACCUM_FILE)}
+    if len(results) < 2:
+        print("agreement: fewer than two paths, nothing to compare")
+        return True
+    reference_name = next(iter(results))
+    reference = results[reference_name]
+    print(f"agreement on batch 0, vs {PATH_LABELS[reference_name]}: max abs difference "
+          f"(max relative to max(1, |value|)); tolerance {AGREEMENT_TOLERANCE:g} relative")
+    agree = True
+    for name, result in results.items():
+        if name == reference_name:
+            continue
+        parts = []
+        for what in ("forward", "rows", "accumulators"):
+            absolute, relative = _max_differences(result[what], reference[what])
+            agree &= relative <= AGREEMENT_TOLERANCE
+            parts.append(f"{what} {absolute:.2e} ({relative:.2e})")
+        print(f"  {PATH_LABELS[name]:22s} " + ", ".join(parts))
+    print(f"  (forward: the [{state.workload.batch}, {state.workload.tables * state.workload.dim}]"
+          f" output; rows, accumulators: the {reference['accumulators'].size:,} rows one "
+          "step updates)")
+    return agree
+
+
+# ------------------------------------------------------------------ the comparison
+
+def compare_paths(args: argparse.Namespace) -> int:
+    paths = [s.strip() for s in args.paths.split(",") if s.strip()]
+    unknown = set(paths) - set(PATH_LABELS)
+    if unknown:
+        raise SystemExit(f"--paths: unknown {sorted(unknown)}; expected a, b, c")
+    workload = workload_of(args)
+    batch_count = args.warmup + args.iters
+    ids = workload_lib.zipf_ids(workload, batch_count)
+    upstream = workload_lib.upstream_gradient(workload)
+
+    print(f"optimizer_apply: {os.cpu_count()} CPUs ({_cpu_model()}), intra-op threads "
+          f"{args.threads} (TF and torch), TF inter-op threads {args.inter_threads or 'default'}")
+    print(f"workload: {workload.tables} tables x {workload.rows:,} x {workload.dim} fp32 "
+          f"(scale {args.scale:g}), batch {workload.batch}, {workload.hotness} ids/bag, "
+          f"Zipf({workload.zipf_alpha}), combiner sum, output [{workload.batch}, "
+          f"{workload.tables * workload.dim}]; EXACT_ROWWISE_ADAGRAD lr "
+          f"{workload_lib.LEARNING_RATE:g} eps {workload_lib.EPSILON:g}")
+    unique_rows = [sum(u.size for u in workload_lib.unique_ids_per_table(batch_ids))
+                   for batch_ids in ids]
+    print(f"ids per step: {ids[0].size:,}; unique rows per step (sum over tables), over the "
+          f"{batch_count} batches: {_stats.summarize(unique_rows).format(digits=0)}")
+
+    with tempfile.TemporaryDirectory(prefix="tfhybrid-optimizer-apply-") as folder:
+        inputs = Path(folder)
+        fbgemm: Worker | None = None
+        if "c" in paths:
+            workload.save(inputs)
+            np.save(inputs / workload_lib.IDS_FILE, ids)
+            np.save(inputs / workload_lib.UPSTREAM_FILE, upstream)
+            started = start_fbgemm_worker(args, inputs)  # builds its tables meanwhile
+            if isinstance(started, str):
+                print(f"{PATH_LABELS['c']}: NOT MEASURED: {started}")
+            else:
+                fbgemm = started
+        try:
+            tf = _import_tf(args)
+            from tfhybrid import custom_ops as co
+
+            state = TfState(tf, workload, ids, upstream)
+            tf_fns: dict[str, StepFunctions] = {}
+            if "a" in paths:
+                if co.custom_ops_available():
+                    tf_fns["a"] = make_tfhybrid_fns(tf, co, state)
+                else:
+                    print(f"{PATH_LABELS['a']}: NOT MEASURED: custom ops unavailable")
+            if "b" in paths:
+                tf_fns["b"] = make_composite_fns(tf, state)
+            print(f"TF {tf.__version__}; tfhybrid kernels "
+                  f"{co.kernel_isa() if 'a' in tf_fns else 'not used'}; transparent huge "
+                  f"pages in use: {_anon_huge_mb():,.0f} MB"
+                  + ("" if args.thp else " (default malloc; see --thp)"))
+            if fbgemm is not None:
+                try:
+                    fbgemm.info = fbgemm.receive("ready")
+                    print(f"{PATH_LABELS['c']}: fbgemm_gpu {fbgemm.info['fbgemm_gpu']}, torch "
+                          f"{fbgemm.info['torch']}, {fbgemm.info['threads']} threads, "
+                          f"OMP_WAIT_POLICY {fbgemm.info['omp_wait_policy']} "
+                          f"({args.bench_python})")
+                except RuntimeError as error:
+                    print(f"{PATH_LABELS['c']}: NOT MEASURED: {error}")
+                    fbgemm.close()
+                    fbgemm = None
+            if not check_agreement(tf, state, tf_fns, fbgemm, inputs, ids):
+                print("outputs DISAGREE beyond the tolerance: not timing")
+                return 1
+            return time_paths(args, state, tf_fns, fbgemm)
+        finally:
+            if fbgemm is not None:
+                fbgemm.close()
+
+
+def time_paths(args: argparse.Namespace, state: TfState, tf_fns: dict[str, StepFunctions],
+               fbgemm: Worker | None) -> int:
+    names = list(tf_fns) + (["c"] if fbgemm is not None else [])
+    if not names:
+        print("no path to time")
+        return 1
+    for name, fns in tf_fns.items():  # traces the tf.functions
+        for kind, fn in fns.items():
+            for batch in range(args.warmup):
+                fn(state.batches[batch])
+    if fbgemm is not None:
+        for kind in KINDS:
+            fbgemm.run(kind, 0, list(range(args.warmup)))
+
+    per_round = max(1, args.iters // args.rounds)
+    seconds: dict[tuple[str, str], list[list[float]]] = {
+        (name, kind): [] for name in names for kind in KINDS}  # per round, its calls
+    before = _cpu_snapshot()
+    worker_cpu_before = fbgemm.cpu_seconds() if fbgemm is not None else 0.0
+    for r in range(args.rounds):
+        batches = [args.warmup + (r * per_round + j) % args.iters for j in range(per_round)]
+        for name in names:
+            for kind in KINDS:
+                if name == "c":
+                    seconds[(name, kind)].append(fbgemm.run(kind, 0, batches)["seconds"])
+                    continue
+                fn = tf_fns[name][kind]
+                fn(state.batches[0])  # untimed: re-warm caches after the other paths ran
+                round_seconds = []
+                for batch in batches:
+                    start = time.perf_counter()
+                    fn(state.batches[batch])  # returns once computed; no copy out
+                    round_seconds.append(time.perf_counter() - start)
+                seconds[(name, kind)].append(round_seconds)
+    after = _cpu_snapshot()
+    worker_cpu = fbgemm.cpu_seconds() - worker_cpu_before if fbgemm is not None else 0.0
+    _print_other_load(before, after, worker_cpu)
+
+    print(f"{args.rounds} rounds x {per_round} timed calls per path and kind, rotating over "
+          f"the paths; times in ms, {_stats.SPREAD_LEGEND}:")
+    summaries = {key: _stats.summarize([s for rnd in rounds for s in rnd])
+                 for key, rounds in seconds.items()}
+    for name in names:
+        print(f"  {PATH_LABELS[name]:22s} " + "   ".join(
+            f"{KINDS[kind]} {summaries[(name, kind)].format(1e3)}" for kind in KINDS))
+    reference = names[0]
+    if len(names) > 1:
+        print(f"time ratios, median of the path / median of {PATH_LABELS[reference]} "
+              "(> 1: the reference is faster); in brackets the range of the same ratio "
+              "per round:")
+        for name in names[1:]:
+            parts = []
+            for kind in KINDS:
+                ratio = summaries[(name, kind)].median / summaries[(reference, kind)].median
+                per_round_ratios = [np.median(ours) / np.median(theirs) for ours, theirs in
+                                    zip(seconds[(name, kind)], seconds[(reference, kind)])]
+                parts.append(f"{KINDS[kind]} {ratio:.2f}x [{min(per_round_ratios):.2f}, "
+                             f"{max(per_round_ratios):.2f}]")
+            print(f"  {PATH_LABELS[name]:22s} " + "   ".join(parts))
+    return 0
+
+
+# ------------------------------------------------------------------ --compare-builds
+
+def build_worker(args: argparse.Namespace) -> int:
+    """One build's worker: loads --worker-lib, sets up the workload, then answers "run"
+    commands with the times of path (a)'s forward passes or train steps."""
+    tf = _import_tf(args)
+    from tfhybrid import custom_ops as co
+    from tfhybrid.custom_ops import build as ops_build
+
+    co.library_path = str(args.worker_lib)  # before the first load
+    if not co.custom_ops_available():
+        raise RuntimeError(f"worker: cannot load {args.worker_lib}: {co._load_error}")  # pylint: disable=protected-access
+    workload = workload_of(args)
+    state = TfState(tf, workload, workload_lib.zipf_ids(workload, args.warmup + args.iters),
+                    workload_lib.upstream_gradient(workload))
+    fns = make_tfhybrid_fns(tf, co, state)
+    for batch in range(args.warmup):
+        for fn in fns.values():
+            fn(state.batches[batch])
+    try:
+        isa = co.kernel_isa()
+    except RuntimeError:  # a library built before kernel dispatch (--native-lib)
+        isa = "n/a (library without dispatch)"
+    print(workload_lib.format_worker_line(
+        "ready", {"isa": isa, "march": ops_build.library_march(args.worker_lib)}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["command"] == "quit":
+            return 0
+        if command["command"] != "run" or command["kind"] not in fns:
+            raise ValueError(f"worker: unknown command {line.strip()!r}")
+        fn = fns[command["kind"]]
+        fn(state.batches[command["warm"]])
+        seconds, out = [], None
+        for batch in command["batches"]:
+            start = time.perf_counter()
+            out = fn(state.batches[batch])
+            seconds.append(time.perf_counter() - start)
+        # The train step's loss: the same bits in both workers if the builds compute the
+        # same (the tables evolve through the same sequence of steps).
+        loss = float(out.numpy()).hex() if command["kind"] == "step" else None
+        print(workload_lib.format_worker_line("times", {"seconds": seconds, "loss": loss}),
+              flush=True)
+    raise RuntimeError("worker: stdin closed without quit")
+
+
+def compare_builds(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(ROOT))
+    from tfhybrid.custom_ops import build as ops_build
+
+    workload = workload_of(args)
+    print(f"optimizer_apply --compare-builds: {os.cpu_count()} CPUs ({_cpu_model()}), "
+          f"intra-op threads {args.threads}")
+    print(f"workload: path (a) tfhybrid kernels, {workload.tables} tables x {workload.rows:,} "
+          f"x {workload.dim} fp32, batch {workload.batch}, {workload.hotness} ids/bag, "
+          f"Zipf({workload.zipf_alpha}), combiner sum, concat, row-wise AdaGrad")
+    tmp = Path(tempfile.mkdtemp(prefix="tfhybrid-bench-builds-"))
+    workers: list[Worker] = []
+    try:
+        libs: dict[str, Path] = {}
+        for name, given, native in (("portable", args.portable_lib, False),
+                                    ("native", args.native_lib, True)):
+            if given is not None:
+                libs[name] = given
+                continue
+            if not native and ops_build.is_up_to_date(ops_build.LIB_PATH, native=False):
+                libs[name] = ops_build.LIB_PATH
+                print(f"{name} build: {libs[name]} (up to date)")
+                continue
+            start = time.perf_counter()
+            libs[name] = ops_build.build(force=True, verbose=False, native=native,
+                                         output=tmp / f"{name}{ops_build.LIB_NAME}")
+            print(f"{name} build: {libs[name]} (built in {time.perf_counter() - start:.0f} s)",
+                  flush=True)
+        for name, lib in libs.items():
+            argv = [sys.executable, str(Path(__file__).resolve()), "--worker-lib", str(lib),
+                    "--worker-rows", str(workload.rows), "--worker-batch", str(workload.batch)]
+            for opt in ("threads", "inter_threads", "tables", "dim", "hotness", "alpha",
+                        "iters", "warmup", "seed"):
+                argv += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
+            workers.append(Worker(name, argv))
+        for worker, lib in zip(workers, libs.values()):
+            worker.info = worker.receive("ready")
+            print(f"{worker.name:9s} library {lib}: -march={worker.info['march']}, "
+                  f"kernels {worker.info['isa']}", flush=True)
+
+        before = _cpu_snapshot()
+        workers_cpu_before = sum(w.cpu_seconds() for w in workers)
+        # Per round and kind, the two builds run back to back (order flipped every round),
+        # so both see nearly the same load from the rest of the machine.
+        rounds: list[dict[tuple[str, str], dict]] = []
+        next_batch = 0
+        for r in range(args.ab_rounds):
+            batches = [args.warmup + (next_batch + j) % args.iters for j in range(args.ab_iters)]
+            next_batch += args.ab_iters
+            order = workers if r % 2 == 0 else workers[::-1]
+            rounds.append({(w.name, kind): w.run(kind, 0, batches)
+                           for kind in KINDS for w in order})
+        after = _cpu_snapshot()
+        _print_other_load(before, after,
+                          sum(w.cpu_seconds() for w in workers) - workers_cpu_before)
+    finally:
+        for worker in workers:
+            worker.close()
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+    print(f"{args.ab_rounds} rounds x {args.ab_iters} timed calls per build and kind; in "
+          "each round and kind the builds run back to back, order flipped every round")
+    print(f"times (ms), {_stats.SPREAD_LEGEND} over all calls:")
+    names = [w.name for w in workers]
+    for kind in KINDS:
+        for name in names:
+            calls = [s for rnd in rounds for s in rnd[(name, kind)]["seconds"]]
+            print(f"  {KINDS[kind]:10s} {name:9s} {_stats.summarize(calls).format(1e3)}")
+    # Per round, median(portable) / median(native) of the back-to-back blocks, then the
+    # median over rounds: the machine's load drifts between rounds (other users), which
+    # the pooled times above include; the paired ratios cancel it.
+    print("paired ratio portable / native per round (> 1: portable slower):")
+    for kind in KINDS:
+        paired = [np.median(rnd[("portable", kind)]["seconds"])
+                  / np.median(rnd[("native", kind)]["seconds"]) for rnd in rounds]
+        low, high = _stats.bootstrap_median_interval(paired)
+        print(f"  {KINDS[kind]:10s} {_stats.summarize(paired).format(digits=3)}; 95% "
+              f"bootstrap interval of the median [{low:.3f}, {high:.3f}]")
+    same = all(rnd[("portable", "step")]["loss"] == rnd[("native", "step")]["loss"]
+               for rnd in rounds)
+    print(f"train-step losses bitwise equal between the builds in every round: {same}")
+    return 0
+
+
+def main() -> int:
     args = parse_args()
     if args.thp and "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
         env = dict(os.environ)
@@ -407,149 +692,8 @@ def main():
         return build_worker(args)
     if args.compare_builds:
         return compare_builds(args)
-    np, tf = _import_tf(args)
-    from tfhybrid import custom_ops as co
-
-    paths = [s.strip() for s in args.paths.split(",") if s.strip()]
-    T, R, D, B, H = args.tables, args.rows, args.dim, args.batch, args.hotness
-    rng = np.random.default_rng(args.seed)
-
-    print(f"tfhybrid optimizer_apply benchmark: TF {tf.__version__}, {os.cpu_count()} CPUs, "
-          f"intra-op threads {args.threads}, inter-op threads "
-          f"{args.inter_threads or 'default'}")
-    print(f"workload: {T} tables x {R:,} x {D} fp32, batch {B}, {H} ids/sample/table "
-          f"(dense [{B}, {H}]), Zipf({args.alpha}) bounded to [0, {R:,}), combiner sum")
-    print(f"custom ops available: {co.custom_ops_available()}")
-
-    # ---- memory ceiling: large sequential copy
-    src = np.ones(512 * 2**20 // 8, np.float64)
-    dst = np.empty_like(src)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    t1 = float(np.median(times))
-    halves = [(slice(0, src.size // 2)), slice(src.size // 2, None)]
-    times = []
-    with ThreadPoolExecutor(2) as ex:
-        for _ in range(5):
-            t0 = time.perf_counter()
-            list(ex.map(lambda s: np.copyto(dst[s], src[s]), halves))
-            times.append(time.perf_counter() - t0)
-    t2 = float(np.median(times))
-    nbytes = src.nbytes
-    print(f"memory ceiling: numpy copy of 512 MB: {nbytes / t1 / 1e9:.1f} GB/s copied "
-          f"({2 * nbytes / t1 / 1e9:.1f} GB/s read+write), 1 thread; "
-          f"{nbytes / t2 / 1e9:.1f} GB/s copied ({2 * nbytes / t2 / 1e9:.1f} GB/s read+write), "
-          "2 threads")
-    del src, dst
-
-    batches = make_batches(args, np, tf, rng)
-    uniq = [sum(len(np.unique(b[t].numpy())) for t in range(T)) for b in batches]
-    u_mean = float(np.mean(uniq))
-    nnz = T * B * H
-    print(f"ids per step: {nnz:,} ({T} tables x {B} x {H}); unique rows per step (sum over "
-          f"tables): {u_mean:,.0f} (min {min(uniq):,}, max {max(uniq):,}; reference ~97.7k)")
-
-    tables, accums = make_tables(args, tf)
-    print(f"transparent huge pages in use: {_anon_huge_mb():,.0f} MB"
-          + ("" if args.thp else " (default malloc; see --thp)"))
-    upstream = tf.constant(rng.normal(0, 1, (B, D)).astype(np.float32))
-    loss_fn = make_loss_fn(tf, upstream)
-
-    fns = {}
-    if "a" in paths or "b" in paths:
-        for name, use_op in (("a", True), ("b", False)):
-            if name not in paths:
-                continue
-            if use_op and not co.custom_ops_available():
-                print("path (a) skipped: custom ops unavailable")
-                continue
-            fns[name] = make_tfhybrid_fns(tf, co, tables, accums, upstream, use_op)
-    if "c" in paths:
-        opt = tf.keras.optimizers.legacy.Adagrad(learning_rate=LR)
-
-        @tf.function
-        def fwd_c(ids):
-            return [tf.reduce_sum(tf.nn.embedding_lookup(tables[t], ids[t]), axis=1)
-                    for t in range(T)]
-
-        @tf.function
-        def step_c(ids):
-            with tf.GradientTape() as tape:
-                outs = [tf.reduce_sum(tf.nn.embedding_lookup(tables[t], ids[t]), axis=1)
-                        for t in range(T)]
-                loss = loss_fn(outs)
-            grads = tape.gradient(loss, tables)
-            opt.apply_gradients(zip(grads, tables))
-            return loss
-        fns["c"] = (fwd_c, step_c)
-
-    def run(fn, batch):
-        # Eager execution is synchronous: the call returns once the outputs are
-        # computed. (No .numpy(): copying 8 MB of outputs would add ~1-5 ms.)
-        return fn(batch)
-
-    # Warm up every path, then time in rounds that rotate over the paths and over
-    # forward / train step (so load fluctuations on a shared machine hit all alike).
-    names = [n for n in ("a", "b", "c") if n in fns]
-    per_round = max(1, args.iters // args.rounds)
-    for kind in (0, 1):  # 0: forward, 1: train step
-        for name in names:
-            for i in range(args.warmup):
-                run(fns[name][kind], batches[i])
-    times = {(n, kind): [] for n in names for kind in (0, 1)}
-    snap0 = _cpu_snapshot()
-    for r in range(args.rounds):
-        for name in names:
-            for kind in (0, 1):
-                run(fns[name][kind], batches[0])  # untimed: re-warm after switching path
-                for j in range(per_round):
-                    b = batches[args.warmup + (r * per_round + j) % args.iters]
-                    t0 = time.perf_counter()
-                    run(fns[name][kind], b)
-                    times[(name, kind)].append(time.perf_counter() - t0)
-
-    snap1 = _cpu_snapshot()
-    if snap0[0] is not None:
-        wall = snap1[2] - snap0[2]
-        other = max(0.0, (snap1[0] - snap0[0]) - (snap1[1] - snap0[1])) / wall
-        print(f"machine load from other processes during timing: {other:.2f} CPUs busy "
-              f"(of {os.cpu_count()}); timings are noisy when this is well above 0")
-
-    labels = {"a": "(a) tfhybrid kernels", "b": "(b) tfhybrid pure-TF",
-              "c": "(c) TF embedding_lookup + legacy Adagrad"}
-    fwd_bytes = nnz * D * 4
-    step_bytes = fwd_bytes + 2 * u_mean * D * 4
-    results = {}
-    for name in names:
-        t_f = 1e3 * float(np.median(times[(name, 0)]))
-        t_s = 1e3 * float(np.median(times[(name, 1)]))
-        results[name] = (t_f, t_s)
-        print(f"{labels[name]:44s} forward {t_f:7.2f} ms ({fwd_bytes / t_f / 1e6:5.1f} GB/s)   "
-              f"train step {t_s:7.2f} ms ({step_bytes / t_s / 1e6:5.1f} GB/s)   "
-              f"[min {1e3 * min(times[(name, 0)]):.2f} / {1e3 * min(times[(name, 1)]):.2f}]",
-              flush=True)
-
-    print("effective GB/s: forward = embedding rows read (ids x D x 4 B) / forward time; "
-          "train step = (rows read in forward + unique rows read and written in the update, "
-          "2 x unique x D x 4 B) / step time; the same byte count is used for every path.")
-    if "c" in results:
-        cf, cs = results["c"]
-        for name, (tf_, ts_) in results.items():
-            if name != "c":
-                print(f"{labels[name]:44s} vs (c): forward {cf / tf_:5.2f}x faster, "
-                      f"train step {cs / ts_:5.2f}x faster")
-    if "a" in results and "c" in results:
-        # targets against anchors measured in this run only (FBGEMM's CPU TBE is not
-        # installed here; a figure of it from another day would not be a measurement)
-        ta_s = results["a"][1]
-        ok_s = results["c"][1] / ta_s >= 3.0
-        msg = [f"train step >= 3x faster than (c): {'MET' if ok_s else 'NOT MET'} "
-               f"({results['c'][1] / ta_s:.2f}x)"]
-        print("targets: " + "; ".join(msg))
+    return compare_paths(args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
