@@ -4,6 +4,8 @@ Each rank builds the single-process reference on the global batch (all ranks dra
 same seeded data), trains the distributed model on its own slice, and compares.
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
@@ -11,6 +13,7 @@ import horovod.tensorflow as hvd
 import tfhybrid
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import planner
 from tfhybrid.layers import DistributedEmbedding, Embedding
 
 HOROVOD_NP = (1, 2, 4)
@@ -363,6 +366,52 @@ class ConfigTest(tf.test.TestCase):
         self.assertEqual(clone.get_config(), config)
         self.assertEqual(config["input_table_map"], [0, 1, 0])
         self.assertEqual(config["embeddings"][0]["config"]["combiner"], "mean")
+
+    def test_a_given_plan_is_executed_as_it_is(self):
+        mesh = tfhybrid.init(model_parallel=_world())
+        tables = [Embedding(500, 8, combiner="sum", name="user"),
+                  Embedding(40, 4, combiner="sum", name="item")]
+        configs = [planner.TableConfig("user", 500, 8), planner.TableConfig("item", 40, 4)]
+        plan = planner.plan_sharding(configs, mesh.data_parallel, mesh.model_parallel,
+                                     strategy="basic", optimizer="rowwise_adagrad",
+                                     column_slice_threshold=1000)
+        path = os.path.join(self.get_temp_dir(), "plan.json")
+        with open(path, "w") as f:
+            f.write(plan.to_json())
+        for given in (plan, plan.to_json(), path):
+            layer = DistributedEmbedding(tables, mesh=mesh, plan=given,
+                                         column_slice_threshold=10)  # unused: plan given
+            layer([tf.constant([[1, 2]] * 2), tf.constant([[3, 4]] * 2)])
+            self.assertEqual(layer.plan, plan)
+            self.assertEqual(layer.strategy, "basic")
+        # the plan survives get_config, so a rebuilt layer executes the same plan
+        clone = DistributedEmbedding.from_config(layer.get_config())
+        clone([tf.constant([[1, 2]] * 2), tf.constant([[3, 4]] * 2)])
+        self.assertEqual(clone.plan, plan)
+        # a plan for another mesh or other tables is refused, naming both
+        other = planner.plan_sharding(configs, mesh.size + 1, 1)
+        with self.assertRaisesRegex(ValueError, rf"plan is for a D x M = {mesh.size + 1} x 1"):
+            DistributedEmbedding(tables, mesh=mesh, plan=other)([tf.constant([[1]])] * 2)
+        with self.assertRaisesRegex(ValueError, r"plan's tables .* are not this layer's"):
+            DistributedEmbedding([Embedding(501, 8, name="user"), Embedding(40, 4, name="item")],
+                                 mesh=mesh, plan=plan)([tf.constant([[1]])] * 2)
+        with self.assertRaisesRegex(ValueError, r"plan='/nonexistent.json' is neither"):
+            DistributedEmbedding(tables, plan="/nonexistent.json")
+        with self.assertRaisesRegex(ValueError, r"strategy='cost' needs the cluster"):
+            DistributedEmbedding(tables, strategy="cost")
+
+    def test_the_plan_counts_the_tables_optimizer_state(self):
+        mesh = tfhybrid.init(model_parallel=_world())
+        tables = [Embedding(500, 8, name="user"), Embedding(40, 4, name="item")]
+        stateless = DistributedEmbedding(tables, mesh=mesh)
+        rowwise = DistributedEmbedding(tables, mesh=mesh, optimizer="rowwise_adagrad")
+        for layer in (stateless, rowwise):
+            layer([tf.constant([[1]]), tf.constant([[2]])])
+        # row-wise AdaGrad keeps one float32 per row
+        self.assertEqual(sum(r.optimizer_bytes for r in stateless.plan.ranks), 0)
+        self.assertEqual(sum(r.optimizer_bytes for r in rowwise.plan.ranks), (500 + 40) * 4)
+        with self.assertRaisesRegex(ValueError, r"optimizer='lamb' is unknown"):
+            DistributedEmbedding(tables, optimizer="lamb")
 
     def test_bad_arguments_raise_value_error(self):
         with self.assertRaisesRegex(ValueError, r"strategy='fastest' is unknown"):

@@ -24,14 +24,14 @@ THRESHOLDS = dict(data_parallel_threshold=2_000, column_slice_threshold=60_000,
 BYTES_BALANCED_DIGESTS = {
     "random0/m1": "a15b6b8084aef99f", "random0/m2": "47fd94386c4bd8c8",
     "random0/m3": "f71756f350da207f", "random0/m4": "ddf3afd530314a41",
-    "random0/m8": "084b45ff5bcb5216", "random1/m1": "f161d3114ee9b14a",
+    "random0/m8": "e765a19ac0f5b875", "random1/m1": "f161d3114ee9b14a",
     "random1/m2": "a0c163dfb937c45d", "random1/m3": "20b0a01ce6f6ed31",
-    "random1/m4": "bc44a1e2a10864b8", "random1/m8": "315eef5b80c2a4e6",
+    "random1/m4": "bc44a1e2a10864b8", "random1/m8": "c0a4f3257d1e1e33",
     "random2/m1": "366f2267a5779e39", "random2/m2": "2a0678585910cdf8",
-    "random2/m3": "8eed98bd6855fde6", "random2/m4": "6674ac7560d281e3",
-    "random2/m8": "e082015f89eb1c06", "random3/m1": "79eb346b1ec5cd4e",
+    "random2/m3": "3480c513634c1348", "random2/m4": "7946ed4017a1ea7c",
+    "random2/m8": "80fa19ce7ef21049", "random3/m1": "79eb346b1ec5cd4e",
     "random3/m2": "2fe0953adbcc6efd", "random3/m3": "1d11e10ddefe6370",
-    "random3/m4": "ae80253bc94f7211", "random3/m8": "439f9cee4a6e6b6e",
+    "random3/m4": "ae80253bc94f7211", "random3/m8": "f44b2ced28b353df",
     "skewed0/m2": "deec8ffc98bdcbc5", "skewed0/m3": "6ed25f647fdcaf23",
     "skewed0/m4": "4d5c58650d6f4649", "skewed0/m8": "812164640263b5f3",
     "skewed1/m2": "ace37401b07589a4", "skewed1/m3": "f46f7bb084b6d8ee",
@@ -211,7 +211,9 @@ class StrategyTest(unittest.TestCase):
     def test_bytes_balanced_as_before(self):
         # Digests of the plans the previous default ("memory_balanced" before DE's names
         # took DE's placement) produced for these inputs: tables, kinds, shards, owners and
-        # every estimate must be unchanged.
+        # every estimate must be unchanged. (Six digests were renewed when the sparse-vs-
+        # dense sync rule learned the group size: placements are the same, the sync
+        # estimates of replicated tables over 6, 8 and 16 ranks are not.)
         def digest(plan):
             data = [[(p.name, p.kind, [tuple(asdict(s).values()) for s in p.shards])
                      for p in plan.tables], [tuple(asdict(r).values()) for r in plan.ranks]]
@@ -555,7 +557,7 @@ class ValidationTest(unittest.TestCase):
             (lambda: plan_sharding(t, 0, 2), r"data_parallel.*0"),
             (lambda: plan_sharding(t, 1, 2, strategy="fastest"), "fastest"),
             (lambda: plan_sharding(t + t, 1, 2), r"duplicate.*'t'"),
-            (lambda: plan_sharding(t, 1, 2, optimizer="adam"), "adam"),
+            (lambda: plan_sharding(t, 1, 2, optimizer="lamb"), "lamb"),
             (lambda: plan_sharding(t, 1, 2, column_slice_threshold=0), r"column_slice.*0"),
             (lambda: plan_sharding(t, 1, 2, row_slice_threshold=-3), r"row_slice.*-3"),
             (lambda: plan_sharding(t, 1, 2, data_parallel_threshold=1.5), r"1\.5"),

@@ -87,6 +87,7 @@ import horovod.tensorflow as hvd
 
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import planner
 
 _LOG = logging.getLogger("tfhybrid")
 
@@ -251,7 +252,8 @@ def sync_options(*, op: Any = hvd.Average, compression: Any = hvd.Compression.no
 
 
 # ------------------------------------------------------------------ 1. sync
-def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
+def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable, group_size: int
+                       ) -> bool:
     planned = getattr(variable, _SPARSE_SYNC_ATTR, None)
     if planned is not None:
         return planned
@@ -260,8 +262,7 @@ def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable) -> bool:
     touched = grad.indices.shape[0]
     if touched is None:
         return rows * width >= _SPARSE_DEFAULT_MIN_ELEMENTS
-    # an allgather moves (ids + values) per touched row; an allreduce the whole table
-    return touched * (width + 1) < rows * width
+    return planner.sync_is_sparse(rows, width, touched, group_size)
 
 
 def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
@@ -302,7 +303,7 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
         # reduced over all ranks; M for a shard, whose gradient the layer scaled by 1/M)
         post = predivide / group_size if average else mesh.size / group_size
         if isinstance(grad, tf.IndexedSlices) and (
-                group_size == 1 or _sparse_is_cheaper(grad, var)):
+                group_size == 1 or _sparse_is_cheaper(grad, var, group_size)):
             values, indices = grad.values, grad.indices
             factor = 1.0 / group_size if average else post
             if group_size > 1:

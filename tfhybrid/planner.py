@@ -44,8 +44,24 @@ traffic figures (their gradients go through the allreduce).
     - if p owns a shard: alltoall += (M-1)*act*L*w;  local += (L + n)*idb + 2*act*L*w
 * lookup_bytes_per_sample (per local sample): for each shard p owns, table_wise /
   column_wise M*h*w*act, row_wise M*(h/k)*w*act; plus h*dim*act per data_parallel table.
-* param_bytes = elements*act; optimizer_bytes: sgd 0, adagrad elements*4,
-  rowwise_adagrad shard_rows*4; data_parallel tables count on every position.
+* param_bytes = elements*act; optimizer_bytes = elements*e + shard_rows*r with (e, r) from
+  :data:`OPTIMIZER_STATE` (float32 slots: sgd 0, adagrad 4 per element, adam 8 per element,
+  rowwise_adagrad and ms_rowwise_adagrad 4 per row); data_parallel tables count on every
+  position.
+* replica sync of a shard over its data group (D copies), per step: ``"gradients"`` moves
+  :func:`sync_bytes` (sparse allgather of the touched rows or dense allreduce, whichever is
+  smaller); ``"weights"`` moves :func:`weight_sync_bytes` (the whole shard and its optimizer
+  state) every K = sync_every steps, so 1/K of it per step. Data-parallel tables always
+  sync gradients over all N ranks.
+* comm_dtype (None = each table's dtype) is the dtype of the activations, their gradients
+  and the gradient sync values on the wire; a weight sync moves the variables' own bytes.
+  Gradient sync values are 4 bytes when comm_dtype is None.
+* unique rows: the sync and apply formulas take the rows a step touches; by default the
+  looked-up ids (an upper bound), or ``unique_rows(table, ids)`` when given (see
+  ``tfhybrid.cost_model.Workload``).
+
+:func:`position_traffic` breaks a position's bytes down by collective (ids, activations,
+activation gradients, each sync); :class:`RankEstimate` holds the totals.
 """
 
 from __future__ import annotations
@@ -61,13 +77,30 @@ COMBINERS = (None, "sum", "mean")
 DE_STRATEGIES = ("basic", "memory_balanced", "memory_optimized")
 STRATEGIES = DE_STRATEGIES + ("bytes_balanced",)
 DEFAULT_STRATEGY = "bytes_balanced"
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+# optimizer -> (state bytes per element, state bytes per row): float32 slots
+OPTIMIZER_STATE = {"sgd": (0, 0), "adagrad": (4, 0), "adam": (8, 0),
+                   "rowwise_adagrad": (0, 4), "ms_rowwise_adagrad": (0, 4)}
+OPTIMIZERS = tuple(OPTIMIZER_STATE)
 KINDS = ("data_parallel", "table_wise", "column_wise", "row_wise")
+# how a shard's D copies stay in step (see the layer's replica_sync)
+REPLICA_SYNC = ("gradients", "weights")
+# chooses M's tables' kinds by predicted step time: tfhybrid.cost_model
+COST_STRATEGY = "cost"
+ALL_STRATEGIES = STRATEGIES + (COST_STRATEGY,)
+# ids on the wire: int32 unless a model-parallel table needs int64
+ID_BYTES_SMALL, ID_BYTES_LARGE = 4, 8
+# a sparse gradient row's index, as Horovod's allgather sends it (int64)
+INDEX_BYTES = 8
+# gradient sync values when no comm_dtype is given (float32 gradients)
+DEFAULT_SYNC_VALUE_BYTES = 4
 
-__all__ = ["TableConfig", "Shard", "TablePlacement", "RankEstimate", "ShardingPlan",
-           "plan_sharding", "sync_is_sparse", "sync_bytes", "input_ids_per_position",
-           "table_ids_per_position", "DTYPE_BYTES", "COMBINERS", "STRATEGIES",
-           "DE_STRATEGIES", "DEFAULT_STRATEGY", "OPTIMIZERS", "KINDS"]
+__all__ = ["TableConfig", "Shard", "TablePlacement", "RankEstimate", "PositionTraffic",
+           "ShardingPlan", "plan_sharding", "plan_with_kinds", "position_traffic",
+           "positions_traffic",
+           "sync_is_sparse", "sync_bytes", "weight_sync_bytes", "optimizer_state_bytes",
+           "input_ids_per_position", "table_ids_per_position", "DTYPE_BYTES", "COMBINERS",
+           "STRATEGIES", "ALL_STRATEGIES", "COST_STRATEGY", "DE_STRATEGIES",
+           "DEFAULT_STRATEGY", "OPTIMIZERS", "OPTIMIZER_STATE", "REPLICA_SYNC", "KINDS"]
 
 
 def _check_int(what: str, value: Any, minimum: int) -> None:
@@ -208,6 +241,15 @@ class ShardingPlan:
     data_parallel_threshold: int | None
     local_batch_size: int
     position_tables: tuple[tuple[int, ...], ...] = ()
+    # what the estimates assume (plans saved before these fields existed read as defaults)
+    optimizer: str = "sgd"
+    replica_sync: str = "gradients"
+    sync_every: int = 1
+    comm_dtype: str | None = None
+    # set by the cost strategy: the mesh layout it chose and its predictions as
+    # (name, value) pairs (seconds, bytes), plain data so JSON round-trips exactly
+    layout: str | None = None
+    predicted: tuple[tuple[str, float], ...] = ()
 
     def table(self, name: str) -> TablePlacement:
         """The placement of table ``name``; ValueError if unknown."""
@@ -260,7 +302,9 @@ class ShardingPlan:
                 for t in d.pop("tables"))
             ranks = tuple(RankEstimate(**r) for r in d.pop("ranks"))
             order = tuple(tuple(int(t) for t in p) for p in d.pop("position_tables", ()))
-            return cls(tables=tables, ranks=ranks, position_tables=order, **d)
+            predicted = tuple((str(k), float(v)) for k, v in d.pop("predicted", ()))
+            return cls(tables=tables, ranks=ranks, position_tables=order, predicted=predicted,
+                       **d)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a serialized ShardingPlan ({e!r}): {s[:200]!r}") from e
 
@@ -271,7 +315,11 @@ class ShardingPlan:
                  f"  local_batch_size={self.local_batch_size}",
                  f"thresholds (elements): data_parallel={self.data_parallel_threshold} "
                  f"row_slice={self.row_slice_threshold} "
-                 f"column_slice={self.column_slice_threshold}", ""]
+                 f"column_slice={self.column_slice_threshold}",
+                 f"optimizer={self.optimizer} replica_sync={self.replica_sync}"
+                 + (f" sync_every={self.sync_every}" if self.replica_sync == "weights" else "")
+                 + f" comm_dtype={self.comm_dtype or 'table dtype'}"
+                 + (f" layout={self.layout}" if self.layout else ""), ""]
         rows = []
         for t in self.tables:
             nrows = max(s.row_end for s in t.shards)
@@ -291,6 +339,12 @@ class ShardingPlan:
         lines += _aligned(["position", "shards", "params", "optimizer", "lookup/sample",
                            "alltoall sent/step", "local/step", "grad sync/step"], rows,
                           set(range(1, 8)))
+        if self.predicted:
+            lines += ["", "predicted by the cost model (tfhybrid.cost_model):"]
+            lines += _aligned(["quantity", "value"], [
+                [name, f"{value * 1e3:.3f} ms" if name.endswith("_seconds") else
+                 _human(value) if name.endswith("_bytes") else f"{value:g}"]
+                for name, value in self.predicted], {1})
         return "\n".join(lines)
 
 
@@ -304,10 +358,20 @@ def _split(total: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def optimizer_state_bytes(rows: int, width: int, optimizer: str) -> int:
+    """Bytes of ``optimizer``'s slots for a ``rows x width`` variable (:data:`OPTIMIZER_STATE`).
+
+    >>> optimizer_state_bytes(1000, 64, "rowwise_adagrad"), optimizer_state_bytes(10, 4, "adam")
+    (4000, 320)
+    """
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    per_element, per_row = OPTIMIZER_STATE[optimizer]
+    return rows * width * per_element + rows * per_row
+
+
 def _shard_bytes(t: TableConfig, nrows: int, width: int, optimizer: str) -> tuple[int, int]:
-    elements = nrows * width
-    opt = {"sgd": 0, "adagrad": elements * 4, "rowwise_adagrad": nrows * 4}[optimizer]
-    return elements * DTYPE_BYTES[t.dtype], opt
+    return nrows * width * DTYPE_BYTES[t.dtype], optimizer_state_bytes(nrows, width, optimizer)
 
 
 def _snake(m: int) -> Iterator[int]:
@@ -344,7 +408,17 @@ def _layout_bytes_balanced(tables: Sequence[TableConfig], m: int, col_thr: int |
                 geometry.append(("table_wise", full))
         else:
             geometry.append(("table_wise", full))
+    return _deal(geometry, m, shard_load)
 
+
+# (kind, [(row_start, row_end, col_start, col_end), ...]) per table
+_Geometry = list[tuple[str, list[tuple[int, int, int, int]]]]
+
+
+def _deal(geometry: _Geometry, m: int, shard_load: Callable[..., int]
+          ) -> tuple[_Layout, list[list[int]]]:
+    """Owners for a geometry: row_wise shard i on position i; table-wise shards and column
+    slices by bytes descending in snake order, never two slices of a table on a position."""
     holds: list[set[int]] = [set() for _ in range(m)]
     owners: dict[tuple[int, int, int], int | None] = {}
     placeable = []  # (bytes, table index, col_start, row_start)
@@ -491,7 +565,13 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                   data_parallel_threshold: int | None = None,
                   memory_budget_bytes: int | None = None,
                   optimizer: str = "sgd",
-                  local_batch_size: int = 1) -> ShardingPlan:
+                  local_batch_size: int = 1,
+                  replica_sync: str = "gradients",
+                  sync_every: int = 1,
+                  comm_dtype: str | None = None,
+                  unique_rows: Callable[[TableConfig, float], float] | None = None,
+                  cluster: Any = None, workload: Any = None,
+                  layout: str = "model_major") -> ShardingPlan:
     """Decide the kind and owners of every table's shards and estimate per-position cost.
 
     **DE strategies** (``basic``, ``memory_balanced``, ``memory_optimized``) reproduce
@@ -529,8 +609,18 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     table on one position (a position skipped for holding a slice of the same table keeps
     its turn); positions serve their tables in table order.
 
+    **cost** (:data:`COST_STRATEGY`): each table's kind and shard count minimize the step
+    time ``tfhybrid.cost_model.predict`` gives for this D x M mesh in ``layout`` on
+    ``cluster`` (a ``ClusterSpec``) running ``workload`` (a ``Workload`` whose tables are
+    ``tables``; its optimizer, batch, sync mode and comm dtype are the plan's), under
+    ``cluster.memory_per_rank``; the plan records the layout and the predictions
+    (:meth:`ShardingPlan.describe` prints them). ``tfhybrid.cost_model.plan_for_cluster``
+    also chooses M and the layout.
+
     Load = param + optimizer bytes.  With ``memory_budget_bytes`` a shard or position
-    over budget raises ValueError naming the table and the bytes.
+    over budget raises ValueError naming the table and the bytes. ``optimizer``,
+    ``replica_sync``/``sync_every``, ``comm_dtype`` and ``unique_rows`` change the
+    estimates (module docstring), and the plan records them.
 
     >>> plan = plan_sharding([TableConfig("big", 10_000, 64), TableConfig("tiny", 10, 4)],
     ...                      data_parallel=2, model_parallel=4,
@@ -544,14 +634,47 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     _check_int("data_parallel", data_parallel, 1)
     _check_int("model_parallel", model_parallel, 1)
     _check_int("local_batch_size", local_batch_size, 1)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if strategy not in ALL_STRATEGIES:
+        raise ValueError(f"strategy must be one of {ALL_STRATEGIES}, got {strategy!r}")
+    _check_settings(optimizer, replica_sync, sync_every, comm_dtype)
     _check_threshold("column_slice_threshold", column_slice_threshold)
     _check_threshold("row_slice_threshold", row_slice_threshold)
     _check_threshold("data_parallel_threshold", data_parallel_threshold)
     _check_threshold("memory_budget_bytes", memory_budget_bytes)
+    tables = _check_tables(tables)
+    if strategy == COST_STRATEGY:
+        from tfhybrid import cost_model  # imported here: cost_model imports this module
+        return cost_model.plan_mesh(tables, data_parallel, model_parallel, layout, cluster,
+                                    workload)
+    if cluster is not None or workload is not None:
+        raise ValueError(f"cluster and workload are for strategy={COST_STRATEGY!r}, not "
+                         f"{strategy!r}")
+    m = model_parallel
+
+    thresholds = (column_slice_threshold, row_slice_threshold, data_parallel_threshold)
+    load_of = _load_function(tables, optimizer, memory_budget_bytes)
+    if strategy == "bytes_balanced":
+        layout, order = _layout_bytes_balanced(tables, m, *thresholds, load_of)
+    else:
+        layout, order = _layout_de(strategy, tables, m, *thresholds)
+    settings = _Settings(optimizer, replica_sync, sync_every, comm_dtype, unique_rows)
+    return _finish_plan(tables, data_parallel, m, strategy, layout, order, thresholds,
+                        memory_budget_bytes, local_batch_size, settings)
+
+
+def _check_settings(optimizer: Any, replica_sync: Any, sync_every: Any,
+                    comm_dtype: Any) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if replica_sync not in REPLICA_SYNC:
+        raise ValueError(f"replica_sync must be one of {REPLICA_SYNC}, got {replica_sync!r}")
+    _check_int("sync_every", sync_every, 1)
+    if comm_dtype is not None and comm_dtype not in DTYPE_BYTES:
+        raise ValueError(f"comm_dtype must be None or one of {sorted(DTYPE_BYTES)}, "
+                         f"got {comm_dtype!r}")
+
+
+def _check_tables(tables: Sequence[TableConfig]) -> list[TableConfig]:
     tables = list(tables)
     seen: set[str] = set()
     for t in tables:
@@ -560,8 +683,11 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
         if t.name in seen:
             raise ValueError(f"duplicate table name {t.name!r}")
         seen.add(t.name)
-    m = model_parallel
+    return tables
 
+
+def _load_function(tables: Sequence[TableConfig], optimizer: str,
+                   memory_budget_bytes: int | None) -> Callable[..., int]:
     def load_of(ti: int, r0: int, r1: int, c0: int, c1: int) -> int:
         param, opt = _shard_bytes(tables[ti], r1 - r0, c1 - c0, optimizer)
         if memory_budget_bytes is not None and param + opt > memory_budget_bytes:
@@ -569,13 +695,25 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                 f"table {tables[ti].name!r}: shard rows {r0}:{r1} cols {c0}:{c1} needs "
                 f"{param + opt} bytes, over memory_budget_bytes={memory_budget_bytes}")
         return param + opt
+    return load_of
 
-    thresholds = (column_slice_threshold, row_slice_threshold, data_parallel_threshold)
-    if strategy == "bytes_balanced":
-        layout, order = _layout_bytes_balanced(tables, m, *thresholds, load_of)
-    else:
-        layout, order = _layout_de(strategy, tables, m, *thresholds)
 
+@dataclass(frozen=True)
+class _Settings:
+    """What the byte formulas assume besides the geometry (see the module docstring)."""
+    optimizer: str = "sgd"
+    replica_sync: str = "gradients"
+    sync_every: int = 1
+    comm_dtype: str | None = None
+    unique_rows: Callable[[TableConfig, float], float] | None = None
+
+
+def _finish_plan(tables: list[TableConfig], d: int, m: int, strategy: str, layout: _Layout,
+                 order: list[list[int]], thresholds: tuple[int | None, ...],
+                 memory_budget_bytes: int | None, local_batch_size: int, settings: _Settings,
+                 mesh_layout: str | None = None,
+                 predicted: tuple[tuple[str, float], ...] = ()) -> ShardingPlan:
+    load_of = _load_function(tables, settings.optimizer, memory_budget_bytes)
     placements = tuple(
         TablePlacement(t.name, kind, tuple(Shard(t.name, r0, r1, c0, c1, owner) for
                                            r0, r1, c0, c1, owner in sorted(
@@ -583,13 +721,13 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
         for t, (kind, shards) in zip(tables, layout))
 
     # Per-table bytes on each position (data_parallel tables count everywhere).
-    on_position: list[dict[int, int]] = [{} for _ in range(m)]
-    for ti, pl in enumerate(placements):
-        for s in pl.shards:
-            nbytes = load_of(ti, s.row_start, s.row_end, s.col_start, s.col_end)
-            for p in (range(m) if s.owner is None else [s.owner]):
-                on_position[p][ti] = on_position[p].get(ti, 0) + nbytes
     if memory_budget_bytes is not None:
+        on_position: list[dict[int, int]] = [{} for _ in range(m)]
+        for ti, pl in enumerate(placements):
+            for s in pl.shards:
+                nbytes = load_of(ti, s.row_start, s.row_end, s.col_start, s.col_end)
+                for p in (range(m) if s.owner is None else [s.owner]):
+                    on_position[p][ti] = on_position[p].get(ti, 0) + nbytes
         for p, per_table in enumerate(on_position):
             load = sum(per_table.values())
             if load > memory_budget_bytes:
@@ -599,12 +737,70 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                     f"{memory_budget_bytes}; largest table there is {tables[worst].name!r} "
                     f"with {per_table[worst]} bytes")
 
-    ranks = tuple(_estimate(p, tables, placements, m, local_batch_size, optimizer,
-                            data_parallel)
+    ranks = tuple(_traffic(p, tables, placements, m, local_batch_size, d, settings)[0]
                   for p in range(m))
-    return ShardingPlan(data_parallel, m, strategy, placements, ranks, column_slice_threshold,
-                        row_slice_threshold, data_parallel_threshold, local_batch_size,
-                        tuple(tuple(o) for o in order))
+    column, row, dp = thresholds
+    return ShardingPlan(d, m, strategy, placements, ranks, column, row, dp, local_batch_size,
+                        tuple(tuple(o) for o in order), settings.optimizer,
+                        settings.replica_sync, settings.sync_every, settings.comm_dtype,
+                        mesh_layout, predicted)
+
+
+def _kind_geometry(t: TableConfig, kind: str, n: int, m: int
+                   ) -> tuple[str, list[tuple[int, int, int, int]]]:
+    full = [(0, t.rows, 0, t.dim)]
+    if kind in ("data_parallel", "table_wise") or (kind != "data_parallel" and n == 1):
+        return ("table_wise" if kind != "data_parallel" else kind), full
+    if kind == "column_wise":
+        if not 1 <= n <= min(m, t.dim):
+            raise ValueError(f"table {t.name!r}: column_wise needs 1 <= shards <= "
+                             f"min(M={m}, dim={t.dim}), got {n}")
+        return kind, [(0, t.rows, c0, c1) for c0, c1 in _split(t.dim, n)]
+    if kind == "row_wise":
+        if not 1 <= n <= min(m, t.rows):
+            raise ValueError(f"table {t.name!r}: row_wise needs 1 <= shards <= "
+                             f"min(M={m}, rows={t.rows}), got {n}")
+        return kind, [(r0, r1, 0, t.dim) for r0, r1 in _split(t.rows, n)]
+    raise ValueError(f"table {t.name!r}: kind must be one of {KINDS}, got {kind!r}")
+
+
+def plan_with_kinds(tables: Sequence[TableConfig], data_parallel: int, model_parallel: int,
+                    kinds: Sequence[tuple[str, int]], *, strategy: str = COST_STRATEGY,
+                    optimizer: str = "sgd", local_batch_size: int = 1,
+                    replica_sync: str = "gradients", sync_every: int = 1,
+                    comm_dtype: str | None = None,
+                    unique_rows: Callable[[TableConfig, float], float] | None = None,
+                    memory_budget_bytes: int | None = None, layout: str | None = None,
+                    predicted: Sequence[tuple[str, float]] = ()) -> ShardingPlan:
+    """A plan with each table's ``(kind, shards)`` given (the cost strategy's candidates).
+
+    ``column_wise`` n: n near-equal column slices (1 <= n <= min(M, dim));
+    ``row_wise`` n: n row shards on positions 0..n-1 (1 <= n <= min(M, rows)); n == 1 is
+    table_wise; ``table_wise`` and ``data_parallel`` ignore n. Table-wise shards and
+    column slices are dealt as ``bytes_balanced`` deals them (bytes descending, snake order).
+
+    >>> plan = plan_with_kinds([TableConfig("a", 100, 8), TableConfig("b", 40, 4)], 1, 2,
+    ...                        [("column_wise", 2), ("data_parallel", 1)])
+    >>> [(t.kind, [s.owner for s in t.shards]) for t in plan.tables]
+    [('column_wise', [0, 1]), ('data_parallel', [None])]
+    """
+    _check_int("data_parallel", data_parallel, 1)
+    _check_int("model_parallel", model_parallel, 1)
+    _check_int("local_batch_size", local_batch_size, 1)
+    _check_settings(optimizer, replica_sync, sync_every, comm_dtype)
+    _check_threshold("memory_budget_bytes", memory_budget_bytes)
+    tables = _check_tables(tables)
+    kinds = list(kinds)
+    if len(kinds) != len(tables):
+        raise ValueError(f"kinds has {len(kinds)} entries for {len(tables)} tables")
+    m = model_parallel
+    geometry = [_kind_geometry(t, kind, n, m) for t, (kind, n) in zip(tables, kinds)]
+    load_of = _load_function(tables, optimizer, memory_budget_bytes)
+    layout_, order = _deal(geometry, m, load_of)
+    settings = _Settings(optimizer, replica_sync, sync_every, comm_dtype, unique_rows)
+    return _finish_plan(tables, data_parallel, m, strategy, layout_, order,
+                        (None, None, None), memory_budget_bytes, local_batch_size, settings,
+                        layout, tuple((str(k), float(v)) for k, v in predicted))
 
 
 def table_ids_per_position(plan: ShardingPlan) -> list[list[int]]:
@@ -648,18 +844,24 @@ def input_ids_per_position(plan: ShardingPlan, input_table_map: Sequence[int]
             for tables in table_ids_per_position(plan)]
 
 
-def sync_is_sparse(rows: int, width: int, ids_per_step: float) -> bool:
-    """True when an allgather of the touched rows moves fewer bytes than a dense allreduce.
+def sync_is_sparse(rows: int, width: int, ids_per_step: float, group_size: int) -> bool:
+    """True when an allgather of the touched rows moves fewer bytes than a dense allreduce
+    over ``group_size`` ranks.
 
-    An allgather sends ``ids * (width + 1)`` values (rows plus their indices); a dense
-    allreduce the whole ``rows * width`` table. ``ids_per_step`` counts looked-up ids, an
-    upper bound on the unique rows a step touches.
+    Per rank, an allgather receives the other ranks' ``ids * (width + 1)`` values (rows
+    plus their indices), ``(n - 1) * ids * (width + 1)``; a ring allreduce sends and
+    receives ``2 (n - 1) / n * rows * width``. So sparse wins while
+    ``n * ids * (width + 1) < 2 * rows * width`` (for n = 2: ``ids * (width + 1) <
+    rows * width``). ``ids_per_step`` counts looked-up ids, an upper bound on the unique
+    rows a step touches. This one rule serves the planner, the cost model and the
+    gradient sync (tfhybrid.distributed).
     """
-    return ids_per_step * (width + 1) < rows * width
+    return group_size * ids_per_step * (width + 1) < 2 * rows * width
 
 
 def sync_bytes(rows: int, width: int, ids_per_step: float, group_size: int,
-               value_bytes: int = 4, index_bytes: int = 8) -> float:
+               value_bytes: int = DEFAULT_SYNC_VALUE_BYTES,
+               index_bytes: int = INDEX_BYTES) -> float:
     """Bytes a rank sends to keep one variable's copies in step over ``group_size`` ranks.
 
     Sparse (allgather): ``ids * (width * value_bytes + index_bytes)``; dense (allreduce):
@@ -667,39 +869,222 @@ def sync_bytes(rows: int, width: int, ids_per_step: float, group_size: int,
     """
     if group_size == 1:
         return 0.0
-    if sync_is_sparse(rows, width, ids_per_step):
+    if sync_is_sparse(rows, width, ids_per_step, group_size):
         return float(ids_per_step * (width * value_bytes + index_bytes))
     return float(rows * width * value_bytes)
 
 
-def _estimate(p: int, tables: Sequence[TableConfig], placements: Sequence[TablePlacement],
-              m: int, b: int, optimizer: str, d: int) -> RankEstimate:
-    # Formulas are spelled out in the module docstring; keep the two in sync.
+def weight_sync_bytes(rows: int, width: int, value_bytes: int, optimizer: str,
+                      group_size: int) -> float:
+    """Bytes one weight sync averages per rank: the variable and its optimizer state.
+
+    Dense over the group (every row may have moved); 0 for a group of one. Amortized over
+    K steps by the callers (``sync_every``).
+
+    >>> weight_sync_bytes(100, 8, 4, "rowwise_adagrad", 2)
+    3600.0
+    """
+    if group_size == 1:
+        return 0.0
+    return float(rows * width * value_bytes + optimizer_state_bytes(rows, width, optimizer))
+
+
+@dataclass(frozen=True)
+class PositionTraffic:
+    """One position's bytes per step, by collective (the totals are :class:`RankEstimate`).
+
+    Alltoall phases (inside the model group; what this rank SENDS): ``ids_sent`` (forward,
+    bag lengths + ids to the owners), ``activations_sent`` (forward, owned rows to the
+    other positions), ``activation_grads_sent`` (backward, the gradients of the received
+    rows back to their owners). Syncs: ``shard_allreduce_bytes`` is S of the dense
+    allreduces over the data group and ``shard_allgather_bytes`` this rank's part of the
+    sparse allgathers (gradient mode); ``shard_weight_sync_bytes`` is S of ONE weight sync
+    (weight mode, every ``sync_every`` steps); ``replicated_*`` are the data-parallel
+    tables' gradient syncs over all N ranks. ``apply_bytes``: rows the optimizer updates
+    times (row bytes + state per row). ``activation_bytes``: embedding outputs and their
+    gradients held from forward to backward (owner: M * rows back per owned shard; every
+    rank: the rows it receives). ``*_count`` count the tensors each sync has.
+
+    >>> t = TableConfig("t", 100, 8)
+    >>> plan = plan_sharding([t], 2, 2, local_batch_size=4)
+    >>> position_traffic(plan, [t], 0).activations_sent   # 4 bags * 8 values * 4 B to p1
+    128.0
+    """
+
+    position: int
+    param_bytes: int
+    optimizer_bytes: int
+    lookup_bytes_per_sample: float
+    ids_sent: float
+    activations_sent: float
+    activation_grads_sent: float
+    local_bytes: float
+    activation_bytes: float
+    shard_allreduce_bytes: float
+    shard_allgather_bytes: float
+    shard_weight_sync_bytes: float
+    replicated_allreduce_bytes: float
+    replicated_allgather_bytes: float
+    apply_bytes: float
+    shard_allreduce_count: int = 0
+    shard_allgather_count: int = 0
+    replicated_allreduce_count: int = 0
+    replicated_allgather_count: int = 0
+
+
+def position_traffic(plan: ShardingPlan, tables: Sequence[TableConfig], position: int, *,
+                     unique_rows: Callable[[TableConfig, float], float] | None = None,
+                     **overrides: Any) -> PositionTraffic:
+    """:class:`PositionTraffic` of ``position`` for ``plan`` (built from ``tables``).
+
+    The plan's optimizer, replica_sync, sync_every, comm_dtype and local_batch_size are
+    used unless given in ``overrides`` (same names); ``unique_rows(table, ids)`` estimates
+    the distinct rows among ``ids`` looked-up ids (default: ids).
+    """
+    plan._check_position(position)
+    tables, settings, b = _traffic_setup(plan, tables, unique_rows, overrides)
+    return _traffic(position, tables, plan.tables, plan.model_parallel, b,
+                    plan.data_parallel, settings)[1]
+
+
+def positions_traffic(plan: ShardingPlan, tables: Sequence[TableConfig], *,
+                      unique_rows: Callable[[TableConfig, float], float] | None = None,
+                      **overrides: Any) -> list[PositionTraffic]:
+    """:func:`position_traffic` of every position, checking the inputs once."""
+    tables, settings, b = _traffic_setup(plan, tables, unique_rows, overrides)
+    return [_traffic(p, tables, plan.tables, plan.model_parallel, b, plan.data_parallel,
+                     settings)[1] for p in range(plan.model_parallel)]
+
+
+def _traffic_setup(plan: ShardingPlan, tables: Sequence[TableConfig],
+                   unique_rows: Callable[[TableConfig, float], float] | None,
+                   overrides: dict[str, Any]) -> tuple[list[TableConfig], _Settings, int]:
+    tables = _check_tables(tables)
+    if [t.name for t in tables] != [p.name for p in plan.tables]:
+        raise ValueError(f"tables {[t.name for t in tables]} are not the plan's "
+                         f"{[p.name for p in plan.tables]}")
+    for t, pl in zip(tables, plan.tables):
+        shape = (max(s.row_end for s in pl.shards), max(s.col_end for s in pl.shards))
+        if shape != (t.rows, t.dim):
+            raise ValueError(f"table {t.name!r} is {t.rows} x {t.dim} but the plan's is "
+                             f"{shape[0]} x {shape[1]}")
+    unknown = set(overrides) - {"optimizer", "replica_sync", "sync_every", "comm_dtype",
+                                "local_batch_size"}
+    if unknown:
+        raise ValueError(f"unknown overrides {sorted(unknown)}")
+    get = lambda name: overrides.get(name, getattr(plan, name))  # noqa: E731
+    _check_settings(get("optimizer"), get("replica_sync"), get("sync_every"),
+                    get("comm_dtype"))
+    _check_int("local_batch_size", get("local_batch_size"), 1)
+    settings = _Settings(get("optimizer"), get("replica_sync"), get("sync_every"),
+                         get("comm_dtype"), unique_rows)
+    return tables, settings, get("local_batch_size")
+
+
+# row-wise tables with more shards than this are summed per position in closed form (the
+# loop below, kept for smaller tables, adds in an order saved estimates depend on)
+_ROW_SHARDS_LOOPED = 64
+
+
+def _traffic(p: int, tables: Sequence[TableConfig], placements: Sequence[TablePlacement],
+             m: int, b: int, d: int, settings: _Settings
+             ) -> tuple[RankEstimate, PositionTraffic]:
+    # Formulas are spelled out in the module docstring; keep the two in sync. The totals
+    # (param .. sync) accumulate in the same order as always, so saved estimates and the
+    # test digests stay bit-identical.
+    optimizer, unique = settings.optimizer, settings.unique_rows
+    weights_mode = settings.replica_sync == "weights"
+    sync_value = (DTYPE_BYTES[settings.comm_dtype] if settings.comm_dtype
+                  else DEFAULT_SYNC_VALUE_BYTES)
+    per_element_state, per_row_state = OPTIMIZER_STATE[optimizer]
     param = opt = 0
     lookup = sent = local = sync = 0.0
-    idb = 8 if any(t.rows >= 2**31 for t, pl in zip(tables, placements)
-                   if pl.kind != "data_parallel") else 4
+    ids_sent = act_sent = grad_sent = held = 0.0
+    shard_ar = shard_ag = shard_ws = rep_ar = rep_ag = apply = 0.0
+    counts = {"shard_ar": 0, "shard_ag": 0, "rep_ar": 0, "rep_ag": 0}
+    idb = ID_BYTES_LARGE if any(t.rows >= 2**31 for t, pl in zip(tables, placements)
+                                if pl.kind != "data_parallel") else ID_BYTES_SMALL
+
+    def touched(t: TableConfig, ids: float, nrows: int, share: int) -> float:
+        """Distinct rows among the ids of a shard holding 1/share of the table's rows."""
+        if unique is None:
+            return ids
+        return min(float(nrows), unique(t, ids * share) / share)
+
     for t, pl in zip(tables, placements):
         act, h = DTYPE_BYTES[t.dtype], float(t.hotness)
+        wire = DTYPE_BYTES[settings.comm_dtype] if settings.comm_dtype else act
         bags = b * t.features if t.combiner is not None else b * h
         k = len(pl.shards)
-        for s in pl.shards:
+        share = k if pl.kind == "row_wise" else 1
+        shards = pl.shards
+        if pl.kind == "row_wise" and k > _ROW_SHARDS_LOOPED:
+            # every row shard p does not own costs it the same: count them at once (a
+            # 4096-rank mesh would otherwise loop over M shards per table per position)
+            if p < k and shards[p].owner == p:   # the planner puts row shard i on i
+                own: tuple[Shard, ...] = (shards[p],)
+            else:
+                own = tuple(s for s in shards if s.owner == p)
+            others = k - len(own)
+            ids = b * h / k
+            wire_back = wire * bags * t.dim
+            ids_sent += others * (bags + ids) * idb
+            grad_sent += others * wire_back
+            sent += others * ((bags + ids) * idb + wire_back)
+            held += 2 * others * wire_back
+            shards = own
+        for s in shards:
             w = s.col_end - s.col_start
-            if s.owner is None or s.owner == p:
-                pb, ob = _shard_bytes(t, s.row_end - s.row_start, w, optimizer)
-                param, opt = param + pb, opt + ob
             nrows = s.row_end - s.row_start
+            row_bytes = w * act + w * per_element_state + per_row_state
+            if s.owner is None or s.owner == p:
+                pb, ob = _shard_bytes(t, nrows, w, optimizer)
+                param, opt = param + pb, opt + ob
             if pl.kind == "data_parallel":
                 lookup += h * w * act
-                sync += sync_bytes(nrows, w, b * h, m * d)
+                rows = touched(t, b * h, nrows, 1)
+                nbytes = sync_bytes(nrows, w, rows, m * d, sync_value)
+                sync += nbytes
+                if m * d > 1:
+                    if sync_is_sparse(nrows, w, rows, m * d):
+                        rep_ag, counts["rep_ag"] = rep_ag + nbytes, counts["rep_ag"] + 1
+                    else:
+                        rep_ar, counts["rep_ar"] = rep_ar + nbytes, counts["rep_ar"] + 1
+                apply += min(float(nrows), touched(t, m * d * b * h, nrows, 1)) * row_bytes
+                held += 2 * wire * bags * w
                 continue
             ids = b * h / k if pl.kind == "row_wise" else b * h
-            rows_back = act * bags * w
+            wire_back = wire * bags * w   # act * bags * w without a comm_dtype
+            held += 2 * wire_back
             if s.owner == p:
-                sync += sync_bytes(nrows, w, m * ids, d)
-                sent += (m - 1) * rows_back
-                local += (bags + ids) * idb + 2 * rows_back
+                group_rows = touched(t, m * ids, nrows, share)
+                if weights_mode:
+                    one_sync = weight_sync_bytes(nrows, w, act, optimizer, d)
+                    sync += one_sync / settings.sync_every
+                    shard_ws += one_sync
+                    applied = group_rows
+                else:
+                    nbytes = sync_bytes(nrows, w, group_rows, d, sync_value)
+                    sync += nbytes
+                    if d > 1:
+                        if sync_is_sparse(nrows, w, group_rows, d):
+                            shard_ag, counts["shard_ag"] = shard_ag + nbytes, counts["shard_ag"] + 1
+                        else:
+                            shard_ar, counts["shard_ar"] = shard_ar + nbytes, counts["shard_ar"] + 1
+                    applied = touched(t, d * m * ids, nrows, share)
+                apply += min(float(nrows), applied) * row_bytes
+                sent += (m - 1) * wire_back
+                local += (bags + ids) * idb + 2 * wire_back
+                act_sent += (m - 1) * wire_back
+                held += 2 * (m - 1) * wire_back
                 lookup += m * (ids / b) * w * act
             else:
-                sent += (bags + ids) * idb + rows_back
-    return RankEstimate(p, param, opt, float(lookup), float(sent), float(local), sync)
+                sent += (bags + ids) * idb + wire_back
+                ids_sent += (bags + ids) * idb
+                grad_sent += wire_back
+    estimate = RankEstimate(p, param, opt, float(lookup), float(sent), float(local), sync)
+    traffic = PositionTraffic(p, param, opt, float(lookup), ids_sent, act_sent, grad_sent,
+                              float(local), held, shard_ar, shard_ag, shard_ws, rep_ar, rep_ag,
+                              apply, counts["shard_ar"], counts["shard_ag"], counts["rep_ar"],
+                              counts["rep_ag"])
+    return estimate, traffic

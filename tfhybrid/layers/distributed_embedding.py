@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import os
 import random
 from typing import Any, Sequence
 
@@ -36,7 +38,6 @@ from tfhybrid import mesh as mesh_lib
 from tfhybrid import planner
 from tfhybrid.layers.embedding import Embedding
 
-REPLICA_SYNC = ("gradients", "weights")
 
 _LOG = logging.getLogger("tfhybrid")
 
@@ -257,6 +258,25 @@ class ShardingStrategy:
         return f"ShardingStrategy({self.name!r}, input_ids_list={self.input_ids_list})"
 
 
+def _load_plan(plan: Any) -> planner.ShardingPlan | None:
+    """``plan=``: a ShardingPlan, its JSON, or the path of a JSON file."""
+    if plan is None or isinstance(plan, planner.ShardingPlan):
+        return plan
+    if isinstance(plan, dict):
+        return planner.ShardingPlan.from_json(json.dumps(plan))
+    if isinstance(plan, (str, os.PathLike)):
+        text = str(plan)
+        if not text.lstrip().startswith("{"):
+            if not os.path.exists(text):
+                raise ValueError(f"plan={text!r} is neither a ShardingPlan's JSON nor the "
+                                 "path of a file")
+            with open(text) as f:
+                text = f.read()
+        return planner.ShardingPlan.from_json(text)
+    raise ValueError(f"plan={plan!r} must be a tfhybrid.planner.ShardingPlan, its JSON, or "
+                     "the path of a JSON file")
+
+
 class DistributedEmbedding(tf.keras.layers.Layer):
     """Embedding tables sharded table-, column- or row-wise over the mesh's model groups.
 
@@ -281,6 +301,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         ``tfhybrid.sync_replicas(model)`` and ``tfhybrid.callbacks.SyncReplicas``).
         ``MomentumScaledRowWiseAdagrad`` then scales its accumulators by c = D.
       sync_every: K, the steps between weight syncs in ``"weights"`` mode.
+      optimizer: the tables' optimizer as the planner names it (``"rowwise_adagrad"``,
+        ``"adam"``, ... ``tfhybrid.planner.OPTIMIZERS``), so that the plan's memory and
+        weight-sync bytes count its state; ``None``: ``"sgd"`` (no state).
+      plan: a ``tfhybrid.planner.ShardingPlan`` (or its JSON, or the path of a JSON
+        file) to execute as it is, e.g. from ``tfhybrid.cost_model.plan_for_cluster``;
+        it must be for this mesh's D x M (and layout, where the plan names one) and for
+        these tables. The strategy and threshold arguments are then unused.
 
     Inputs are a list with one entry per feature: int ids ``[batch]``, ``[batch, hotness]``
     or a ``tf.RaggedTensor`` ``[batch, None]``. Outputs are what the single-process layers
@@ -307,16 +334,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  input_table_map: Sequence[int] | None = None,
                  dp_input: bool = True, replica_sync: str = "gradients",
                  sync_every: int = 1, gpu_embedding_size: int | None = None,
-                 use_custom_kernel: bool = True, row_slice: Any = None, **kwargs: Any):
+                 use_custom_kernel: bool = True, row_slice: Any = None,
+                 optimizer: str | None = None,
+                 plan: planner.ShardingPlan | str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         if row_slice is not None:
             # DE 0.1's placeholder argument, which DE itself rejected when set
             raise ValueError(f"row_slice={row_slice!r} is not supported; use "
                              "row_slice_threshold (elements above which a table is split "
                              "by rows)")
-        if replica_sync not in REPLICA_SYNC:
+        if replica_sync not in planner.REPLICA_SYNC:
             raise ValueError(f"replica_sync={replica_sync!r} is unknown; expected one of "
-                             f"{REPLICA_SYNC}")
+                             f"{planner.REPLICA_SYNC}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
         self.replica_sync = replica_sync
@@ -327,7 +356,19 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             raise ValueError(f"dp_input={dp_input!r} must be True (each rank feeds its own "
                              "local batch of every feature) or False (each rank feeds the "
                              "features of its own shards for its model group's batch)")
-        if strategy not in planner.STRATEGIES:
+        if optimizer is not None and optimizer not in planner.OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r} is unknown; expected None or one of "
+                             f"{planner.OPTIMIZERS}")
+        self.optimizer_name = optimizer
+        self._given_plan = _load_plan(plan)
+        if strategy == planner.COST_STRATEGY and self._given_plan is None:
+            raise ValueError(
+                f"strategy={strategy!r} needs the cluster and workload: make the plan with "
+                "tfhybrid.cost_model.plan_for_cluster(tables, cluster, workload) and pass "
+                "it as plan=")
+        if self._given_plan is not None:
+            strategy = self._given_plan.strategy
+        elif strategy not in planner.STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is unknown; expected one of "
                              f"{planner.STRATEGIES}")
         if gpu_embedding_size is not None and (
@@ -387,15 +428,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self._mesh = _mesh_for_layer()
         mesh = self._mesh
         features = [max(1, self.input_table_map.count(t)) for t in range(len(self._tables))]
-        self.plan = planner.plan_sharding(
-            [planner.TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
-                                 combiner=t.combiner, features=f)
-             for t, h, f in zip(self._tables, hotness, features)],
-            mesh.data_parallel, mesh.model_parallel, strategy=self._strategy_name,
-            column_slice_threshold=self.column_slice_threshold,
-            row_slice_threshold=self.row_slice_threshold,
-            data_parallel_threshold=self.data_parallel_threshold,
-            local_batch_size=local_batch)
+        if self._given_plan is not None:
+            self.plan = self._checked_plan(self._given_plan, mesh)
+        else:
+            self.plan = self._planned(mesh, hotness, local_batch, features)
         self._strategy = ShardingStrategy(self._strategy_name, self.plan, mesh,
                                           self.input_table_map)
         # the features this rank's inputs hold, in order
@@ -409,6 +445,44 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 f"no table; plan: {self.plan.describe()}); lower column_slice_threshold, use "
                 "strategy='basic' or 'memory_balanced' (they slice tables so every position "
                 "holds one), or use fewer ranks per model group")
+
+    def _planned(self, mesh: mesh_lib.Mesh, hotness: Sequence[float], local_batch: int,
+                 features: Sequence[int]) -> planner.ShardingPlan:
+        compute = tf.as_dtype(self.compute_dtype)
+        return planner.plan_sharding(
+            [planner.TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
+                                 combiner=t.combiner, features=f)
+             for t, h, f in zip(self._tables, hotness, features)],
+            mesh.data_parallel, mesh.model_parallel, strategy=self._strategy_name,
+            column_slice_threshold=self.column_slice_threshold,
+            row_slice_threshold=self.row_slice_threshold,
+            data_parallel_threshold=self.data_parallel_threshold,
+            local_batch_size=local_batch, optimizer=self.optimizer_name or "sgd",
+            replica_sync=self.replica_sync, sync_every=self.sync_every,
+            comm_dtype=(compute.name if compute in (tf.float16, tf.bfloat16) else None),
+            layout=mesh.layout)
+
+    def _checked_plan(self, plan: planner.ShardingPlan, mesh: mesh_lib.Mesh
+                      ) -> planner.ShardingPlan:
+        """``plan`` if it fits this mesh and these tables; ValueError naming what differs."""
+        if (plan.data_parallel, plan.model_parallel) != (mesh.data_parallel,
+                                                         mesh.model_parallel):
+            raise ValueError(
+                f"plan is for a D x M = {plan.data_parallel} x {plan.model_parallel} mesh; "
+                f"this mesh is {mesh.data_parallel} x {mesh.model_parallel} (start with "
+                f"tfhybrid.init(model_parallel={plan.model_parallel}))")
+        # a cost plan's predictions hold for one layout; other plans place alike in both
+        if (plan.strategy == planner.COST_STRATEGY and plan.layout
+                and plan.layout != mesh.layout):
+            raise ValueError(f"plan is for layout={plan.layout!r}; this mesh is "
+                             f"{mesh.layout!r}")
+        got = [(p.name, max(s.row_end for s in p.shards), max(s.col_end for s in p.shards))
+               for p in plan.tables]
+        want = [(t.name, t.rows, t.dim) for t in self._tables]
+        if got != want:
+            raise ValueError(f"plan's tables (name, rows, dim) {got} are not this layer's "
+                             f"{want}")
+        return plan
 
     # ------------------------------------------------------------------ build
     def build(self, input_shape):
@@ -465,7 +539,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     t, 0, table.name, placement.shards[0], on_host[(t, 0)])
                 distributed.mark_embedding(self._table_vars[t])
                 distributed.mark_sparse_sync(self._table_vars[t], planner.sync_is_sparse(
-                    table.rows, table.dim, ids_per_step))
+                    table.rows, table.dim, ids_per_step, mesh.size))
                 continue
             if placement.kind == "row_wise":
                 ids_per_step /= len(placement.shards)
@@ -480,7 +554,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 distributed.mark_embedding(var)
                 distributed.mark_sparse_sync(var, planner.sync_is_sparse(
                     shard.row_end - shard.row_start, shard.col_end - shard.col_start,
-                    mesh.model_parallel * ids_per_step))
+                    mesh.model_parallel * ids_per_step, mesh.data_parallel))
                 self._shard_vars[(t, s)] = var
         # The backward alltoall must run on every rank of the model group, but the tape
         # skips it on a rank whose sent rows touch no trainable variable (a position that
@@ -1034,7 +1108,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             input_table_map=list(self.input_table_map),
             dp_input=self.dp_input, replica_sync=self.replica_sync,
             sync_every=self.sync_every, gpu_embedding_size=self.gpu_embedding_size,
-            use_custom_kernel=self.use_custom_kernel)
+            use_custom_kernel=self.use_custom_kernel, optimizer=self.optimizer_name,
+            plan=None if self._given_plan is None else self._given_plan.to_json())
         return config
 
     @classmethod

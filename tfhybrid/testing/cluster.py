@@ -303,6 +303,18 @@ class EmulatedCluster:
             self._shape(ns, NODE_INTERFACE)
             self._shape(sw, port)
 
+    def set_bandwidth(self, bandwidth_mbit: float | None) -> None:
+        """Reshapes every link to ``bandwidth_mbit`` (None: unshaped) between jobs."""
+        if bandwidth_mbit is not None and not bandwidth_mbit > 0:
+            raise ValueError(f"bandwidth_mbit must be > 0 or None, got {bandwidth_mbit!r}")
+        self.bandwidth_mbit = bandwidth_mbit
+        for i, node in enumerate(self.nodes):
+            for namespace, device in ((node.namespace, NODE_INTERFACE),
+                                      (self.switch_namespace, f"port{i}")):
+                _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device,
+                      "root"], check=False)  # fails harmlessly where nothing was shaped
+                self._shape(namespace, device)
+
     def _shape(self, namespace: str, device: str) -> None:
         base = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device]
         parent = ["root"]

@@ -46,6 +46,11 @@ flags.DEFINE_float("dense_learning_rate", None, "Dense layers' learning rate (de
                    "--learning_rate).")
 flags.DEFINE_enum("mixed_precision", _DEFAULTS.mixed_precision,
                   list(train_app.MIXED_PRECISION), "Compute precision.")
+flags.DEFINE_enum("communication", _DEFAULTS.communication, list(train_app.COMMUNICATION),
+                  "What the collectives carry: float16 halves the lookups' alltoall and the "
+                  "gradient allreduces while the model computes in float32 (no loss scaling).")
+flags.DEFINE_bool("count_traffic", _DEFAULTS.count_traffic,
+                  "Report the bytes each rank's alltoalls and allreduces send per step.")
 flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the dense towers with XLA.")
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size.")
 flags.DEFINE_integer("steps", None, "Steps per epoch (default: one pass over file data; "

@@ -19,12 +19,14 @@ import time
 from typing import Any, Sequence
 
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.planner import OPTIMIZERS, REPLICA_SYNC  # pure modules: no TF import
 from tfhybrid.train import data as data_lib
 
-OPTIMIZERS = ("sgd", "adagrad", "adam", "rowwise_adagrad", "ms_rowwise_adagrad")
 MIXED_PRECISION = {"none": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
-LAYOUTS = ("model_major", "data_major")
-REPLICA_SYNC = ("gradients", "weights")
+# what the collectives carry: float16 sends the lookups' activations and their gradients
+# (alltoall) and the gradient allreduces as float16 while the model computes in float32
+COMMUNICATION = ("float32", "float16")
+LAYOUTS = mesh_lib.LAYOUTS
 # TrainConfig field -> the Horovod variable it sets before hvd.init
 STALL_FLAGS = {"stall_check_seconds": mesh_lib.STALL_CHECK_ENV,
                "stall_shutdown_seconds": mesh_lib.STALL_SHUTDOWN_ENV}
@@ -60,6 +62,8 @@ class TrainConfig:
     dense_optimizer: str | None = None
     dense_learning_rate: float | None = None
     mixed_precision: str = "none"
+    communication: str = "float32"
+    count_traffic: bool = False                # bytes each rank's collectives send
     xla: bool = False
     batch_size: int = 1024                     # global
     steps: int | None = None                   # per epoch; None: one pass (file datasets)
@@ -95,7 +99,7 @@ class TrainConfig:
         from tfhybrid.train.models import MODELS
         choices = {"model": MODELS, "dataset": data_lib.DATASETS, "layout": LAYOUTS,
                    "replica_sync": REPLICA_SYNC, "optimizer": OPTIMIZERS,
-                   "mixed_precision": tuple(MIXED_PRECISION)}
+                   "mixed_precision": tuple(MIXED_PRECISION), "communication": COMMUNICATION}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name}={getattr(self, name)!r} is unknown; expected one "
@@ -235,7 +239,11 @@ def _optimizer(config: TrainConfig):
     if config.embedding_optimizer is not None:
         tables = _make_optimizer(config.embedding_optimizer,
                                  config.embedding_learning_rate or config.learning_rate)
-    return tfhybrid.DistributedOptimizer(dense, embedding_optimizer=tables)
+    import horovod.tensorflow as hvd
+    compression = (hvd.Compression.fp16 if config.communication == "float16"
+                   else hvd.Compression.none)
+    return tfhybrid.DistributedOptimizer(dense, embedding_optimizer=tables,
+                                         compression=compression)
 
 
 def _make_optimizer(name: str, lr: float):
@@ -256,8 +264,28 @@ def _make_optimizer(name: str, lr: float):
     return optimizers.MomentumScaledRowWiseAdagrad(lr)
 
 
+def _network_bytes() -> tuple[int, int] | None:
+    """(sent, received) bytes of this host's network interfaces, loopback aside; None
+    where /proc/net/dev is not there. On a cluster that is the node's NIC traffic."""
+    try:
+        with open("/proc/net/dev") as f:
+            lines = f.readlines()[2:]
+    except OSError:
+        return None
+    sent = received = 0
+    for line in lines:
+        name, counters = line.split(":", 1)
+        if name.strip() == "lo":
+            continue
+        fields = counters.split()
+        received += int(fields[0])
+        sent += int(fields[8])
+    return sent, received
+
+
 class _Throughput:
-    """Samples per second of the steps after the warm-up (compilation, first touches)."""
+    """Samples per second, step times and this host's network bytes, over the steps after
+    the warm-up (compilation, first touches)."""
 
     def __init__(self, global_batch: int, warmup: int):
         import tensorflow as tf
@@ -266,26 +294,50 @@ class _Throughput:
 
         class Callback(tf.keras.callbacks.Callback):
             def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+                now = time.perf_counter()
                 outer.steps += 1
+                if outer.steps > warmup and outer.last is not None:
+                    outer.step_seconds.append(now - outer.last)
+                outer.last = now
                 if outer.steps == warmup:
-                    outer.start = time.perf_counter()
+                    outer.start = now
+                    outer.network_start = _network_bytes()
 
             def on_train_end(self, logs: dict | None = None) -> None:
                 outer.end = time.perf_counter()
+                outer.network_end = _network_bytes()
 
         self.callback = Callback()
         self.global_batch = global_batch
         self.steps = 0
         self.warmup = warmup
-        self.start = self.end = None
+        self.step_seconds: list[float] = []
+        self.start = self.end = self.last = None
+        self.network_start = self.network_end = None
         if warmup == 0:
-            self.start = time.perf_counter()
+            self.start = self.last = time.perf_counter()
+            self.network_start = _network_bytes()
 
     def samples_per_second(self) -> float | None:
         timed = self.steps - self.warmup
         if self.start is None or self.end is None or timed <= 0:
             return None
         return timed * self.global_batch / (self.end - self.start)
+
+    def figures(self) -> dict:
+        """Step-time quartiles and network bytes per timed step, for the results."""
+        import numpy as np
+        out: dict = {}
+        if self.step_seconds:
+            q25, q50, q75 = np.percentile(self.step_seconds, [25, 50, 75])
+            out.update(step_seconds_median=float(q50), step_seconds_p25=float(q25),
+                       step_seconds_p75=float(q75), timed_steps=len(self.step_seconds))
+        timed = self.steps - self.warmup
+        if self.network_start and self.network_end and timed > 0:
+            out["host_network_bytes_per_step"] = {
+                "sent": (self.network_end[0] - self.network_start[0]) / timed,
+                "received": (self.network_end[1] - self.network_start[1]) / timed}
+        return out
 
 
 def _sync_replicas(model, optimizer, mesh) -> None:
@@ -512,6 +564,7 @@ def run(config: TrainConfig) -> dict:
 
     import tfhybrid
     from tfhybrid import callbacks
+    from tfhybrid import distributed as distributed_lib
     from tfhybrid.train.models import build_model, example_batch, export_for_serving
 
     tf.keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
@@ -529,7 +582,11 @@ def run(config: TrainConfig) -> dict:
             column_slice_threshold=config.column_slice_threshold,
             row_slice_threshold=config.row_slice_threshold,
             data_parallel_threshold=config.data_parallel_threshold,
-            replica_sync=config.replica_sync, sync_every=config.sync_every))
+            replica_sync=config.replica_sync, sync_every=config.sync_every,
+            optimizer=config.embedding_optimizer or config.optimizer))
+    if config.communication == "float16" and config.mixed_precision == "none":
+        # the wire carries the layer's compute dtype; the towers stay float32
+        model_options["embedding_options"]["dtype"] = "mixed_float16"
     if config.model == "dlrm":
         model_options["bottom_mlp_dims"] = list(config.bottom_mlp_dims)
     else:
@@ -604,6 +661,10 @@ def run(config: TrainConfig) -> dict:
                   + "".join(f"; {note}" for note in stall_notes), flush=True)
         print(model.embedding.plan.describe() if hasattr(model.embedding, "plan")
               and model.embedding.plan is not None else "", flush=True)
+    traffic = None
+    if config.count_traffic:
+        from tfhybrid import collectives
+        traffic = collectives.count_traffic()
     train_loss = None
     if steps > 0:
         with _explain_shutdown(mesh.rank, stall), watchdog or contextlib.nullcontext():
@@ -622,9 +683,23 @@ def run(config: TrainConfig) -> dict:
         steps=last_step,
         global_batch=config.batch_size,
         train_loss=train_loss,
+        communication=config.communication,
         samples_per_second=throughput.samples_per_second(), best_auc=spec.best_auc,
+        **throughput.figures(),
         malformed_lines_skipped=malformed if malformed is not None else (
             parse_stats.malformed if parse_stats else 0))
+    plan = getattr(model.embedding, "plan", None)
+    if plan is not None:
+        # what the run executed, for tfhybrid.cost_model (plain data, JSON)
+        results["plan"] = json.loads(plan.to_json())
+        results["table_rows"] = list(spec.table_rows)
+        results["dense_parameters"] = int(sum(
+            v.shape.num_elements() for v in model.trainable_variables
+            if not distributed_lib.is_embedding(v)))
+    if traffic is not None and steps > 0:
+        # this rank's collectives over every training step (warm-up included)
+        results["collective_bytes_per_step"] = {
+            kind: int(v.numpy()) / (steps * config.epochs) for kind, v in traffic.items()}
     if config.checkpoint_dir:
         results["checkpoint"] = checkpoint.save(config.checkpoint_dir, model, optimizer,
                                                 last_step, mesh)

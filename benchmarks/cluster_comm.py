@@ -1,0 +1,213 @@
+"""DLRM training on an emulated multi-node cluster: 1D vs 2D, gradient vs weight sync,
+fp32 vs fp16 communication, over links of chosen bandwidth (issue 13, section 2).
+
+Each point is one real job, `horovodrun -H node0:R,node1:R,... --gloo` of
+`python -m tfhybrid.train` (Keras `fit`), on tfhybrid.testing.cluster's namespaces,
+with the nodes' NICs shaped by tc to the given rate (or unshaped: "loopback" below means
+veth without shaping, where the two cores, not the link, are the limit). Per point it
+prints what the job measured:
+
+- step time: median and p25-p75 over the timed steps (after the warm-up);
+- samples/s over the timed steps (it includes the periodic weight syncs, which a
+  median step hides);
+- bytes per step on node0's link, each direction, read off the host's NIC counters;
+- bytes per step that one rank's alltoalls and allreduces sent (tfhybrid's counters).
+
+Configurations (M = ranks per model group, D = N / M replicas):
+  1D            M = N: every alltoall spans all nodes
+  2D-mm         M = ranks per node, model-major: alltoalls inside a node, shard replica
+                sync (gradients) across nodes
+  2D-dm         M = ranks per node, data-major: alltoalls across nodes, replica sync inside
+  2D-mm-w<K>    as 2D-mm with weight + optimizer-state sync every K steps
+  *-fp16        activations, their gradients and the gradient allreduces sent as float16
+
+Writes points.json (the input of benchmarks/cost_model_validation.py), table.txt and
+PNG plots into --out. Runs as root (network namespaces); about 25 minutes in full.
+
+Usage: .venv/bin/python benchmarks/cluster_comm.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tfhybrid.testing import cluster as cluster_lib  # noqa: E402
+
+PYTHON = sys.executable
+# the DLRM every point trains: 26 Criteo-like tables capped at MAX_ROWS rows of width DIM,
+# so that the lookups' alltoall (global batch x 26 x DIM values each way) is comparable
+# to the compute of 4 ranks on 2 cores
+WORKLOAD = dict(global_batch=2048, embedding_dim=32, bottom_mlp_dims="64,32",
+                top_mlp_dims="64,32,1", max_table_rows=20000, embedding_optimizer=
+                "rowwise_adagrad", dense_optimizer="adam")
+SYNC_EVERY = 8
+ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+       "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
+
+
+def configurations(nodes: int, ranks_per_node: int) -> list[dict]:
+    """The configurations measured on one topology (see the module docstring)."""
+    n = nodes * ranks_per_node
+    two_d = ranks_per_node if ranks_per_node > 1 else max(1, n // 2)
+    out = [dict(name="1D", model_parallel=n, layout="model_major"),
+           dict(name="2D-mm", model_parallel=two_d, layout="model_major"),
+           dict(name=f"2D-mm-w{SYNC_EVERY}", model_parallel=two_d, layout="model_major",
+                replica_sync="weights", sync_every=SYNC_EVERY),
+           dict(name="1D-fp16", model_parallel=n, layout="model_major",
+                communication="float16"),
+           dict(name="2D-mm-fp16", model_parallel=two_d, layout="model_major",
+                communication="float16")]
+    if ranks_per_node > 1:
+        # with one rank per node every group crosses nodes: the layouts are the same
+        out.insert(2, dict(name="2D-dm", model_parallel=two_d, layout="data_major"))
+    return out
+
+
+def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
+              warmup: int, timeout: float) -> dict:
+    metrics = tempfile.mktemp(prefix="tfhybrid-cluster-comm-", suffix=".json")
+    flags = [f"--model_parallel={config['model_parallel']}", f"--layout={config['layout']}",
+             f"--replica_sync={config.get('replica_sync', 'gradients')}",
+             f"--sync_every={config.get('sync_every', 1)}",
+             f"--communication={config.get('communication', 'float32')}",
+             f"--batch_size={WORKLOAD['global_batch']}",
+             f"--embedding_dim={WORKLOAD['embedding_dim']}",
+             f"--bottom_mlp_dims={WORKLOAD['bottom_mlp_dims']}",
+             f"--top_mlp_dims={WORKLOAD['top_mlp_dims']}",
+             f"--max_table_rows={WORKLOAD['max_table_rows']}",
+             f"--embedding_optimizer={WORKLOAD['embedding_optimizer']}",
+             f"--dense_optimizer={WORKLOAD['dense_optimizer']}",
+             f"--steps={steps}", f"--warmup_steps={warmup}", "--eval_batches=1",
+             "--count_traffic", f"--metrics_json={metrics}", "--threads=1"]
+    started = time.time()
+    result = cluster.horovodrun([PYTHON, "-m", "tfhybrid.train", "--model=dlrm",
+                                 "--dataset=synthetic", *flags],
+                                timeout=timeout, env=ENV, cwd=ROOT)
+    if result.returncode != 0 or not os.path.exists(metrics):
+        raise RuntimeError(f"{config['name']} failed ({result.returncode}):\n"
+                           f"{result.stdout[-4000:]}")
+    with open(metrics) as f:
+        measured = json.load(f)
+    os.remove(metrics)
+    return {**config, "wall_seconds": time.time() - started, **measured}
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:7.2f}"
+
+
+def table(points: list[dict]) -> str:
+    header = (f"{'topology':8} {'link':>9} {'config':12} {'step ms (p25-p75)':>22} "
+              f"{'samples/s':>10} {'link MB/step out':>16} {'in':>7} "
+              f"{'a2a MB/rank':>11} {'allred MB/rank':>14}")
+    lines = [header, "-" * len(header)]
+    for p in points:
+        link = "loopback" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
+        step = (f"{1e3 * p['step_seconds_median']:7.1f} ({1e3 * p['step_seconds_p25']:.0f}-"
+                f"{1e3 * p['step_seconds_p75']:.0f})")
+        net = p.get("host_network_bytes_per_step", {"sent": 0, "received": 0})
+        coll = p["collective_bytes_per_step"]
+        lines.append(f"{p['topology']:8} {link:>9} {p['name']:12} {step:>22} "
+                     f"{p['samples_per_second']:10.0f} {_mb(net['sent']):>16} "
+                     f"{_mb(net['received']):>7} {_mb(coll['alltoall']):>11} "
+                     f"{_mb(coll['allreduce']):>14}")
+    return "\n".join(lines)
+
+
+def plot(points: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    topologies = sorted({p["topology"] for p in points})
+    fig, axes = plt.subplots(2, len(topologies), figsize=(6.5 * len(topologies), 9),
+                             squeeze=False)
+    for col, topo in enumerate(topologies):
+        mine = [p for p in points if p["topology"] == topo]
+        names = list(dict.fromkeys(p["name"] for p in mine))
+        for name in names:
+            series = sorted((p for p in mine if p["name"] == name and p["bandwidth_mbit"]),
+                            key=lambda p: p["bandwidth_mbit"])
+            if not series:
+                continue
+            bw = [p["bandwidth_mbit"] for p in series]
+            med = [1e3 * p["step_seconds_median"] for p in series]
+            lo = [m - 1e3 * p["step_seconds_p25"] for m, p in zip(med, series)]
+            hi = [1e3 * p["step_seconds_p75"] - m for m, p in zip(med, series)]
+            axes[0][col].errorbar(bw, med, yerr=[lo, hi], marker="o", capsize=3, label=name)
+            axes[1][col].plot(bw, [p["host_network_bytes_per_step"]["sent"] / 1e6
+                                   for p in series], marker="o", label=name)
+        axes[0][col].set(title=f"{topo}: step time (median, p25-p75)",
+                         xlabel="link bandwidth (Mbit/s)", ylabel="ms / step", xscale="log")
+        axes[1][col].set(title=f"{topo}: bytes out of node0 per step",
+                         xlabel="link bandwidth (Mbit/s)", ylabel="MB / step", xscale="log")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("tfhybrid DLRM on an emulated cluster (measured)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--topologies", default="2x2,4x1",
+                        help="nodes x ranks per node, comma-separated")
+    parser.add_argument("--bandwidths", default="loopback,1000,500,250",
+                        help="Mbit/s per NIC; 'loopback' = unshaped")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per job")
+    parser.add_argument("--only", default="", help="comma-separated configuration names")
+    parser.add_argument("--quick", action="store_true",
+                        help="2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
+                                                      "cluster_comm"))
+    args = parser.parse_args()
+    if args.quick:
+        args.topologies, args.bandwidths, args.only = "2x2", "loopback,250", "1D,2D-mm"
+        args.steps, args.warmup = 12, 4
+    os.makedirs(args.out, exist_ok=True)
+    bandwidths = [None if b == "loopback" else float(b) for b in args.bandwidths.split(",")]
+    only = set(filter(None, args.only.split(",")))
+    points = []
+    print(f"workload: DLRM, 26 tables <= {WORKLOAD['max_table_rows']} rows x "
+          f"{WORKLOAD['embedding_dim']}, global batch {WORKLOAD['global_batch']}, "
+          f"{WORKLOAD['embedding_optimizer']} tables / {WORKLOAD['dense_optimizer']} dense, "
+          f"{args.steps} steps ({args.warmup} warm-up)", flush=True)
+    for topo in args.topologies.split(","):
+        nodes, per_node = (int(x) for x in topo.split("x"))
+        with cluster_lib.EmulatedCluster(nodes, per_node) as cluster:
+            print(f"\n{topo}: cluster {cluster.host_flag()} up in "
+                  f"{cluster.setup_seconds:.1f} s", flush=True)
+            for bw in bandwidths:
+                cluster.set_bandwidth(bw)
+                for config in configurations(nodes, per_node):
+                    if only and config["name"] not in only:
+                        continue
+                    point = run_point(cluster, config, args.steps, args.warmup, args.timeout)
+                    point.update(topology=topo, nodes=nodes, ranks_per_node=per_node,
+                                 bandwidth_mbit=bw)
+                    points.append(point)
+                    print(table([point]).splitlines()[-1], flush=True)
+                    with open(os.path.join(args.out, "points.json"), "w") as f:
+                        json.dump({"workload": WORKLOAD, "points": points}, f, indent=1)
+        print(f"{topo}: torn down in {cluster.teardown_seconds:.1f} s", flush=True)
+    text = table(points)
+    print("\n" + text)
+    with open(os.path.join(args.out, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    plot(points, os.path.join(args.out, "step_time_and_bytes.png"))
+    print(f"\nwrote {args.out}/points.json, table.txt, step_time_and_bytes.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

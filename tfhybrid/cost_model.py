@@ -1,0 +1,907 @@
+"""Communication and compute cost model of a D x M mesh, and the planner that uses it.
+
+Pure Python (no TensorFlow, no Horovod): it prices a :class:`~tfhybrid.planner.ShardingPlan`
+on a :class:`ClusterSpec` for a :class:`Workload` and returns a :class:`Prediction`
+(per-rank memory, bytes per collective per link, step time). Every byte count comes from
+the planner's rules (:func:`tfhybrid.planner.position_traffic`, ``sync_bytes``,
+``weight_sync_bytes``, ``optimizer_state_bytes``); this module adds only where the bytes go
+(which links a collective crosses) and how long they take.
+
+Placement. Ranks fill nodes in order: node = rank // ranks_per_node. Groups come from
+:func:`tfhybrid.mesh.mesh_groups` (model_major: model group d = ranks d*M .. d*M+M-1, data
+group p = {p, M+p, ...}; data_major the roles swapped). A rank's intra-node link carries
+``intra_node_bandwidth`` bytes/s per direction; a node's NIC ``inter_node_bandwidth``
+bytes/s per direction, shared by every rank of that node and every group crossing it
+(all groups of one kind run their collective at the same time).
+
+Collective costs (the design notes' "Collective costs"), group of n ranks, c of them on a
+rank's node, α the latency of the link a message crosses:
+
+* alltoall, rank q sends X_q spread evenly over the n-1 others:
+  intra bytes of q = X_q (c-1)/(n-1); NIC bytes of a node = Σ_q on it X_q (n-c)/(n-1);
+  t = max_q [(c-1) α_intra + (n-c) α_inter] + max(max intra / β_intra, max NIC / β_inter).
+  Three per step: ids (forward), activations (forward), activation gradients (backward).
+* ring allreduce of S bytes (ranks in rank order): every ring edge carries 2(n-1)/n · S;
+  an edge between nodes loads the sender's NIC, one inside a node the sender's link;
+  t = 2(n-1) α + max(max intra / β_intra, max NIC / β_inter), α = α_inter if the group
+  spans nodes. ``allreduce="hierarchical"``: reduce-scatter inside the node (c ranks),
+  ring over the k nodes, allgather inside: intra 2(c-1)/c · S per rank, NIC 2(k-1)/k · S
+  per group, t = 2(c-1) α_intra + 2(k-1) α_inter + intra / β_intra + NIC / β_inter.
+* ring allgather, rank part U: every edge carries (n-1) U; t = (n-1) α + link terms.
+
+Syncs: a shard's data group syncs its gradient every step (dense allreduce or sparse
+allgather, whichever moves fewer bytes: the planner's ``sync_is_sparse``) or, in weight
+mode, allreduces weights + optimizer state every K steps (its cost / K per step);
+data-parallel tables and the dense layers allreduce over all N ranks.
+
+Step time = step_overhead + collective_overhead * (collective calls per step)
++ max over positions of [lookup bytes / lookup rate + apply bytes / apply rate]
++ dense_seconds_per_sample * b + Σ collective seconds (no overlap of compute and
+communication is assumed: Horovod runs the collectives in the step's order).
+
+Memory per rank = table params + optimizer state (the planner's) + dense params and their
+optimizer state + embedding activations held from forward to backward (planner's
+``activation_bytes``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from tfhybrid import planner
+from tfhybrid.mesh import LAYOUTS, mesh_groups
+from tfhybrid.planner import (COST_STRATEGY, DTYPE_BYTES, OPTIMIZERS, REPLICA_SYNC,
+                              ShardingPlan, TableConfig)
+
+ALLREDUCE_ALGORITHMS = ("ring", "hierarchical")
+# Zipf exponent of the default unique-rows estimate: the design notes' kernel anchor
+# (Zipf(1.05) ids) -- a typical CTR id skew
+DEFAULT_ZIPF_EXPONENT = 1.05
+# the dense layers' gradients and weights: float32
+DENSE_VALUE_BYTES = 4
+
+__all__ = ["ComputeRates", "ClusterSpec", "Workload", "CollectiveCost", "Prediction",
+           "predict", "plan_mesh", "plan_for_cluster", "calibrate", "validate",
+           "expected_unique_rows", "ALLREDUCE_ALGORITHMS", "DEFAULT_ZIPF_EXPONENT"]
+
+
+def _check_number(what: str, value: Any, *, positive: bool, allow_inf: bool = False) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and not math.isnan(value) and (allow_inf or math.isfinite(value))
+          and (value > 0 if positive else value >= 0))
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{what} must be a {'' if allow_inf else 'finite '}number {bound}, "
+                         f"got {value!r}")
+
+
+def _check_int(what: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ComputeRates:
+    """Measured compute rates of one rank (fit them with :func:`calibrate`).
+
+    ``lookup_bytes_per_s``: embedding lookup + combine, forward and backward, per byte
+    of rows read (the planner's lookup bytes); ``apply_bytes_per_s``: per optimizer, the
+    sparse apply's rate per byte of updated rows + their state; ``dense_seconds_per_sample``:
+    the dense towers' forward + backward + apply; ``step_overhead_seconds``: fixed per step;
+    ``collective_overhead_seconds``: software cost of one collective call. ``math.inf``
+    rates mean free.
+
+    >>> rates = ComputeRates(2e9, {"sgd": 1e9}, 1e-6, 1e-3, 1e-4)
+    >>> rates.apply_rate("sgd"), ComputeRates.from_dict(rates.to_dict()) == rates
+    (1000000000.0, True)
+    """
+
+    lookup_bytes_per_s: float
+    apply_bytes_per_s: Any   # Mapping[str, float]; stored as sorted (name, rate) pairs
+    dense_seconds_per_sample: float = 0.0
+    step_overhead_seconds: float = 0.0
+    collective_overhead_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_number("lookup_bytes_per_s", self.lookup_bytes_per_s, positive=True,
+                      allow_inf=True)
+        rates = self.apply_bytes_per_s
+        pairs = tuple(sorted(rates.items() if isinstance(rates, Mapping) else rates))
+        for name, rate in pairs:
+            if name not in OPTIMIZERS:
+                raise ValueError(f"apply_bytes_per_s: optimizer must be one of {OPTIMIZERS}, "
+                                 f"got {name!r}")
+            _check_number(f"apply_bytes_per_s[{name!r}]", rate, positive=True, allow_inf=True)
+        object.__setattr__(self, "apply_bytes_per_s",
+                           tuple((str(n), float(r)) for n, r in pairs))
+        for name in ("dense_seconds_per_sample", "step_overhead_seconds",
+                     "collective_overhead_seconds"):
+            _check_number(name, getattr(self, name), positive=False)
+
+    def apply_rate(self, optimizer: str) -> float:
+        """The apply rate of ``optimizer``; ValueError naming it when none was measured."""
+        for name, rate in self.apply_bytes_per_s:
+            if name == optimizer:
+                return rate
+        raise ValueError(f"no apply_bytes_per_s for optimizer {optimizer!r}; have "
+                         f"{[n for n, _ in self.apply_bytes_per_s]}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["apply_bytes_per_s"] = dict(self.apply_bytes_per_s)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ComputeRates:
+        return cls(**dict(d))
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Nodes, links and memory of a cluster (see the module docstring for the link model).
+
+    Bandwidths in bytes/s per direction: ``intra_node_bandwidth`` of one rank's link to
+    the others on its node, ``inter_node_bandwidth`` of a node's NIC(s) in total (shared
+    by its ranks); latencies in seconds per message.
+
+    >>> rates = ComputeRates(1e10, {"rowwise_adagrad": 1e10})
+    >>> c = ClusterSpec(2, 2, 1e10, 1.25e8, 1e-6, 2e-5, 8 << 30, rates)
+    >>> c.ranks, c.node_of(3), ClusterSpec.from_json(c.to_json()) == c
+    (4, 1, True)
+    """
+
+    nodes: int
+    ranks_per_node: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_latency: float
+    memory_per_rank: int
+    rates: ComputeRates
+    allreduce: str = "ring"
+
+    def __post_init__(self) -> None:
+        _check_int("nodes", self.nodes, 1)
+        _check_int("ranks_per_node", self.ranks_per_node, 1)
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            _check_number(name, getattr(self, name), positive=True, allow_inf=True)
+        for name in ("intra_node_latency", "inter_node_latency"):
+            _check_number(name, getattr(self, name), positive=False)
+        _check_int("memory_per_rank", self.memory_per_rank, 1)
+        if not isinstance(self.rates, ComputeRates):
+            raise ValueError(f"rates must be a ComputeRates, got {self.rates!r}")
+        if self.allreduce not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"allreduce must be one of {ALLREDUCE_ALGORITHMS}, "
+                             f"got {self.allreduce!r}")
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rates"] = self.rates.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
+        d = dict(d)
+        try:
+            d["rates"] = ComputeRates.from_dict(d["rates"])
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a ClusterSpec ({e!r}): {d!r}") from e
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, s: str) -> ClusterSpec:
+        return cls.from_dict(json.loads(s))
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_unique_rows(ids: float, rows: int,
+                         zipf_exponent: float = DEFAULT_ZIPF_EXPONENT) -> float:
+    """Expected distinct rows among ``ids`` draws from Zipf(``zipf_exponent``) over ``rows``.
+
+    E = Σ_i 1 - exp(-ids · p_i), p_i = i^-s / Σ_j j^-s: exact for the first 2048 ranks,
+    then over geometric buckets (ratio 1.02) at each bucket's geometric mean; 0 exponent
+    is uniform ids, R (1 - exp(-ids / R)).
+
+    >>> round(expected_unique_rows(1000, 10**6, 0.0))
+    1000
+    >>> expected_unique_rows(32768, 10**6) < 0.5 * 32768   # skewed ids repeat
+    True
+    """
+    _check_number("ids", ids, positive=False)
+    _check_int("rows", rows, 1)
+    _check_number("zipf_exponent", zipf_exponent, positive=False)
+    if ids == 0:
+        return 0.0
+    if zipf_exponent == 0:
+        return rows * -math.expm1(-ids / rows)
+    exact = min(rows, 2048)
+    # (count, representative rank) buckets
+    buckets = [(1, float(i)) for i in range(1, exact + 1)]
+    start = exact + 1
+    while start <= rows:
+        end = min(rows, max(start, int(start * 1.02)))
+        buckets.append((end - start + 1, math.sqrt(start * end)))
+        start = end + 1
+    norm = sum(count * rank ** -zipf_exponent for count, rank in buckets)
+    return sum(count * -math.expm1(-ids * rank ** -zipf_exponent / norm)
+               for count, rank in buckets)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step does: tables, batch, dense size, optimizer, sync mode.
+
+    Hotness comes with each table (``TableConfig.hotness``: ids per sample summed over its
+    features). ``unique_fraction`` (one number or one per table): distinct rows / looked-up
+    ids in a step; None estimates them with :func:`expected_unique_rows` (Zipf with
+    ``zipf_exponent``). ``comm_dtype``: None sends activations in each table's dtype.
+
+    >>> w = Workload((TableConfig("t", 1000, 8, hotness=4.0),), local_batch_size=32,
+    ...              unique_fraction=0.5)
+    >>> w.unique_rows(w.tables[0], 128.0), Workload.from_json(w.to_json()) == w
+    (64.0, True)
+    """
+
+    tables: tuple[TableConfig, ...]
+    local_batch_size: int
+    dense_parameters: int = 0
+    optimizer: str = "rowwise_adagrad"
+    dense_optimizer: str = "adam"
+    replica_sync: str = "gradients"
+    sync_every: int = 1
+    comm_dtype: str | None = None
+    unique_fraction: Any = None   # float | tuple[float, ...] | None
+    zipf_exponent: float = DEFAULT_ZIPF_EXPONENT
+
+    def __post_init__(self) -> None:
+        tables = tuple(self.tables)
+        object.__setattr__(self, "tables", tables)
+        if not tables:
+            raise ValueError("tables is empty; a workload needs at least one table")
+        planner._check_tables(tables)
+        _check_int("local_batch_size", self.local_batch_size, 1)
+        _check_int("dense_parameters", self.dense_parameters, 0)
+        for name in ("optimizer", "dense_optimizer"):
+            if getattr(self, name) not in OPTIMIZERS:
+                raise ValueError(f"{name} must be one of {OPTIMIZERS}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.replica_sync not in REPLICA_SYNC:
+            raise ValueError(f"replica_sync must be one of {REPLICA_SYNC}, "
+                             f"got {self.replica_sync!r}")
+        _check_int("sync_every", self.sync_every, 1)
+        if self.comm_dtype is not None and self.comm_dtype not in DTYPE_BYTES:
+            raise ValueError(f"comm_dtype must be None or one of {sorted(DTYPE_BYTES)}, "
+                             f"got {self.comm_dtype!r}")
+        fraction = self.unique_fraction
+        if fraction is not None:
+            values = (fraction,) if not isinstance(fraction, (tuple, list)) else tuple(fraction)
+            if isinstance(fraction, (tuple, list)) and len(values) != len(tables):
+                raise ValueError(f"unique_fraction has {len(values)} entries for "
+                                 f"{len(tables)} tables")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                    raise ValueError(f"unique_fraction must be in (0, 1], got {v!r}")
+            if isinstance(fraction, list):
+                object.__setattr__(self, "unique_fraction", values)
+        _check_number("zipf_exponent", self.zipf_exponent, positive=False)
+
+    def unique_rows(self, table: TableConfig, ids: float) -> float:
+        """Distinct rows of ``table`` among ``ids`` looked-up ids (at most its rows)."""
+        fraction = self.unique_fraction
+        if isinstance(fraction, tuple):
+            fraction = fraction[[t.name for t in self.tables].index(table.name)]
+        if fraction is not None:
+            return min(float(table.rows), fraction * ids)
+        return expected_unique_rows(float(ids), table.rows, float(self.zipf_exponent))
+
+    def with_settings(self, **changes: Any) -> Workload:
+        """A copy with fields replaced (e.g. ``replica_sync``, ``comm_dtype``)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tables"] = [asdict(t) for t in self.tables]
+        if isinstance(self.unique_fraction, tuple):
+            d["unique_fraction"] = list(self.unique_fraction)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Workload:
+        d = dict(d)
+        try:
+            d["tables"] = tuple(TableConfig(**t) for t in d["tables"])
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a Workload ({e!r}): {d!r}") from e
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, s: str) -> Workload:
+        return cls.from_dict(json.loads(s))
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """One collective of a step: its group, bytes and predicted seconds.
+
+    ``bytes_per_rank``: the largest S (allreduce), X (alltoall, sent) or U (allgather part)
+    of a rank; ``max_intra_link_bytes`` / ``max_nic_bytes``: the most any rank's intra-node
+    link / any node's NIC carries (per direction) for one call; ``calls_per_step``: 1, or
+    1/K for a weight sync; ``seconds``: per step (per call * calls_per_step).
+    """
+
+    name: str
+    kind: str               # alltoall | allreduce | allgather
+    group: str              # model | data | all
+    group_size: int
+    spans_nodes: bool
+    bytes_per_rank: float
+    max_intra_link_bytes: float
+    max_nic_bytes: float
+    calls_per_step: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What :func:`predict` returns; ``describe()`` prints it, ``to_dict()`` serializes it."""
+
+    data_parallel: int
+    model_parallel: int
+    layout: str
+    step_seconds: float
+    compute_seconds: float
+    communication_seconds: float
+    overhead_seconds: float
+    samples_per_second: float
+    memory_per_rank_bytes: int
+    memory_parts: tuple[tuple[str, float], ...]
+    memory_budget_bytes: int
+    collectives: tuple[CollectiveCost, ...]
+    compute_parts: tuple[tuple[str, float], ...] = ()
+    # what the compute rates divide (slowest position) and the collective calls per step
+    lookup_bytes: float = 0.0
+    apply_bytes: float = 0.0
+    collective_calls: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_per_rank_bytes <= self.memory_budget_bytes
+
+    def collective(self, name: str) -> CollectiveCost:
+        for c in self.collectives:
+            if c.name == name:
+                return c
+        raise ValueError(f"no collective named {name!r}; have "
+                         f"{[c.name for c in self.collectives]}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fits"] = self.fits
+        return d
+
+    def as_plan_data(self) -> tuple[tuple[str, float], ...]:
+        """The figures a cost plan stores (see ``ShardingPlan.predicted``)."""
+        wire = sum(c.bytes_per_rank * c.calls_per_step for c in self.collectives)
+        return (("step_seconds", self.step_seconds),
+                ("compute_seconds", self.compute_seconds),
+                ("communication_seconds", self.communication_seconds),
+                ("overhead_seconds", self.overhead_seconds),
+                ("samples_per_second", self.samples_per_second),
+                ("memory_per_rank_bytes", float(self.memory_per_rank_bytes)),
+                ("memory_budget_bytes", float(self.memory_budget_bytes)),
+                ("collective_bytes_per_rank_per_step_bytes", wire))
+
+    def describe(self) -> str:
+        def human(n: float) -> str:
+            return planner._human(n)
+        lines = [f"Prediction (cost model): D x M = {self.data_parallel} x "
+                 f"{self.model_parallel} {self.layout}: step {self.step_seconds * 1e3:.3f} ms "
+                 f"= compute {self.compute_seconds * 1e3:.3f} + communication "
+                 f"{self.communication_seconds * 1e3:.3f} + overhead "
+                 f"{self.overhead_seconds * 1e3:.3f}; {self.samples_per_second:,.0f} samples/s",
+                 f"memory per rank {human(self.memory_per_rank_bytes)} of "
+                 f"{human(self.memory_budget_bytes)} ({'fits' if self.fits else 'DOES NOT FIT'}"
+                 "): " + ", ".join(f"{k} {human(v)}" for k, v in self.memory_parts), ""]
+        rows = [[c.name, c.kind, c.group, str(c.group_size), "yes" if c.spans_nodes else "no",
+                 human(c.bytes_per_rank), human(c.max_intra_link_bytes), human(c.max_nic_bytes),
+                 f"{c.calls_per_step:g}", f"{c.seconds * 1e3:.3f}"] for c in self.collectives]
+        lines += planner._aligned(["collective", "kind", "group", "n", "crosses nodes",
+                                   "bytes/rank", "max intra link", "max NIC", "calls/step",
+                                   "ms/step"], rows, set(range(3, 10)))
+        if self.compute_parts:
+            lines.append("")
+            lines.append("compute (slowest position): " + ", ".join(
+                f"{k} {v * 1e3:.3f} ms" for k, v in self.compute_parts))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ link accounting
+class _Links:
+    """Bytes per rank link and per node NIC for one collective call."""
+
+    def __init__(self, cluster: ClusterSpec):
+        self.cluster = cluster
+        self.intra: dict[int, float] = {}
+        self.nic: dict[int, float] = {}
+        self.latency = 0.0
+        self.spans = False
+
+    def send(self, src: int, dst: int, nbytes: float) -> None:
+        if nbytes <= 0:
+            return
+        c = self.cluster
+        if c.node_of(src) == c.node_of(dst):
+            self.intra[src] = self.intra.get(src, 0.0) + nbytes
+        else:
+            node = c.node_of(src)
+            self.nic[node] = self.nic.get(node, 0.0) + nbytes
+
+    def link_seconds(self, sequential: bool = False) -> float:
+        c = self.cluster
+        intra = max(self.intra.values(), default=0.0) / c.intra_node_bandwidth
+        inter = max(self.nic.values(), default=0.0) / c.inter_node_bandwidth
+        return intra + inter if sequential else max(intra, inter)
+
+
+def _per_node(group: Sequence[int], cluster: ClusterSpec) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for q in group:
+        counts[cluster.node_of(q)] = counts.get(cluster.node_of(q), 0) + 1
+    return counts
+
+
+def _alltoall(groups: Sequence[Sequence[int]], sent: Callable[[int], float],
+              cluster: ClusterSpec) -> _Links:
+    links = _Links(cluster)
+    for group in groups:
+        n = len(group)
+        if n == 1:
+            continue
+        counts = _per_node(group, cluster)
+        links.spans |= len(counts) > 1
+        for q in group:
+            c = counts[cluster.node_of(q)]
+            x = sent(q)
+            if x > 0:
+                links.intra[q] = links.intra.get(q, 0.0) + x * (c - 1) / (n - 1)
+                node = cluster.node_of(q)
+                links.nic[node] = links.nic.get(node, 0.0) + x * (n - c) / (n - 1)
+            links.latency = max(links.latency, (c - 1) * cluster.intra_node_latency
+                                + (n - c) * cluster.inter_node_latency)
+    return links
+
+
+def _ring(groups: Sequence[Sequence[int]], size: Callable[[Sequence[int]], float],
+          cluster: ClusterSpec, kind: str) -> tuple[_Links, bool]:
+    """Allreduce (S = size(group)) or allgather (U = size(group)) over each group at once.
+
+    Returns the links and whether the phases add up (hierarchical allreduce)."""
+    links = _Links(cluster)
+    hierarchical = kind == "allreduce" and cluster.allreduce == "hierarchical"
+    for group in groups:
+        n = len(group)
+        s = size(group)
+        if n == 1 or s <= 0:
+            continue
+        counts = _per_node(group, cluster)
+        spans = len(counts) > 1
+        links.spans |= spans
+        alpha = cluster.inter_node_latency if spans else cluster.intra_node_latency
+        if hierarchical and spans:
+            k, c = len(counts), max(counts.values())
+            for q in group:
+                links.intra[q] = links.intra.get(q, 0.0) + 2 * (c - 1) / c * s
+            for node in counts:
+                links.nic[node] = links.nic.get(node, 0.0) + 2 * (k - 1) / k * s
+            links.latency = max(links.latency, 2 * (c - 1) * cluster.intra_node_latency
+                                + 2 * (k - 1) * cluster.inter_node_latency)
+            continue
+        ring = sorted(group)
+        edge = 2 * (n - 1) / n * s if kind == "allreduce" else (n - 1) * s
+        for a, b in zip(ring, ring[1:] + ring[:1]):
+            links.send(a, b, edge)
+        steps = 2 * (n - 1) if kind == "allreduce" else n - 1
+        links.latency = max(links.latency, steps * alpha)
+    return links, hierarchical
+
+
+# ------------------------------------------------------------------ predict
+def _position_of(layout: str, d: int, m: int) -> Callable[[int], int]:
+    return (lambda r: r % m) if layout == "model_major" else (lambda r: r // d)
+
+
+def _traffics(plan: ShardingPlan, workload: Workload) -> list[planner.PositionTraffic]:
+    return planner.positions_traffic(
+        plan, workload.tables, unique_rows=workload.unique_rows,
+        optimizer=workload.optimizer, replica_sync=workload.replica_sync,
+        sync_every=workload.sync_every, comm_dtype=workload.comm_dtype,
+        local_batch_size=workload.local_batch_size)
+
+
+def predict(plan: ShardingPlan, layout: str, cluster: ClusterSpec,
+            workload: Workload) -> Prediction:
+    """Per-rank memory, bytes per collective per link and step time of ``plan``.
+
+    The plan's geometry is priced with the workload's settings (optimizer, batch, sync
+    mode, comm dtype), whatever the plan recorded. ValueError when the mesh does not have
+    ``cluster.ranks`` ranks, the layout is unknown or the tables differ.
+
+    >>> rates = ComputeRates(1e9, {"rowwise_adagrad": 1e9})
+    >>> cluster = ClusterSpec(2, 2, 1e10, 1.25e8, 0.0, 0.0, 1 << 30, rates)
+    >>> tables = (TableConfig("a", 10_000, 16), TableConfig("b", 10_000, 16))
+    >>> work = Workload(tables, local_batch_size=64)
+    >>> plan = planner.plan_sharding(tables, 2, 2, optimizer="rowwise_adagrad")
+    >>> fast, slow = (predict(plan, lay, cluster, work) for lay in ("model_major", "data_major"))
+    >>> fast.collective("alltoall_activations").spans_nodes, slow.step_seconds > fast.step_seconds
+    (False, True)
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(f"cluster must be a ClusterSpec, got {cluster!r}")
+    if not isinstance(workload, Workload):
+        raise ValueError(f"workload must be a Workload, got {workload!r}")
+    d, m = plan.data_parallel, plan.model_parallel
+    n = d * m
+    if n != cluster.ranks:
+        raise ValueError(f"the plan's mesh has D x M = {d} x {m} = {n} ranks but the cluster "
+                         f"has {cluster.nodes} nodes x {cluster.ranks_per_node} = "
+                         f"{cluster.ranks}")
+    traffic = _traffics(plan, workload)
+    model_groups, data_groups = mesh_groups(n, m, layout)
+    position = _position_of(layout, d, m)
+    rates, b = cluster.rates, workload.local_batch_size
+    k = workload.sync_every
+    collectives: list[CollectiveCost] = []
+    calls = 0.0
+
+    def add(name: str, kind: str, group: str, groups: Sequence[Sequence[int]], links: _Links,
+            per_rank: float, calls_per_step: float, sequential: bool = False,
+            messages: int = 1) -> None:
+        """``messages`` calls share one call's bytes (sparse tensors: values, indices)."""
+        nonlocal calls
+        if per_rank <= 0 or len(groups[0]) == 1:
+            return
+        seconds = (links.latency * messages + links.link_seconds(sequential)) * calls_per_step
+        collectives.append(CollectiveCost(
+            name, kind, group, len(groups[0]), links.spans, per_rank,
+            max(links.intra.values(), default=0.0), max(links.nic.values(), default=0.0),
+            calls_per_step * messages, seconds))
+        calls += calls_per_step * messages
+
+    for name, attr in (("alltoall_ids", "ids_sent"), ("alltoall_activations",
+                                                      "activations_sent"),
+                       ("alltoall_activation_grads", "activation_grads_sent")):
+        sent = [getattr(t, attr) for t in traffic]
+        links = _alltoall(model_groups, lambda r: sent[position(r)], cluster)
+        add(name, "alltoall", "model", model_groups, links, max(sent), 1.0)
+
+    def data_sync(name: str, kind: str, attr: str, calls_per_step: float,
+                  count_attr: str | None) -> None:
+        size = [getattr(t, attr) for t in traffic]
+        links, seq = _ring(data_groups, lambda g: size[position(g[0])], cluster, kind)
+        # sparse gradients go as two allgathers (values, indices) per tensor; Horovod fuses
+        # the dense allreduces of one step into one call
+        count = max(getattr(t, count_attr) for t in traffic) if count_attr else 1
+        add(name, kind, "data", data_groups, links, max(size), calls_per_step, seq,
+            2 * count if kind == "allgather" else 1)
+
+    if workload.replica_sync == "weights":
+        data_sync("shard_weight_sync", "allreduce", "shard_weight_sync_bytes", 1.0 / k, None)
+    else:
+        data_sync("shard_grad_allreduce", "allreduce", "shard_allreduce_bytes", 1.0, None)
+        data_sync("shard_grad_allgather", "allgather", "shard_allgather_bytes", 1.0,
+                  "shard_allgather_count")
+
+    everyone = [tuple(range(n))]
+    dense_bytes = workload.dense_parameters * DENSE_VALUE_BYTES
+    replicated = max(t.replicated_allreduce_bytes for t in traffic)
+    links, seq = _ring(everyone, lambda g: dense_bytes + replicated, cluster, "allreduce")
+    add("dense_allreduce", "allreduce", "all", everyone, links, dense_bytes + replicated, 1.0,
+        seq)
+    gathered = max(t.replicated_allgather_bytes for t in traffic)
+    links, seq = _ring(everyone, lambda g: gathered, cluster, "allgather")
+    count = max(t.replicated_allgather_count for t in traffic)
+    add("replicated_allgather", "allgather", "all", everyone, links, gathered, 1.0, False,
+        2 * count)
+
+    # compute: the slowest position
+    apply_rate = rates.apply_rate(workload.optimizer)
+    slowest = max(traffic, key=lambda t: t.lookup_bytes_per_sample * b
+                  / rates.lookup_bytes_per_s + t.apply_bytes / apply_rate)
+    lookup_bytes = slowest.lookup_bytes_per_sample * b
+    parts = (lookup_bytes / rates.lookup_bytes_per_s, slowest.apply_bytes / apply_rate)
+    dense_seconds = rates.dense_seconds_per_sample * b
+    compute = sum(parts) + dense_seconds
+    overhead = rates.step_overhead_seconds + rates.collective_overhead_seconds * calls
+    communication = sum(c.seconds for c in collectives)
+    step = compute + communication + overhead
+
+    dense_memory = (dense_bytes + planner.optimizer_state_bytes(
+        workload.dense_parameters, 1, workload.dense_optimizer))
+    worst = max(traffic, key=lambda t: t.param_bytes + t.optimizer_bytes + t.activation_bytes)
+    memory_parts = (("tables", float(worst.param_bytes)),
+                    ("optimizer state", float(worst.optimizer_bytes)),
+                    ("dense + state", float(dense_memory)),
+                    ("activations", worst.activation_bytes))
+    memory = int(math.ceil(sum(v for _, v in memory_parts)))
+    return Prediction(d, m, layout, step, compute, communication, overhead, n * b / step,
+                      memory, memory_parts, cluster.memory_per_rank, tuple(collectives),
+                      (("lookup", parts[0]), ("apply", parts[1]), ("dense", dense_seconds)),
+                      lookup_bytes, slowest.apply_bytes, calls)
+
+
+# ------------------------------------------------------------------ the cost strategy
+def _kind_options(t: TableConfig, m: int) -> list[tuple[str, int]]:
+    options = [("table_wise", 1), ("data_parallel", 1)]
+    if m > 1:
+        if t.rows >= 2:
+            options.append(("row_wise", min(m, t.rows)))
+        widths = {n for n in (2, 4, 8, min(m, t.dim)) if 2 <= n <= min(m, t.dim)}
+        options += [("column_wise", n) for n in sorted(widths)]
+    return options
+
+
+def _table_bytes(t: TableConfig, optimizer: str) -> int:
+    return (t.rows * t.dim * DTYPE_BYTES[t.dtype]
+            + planner.optimizer_state_bytes(t.rows, t.dim, optimizer))
+
+
+# coordinate descent runs while M * tables is at most this (each evaluation prices every
+# position); larger meshes choose among the whole-model candidates only
+_DESCENT_LIMIT = 2048
+
+
+def plan_mesh(tables: Sequence[TableConfig], data_parallel: int, model_parallel: int,
+              layout: str, cluster: ClusterSpec, workload: Workload,
+              refine: bool | None = None) -> ShardingPlan:
+    """The cost strategy on a fixed D x M mesh: each table's kind minimizing step time.
+
+    Candidates: every table table-wise; every table row-wise; tables above 1/M of the
+    model row-wise, the rest table-wise; tables under 1/(64 M) of the model data-parallel
+    with the rest table-wise. The best is refined by coordinate descent (each table in
+    decreasing size: table_wise, data_parallel, row_wise over min(M, rows), column_wise
+    over 2, 4, 8, min(M, dim) slices; two passes) when M * tables <= 2048. Plans over
+    ``cluster.memory_per_rank`` lose to any that fits; ValueError naming the budget when
+    none fits. ``refine`` forces the descent on or off (None: the size rule above).
+    """
+    if not isinstance(cluster, ClusterSpec) or not isinstance(workload, Workload):
+        raise ValueError(f"strategy={COST_STRATEGY!r} needs cluster=ClusterSpec(...) and "
+                         f"workload=Workload(...), got cluster={cluster!r}, "
+                         f"workload={workload!r}")
+    tables = planner._check_tables(tables)
+    if tuple(tables) != workload.tables:
+        raise ValueError(f"tables {[t.name for t in tables]} are not the workload's "
+                         f"{[t.name for t in workload.tables]}")
+    m = model_parallel
+
+    def build(kinds: Sequence[tuple[str, int]], predicted: Sequence = ()) -> ShardingPlan:
+        return planner.plan_with_kinds(
+            tables, data_parallel, m, kinds, optimizer=workload.optimizer,
+            local_batch_size=workload.local_batch_size, replica_sync=workload.replica_sync,
+            sync_every=workload.sync_every, comm_dtype=workload.comm_dtype,
+            unique_rows=workload.unique_rows, layout=layout, predicted=predicted)
+
+    def score(kinds: Sequence[tuple[str, int]]) -> tuple[float, float, Prediction]:
+        pred = predict(build(kinds), layout, cluster, workload)
+        over = max(0, pred.memory_per_rank_bytes - pred.memory_budget_bytes)
+        return over, pred.step_seconds, pred
+
+    sizes = [_table_bytes(t, workload.optimizer) for t in tables]
+    total = sum(sizes)
+    options = [_kind_options(t, m) for t in tables]
+    row_wise = [next((o for o in opts if o[0] == "row_wise"), ("table_wise", 1))
+                for opts in options]
+    candidates = [[("table_wise", 1)] * len(tables), row_wise,
+                  [rw if s * m > total else ("table_wise", 1) for s, rw in zip(sizes, row_wise)],
+                  [("data_parallel", 1) if s * 64 * m < total else ("table_wise", 1)
+                   for s in sizes]]
+    best_kinds, best = None, None
+    for kinds in candidates:
+        scored = score(kinds)
+        if best is None or scored[:2] < best[:2]:
+            best_kinds, best = list(kinds), scored
+    if refine if refine is not None else m * len(tables) <= _DESCENT_LIMIT:
+        for _ in range(2):
+            improved = False
+            for ti in sorted(range(len(tables)), key=lambda i: -sizes[i]):
+                for option in options[ti]:
+                    if option == best_kinds[ti]:
+                        continue
+                    trial = best_kinds[:ti] + [option] + best_kinds[ti + 1:]
+                    scored = score(trial)
+                    if scored[:2] < best[:2]:
+                        best_kinds, best, improved = trial, scored, True
+            if not improved:
+                break
+    over, _, pred = best
+    if over > 0:
+        raise ValueError(f"no sharding of these tables on D x M = {data_parallel} x {m} "
+                         f"({layout}) fits memory_per_rank={cluster.memory_per_rank} bytes; "
+                         f"the best needs {pred.memory_per_rank_bytes} bytes per rank")
+    return build(best_kinds, pred.as_plan_data())
+
+
+def plan_for_cluster(tables: Sequence[TableConfig], cluster: ClusterSpec, workload: Workload,
+                     layouts: Sequence[str] = LAYOUTS,
+                     model_parallel: Sequence[int] | None = None,
+                     refine: bool | None = None) -> tuple[ShardingPlan, str, Prediction]:
+    """Chooses M (a divisor of the cluster's ranks), the layout and the tables' kinds.
+
+    Minimizes predicted step time under ``cluster.memory_per_rank`` over every M in
+    ``model_parallel`` (default: all divisors) and layout (M = 1 and M = N are the same in
+    both layouts: only the first is tried; ``refine`` as in :func:`plan_mesh`). Returns (plan, layout, prediction); ValueError
+    naming the budget when no mesh fits.
+
+    >>> rates = ComputeRates(1e9, {"rowwise_adagrad": 1e9})
+    >>> slow = ClusterSpec(2, 2, 1e10, 1e7, 0.0, 0.0, 1 << 30, rates)
+    >>> tables = (TableConfig("a", 10_000, 16, hotness=8.0), TableConfig("b", 10_000, 16))
+    >>> plan, layout, pred = plan_for_cluster(tables, slow, Workload(tables, 256))
+    >>> (plan.model_parallel, layout) != (4, "model_major") and pred.fits
+    True
+    """
+    n = cluster.ranks
+    divisors = [m for m in range(1, n + 1) if n % m == 0]
+    if model_parallel is not None:
+        bad = [m for m in model_parallel if m not in divisors]
+        if bad:
+            raise ValueError(f"model_parallel {bad} do not divide the cluster's {n} ranks")
+        divisors = list(model_parallel)
+    for lay in layouts:
+        if lay not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {lay!r}")
+    best: tuple[ShardingPlan, str, Prediction] | None = None
+    failures = []
+    for m in divisors:
+        for lay in (layouts[:1] if m in (1, n) else layouts):
+            try:
+                plan = plan_mesh(tables, n // m, m, lay, cluster, workload, refine)
+            except ValueError as e:
+                failures.append(str(e))
+                continue
+            pred = predict(plan, lay, cluster, workload)
+            if best is None or pred.step_seconds < best[2].step_seconds:
+                best = (plan, lay, pred)
+    if best is None:
+        raise ValueError(f"no mesh of {n} ranks fits memory_per_rank="
+                         f"{cluster.memory_per_rank} bytes: " + "; ".join(failures[:3]))
+    return best
+
+
+# ------------------------------------------------------------------ calibration
+# A measured point (one benchmark configuration), as the emulated-cluster benchmark writes it:
+#   nodes, ranks_per_node: the emulated cluster;
+#   bandwidth_bytes_per_s: the shaped inter-node link (None = loopback: inter-node traffic
+#     as fast as the template's intra-node link);
+#   model_parallel, layout, replica_sync ("gradients"/"weights"), sync_every,
+#   comm_dtype ("float32"/"float16"): the run's settings;
+#   step_seconds: the median step time;
+#   optional: "plan" (ShardingPlan JSON the run executed; default: plan_sharding with the
+#     default strategy and the workload's settings), "workload" (a Workload dict replacing
+#     the shared one).
+_POINT_KEYS = ("nodes", "ranks_per_node", "bandwidth_bytes_per_s", "model_parallel", "layout",
+               "replica_sync", "sync_every", "comm_dtype", "step_seconds")
+
+
+def _point_setup(point: Mapping[str, Any], cluster_template: ClusterSpec,
+                 workload: Workload) -> tuple[ShardingPlan, str, ClusterSpec, Workload]:
+    missing = [k for k in _POINT_KEYS if k not in point]
+    if missing:
+        raise ValueError(f"measured point misses {missing}: {dict(point)!r}")
+    _check_number("step_seconds", point["step_seconds"], positive=True)
+    if "workload" in point:
+        workload = Workload.from_dict(point["workload"])
+    workload = workload.with_settings(replica_sync=point["replica_sync"],
+                                      sync_every=point["sync_every"],
+                                      comm_dtype=point["comm_dtype"])
+    bandwidth = point["bandwidth_bytes_per_s"]
+    cluster = replace(cluster_template, nodes=point["nodes"],
+                      ranks_per_node=point["ranks_per_node"],
+                      inter_node_bandwidth=(cluster_template.intra_node_bandwidth
+                                            if bandwidth is None else bandwidth))
+    m = point["model_parallel"]
+    if "plan" in point:
+        plan = ShardingPlan.from_json(point["plan"])
+    else:
+        _check_int("model_parallel", m, 1)
+        if cluster.ranks % m:
+            raise ValueError(f"model_parallel={m} does not divide {cluster.ranks} ranks")
+        plan = planner.plan_sharding(
+            workload.tables, cluster.ranks // m, m, optimizer=workload.optimizer,
+            local_batch_size=workload.local_batch_size, replica_sync=workload.replica_sync,
+            sync_every=workload.sync_every, comm_dtype=workload.comm_dtype,
+            unique_rows=workload.unique_rows)
+    return plan, point["layout"], cluster, workload
+
+
+def _solve_non_negative(rows: list[list[float]], target: list[float]) -> list[float]:
+    """Least squares with coefficients >= 0 (drop the most negative column, refit)."""
+    import numpy as np
+    a, y = np.asarray(rows, dtype=float), np.asarray(target, dtype=float)
+    active = list(range(a.shape[1]))
+    while True:
+        coef = np.zeros(a.shape[1])
+        if active:
+            # scale columns so a byte count and a constant weigh alike
+            scale = np.maximum(np.abs(a[:, active]).max(axis=0), 1e-300)
+            sol, *_ = np.linalg.lstsq(a[:, active] / scale, y, rcond=None)
+            coef[active] = sol / scale
+        negative = [j for j in active if coef[j] < 0]
+        if not negative:
+            return [float(c) for c in coef]
+        active.remove(min(negative, key=lambda j: coef[j]))
+
+
+def calibrate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec,
+              workload: Workload) -> ComputeRates:
+    """Fits ComputeRates to measured step times by non-negative least squares.
+
+    Each point is priced with the template's links (its bandwidth replaced by the point's)
+    and rates; the model is linear in (step overhead, collective overhead, 1/lookup rate,
+    1/apply rate, dense seconds per sample), so those are fitted to step_seconds minus
+    the predicted communication. Columns the points cannot tell apart (e.g. the dense
+    time when every point has the same batch, which equals a constant) keep the
+    template's value. Loopback points (bandwidth None) carry most of the compute signal.
+    """
+    if len(points) < 2:
+        raise ValueError(f"calibrate needs at least 2 measured points, got {len(points)}")
+    import numpy as np
+    rates = cluster_template.rates
+    design, target = [], []
+    for point in points:
+        plan, layout, cluster, work = _point_setup(point, cluster_template, workload)
+        pred = predict(plan, layout, cluster, work)
+        design.append([1.0, pred.collective_calls, pred.lookup_bytes, pred.apply_bytes,
+                       float(work.local_batch_size)])
+        target.append(point["step_seconds"] - pred.communication_seconds)
+    a = np.asarray(design)
+    template = [rates.step_overhead_seconds, rates.collective_overhead_seconds,
+                1 / rates.lookup_bytes_per_s, 1 / rates.apply_rate(workload.optimizer),
+                rates.dense_seconds_per_sample]
+    # keep the columns that add rank, in the order above
+    kept: list[int] = []
+    for j in range(a.shape[1]):
+        trial = kept + [j]
+        cols = a[:, trial] / np.maximum(np.abs(a[:, trial]).max(axis=0), 1e-300)
+        if np.abs(a[:, j]).max() > 0 and np.linalg.matrix_rank(cols, tol=1e-9) == len(trial):
+            kept.append(j)
+    fixed = [j for j in range(a.shape[1]) if j not in kept]
+    y = np.asarray(target) - (a[:, fixed] @ np.asarray([template[j] for j in fixed])
+                              if fixed else 0.0)
+    coef = _solve_non_negative(a[:, kept].tolist(), list(y))
+    fitted = list(template)
+    for j, c in zip(kept, coef):
+        fitted[j] = c
+    apply_rates = dict(rates.apply_bytes_per_s)
+    apply_rates[workload.optimizer] = 1 / fitted[3] if fitted[3] > 0 else math.inf
+    return ComputeRates(1 / fitted[2] if fitted[2] > 0 else math.inf, apply_rates,
+                        fitted[4], fitted[0], fitted[1])
+
+
+def validate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec,
+             workload: Workload) -> list[tuple[Mapping[str, Any], float, float, float]]:
+    """(point, predicted seconds, measured seconds, predicted / measured) for each point."""
+    rows = []
+    for point in points:
+        plan, layout, cluster, work = _point_setup(point, cluster_template, workload)
+        predicted = predict(plan, layout, cluster, work).step_seconds
+        measured = float(point["step_seconds"])
+        rows.append((point, predicted, measured, predicted / measured))
+    return rows
