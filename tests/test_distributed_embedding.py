@@ -13,6 +13,7 @@ import horovod.tensorflow as hvd
 import tfhybrid
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import cost_model
 from tfhybrid import planner
 from tfhybrid.layers import DistributedEmbedding, Embedding
 
@@ -399,6 +400,26 @@ class ConfigTest(tf.test.TestCase):
             DistributedEmbedding(tables, plan="/nonexistent.json")
         with self.assertRaisesRegex(ValueError, r"strategy='cost' needs the cluster"):
             DistributedEmbedding(tables, strategy="cost")
+
+    def test_a_cost_plan_runs_on_the_mesh_it_chose(self):
+        # the planner picks M and the layout for this many ranks (a slow link between
+        # one-rank nodes); the layer executes that plan on the mesh started from it
+        world = _world()
+        configs = (planner.TableConfig("user", 4000, 8), planner.TableConfig("item", 300, 4))
+        rates = cost_model.ComputeRates(1e9, {"rowwise_adagrad": 1e9})
+        cluster = cost_model.ClusterSpec(world, 1, 1e10, 1e7, 0.0, 0.0, 1 << 30, rates)
+        workload = cost_model.Workload(configs, local_batch_size=2)
+        plan, layout, prediction = cost_model.plan_for_cluster(configs, cluster, workload)
+        self.assertEqual(plan.strategy, "cost")
+        self.assertIn("predicted by the cost model", plan.describe())
+        mesh = tfhybrid.init(model_parallel=plan.model_parallel, layout=layout)
+        layer = DistributedEmbedding([Embedding(4000, 8, combiner="sum", name="user"),
+                                      Embedding(300, 4, combiner="sum", name="item")],
+                                     mesh=mesh, plan=plan.to_json())
+        user, item = layer([tf.constant([[1, 2], [3, 4]]), tf.constant([[5], [6]])])
+        self.assertEqual((user.shape, item.shape), ((2, 8), (2, 4)))
+        self.assertEqual(layer.plan, plan)
+        self.assertGreater(prediction.step_seconds, 0)
 
     def test_the_plan_counts_the_tables_optimizer_state(self):
         mesh = tfhybrid.init(model_parallel=_world())

@@ -36,8 +36,9 @@ data-parallel tables and the dense layers allreduce over all N ranks.
 
 Step time = step_overhead + collective_overhead * (collective calls per step)
 + max over positions of [lookup bytes / lookup rate + apply bytes / apply rate]
-+ dense_seconds_per_sample * b + Σ collective seconds (no overlap of compute and
-communication is assumed: Horovod runs the collectives in the step's order).
++ dense_seconds_per_sample * b + Σ collective seconds
+- overlap * min(compute, Σ collective seconds) (``ComputeRates.overlap``, fitted: 0 means
+the collectives never run while the rank computes).
 
 Memory per rank = table params + optimizer state (the planner's) + dense params and their
 optimizer state + embedding activations held from forward to backward (planner's
@@ -92,8 +93,10 @@ class ComputeRates:
     of rows read (the planner's lookup bytes); ``apply_bytes_per_s``: per optimizer, the
     sparse apply's rate per byte of updated rows + their state; ``dense_seconds_per_sample``:
     the dense towers' forward + backward + apply; ``step_overhead_seconds``: fixed per step;
-    ``collective_overhead_seconds``: software cost of one collective call. ``math.inf``
-    rates mean free.
+    ``collective_overhead_seconds``: software cost of one collective call; ``overlap``:
+    the share of the shorter of compute and communication that runs concurrently with the
+    other (Horovod's background thread sends one table's rows while others are looked
+    up or the towers run; 0 = strictly one after the other). ``math.inf`` rates mean free.
 
     >>> rates = ComputeRates(2e9, {"sgd": 1e9}, 1e-6, 1e-3, 1e-4)
     >>> rates.apply_rate("sgd"), ComputeRates.from_dict(rates.to_dict()) == rates
@@ -105,8 +108,12 @@ class ComputeRates:
     dense_seconds_per_sample: float = 0.0
     step_overhead_seconds: float = 0.0
     collective_overhead_seconds: float = 0.0
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.overlap, (int, float)) and not isinstance(self.overlap, bool)
+                and 0.0 <= self.overlap <= 1.0):
+            raise ValueError(f"overlap must be a number in [0, 1], got {self.overlap!r}")
         _check_number("lookup_bytes_per_s", self.lookup_bytes_per_s, positive=True,
                       allow_inf=True)
         rates = self.apply_bytes_per_s
@@ -632,7 +639,8 @@ def predict(plan: ShardingPlan, layout: str, cluster: ClusterSpec,
     compute = sum(parts) + dense_seconds
     overhead = rates.step_overhead_seconds + rates.collective_overhead_seconds * calls
     communication = sum(c.seconds for c in collectives)
-    step = compute + communication + overhead
+    step = (compute + communication + overhead
+            - rates.overlap * min(compute, communication))
 
     dense_memory = (dense_bytes + planner.optimizer_state_bytes(
         workload.dense_parameters, 1, workload.dense_optimizer))
@@ -870,7 +878,10 @@ def calibrate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec
         pred = predict(plan, layout, cluster, work)
         design.append([1.0, pred.collective_calls, pred.lookup_bytes, pred.apply_bytes,
                        float(work.local_batch_size)])
-        target.append(point["step_seconds"] - pred.communication_seconds)
+        # the overlap term taken as rates.overlap * communication: the fitted points are
+        # meant to be ones whose communication is the shorter part (loopback)
+        target.append(point["step_seconds"]
+                      - (1.0 - rates.overlap) * pred.communication_seconds)
     a = np.asarray(design)
     template = [rates.step_overhead_seconds, rates.collective_overhead_seconds,
                 1 / rates.lookup_bytes_per_s, 1 / rates.apply_rate(workload.optimizer),
@@ -892,7 +903,7 @@ def calibrate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec
     apply_rates = dict(rates.apply_bytes_per_s)
     apply_rates[workload.optimizer] = 1 / fitted[3] if fitted[3] > 0 else math.inf
     return ComputeRates(1 / fitted[2] if fitted[2] > 0 else math.inf, apply_rates,
-                        fitted[4], fitted[0], fitted[1])
+                        fitted[4], fitted[0], fitted[1], rates.overlap)
 
 
 def validate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec,

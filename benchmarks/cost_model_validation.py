@@ -1,0 +1,224 @@
+"""tfhybrid.cost_model's predicted step time against the emulated cluster's measurements
+(issue 13, section 3).
+
+Input: the points.json that benchmarks/cluster_comm.py wrote (every point carries the
+plan its run executed, the table sizes and the dense parameter count). The model is
+fitted in two parts, each on its own points:
+
+* on the unshaped ("loopback") points, where communication is nearly free: five compute
+  figures (step overhead, per-collective overhead, lookup and optimizer byte rates, dense
+  time per sample) and the unshaped link's rate (a 1-D search; the two cores, not the
+  veth, set it);
+* on the points of the fastest shaped link (1000 Mbit/s): the overlap of communication
+  with compute (a 1-D search over [0, 1]), the one figure unshaped points cannot show.
+
+Every other point (the slower links) is then predicted from the bandwidth tc gave its
+links, and compared with what its job measured: the mean step (global batch / samples per
+second over the timed steps, which includes the periodic weight syncs), with the median
+and p25-p75 beside it.
+
+The link rate the model sees is tc's rate times TCP's goodput share (1448 payload bytes in
+each 1514-byte frame, ACKs aside).
+
+Prints the table and the count within +-20%; writes cost_model_validation.png (scatter)
+and validation.json into --out.
+
+Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points DIR/points.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tfhybrid import cost_model  # noqa: E402
+from tfhybrid.planner import TableConfig  # noqa: E402
+
+# TCP payload per Ethernet frame at MTU 1500 (timestamps on): the share of tc's rate
+# that carries data
+TCP_GOODPUT = 1448 / 1514
+TOLERANCE = 0.20
+# no netem here: a message's latency is the software stack's, tens of microseconds
+LATENCY_S = 50e-6
+# machine memory shared by the ranks (24 GiB), for the memory check only
+MACHINE_MEMORY = 24 * 2**30
+# the unshaped link: searched over this geometric grid (bytes/s)
+UNSHAPED_GRID = [0.02e9 * 1.25 ** i for i in range(32)]
+
+
+def _workload(point: dict, embedding_dim: int) -> cost_model.Workload:
+    names = [t["name"] for t in point["plan"]["tables"]]
+    tables = tuple(TableConfig(name, rows, embedding_dim)
+                   for name, rows in zip(names, point["table_rows"]))
+    ranks = point["nodes"] * point["ranks_per_node"]
+    return cost_model.Workload(tables=tables, local_batch_size=point["global_batch"] // ranks,
+                               dense_parameters=point["dense_parameters"],
+                               optimizer=point["plan"]["optimizer"], dense_optimizer="adam")
+
+
+def _model_point(point: dict) -> dict:
+    bw = point["bandwidth_mbit"]
+    return {"nodes": point["nodes"], "ranks_per_node": point["ranks_per_node"],
+            "bandwidth_bytes_per_s": None if bw is None else bw * 1e6 / 8 * TCP_GOODPUT,
+            "model_parallel": point["model_parallel"], "layout": point["layout"],
+            "replica_sync": point.get("replica_sync", "gradients"),
+            "sync_every": point.get("sync_every", 1),
+            "comm_dtype": "float16" if point.get("communication") == "float16" else None,
+            "step_seconds": point["global_batch"] / point["samples_per_second"],
+            "plan": json.dumps(point["plan"])}
+
+
+def _default_rates(overlap: float = 0.0) -> cost_model.ComputeRates:
+    # a starting point only: calibrate replaces every figure the points determine
+    return cost_model.ComputeRates(1e9, {"rowwise_adagrad": 1e9}, 1e-5, 0.01, 1e-3, overlap)
+
+
+def _template(nodes: int, per_node: int, unshaped: float, rates=None) -> cost_model.ClusterSpec:
+    rates = rates or _default_rates()
+    return cost_model.ClusterSpec(nodes=nodes, ranks_per_node=per_node,
+                                  intra_node_bandwidth=unshaped, inter_node_bandwidth=unshaped,
+                                  intra_node_latency=LATENCY_S, inter_node_latency=LATENCY_S,
+                                  memory_per_rank=MACHINE_MEMORY // (nodes * per_node),
+                                  rates=rates)
+
+
+def _relative_errors(rows) -> list[float]:
+    return [abs(ratio - 1.0) for _, _, _, ratio in rows]
+
+
+OVERLAP_GRID = [i / 40 for i in range(41)]
+
+
+def fit_overlap(points: list[dict], rates, unshaped: float, workload) -> float:
+    """The overlap in OVERLAP_GRID minimizing the worst relative error on ``points``."""
+    def worst(overlap):
+        rows = cost_model.validate(
+            points, _template(2, 2, unshaped, dataclasses.replace(rates, overlap=overlap)),
+            workload)
+        return max(_relative_errors(rows)), statistics.mean(_relative_errors(rows))
+    return min(OVERLAP_GRID, key=worst)
+
+
+def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0):
+    """(rates, unshaped link rate) minimizing the worst relative error on ``points``."""
+    best = None
+    for unshaped in UNSHAPED_GRID:
+        template = _template(2, 2, unshaped, _default_rates(overlap))
+        try:
+            rates = cost_model.calibrate(points, template, workload)
+        except ValueError:
+            continue
+        rows = cost_model.validate(points, _template(2, 2, unshaped, rates), workload)
+        score = (max(_relative_errors(rows)), statistics.mean(_relative_errors(rows)))
+        if best is None or score < best[0]:
+            best = (score, rates, unshaped)
+    if best is None:
+        raise RuntimeError("calibration failed at every unshaped link rate")
+    return best[1], best[2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_dir = os.path.join(ROOT, "benchmarks", "results", "cluster_comm")
+    parser.add_argument("--points", default=os.path.join(default_dir, "points.json"))
+    parser.add_argument("--out", default=default_dir)
+    args = parser.parse_args()
+    with open(args.points) as f:
+        data = json.load(f)
+    measured = data["points"]
+    dim = data["workload"]["embedding_dim"]
+    workload = _workload(measured[0], dim)
+    model_points = [_model_point(p) for p in measured]
+    shaped = sorted({p["bandwidth_mbit"] for p in measured if p["bandwidth_mbit"]})
+    if not shaped:
+        raise SystemExit("need shaped points to fit the overlap and to predict")
+    overlap_link = shaped[-1]
+
+    def kind_of(p):
+        if p["bandwidth_mbit"] is None:
+            return "fit compute"
+        return "fit overlap" if p["bandwidth_mbit"] == overlap_link else "held out"
+
+    groups = {k: [(mp, p) for mp, p in zip(model_points, measured) if kind_of(p) == k]
+              for k in ("fit compute", "fit overlap", "held out")}
+    if len(groups["fit compute"]) < 2 or not groups["held out"]:
+        raise SystemExit("need unshaped points, the fastest link's and slower links' points")
+    overlap = 0.0
+    for _ in range(2):   # the compute fit and the overlap depend a little on each other
+        rates, unshaped = fit([mp for mp, _ in groups["fit compute"]], workload, overlap)
+        overlap = fit_overlap([mp for mp, _ in groups["fit overlap"]], rates, unshaped,
+                              workload)
+    rates = dataclasses.replace(rates, overlap=overlap)
+    print(f"fitted compute on {len(groups['fit compute'])} unshaped points (unshaped link "
+          f"{unshaped / 1e9:.2f} GB/s) and the overlap on {len(groups['fit overlap'])} "
+          f"points at {overlap_link:g} Mbit/s: {rates}")
+    template = _template(2, 2, unshaped, rates)
+
+    rows_out = []
+    header = (f"{'topology':8} {'link':>10} {'config':12} {'measured ms':>11} "
+              f"{'median (p25-p75)':>20} {'predicted ms':>12} {'pred/meas':>9}  comm share")
+    print("\n" + header + "\n" + "-" * len(header))
+    for kind, group in groups.items():
+        for mp, p in group:
+            [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template, workload)
+            pred = cost_model.predict(*_setup(mp, template, workload))
+            link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
+            print(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
+                  f"{1e3 * p['step_seconds_median']:8.1f} ({1e3 * p['step_seconds_p25']:.0f}-"
+                  f"{1e3 * p['step_seconds_p75']:.0f}) {1e3 * predicted:12.1f} {ratio:9.2f}  "
+                  f"{pred.communication_seconds / pred.step_seconds:5.0%}"
+                  + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%")
+                  + ("" if kind == "held out" else f"  ({kind})"))
+            rows_out.append({"kind": kind, "topology": p["topology"], "name": p["name"],
+                             "bandwidth_mbit": p["bandwidth_mbit"], "measured_s": measured_s,
+                             "predicted_s": predicted, "ratio": ratio})
+    held = [r for r in rows_out if r["kind"] == "held out"]
+    inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in held)
+    errors = sorted(abs(r["ratio"] - 1) for r in held)
+    print(f"\nheld-out points within +-{TOLERANCE:.0%}: {inside} of {len(held)}; "
+          f"|error| median {statistics.median(errors):.1%}, max {errors[-1]:.1%}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "validation.json"), "w") as f:
+        json.dump({"rates": rates.to_dict(), "unshaped_bytes_per_s": unshaped,
+                   "rows": rows_out}, f, indent=1)
+    _plot(rows_out, os.path.join(args.out, "cost_model_validation.png"))
+    print(f"wrote {args.out}/validation.json, cost_model_validation.png")
+    return 0
+
+
+def _setup(model_point: dict, template, workload):
+    plan, layout, cluster, work = cost_model._point_setup(model_point, template, workload)
+    return plan, layout, cluster, work
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    top = 1.15 * max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3
+    xs = [0, top]
+    ax.plot(xs, xs, color="black", lw=1)
+    ax.fill_between(xs, [x * (1 - TOLERANCE) for x in xs], [x * (1 + TOLERANCE) for x in xs],
+                    color="grey", alpha=0.2, label="+-20%")
+    for kind, marker in (("fit compute", "s"), ("fit overlap", "^"), ("held out", "o")):
+        mine = [r for r in rows if r["kind"] == kind]
+        ax.scatter([1e3 * r["measured_s"] for r in mine], [1e3 * r["predicted_s"] for r in mine],
+                   marker=marker, label=f"{kind} ({len(mine)})")
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured ms / step (mean)",
+           ylabel="predicted ms / step", title="tfhybrid cost model vs emulated cluster")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
