@@ -84,11 +84,11 @@ def one_d(ranks: int) -> dict:
             "m": ranks, "layout": "-", "pred": pred}
 
 
-def two_d(ranks: int) -> dict:
+def two_d(ranks: int, workload: Workload = WORKLOAD) -> dict:
     # M >= 8: below a node's worth of ranks no M fits these tables' 819 GB
     candidates = [m for m in (8, 16, 32, 64, 128, 256) if m <= ranks]
     try:
-        plan, layout, pred = cost_model.plan_for_cluster(TABLES, cluster(ranks), WORKLOAD,
+        plan, layout, pred = cost_model.plan_for_cluster(TABLES, cluster(ranks), workload,
                                                          model_parallel=candidates,
                                                          refine=False)
     except ValueError:
@@ -100,9 +100,15 @@ def two_d(ranks: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--png", default="scale_extrapolation.png")
+    parser.add_argument("--replica_sync", default="gradients", choices=planner.REPLICA_SYNC,
+                        help="how 2D keeps a shard's D replicas in step (1D has none)")
+    parser.add_argument("--sync_every", type=int, default=1,
+                        help="K, steps between weight syncs (--replica_sync=weights)")
     args = parser.parse_args()
     started = time.monotonic()
-    rows = [(n, one_d(n), two_d(n)) for n in RANKS]
+    workload_2d = WORKLOAD.with_settings(replica_sync=args.replica_sync,
+                                         sync_every=args.sync_every)
+    rows = [(n, one_d(n), two_d(n, workload_2d)) for n in RANKS]
 
     def efficiency(results: list[dict]) -> list[float | None]:
         base = next((r for r in results if r["fits"]), None)
@@ -116,7 +122,9 @@ def main() -> None:
     print("MODEL PREDICTIONS (tfhybrid.cost_model), not measurements. Assumptions: DGX H100 "
           "nodes (8 GPUs, 80 GB, NVLink 450 GB/s/dir/GPU, 8x400 Gb/s IB/node), latencies "
           "2 us / 5 us, 32 tables x 50M x 128 fp32, 20 ids/sample/table, batch 512/GPU, "
-          "row-wise AdaGrad, 50M dense params; see the script's docstring.")
+          "row-wise AdaGrad, 50M dense params; see the script's docstring. 2D replicas "
+          f"sync by {args.replica_sync}"
+          + (f" every {args.sync_every} steps." if args.replica_sync == "weights" else "."))
     header = (f"{'ranks':>5}  {'1D step ms':>10}  {'1D eff':>6}  {'1D GB/rank':>10}  "
               f"{'2D M':>5}  {'layout':>11}  {'2D step ms':>10}  {'2D eff':>6}  "
               f"{'2D GB/rank':>10}")
