@@ -248,21 +248,11 @@ def make_tfhybrid_fns(tf, co, state: TfState) -> StepFunctions:
                                                       use_custom_op=True)
                           for table, table_ids in zip(state.tables, ids)], axis=1)
 
-    @tf.function
-    def forward(ids):
-        return output(ids)
-
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            loss = _loss(tf, output(ids), state.upstream)
-        grads = tape.gradient(loss, state.tables)
-        for table, accumulator, grad in zip(state.tables, state.accumulators, grads):
-            co.rowwise_adagrad_apply(table, accumulator, grad.indices, grad.values,
-                                     workload_lib.LEARNING_RATE, workload_lib.EPSILON,
-                                     use_custom_op=True)
-        return loss
-    return {"fwd": forward, "step": step}
+    def apply(table, accumulator, grad):
+        co.rowwise_adagrad_apply(table, accumulator, grad.indices, grad.values,
+                                 workload_lib.LEARNING_RATE, workload_lib.EPSILON,
+                                 use_custom_op=True)
+    return _step_functions(tf, state, output, apply)
 
 
 def make_composite_fns(tf, state: TfState) -> StepFunctions:
@@ -285,6 +275,12 @@ def make_composite_fns(tf, state: TfState) -> StepFunctions:
         accumulator.scatter_update(tf.IndexedSlices(v, unique_ids))
         table.scatter_update(tf.IndexedSlices(w, unique_ids))
 
+    return _step_functions(tf, state, output, rowwise_adagrad)
+
+
+def _step_functions(tf, state: TfState, output, apply) -> StepFunctions:
+    """The timed functions of a path: its forward, and forward + backward + ``apply``
+    (table, accumulator, gradient) on every table; the paths differ only in those two."""
     @tf.function
     def forward(ids):
         return output(ids)
@@ -295,7 +291,7 @@ def make_composite_fns(tf, state: TfState) -> StepFunctions:
             loss = _loss(tf, output(ids), state.upstream)
         grads = tape.gradient(loss, state.tables)
         for table, accumulator, grad in zip(state.tables, state.accumulators, grads):
-            rowwise_adagrad(table, accumulator, grad)
+            apply(table, accumulator, grad)
         return loss
     return {"fwd": forward, "step": step}
 
