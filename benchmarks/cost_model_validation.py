@@ -23,7 +23,10 @@ each 1514-byte frame, ACKs aside).
 Prints the table and the count within +-20%; writes cost_model_validation.png (scatter)
 and validation.json into --out.
 
-Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points DIR/points.json]
+With several runs of the grid (``--points run1/points.json run2/points.json``) a point's
+measured step is the median over the runs, printed with their min-max.
+
+Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P [P ...]] [--out DIR]
 """
 
 from __future__ import annotations
@@ -63,6 +66,24 @@ def _workload(point: dict, embedding_dim: int) -> cost_model.Workload:
                                optimizer=point["plan"]["optimizer"], dense_optimizer="adam")
 
 
+def _median_over_runs(runs: list[list[dict]]) -> list[dict]:
+    """One point per configuration (topology, link, name) that every run measured: the
+    first run's record, its mean step replaced by the median over the runs, and the runs'
+    mean steps kept in ``run_steps``."""
+    def key(p):
+        return p["topology"], p["bandwidth_mbit"], p["name"]
+    by_key = [{key(p): p for p in points} for points in runs]
+    out = []
+    for point in runs[0]:
+        if not all(key(point) in run for run in by_key):
+            continue
+        steps = [run[key(point)]["global_batch"] / run[key(point)]["samples_per_second"]
+                 for run in by_key]
+        out.append({**point, "mean_step_seconds": statistics.median(steps),
+                    "run_steps": steps})
+    return out
+
+
 def _model_point(point: dict) -> dict:
     bw = point["bandwidth_mbit"]
     return {"nodes": point["nodes"], "ranks_per_node": point["ranks_per_node"],
@@ -71,7 +92,7 @@ def _model_point(point: dict) -> dict:
             "replica_sync": point.get("replica_sync", "gradients"),
             "sync_every": point.get("sync_every", 1),
             "comm_dtype": "float16" if point.get("communication") == "float16" else None,
-            "step_seconds": point["global_batch"] / point["samples_per_second"],
+            "step_seconds": point["mean_step_seconds"],
             "plan": json.dumps(point["plan"])}
 
 
@@ -127,13 +148,20 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_dir = os.path.join(ROOT, "benchmarks", "results", "cluster_comm")
-    parser.add_argument("--points", default=os.path.join(default_dir, "points.json"))
+    parser.add_argument("--points", nargs="+",
+                        default=[os.path.join(default_dir, "points.json")],
+                        help="one points.json per repeat of the grid; a point's measured "
+                             "step is the median over the repeats")
     parser.add_argument("--out", default=default_dir)
     args = parser.parse_args()
-    with open(args.points) as f:
-        data = json.load(f)
-    measured = data["points"]
-    dim = data["workload"]["embedding_dim"]
+    runs = []
+    for path in args.points:
+        with open(path) as f:
+            runs.append(json.load(f))
+    if any(run["workload"] != runs[0]["workload"] for run in runs):
+        raise SystemExit("the repeats were run on different workloads")
+    measured = _median_over_runs([run["points"] for run in runs])
+    dim = runs[0]["workload"]["embedding_dim"]
     workload = _workload(measured[0], dim)
     model_points = [_model_point(p) for p in measured]
     shaped = sorted({p["bandwidth_mbit"] for p in measured if p["bandwidth_mbit"]})
@@ -163,22 +191,25 @@ def main() -> int:
 
     rows_out = []
     header = (f"{'topology':8} {'link':>10} {'config':12} {'measured ms':>11} "
-              f"{'median (p25-p75)':>20} {'predicted ms':>12} {'pred/meas':>9}  comm share")
+              f"{'runs (min-max)':>16} {'predicted ms':>12} {'pred/meas':>9}  comm share")
+    print(f"\nmeasured: the mean step of each run (over its timed steps, weight syncs "
+          f"included), median over {len(runs)} run(s)")
     print("\n" + header + "\n" + "-" * len(header))
     for kind, group in groups.items():
         for mp, p in group:
             [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template, workload)
             pred = cost_model.predict(*_setup(mp, template, workload))
             link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
+            spread = f"{1e3 * min(p['run_steps']):.0f}-{1e3 * max(p['run_steps']):.0f}"
             print(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
-                  f"{1e3 * p['step_seconds_median']:8.1f} ({1e3 * p['step_seconds_p25']:.0f}-"
-                  f"{1e3 * p['step_seconds_p75']:.0f}) {1e3 * predicted:12.1f} {ratio:9.2f}  "
+                  f"{spread:>16} {1e3 * predicted:12.1f} {ratio:9.2f}  "
                   f"{pred.communication_seconds / pred.step_seconds:5.0%}"
                   + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%")
                   + ("" if kind == "held out" else f"  ({kind})"))
             rows_out.append({"kind": kind, "topology": p["topology"], "name": p["name"],
                              "bandwidth_mbit": p["bandwidth_mbit"], "measured_s": measured_s,
-                             "predicted_s": predicted, "ratio": ratio})
+                             "run_steps_s": p["run_steps"], "predicted_s": predicted,
+                             "ratio": ratio})
     held = [r for r in rows_out if r["kind"] == "held out"]
     inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in held)
     errors = sorted(abs(r["ratio"] - 1) for r in held)
