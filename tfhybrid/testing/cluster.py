@@ -53,6 +53,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -238,8 +239,9 @@ class EmulatedCluster:
                     raise RuntimeError(f"another emulated cluster held {LOCK_PATH} for "
                                        f"{LOCK_TIMEOUT_S} s")
                 time.sleep(1)
-        # a SIGTERM (a test runner's timeout) must tear down, like Ctrl-C does
-        if os.getpid() == _main_pid():
+        # a SIGTERM (a test runner's timeout) must tear down, like Ctrl-C does; only the
+        # main thread may install a handler
+        if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
             remove_orphans()
@@ -433,9 +435,7 @@ class EmulatedCluster:
 
     def _kill_jobs(self) -> None:
         """Kills every process in the nodes except their sshds."""
-        keep = {p.pid for p in self._sshd}
-        for proc in self._sshd:  # `ip netns exec` execs sshd: same pid
-            keep.add(proc.pid)
+        keep = {p.pid for p in self._sshd}  # `ip netns exec` execs sshd: the same pid
         for node in self.nodes:
             for pid in _pids_in(node.namespace):
                 if pid not in keep:
@@ -443,12 +443,6 @@ class EmulatedCluster:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-
-
-def _main_pid() -> int:
-    # signal handlers can only be installed from the main thread of the main process
-    import threading
-    return os.getpid() if threading.current_thread() is threading.main_thread() else -1
 
 
 def _raise_keyboard_interrupt(signum, frame):
