@@ -147,8 +147,19 @@ class ComputeRates:
         return cls(**dict(d))
 
 
+class _JsonRoundTrip:
+    """to_json / from_json over a class's own to_dict / from_dict."""
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, s: str):
+        return cls.from_dict(json.loads(s))
+
+
 @dataclass(frozen=True)
-class ClusterSpec:
+class ClusterSpec(_JsonRoundTrip):
     """Nodes, links and memory of a cluster (see the module docstring for the link model).
 
     Bandwidths in bytes/s per direction: ``intra_node_bandwidth`` of one rank's link to
@@ -206,13 +217,6 @@ class ClusterSpec:
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a ClusterSpec ({e!r}): {d!r}") from e
 
-    def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, s: str) -> ClusterSpec:
-        return cls.from_dict(json.loads(s))
-
 
 @functools.lru_cache(maxsize=4096)
 def expected_unique_rows(ids: float, rows: int,
@@ -249,7 +253,7 @@ def expected_unique_rows(ids: float, rows: int,
 
 
 @dataclass(frozen=True)
-class Workload:
+class Workload(_JsonRoundTrip):
     """What one training step does: tables, batch, dense size, optimizer, sync mode.
 
     Hotness comes with each table (``TableConfig.hotness``: ids per sample summed over its
@@ -334,13 +338,6 @@ class Workload:
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a Workload ({e!r}): {d!r}") from e
-
-    def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, s: str) -> Workload:
-        return cls.from_dict(json.loads(s))
 
 
 @dataclass(frozen=True)
