@@ -8,6 +8,7 @@ The public surface is small on purpose, like Horovod's:
 - ``tfhybrid.broadcast_variables`` (and the ``BroadcastGlobalVariablesCallback``) makes
   every rank start from the same weights;
 - ``tfhybrid.optimizers`` holds the row-wise AdaGrad optimizers.
+- ``tfhybrid.compression.DCT`` turns on DCT's thresholded communication (both halves).
 
 Attributes load lazily, so ``import tfhybrid.planner`` pulls in neither TensorFlow nor
 Horovod.
@@ -34,7 +35,8 @@ _LAZY_ATTRIBUTES = {
     # NVIDIA distributed-embeddings' private helper, for scripts that import it
     "_dp_to_mp_input": "tfhybrid.layers.distributed_embedding",
 }
-_LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train"}
+_LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train",
+                    "compression"}
 
 __all__ = sorted(n for n in _LAZY_ATTRIBUTES if not n.startswith("_")) + sorted(_LAZY_SUBMODULES)
 

@@ -24,8 +24,10 @@ import horovod.tensorflow as hvd
 # ------------------------------------------------------------ byte counts
 # Bytes this rank put on the wire, counted only while a benchmark enables it. The
 # backward alltoall (registered by Horovod) sends back what the forward one received,
-# so the forward call counts both directions.
+# so the forward call counts both directions. Each count also goes to its collective's
+# own counter, keyed "<collective name>@<process set id>".
 _traffic: dict[str, tf.Variable] | None = None
+_traffic_by_collective: dict[str, tf.Variable] = {}
 
 
 def count_traffic() -> dict[str, tf.Variable]:
@@ -37,14 +39,39 @@ def count_traffic() -> dict[str, tf.Variable]:
     return _traffic
 
 
+def traffic_by_collective() -> dict[str, int]:
+    """Bytes counted so far per collective and process set (see ``count``)."""
+    return {key: int(v.numpy()) for key, v in sorted(_traffic_by_collective.items())}
+
+
+def reset_traffic() -> None:
+    """Zeroes every counter (the totals and the per-collective ones)."""
+    for v in list((_traffic or {}).values()) + list(_traffic_by_collective.values()):
+        v.assign(0)
+
+
 def stop_counting_traffic() -> None:
     global _traffic
     _traffic = None
+    _traffic_by_collective.clear()
 
 
-def count(kind: str, num_bytes) -> None:
-    if _traffic is not None:
-        _traffic[kind].assign_add(tf.cast(num_bytes, tf.int64))
+def count(kind: str, num_bytes, name: str | None = None, process_set: Any = None) -> None:
+    """Adds ``num_bytes`` to ``kind``'s total and, with a ``name``, to that collective's
+    counter in its process set (the global set by default)."""
+    if _traffic is None:
+        return
+    num_bytes = tf.cast(num_bytes, tf.int64)
+    _traffic[kind].assign_add(num_bytes)
+    if name is not None:
+        set_id = getattr(process_set, "process_set_id", 0) or 0
+        key = f"{name}@{set_id}"
+        if key not in _traffic_by_collective:
+            with tf.init_scope():
+                _traffic_by_collective[key] = tf.Variable(
+                    0, dtype=tf.int64, trainable=False,
+                    name=re.sub(r"[^A-Za-z0-9_]", "_", key) + "_bytes")
+        _traffic_by_collective[key].assign_add(num_bytes)
 
 
 # --------------------------------------------------------------- collectives
@@ -100,7 +127,7 @@ def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size:
     """
     if group_size == 1:
         return tensor, splits
-    name = collective_name(name)
+    base, name = name, collective_name(name)
     if differentiable:
         received, received_splits = _alltoall_with_named_gradient(
             tensor, splits, process_set, name)
@@ -110,9 +137,9 @@ def alltoall(tensor: tf.Tensor, splits: tf.Tensor, process_set: Any, group_size:
         me = process_set.rank()
         width = tensor.dtype.size * max(1, tensor.shape[1:].num_elements() or 1)
         others = lambda x: tf.reduce_sum(tf.cast(x, tf.int64)) - tf.cast(x[me], tf.int64)  # noqa: E731
-        count("alltoall", others(splits) * width)
+        count("alltoall", others(splits) * width, base, process_set)
         if differentiable:
-            count("alltoall", others(received_splits) * width)
+            count("alltoall", others(received_splits) * width, base + "_grad", process_set)
     return received, received_splits
 
 

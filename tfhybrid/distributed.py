@@ -86,6 +86,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from tfhybrid import collectives
+from tfhybrid import compression as compression_lib
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import planner
 
@@ -267,7 +268,9 @@ def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable, group_size
 
 def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                         mesh: mesh_lib.Mesh | None = None,
-                        options: SyncOptions | None = None) -> list:
+                        options: SyncOptions | None = None,
+                        thresholder: compression_lib.GradientThresholder | None = None,
+                        loss_scale: tf.Tensor | None = None) -> list:
     """Step 1: reduces each gradient over its process set (see the module doc).
 
     With ``op=hvd.Average`` each gradient becomes its average over its process set; with
@@ -275,6 +278,12 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
     gradients of one process set go in one grouped allreduce; IndexedSlices stay sparse
     (an allgather, then 1/n: their concatenation stands for the sum) where that moves
     fewer bytes, unless ``options.sparse_as_dense``.
+
+    With a ``thresholder`` (DCT-DP) each dense gradient that crosses a wire sends only
+    its entries above the threshold, as (index, value) pairs where that moves fewer bytes
+    (else zeros elsewhere, in the dense allreduce); the rest waits in its residual.
+    ``loss_scale``: the factor the gradients carry (a tape under loss scaling), which
+    the thresholds must not see.
     """
     mesh = mesh or mesh_lib.current_mesh()
     options = options or SyncOptions()
@@ -282,6 +291,31 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
     predivide = options.gradient_predivide_factor
     compression = options.compression
     reduced: list = list(grads)
+    refresh = None   # DCT-DP: whether this step recomputes thresholds
+
+    def gathered(values, indices, var, group_size, process_set, post):
+        """(index, value) pairs of every rank of the group, the values scaled so that
+        their sum is the synced gradient (``post``: the factor after a sum)."""
+        factor = 1.0 / group_size if average else post
+        if group_size > 1:
+            name = f"{options.name}_sync_{var.name}"
+            with tf.device(options.device_sparse):
+                if average and predivide != 1.0:
+                    values = values * tf.cast(1.0 / predivide, values.dtype)
+                    factor = post
+                wire, ctx = compression.compress(values)
+                collectives.count("allreduce",
+                                  tf.size(wire, out_type=tf.int64) * wire.dtype.size
+                                  + tf.size(indices, out_type=tf.int64)
+                                  * indices.dtype.size, name, process_set)
+                wire = collectives.allgather(wire, group_size, name + "_values",
+                                             process_set)
+                indices = collectives.allgather(indices, group_size, name + "_indices",
+                                                process_set)
+                values = compression.decompress(wire, ctx)
+        if factor != 1.0:
+            values = values * tf.cast(factor, values.dtype)
+        return values, indices
     # (process set key, wire dtype) -> (process set, group size, [(index, wire, ctx)])
     dense_groups: dict[tuple[str, str], tuple[Any, int, list]] = {}
     for i, (grad, var) in enumerate(zip(grads, variables)):
@@ -304,49 +338,44 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
         post = predivide / group_size if average else mesh.size / group_size
         if isinstance(grad, tf.IndexedSlices) and (
                 group_size == 1 or _sparse_is_cheaper(grad, var, group_size)):
-            values, indices = grad.values, grad.indices
-            factor = 1.0 / group_size if average else post
-            if group_size > 1:
-                name = f"{options.name}_sync_{var.name}"
-                with tf.device(options.device_sparse):
-                    if average and predivide != 1.0:
-                        values = values * tf.cast(1.0 / predivide, values.dtype)
-                        factor = post
-                    wire, ctx = compression.compress(values)
-                    collectives.count("allreduce",
-                                      tf.size(wire, out_type=tf.int64) * wire.dtype.size
-                                      + tf.size(indices, out_type=tf.int64)
-                                      * indices.dtype.size)
-                    wire = collectives.allgather(wire, group_size, name + "_values",
-                                                 process_set)
-                    indices = collectives.allgather(indices, group_size, name + "_indices",
-                                                    process_set)
-                    values = compression.decompress(wire, ctx)
-            if factor != 1.0:
-                values = values * tf.cast(factor, values.dtype)
+            values, indices = gathered(grad.values, grad.indices, var, group_size,
+                                       process_set, post)
             reduced[i] = tf.IndexedSlices(values, indices, grad.dense_shape)
             continue
         grad = tf.convert_to_tensor(grad)
         if group_size == 1:
             reduced[i] = grad if average else _scaled(grad, post)
             continue
+        if thresholder is not None:
+            if refresh is None:   # once per step that thresholds anything
+                refresh = thresholder.begin_step()
+            mask, sent = thresholder.select(grad, var, refresh, loss_scale)
+            if thresholder.goes_sparse(var, group_size):
+                indices = tf.cast(tf.where(mask)[:, 0], tf.int32)
+                values, indices = gathered(tf.gather(sent, indices), indices, var,
+                                           group_size, process_set, post)
+                reduced[i] = compression_lib.scatter_sum(values, indices, var.shape)
+                continue
+            grad = tf.reshape(sent, tf.shape(grad))
         wire, ctx = compression.compress(grad)
         dense_groups.setdefault((key, wire.dtype.name), (process_set, group_size, []))[
             2].append((i, wire, ctx))
     for key, dtype in sorted(dense_groups):
         process_set, group_size, members = dense_groups[(key, dtype)]
+        suffix = "" if dtype == "float32" else f"_{dtype}"
+        name = f"{options.name}_sync_{key}{suffix}"
         # the variable's shape: a densified IndexedSlices has no static shape
         collectives.count("allreduce", sum(variables[i].shape.num_elements()
-                                           * wire.dtype.size for i, wire, _ in members))
+                                           * wire.dtype.size for i, wire, _ in members),
+                          name, process_set)
         if average:
             pre, post = 1.0 / predivide, predivide / group_size
         else:
             pre, post = 1.0, mesh.size / group_size
-        suffix = "" if dtype == "float32" else f"_{dtype}"
         with tf.device(options.device_dense):
             summed = collectives.grouped_allreduce(
                 [wire for _, wire, _ in members], op=hvd.Sum,
-                name=f"{options.name}_sync_{key}{suffix}", process_set=process_set,
+                name=name, process_set=process_set,
                 prescale_factor=pre, postscale_factor=post)
         for (i, _, ctx), value in zip(members, summed):
             reduced[i] = compression.decompress(value, ctx)
@@ -568,7 +597,8 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
     averaged = collectives.grouped_allreduce([tf.convert_to_tensor(v) for v in state],
                                              op=hvd.Average, name="tfhybrid_weight_sync",
                                              process_set=mesh.data_process_set)
-    collectives.count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state))
+    collectives.count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state),
+                      "tfhybrid_weight_sync", mesh.data_process_set)
     for var, value in zip(state, averaged):
         var.assign(value)
 
@@ -621,8 +651,12 @@ class GradientRoute:
 
     def __init__(self, mesh: mesh_lib.Mesh | None = None, embedding_optimizer: Any = None,
                  options: SyncOptions | None = None, backward_passes_per_step: int = 1,
-                 average_aggregated_gradients: bool = False, sync_in_apply: bool = True):
+                 average_aggregated_gradients: bool = False, sync_in_apply: bool = True,
+                 dct: compression_lib.DCT | None = None):
         self._mesh = mesh
+        # DCT-DP: per-variable residuals and thresholds, kept as long as the route
+        self.thresholder: compression_lib.GradientThresholder | None = None
+        self.use_dct(dct)
         self.embedding_optimizer = embedding_optimizer
         self.options = options or SyncOptions()
         self.backward_passes_per_step = backward_passes_per_step
@@ -637,10 +671,25 @@ class GradientRoute:
     def mesh(self) -> mesh_lib.Mesh:
         return self._mesh or mesh_lib.current_mesh()
 
+    def use_dct(self, dct: compression_lib.DCT | None) -> None:
+        """Thresholds the data-parallel gradients with ``dct.dp_keep`` (DCT-DP)."""
+        dct = compression_lib.as_dct(dct)
+        if dct is None or dct.dp_keep is None:
+            return
+        if self.thresholder is not None:
+            if self.thresholder.dct != dct:
+                raise ValueError(f"dct={dct!r} differs from {self.thresholder.dct!r}, which "
+                                 "this optimizer's gradients are already thresholded with")
+            return
+        self.thresholder = compression_lib.GradientThresholder(dct)
+
     def sync(self, grads: Sequence[Any], variables: Sequence[tf.Variable],
-             loss_scaling: bool, options: SyncOptions | None = None) -> list:
-        """Steps 1-2: the sync, then the overflow vote when a loss scale is in use."""
-        grads = allreduce_gradients(grads, variables, self.mesh, options or self.options)
+             loss_scaling: bool, options: SyncOptions | None = None,
+             loss_scale: tf.Tensor | None = None) -> list:
+        """Steps 1-2: the sync, then the overflow vote when a loss scale is in use.
+        ``loss_scale``: the factor the gradients still carry (a tape's)."""
+        grads = allreduce_gradients(grads, variables, self.mesh, options or self.options,
+                                    self.thresholder, loss_scale)
         if loss_scaling:
             grads = _agree_on_overflow(grads, self.mesh)
         return grads
@@ -650,7 +699,7 @@ class GradientRoute:
         vote, whichever gradients it had left to sync."""
         todo = [i for i, g in enumerate(grads) if g is not None and not _is_synced(g)]
         synced = allreduce_gradients([grads[i] for i in todo], [variables[i] for i in todo],
-                                     self.mesh, self.options)
+                                     self.mesh, self.options, self.thresholder)
         grads = list(grads)
         for i, grad in zip(todo, synced):
             grads[i] = grad
@@ -797,6 +846,10 @@ class DistributedGradientTape:
     average for every variable, shards included (the module doc says why a shard's sum
     is M times its data group's sum).
 
+    ``dct=tfhybrid.compression.DCT(...)`` (with ``optimizer=``, which keeps the residuals)
+    thresholds the data-parallel gradients (DCT-DP), on the unscaled gradient under loss
+    scaling.
+
     Clipping, a separate embedding optimizer and weight-sync mode happen where the
     optimizer applies: pass the optimizer as ``optimizer=`` and the tape makes its
     ``apply_gradients`` run the rest of the route (steps 3-5: it applies the tape's
@@ -825,7 +878,8 @@ class DistributedGradientTape:
                  sparse_as_dense: bool = False, op: Any = hvd.Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups: Any = None, process_set: Any = None,
-                 scale_local_gradients: bool = True):
+                 scale_local_gradients: bool = True,
+                 dct: compression_lib.DCT | None = None):
         if optimizer is not None and not hasattr(optimizer, "apply_gradients"):
             raise ValueError(
                 f"optimizer={optimizer!r} is not a Keras optimizer; Horovod's options of "
@@ -842,10 +896,17 @@ class DistributedGradientTape:
             device_sparse=device_sparse, num_groups=num_groups,
             groups=groups, process_set=process_set,
             scale_local_gradients=scale_local_gradients)
+        dct = compression_lib.as_dct(dct)
+        if dct is not None and dct.dp_keep is not None and optimizer is None:
+            raise ValueError(
+                f"dct={dct!r} keeps a residual per variable from step to step; pass the "
+                "optimizer too (DistributedGradientTape(tape, optimizer=opt, dct=...)), so "
+                "the residuals live as long as it does")
         if optimizer is not None:
             _route_optimizer(optimizer, mesh)
         # the optimizer's own route where it has one, so both halves share one object
         self._route = getattr(optimizer, "_tfhybrid_route", None) or GradientRoute(mesh)
+        self._route.use_dct(dct)
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=None,
                  **kwargs):
@@ -860,12 +921,16 @@ class DistributedGradientTape:
                 "'weights'), whose replicas are averaged after the optimizer steps; pass "
                 "the optimizer: tfhybrid.DistributedGradientTape(tape, optimizer=opt), or "
                 "apply with tfhybrid.DistributedOptimizer(opt)")
+        loss_scale = None
         if self._optimizer is not None:
             loss_scaling = _is_loss_scaling(self._optimizer)
+            if loss_scaling:
+                # a tape's gradients are those of the scaled loss
+                loss_scale = self._optimizer.loss_scale
         else:
             loss_scaling = tf.keras.mixed_precision.global_policy().name == "mixed_float16"
         flat_grads = self._route.sync(tf.nest.flatten(grads), flat_sources, loss_scaling,
-                                      self._options)
+                                      self._options, loss_scale)
         return tf.nest.pack_sequence_as(grads, [_mark_synced(g) for g in flat_grads])
 
     def __enter__(self):
@@ -927,7 +992,8 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                          backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
                          groups: Any = None, process_set: Any = None,
-                         scale_local_gradients: bool = True, use_locking: bool = False):
+                         scale_local_gradients: bool = True, use_locking: bool = False,
+                         dct: compression_lib.DCT | None = None):
     """Returns a copy of a Keras optimizer whose ``apply_gradients`` runs the whole route.
 
     Works in custom loops and in ``model.fit`` (which calls ``apply_gradients``). Under
@@ -945,7 +1011,9 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
     IndexedSlices first; ``backward_passes_per_step=k`` sums k calls' local gradients
     (divided by k with ``average_aggregated_gradients``) and steps on every k-th call,
     while ``iterations`` counts every call. Gradients a ``DistributedGradientTape``
-    returned are not synced again.
+    returned are not synced again. ``dct=tfhybrid.compression.DCT(...)`` thresholds the
+    data-parallel gradients (DCT-DP: only the largest entries are sent, the rest carried
+    over in a per-rank residual; tfhybrid/compression.py).
 
     Example (one process)::
 
@@ -998,7 +1066,7 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
         optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
     base = optimizer.__class__
     route = GradientRoute(mesh, embedding_optimizer, options, backward_passes_per_step,
-                          average_aggregated_gradients)
+                          average_aggregated_gradients, dct=dct)
     cls = type(base.__name__, (_RoutedApply, base), {"_tfhybrid_route": route})
     routed = cls.from_config(optimizer.get_config())
     if embedding_optimizer is not None:

@@ -32,6 +32,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from tfhybrid import collectives
+from tfhybrid import compression
 from tfhybrid import custom_ops
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
@@ -308,6 +309,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         file) to execute as it is, e.g. from ``tfhybrid.cost_model.plan_for_cluster``;
         it must be for this mesh's D x M (and layout, where the plan names one) and for
         these tables. The strategy and threshold arguments are then unused.
+      dct: a ``tfhybrid.compression.DCT`` whose ``mp_keep`` thresholds the alltoall that
+        returns rows (DCT-MP): per sample, each owner sends only the largest
+        ``mp_keep`` share of its entries (plus their positions), and their gradients
+        return at the same positions. ``None`` (default): everything is sent.
 
     Inputs are a list with one entry per feature: int ids ``[batch]``, ``[batch, hotness]``
     or a ``tf.RaggedTensor`` ``[batch, None]``. Outputs are what the single-process layers
@@ -336,8 +341,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  sync_every: int = 1, gpu_embedding_size: int | None = None,
                  use_custom_kernel: bool = True, row_slice: Any = None,
                  optimizer: str | None = None,
-                 plan: planner.ShardingPlan | str | None = None, **kwargs: Any):
+                 plan: planner.ShardingPlan | str | None = None,
+                 dct: compression.DCT | None = None, **kwargs: Any):
         super().__init__(**kwargs)
+        self.dct = compression.as_dct(dct)
+        # DCT-MP: the share of each sample's returned rows the alltoall carries
+        self._mp_keep = None if self.dct is None else self.dct.mp_keep
         if row_slice is not None:
             # DE 0.1's placeholder argument, which DE itself rejected when set
             raise ValueError(f"row_slice={row_slice!r} is not supported; use "
@@ -963,12 +972,41 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             sums.append(tf.reshape(summed, [group, -1]))   # [source, bags * width]
 
         # 4. send each source its rows back: one flat buffer per source
-        if mine:
+        # a sample's values from each owner: its bags' rows of every route, in order
+        def sample_width(routes):
+            return sum((bags[r.feature].per_sample if self.dp_input else 1) * r.width
+                       for r in routes)
+
+        # A keep share that drops nothing (1.0, or narrow vectors) sends as without DCT:
+        # a top-k over every entry would only cost time.
+        thresholded = self._mp_keep is not None and group > 1 and any(
+            compression.kept_count(sample_width(self._routes[o]), self._mp_keep)
+            < sample_width(self._routes[o]) for o in range(group))
+        if thresholded:
+            # DCT-MP: each sample keeps its largest entries; positions cross as small ints
+            # of one type for the whole group (the widest owner's), as Horovod requires
+            widest = max(sample_width(self._routes[o]) for o in range(group))
+            wire_positions = compression.position_dtype(max(widest, 1))
+        if mine and thresholded:
+            rows = tf.concat([tf.reshape(x, [group, -1, sample_width([r])])
+                              for x, r in zip(sums, mine)], axis=2)   # [source, sample, W]
+            kept, positions = compression.keep_largest(rows, self._mp_keep)
+            back = tf.reshape(kept, [-1])
+            back_positions = tf.reshape(tf.cast(positions, wire_positions), [-1])
+            back_sizes = tf.fill([group], tf.cast(tf.size(back) // group, tf.int32))
+        elif mine:
             back = tf.reshape(tf.concat(sums, axis=1), [-1])
             back_sizes = tf.fill([group], tf.cast(tf.size(back) // group, tf.int32))
         else:
             back = tf.zeros([0], tf.float32)
             back_sizes = tf.zeros([group], tf.int32)
+            if thresholded:
+                back_positions = tf.zeros([0], wire_positions)
+        if thresholded:
+            # not differentiable: the values' gradient returns to the same positions
+            returned_positions, _ = collectives.alltoall(
+                back_positions, back_sizes, mesh.model_process_set, group,
+                f"tfhybrid_{self.name}_positions")
         # The backward alltoall sums the M ranks' gradients of their own mean losses; 1/M
         # (in float32) makes the shard's gradient that of the model group's mean loss, so
         # the optimizer's sync is a plain average (tfhybrid/distributed.py). Every rank,
@@ -982,10 +1020,25 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
             differentiable=True)
         partials = {}
+        if thresholded:
+            position_chunks = tf.split(returned_positions, returned_sizes, num=group)
         for owner, chunk in enumerate(tf.split(returned, returned_sizes, num=group)):
             routes = self._routes[owner]
             if not routes:
                 continue
+            if thresholded:
+                # back to [sample, W] with zeros where the owner sent nothing, then
+                # flat in the unthresholded order: route after route, sample-major
+                width = sample_width(routes)
+                k = compression.kept_count(width, self._mp_keep)
+                rows = compression.scatter_kept(tf.reshape(tf.cast(chunk, tf.float32),
+                                                           [-1, k]),
+                                                tf.reshape(position_chunks[owner], [-1, k]),
+                                                width)
+                chunk = tf.reshape(tf.concat(
+                    [tf.reshape(part, [-1]) for part in tf.split(
+                        rows, [sample_width([r]) for r in routes], num=len(routes),
+                        axis=1)], 0), [-1])
             # with dp_input=False every feature here has one bag per sample (checked)
             widths = [batch * (bags[r.feature].per_sample if self.dp_input else 1) * r.width
                       for r in routes]
@@ -1109,7 +1162,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             dp_input=self.dp_input, replica_sync=self.replica_sync,
             sync_every=self.sync_every, gpu_embedding_size=self.gpu_embedding_size,
             use_custom_kernel=self.use_custom_kernel, optimizer=self.optimizer_name,
-            plan=None if self._given_plan is None else self._given_plan.to_json())
+            plan=None if self._given_plan is None else self._given_plan.to_json(),
+            dct=None if self.dct is None else self.dct.get_config())
         return config
 
     @classmethod

@@ -51,6 +51,13 @@ flags.DEFINE_enum("communication", _DEFAULTS.communication, list(train_app.COMMU
                   "gradient allreduces while the model computes in float32 (no loss scaling).")
 flags.DEFINE_bool("count_traffic", _DEFAULTS.count_traffic,
                   "Report the bytes each rank's alltoalls and allreduces send per step.")
+flags.DEFINE_float("dct_dp_keep", None, "DCT-DP: the share of each data-parallel gradient a "
+                   "rank sends per step (its largest entries; the rest waits in a residual). "
+                   "Default: off.")
+flags.DEFINE_float("dct_mp_keep", None, "DCT-MP: the share of each sample's looked-up rows "
+                   "the alltoall returns (its largest entries). Default: off.")
+flags.DEFINE_integer("dct_refresh_every", _DEFAULTS.dct_refresh_every,
+                     "DCT-DP: steps between recomputations of each gradient's threshold.")
 flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the dense towers with XLA.")
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size.")
 flags.DEFINE_integer("steps", None, "Steps per epoch (default: one pass over file data; "

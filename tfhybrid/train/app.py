@@ -64,6 +64,10 @@ class TrainConfig:
     mixed_precision: str = "none"
     communication: str = "float32"
     count_traffic: bool = False                # bytes each rank's collectives send
+    # DCT (tfhybrid.compression): None leaves that half of the traffic uncompressed
+    dct_dp_keep: float | None = None
+    dct_mp_keep: float | None = None
+    dct_refresh_every: int = 2000
     xla: bool = False
     batch_size: int = 1024                     # global
     steps: int | None = None                   # per epoch; None: one pass (file datasets)
@@ -104,7 +108,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name}={getattr(self, name)!r} is unknown; expected one "
                                  f"of {', '.join(allowed)}")
-        positive = ["sync_every", "batch_size", "epochs", "embedding_dim", "num_cross_layers"]
+        positive = ["sync_every", "batch_size", "epochs", "embedding_dim", "num_cross_layers",
+                    "dct_refresh_every"]
         optional_positive = ["model_parallel", "eval_batches", "max_table_rows",
                              "projection_dim", "threads"] + list(STALL_FLAGS)
         for name in positive + optional_positive:
@@ -127,6 +132,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"--{name}={value!r} must be a finite number > 0")
+        for name in ("dct_dp_keep", "dct_mp_keep"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"--{name}={value!r} must be a fraction in (0, 1]")
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"--learning_rate={self.learning_rate!r} must be a finite "
                              "number > 0")
@@ -243,7 +252,22 @@ def _optimizer(config: TrainConfig):
     compression = (hvd.Compression.fp16 if config.communication == "float16"
                    else hvd.Compression.none)
     return tfhybrid.DistributedOptimizer(dense, embedding_optimizer=tables,
-                                         compression=compression)
+                                         compression=compression, dct=_dct(config))
+
+
+def _dct(config: TrainConfig):
+    """The DCT settings of the flags, or None when both halves are off."""
+    if config.dct_dp_keep is None and config.dct_mp_keep is None:
+        return None
+    from tfhybrid.compression import DCT
+    return DCT(dp_keep=config.dct_dp_keep, mp_keep=config.dct_mp_keep,
+               refresh_every=config.dct_refresh_every)
+
+
+def _dct_config(config: TrainConfig) -> dict | None:
+    """``_dct`` as plain data (a model's config, the metrics JSON)."""
+    dct = _dct(config)
+    return None if dct is None else dct.get_config()
 
 
 def _make_optimizer(name: str, lr: float):
@@ -583,7 +607,8 @@ def run(config: TrainConfig) -> dict:
             row_slice_threshold=config.row_slice_threshold,
             data_parallel_threshold=config.data_parallel_threshold,
             replica_sync=config.replica_sync, sync_every=config.sync_every,
-            optimizer=config.embedding_optimizer or config.optimizer))
+            optimizer=config.embedding_optimizer or config.optimizer,
+            dct=_dct_config(config)))
     if config.communication == "float16" and config.mixed_precision == "none":
         # the wire carries the layer's compute dtype; the towers stay float32
         model_options["embedding_options"]["dtype"] = "mixed_float16"
@@ -684,6 +709,7 @@ def run(config: TrainConfig) -> dict:
         global_batch=config.batch_size,
         train_loss=train_loss,
         communication=config.communication,
+        dct=_dct_config(config),
         samples_per_second=throughput.samples_per_second(), best_auc=spec.best_auc,
         **throughput.figures(),
         malformed_lines_skipped=malformed if malformed is not None else (
