@@ -20,6 +20,7 @@ Configurations (M = ranks per model group, D = N / M replicas):
   2D-dm         M = ranks per node, data-major: alltoalls across nodes, replica sync inside
   2D-mm-w<K>    as 2D-mm with weight + optimizer-state sync every K steps
   *-fp16        activations, their gradients and the gradient allreduces sent as float16
+  *-dct         (with --dct) DCT at its default keep fractions (tfhybrid.compression)
 
 Writes points.json (the input of benchmarks/cost_model_validation.py), table.txt and
 PNG plots into --out. Runs as root (network namespaces); about 25 minutes in full.
@@ -53,8 +54,9 @@ ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_TH
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
 
 
-def configurations(nodes: int, ranks_per_node: int) -> list[dict]:
-    """The configurations measured on one topology (see the module docstring)."""
+def configurations(nodes: int, ranks_per_node: int, dct: bool = False) -> list[dict]:
+    """The configurations measured on one topology (see the module docstring); with
+    ``dct``, 1D and 2D-mm without and with DCT at its default keep fractions."""
     n = nodes * ranks_per_node
     two_d = ranks_per_node if ranks_per_node > 1 else max(1, n // 2)
     out = [dict(name="1D", model_parallel=n, layout="model_major"),
@@ -65,10 +67,19 @@ def configurations(nodes: int, ranks_per_node: int) -> list[dict]:
                 communication="float16"),
            dict(name="2D-mm-fp16", model_parallel=two_d, layout="model_major",
                 communication="float16")]
+    if dct:
+        return [out[0], dict(out[0], name="1D-dct", dct=True),
+                out[1], dict(out[1], name="2D-mm-dct", dct=True)]
     if ranks_per_node > 1:
         # with one rank per node every group crosses nodes: the layouts are the same
         out.insert(2, dict(name="2D-dm", model_parallel=two_d, layout="data_major"))
     return out
+
+
+def _dct_flags() -> list[str]:
+    """The app's flags for DCT at its defaults (tfhybrid.compression.DCT)."""
+    from tfhybrid.compression import DCT
+    return [f"--dct_{k}={v}" for k, v in DCT().get_config().items()]
 
 
 def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
@@ -87,6 +98,8 @@ def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
              f"--dense_optimizer={WORKLOAD['dense_optimizer']}",
              f"--steps={steps}", f"--warmup_steps={warmup}", "--eval_batches=1",
              "--count_traffic", f"--metrics_json={metrics}", "--threads=1"]
+    if config.get("dct"):
+        flags += _dct_flags()
     started = time.time()
     result = cluster.horovodrun([PYTHON, "-m", "tfhybrid.train", "--model=dlrm",
                                  "--dataset=synthetic", *flags],
@@ -168,6 +181,8 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--quick", action="store_true",
                         help="2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
+    parser.add_argument("--dct", action="store_true",
+                        help="1D and 2D-mm, each without and with DCT (issue 14)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "cluster_comm"))
     args = parser.parse_args()
@@ -189,7 +204,7 @@ def main() -> int:
                   f"{cluster.setup_seconds:.1f} s", flush=True)
             for bw in bandwidths:
                 cluster.set_bandwidth(bw)
-                for config in configurations(nodes, per_node):
+                for config in configurations(nodes, per_node, args.dct):
                     if only and config["name"] not in only:
                         continue
                     point = run_point(cluster, config, args.steps, args.warmup, args.timeout)

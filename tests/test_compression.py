@@ -21,6 +21,10 @@ class ConfigTest(tf.test.TestCase):
         self.assertEqual(DCT.from_config(dct.get_config()), dct)
         self.assertEqual(compression.as_dct(dct.get_config()), dct)
         self.assertIsNone(compression.as_dct(None))
+        # numpy scalars (a sweep's values) become plain numbers, so configs stay JSON
+        config = DCT(dp_keep=np.float32(0.5), refresh_every=np.int64(3)).get_config()
+        self.assertEqual(config, {"dp_keep": 0.5, "mp_keep": 0.02, "refresh_every": 3})
+        self.assertIs(type(config["refresh_every"]), int)
 
     def test_bad_values_name_the_value(self):
         for bad, word in ((dict(dp_keep=0.0), "dp_keep=0.0"), (dict(mp_keep=1.5), "mp_keep=1.5"),
@@ -103,6 +107,13 @@ class PerSampleTopKTest(tf.test.TestCase):
         self.assertAllEqual(compression.scatter_kept(values, positions, 9), rows)
 
 
+def _select(thresholder, grad, var, refresh, **kwargs):
+    """One step's selection, stored as the route does for a step that applies."""
+    mask, kept = thresholder.select(grad, var, refresh, **kwargs)
+    thresholder.commit(tf.constant(True))
+    return mask, kept
+
+
 class GradientThresholderTest(tf.test.TestCase):
     """DCT-DP's selection and residual on one rank."""
 
@@ -116,7 +127,7 @@ class GradientThresholderTest(tf.test.TestCase):
             raw += grad.reshape(-1)
             refresh = thresholder.begin_step()
             self.assertEqual(bool(refresh), step % 4 == 0)
-            mask, kept = thresholder.select(tf.constant(grad), var, refresh)
+            mask, kept = _select(thresholder, tf.constant(grad), var, refresh)
             self.assertAllEqual(kept.numpy() != 0, mask.numpy())
             if step % 4 == 0:
                 self.assertEqual(int(mask.numpy().sum()), 8)      # the top 10% exactly
@@ -132,7 +143,7 @@ class GradientThresholderTest(tf.test.TestCase):
         target = compression.kept_count(400, 0.05)
         for _ in range(40):
             grad = tf.constant(rng.normal(size=[400]).astype(np.float32))
-            mask, _ = thresholder.select(grad, var, thresholder.begin_step())
+            mask, _ = _select(thresholder, grad, var, thresholder.begin_step())
             self.assertLessEqual(int(mask.numpy().sum()), int(compression.KEPT_DRIFT * target))
 
     def test_keep_one_sends_the_gradient_as_it_is(self):
@@ -140,21 +151,57 @@ class GradientThresholderTest(tf.test.TestCase):
         var = tf.Variable(tf.zeros([5, 3]))
         grad = tf.constant(np.random.default_rng(6).normal(size=[5, 3]), tf.float32)
         for _ in range(3):
-            mask, kept = thresholder.select(grad, var, thresholder.begin_step())
+            mask, kept = _select(thresholder, grad, var, thresholder.begin_step())
             self.assertAllEqual(tf.reshape(kept, [5, 3]), grad)
             self.assertAllEqual(thresholder.residual(var), tf.zeros([5, 3]))
 
-    def test_overflow_is_sent_and_leaves_the_state_alone(self):
+    def test_overflow_sends_one_marker_and_leaves_the_state_alone(self):
         thresholder = compression.GradientThresholder(DCT(dp_keep=0.25))
         var = tf.Variable(tf.zeros([8]))
         first = tf.constant([1.0, -2.0, 3.0, 0.5, 0.1, -0.2, 0.3, 4.0])
-        thresholder.select(first, var, thresholder.begin_step())
+        _select(thresholder, first, var, thresholder.begin_step())
         residual = thresholder.residual(var).numpy().copy()
-        bad = tf.constant([np.inf, 0.0, 0.0, 0.0, np.nan, 0.0, 0.0, 0.0], tf.float32)
-        mask, kept = thresholder.select(bad, var, thresholder.begin_step())
-        self.assertTrue(mask.numpy()[0] and mask.numpy()[4])
-        self.assertTrue(np.isinf(kept.numpy()[0]) and np.isnan(kept.numpy()[4]))
+        bad = tf.constant([0.0, np.inf, 0.0, 0.0, np.nan, 0.0, 0.0, 0.0], tf.float32)
+        mask, kept = _select(thresholder, bad, var, thresholder.begin_step())
+        # the first non-finite entry goes (every rank learns of the overflow), not all
+        self.assertTrue(mask.numpy()[1])
+        self.assertFalse(mask.numpy()[4])
+        self.assertTrue(np.isinf(kept.numpy()[1]))
         self.assertAllEqual(thresholder.residual(var), residual)
+
+    def test_a_skipped_step_keeps_the_residual(self):
+        thresholder = compression.GradientThresholder(DCT(dp_keep=0.25))
+        var = tf.Variable(tf.zeros([8]))
+        grad = tf.constant([1.0, -2.0, 3.0, 0.5, 0.1, -0.2, 0.3, 4.0])
+        _select(thresholder, grad, var, thresholder.begin_step())
+        residual = thresholder.residual(var).numpy().copy()
+        self.assertGreater(np.abs(residual).sum(), 0)
+        # another rank overflowed: the route commits False, the step is not applied
+        thresholder.select(grad, var, thresholder.begin_step())
+        thresholder.commit(tf.constant(False))
+        self.assertAllEqual(thresholder.residual(var), residual)
+
+    def test_zeros_are_never_sent(self):
+        # fewer non-zero entries than the target: a threshold of zero must not send all
+        thresholder = compression.GradientThresholder(DCT(dp_keep=0.5))
+        var = tf.Variable(tf.zeros([100]))
+        grad = np.zeros([100], np.float32)
+        grad[[3, 50]] = [1.0, -2.0]
+        for _ in range(3):
+            mask, kept = _select(thresholder, tf.constant(grad), var,
+                                 thresholder.begin_step())
+            self.assertEqual(int(mask.numpy().sum()), 2)
+            self.assertAllEqual(kept, grad)
+
+    def test_half_precision_gradients_keep_a_float32_residual(self):
+        thresholder = compression.GradientThresholder(DCT(dp_keep=0.1))
+        var = tf.Variable(tf.zeros([20]))
+        grad = tf.constant(np.linspace(1e-4, 2e-3, 20), tf.float16)
+        _, kept = _select(thresholder, grad, var, thresholder.begin_step())
+        self.assertEqual(kept.dtype, tf.float16)
+        self.assertEqual(thresholder.residual(var).dtype, tf.float32)
+        self.assertAllClose(thresholder.residual(var).numpy() + kept.numpy(),
+                            grad.numpy(), atol=1e-6, rtol=0)
 
     def test_loss_scale_does_not_move_the_threshold(self):
         grads = [tf.constant(np.random.default_rng(7 + i).normal(size=[50]), tf.float32)
@@ -163,9 +210,9 @@ class GradientThresholderTest(tf.test.TestCase):
         scaled = compression.GradientThresholder(DCT(dp_keep=0.1))
         a, b = tf.Variable(tf.zeros([50])), tf.Variable(tf.zeros([50]))
         for g in grads:
-            _, kept = plain.select(g, a, plain.begin_step())
-            _, kept_scaled = scaled.select(g * 1024.0, b, scaled.begin_step(),
-                                           loss_scale=tf.constant(1024.0))
+            _, kept = _select(plain, g, a, plain.begin_step())
+            _, kept_scaled = _select(scaled, g * 1024.0, b, scaled.begin_step(),
+                                     loss_scale=tf.constant(1024.0))
             self.assertAllEqual(kept_scaled, kept * 1024.0)
         self.assertAllEqual(plain.residual(a), scaled.residual(b))
 

@@ -115,6 +115,34 @@ class KeepOneTest(tf.test.TestCase):
                     mesh_lib._reset_for_tests()
 
 
+class EveryPlacementTest(tf.test.TestCase):
+    """Thresholding on for real (keep < 1) over every kind of placement, row-wise partial
+    sums and a zero-hot feature (a route of width 0) included."""
+
+    def tearDown(self):
+        de.FEATURES = self._features
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def test_trains_on_every_placement(self):
+        self._features = de.FEATURES
+        de.FEATURES = de.FEATURES + [(3, "multihot0")]
+        for m in _meshes():
+            with self.subTest(model_parallel=m):
+                mesh = tfhybrid.init(model_parallel=m)
+                tables, batches = _data(200 + m, mesh.size, 3)
+                start, off = _trained(mesh, None, tables, batches)
+                _, on = _trained(mesh, DCT(dp_keep=0.1, mp_keep=0.3), tables, batches)
+                for a, b in zip(start, on):
+                    self.assertTrue(np.all(np.isfinite(b)))
+                moved = max(np.abs(a - b).max() for a, b in zip(start, on) if a.size)
+                self.assertGreater(moved, 1e-3)
+                # something was left out: the runs differ
+                self.assertGreater(max(np.abs(a - b).max() for a, b in zip(off, on)
+                                       if a.size), 1e-4)
+                mesh_lib._reset_for_tests()
+
+
 class ResidualTest(tf.test.TestCase):
 
     def tearDown(self):
@@ -304,6 +332,29 @@ class LossScaleTest(tf.test.TestCase):
             results.append(w.numpy())
         self.assertAllEqual(results[0], results[1])
         self.assertGreater(np.abs(results[0]).max(), 0)
+
+    def test_an_overflow_on_one_rank_keeps_every_residual(self):
+        mesh = tfhybrid.init(model_parallel=1)
+        rng = np.random.default_rng(78)
+        w = tf.Variable(tf.zeros([300]), name="w_overflow")
+        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
+            tf.keras.optimizers.SGD(0.5), dynamic=True, initial_scale=8.0)
+        dct = DCT(dp_keep=0.05, refresh_every=4)
+        residuals = []
+        for step in range(2):
+            grad = rng.normal(size=[mesh.size, 300]).astype(np.float32)[mesh.rank]
+            if step == 1 and mesh.rank == 0:
+                grad[7] = np.inf            # only rank 0 overflows
+            with tf.GradientTape() as tape:
+                loss = optimizer.get_scaled_loss(tf.reduce_sum(w * grad))
+            tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer, dct=dct)
+            synced = optimizer.get_unscaled_gradients(tape.gradient(loss, [w]))
+            optimizer.apply_gradients(zip(synced, [w]))
+            residuals.append(optimizer._tfhybrid_route.thresholder.residual(w).numpy())
+        # the skipped step left every rank's residual (what waits to be sent) as it was
+        self.assertGreater(np.abs(residuals[0]).max(), 0)
+        self.assertAllEqual(residuals[1], residuals[0])
+        self.assertEqual(float(optimizer.loss_scale), 4.0)   # the step was skipped
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ COMMON_FLAGS = ["--model=dlrm", "--dataset=synthetic", f"--steps={PARITY_STEPS}"
                 "--embedding_optimizer=rowwise_adagrad", "--embedding_learning_rate=0.1"]
 
 
+# DCT at keep fractions that still learn in 60 steps, with thresholds refreshed often
+DCT_FLAGS = ["--dct_dp_keep=0.05", "--dct_mp_keep=0.25", "--dct_refresh_every=10"]
+
+
 def _cli(flags, np_=1, timeout=420):
     env = dict(os.environ, **TEST_ENV)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -52,7 +56,11 @@ class TrainAppTest(tf.test.TestCase):
         super().setUpClass()
         cls.work = tempfile.mkdtemp(prefix="tfhybrid-app-")
         cls.runs = {}
-        for name, np_, extra in [("one", 1, []), ("mesh", 4, ["--model_parallel=2"])]:
+        # "dct": the 2x2 run with both halves of DCT on (fit through the one gradient path)
+        for name, np_, extra in [("one", 1, []),
+                                 ("mesh", 4, ["--model_parallel=2", "--count_traffic"]),
+                                 ("dct", 4, ["--model_parallel=2", "--count_traffic"]
+                                  + DCT_FLAGS)]:
             out = os.path.join(cls.work, name)
             done = _cli(COMMON_FLAGS + extra + [
                 f"--metrics_json={out}.json", f"--export_dir={out}_export",
@@ -80,6 +88,22 @@ class TrainAppTest(tf.test.TestCase):
         # it learned: well above chance, and no better than the planted teacher allows
         self.assertGreater(one["auc"], 0.6)
         self.assertLess(one["auc"], one["best_auc"] + 0.01)
+
+    def test_dct_trains_with_less_traffic(self):
+        mesh, dct = self.runs["mesh"][0], self.runs["dct"][0]
+        self.assertIsNone(mesh["dct"])
+        self.assertEqual(dct["dct"], dict(dp_keep=0.05, mp_keep=0.25, refresh_every=10))
+        print(f"AUC after {PARITY_STEPS} steps on 2x2: {mesh['auc']:.4f}, with DCT "
+              f"{dct['auc']:.4f}; bytes/step {mesh['collective_bytes_per_step']} -> "
+              f"{dct['collective_bytes_per_step']}")
+        # it learned (quality at equal steps is benchmarks/dct_quality.py's job)
+        self.assertGreater(dct["auc"], 0.6)
+        self.assertLessEqual(abs(dct["auc"] - mesh["auc"]), 0.05)
+        before, after = mesh["collective_bytes_per_step"], dct["collective_bytes_per_step"]
+        # both kinds shrink (the dense layers are a small share of this model's syncs,
+        # the ids' alltoall goes untouched; tests/test_dct.py measures each half)
+        self.assertLess(after["allreduce"], before["allreduce"])
+        self.assertLess(after["alltoall"], before["alltoall"])
 
     def test_rank0_prints_auc_and_throughput(self):
         for name in ("one", "mesh"):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping
 
 import tensorflow as tf
@@ -72,12 +73,14 @@ class DCT:
             value = getattr(self, name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
                     0.0 < value <= 1.0):
                 raise ValueError(f"{name}={value!r} must be a fraction in (0, 1] or None")
+            object.__setattr__(self, name, float(value))   # numpy scalars: plain data
         every = self.refresh_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ValueError(f"refresh_every={every!r} must be an int >= 1 (steps)")
+        object.__setattr__(self, "refresh_every", int(every))
 
     def get_config(self) -> dict:
         return dataclasses.asdict(self)
@@ -113,10 +116,16 @@ def kept_count(size: int, keep: float) -> int:
 class GradientThresholder:
     """DCT-DP's state and selection for the gradient route (tfhybrid.distributed).
 
-    Per variable it holds the residual (what was not sent yet, in the variable's dtype)
-    and the current threshold; one counter schedules the refreshes. The state is per
-    rank and lives as long as the optimizer's route; checkpoints do not hold it (a
-    restored job starts with empty residuals, which delays nothing that was sent).
+    Per variable it holds the residual (what was not sent yet, in float32 whatever the
+    gradient's dtype, so that small entries add up) and the current threshold; one
+    counter schedules the refreshes. The state is per rank and lives as long as the
+    optimizer's route; checkpoints do not hold it (a restored job starts with empty
+    residuals: the entries still waiting in them at the save are dropped).
+
+    ``select`` stages each variable's new residual and threshold; ``commit`` stores them
+    once the route knows whether the step is applied, so a step the loss-scale optimizer
+    skips (an overflow on any rank) leaves every residual as it was, and nothing it held
+    is lost.
     """
 
     def __init__(self, dct: DCT):
@@ -126,6 +135,8 @@ class GradientThresholder:
         self._residuals: dict[Any, tf.Variable] = {}
         self._thresholds: dict[Any, tf.Variable] = {}
         self._steps: tf.Variable | None = None
+        # (residual, its new value, threshold, its new value) of this step's selections
+        self._staged: list[tuple[tf.Variable, tf.Tensor, tf.Variable, tf.Tensor]] = []
 
     def _state(self, variable: tf.Variable) -> tuple[tf.Variable, tf.Variable]:
         key = variable.ref()
@@ -133,11 +144,10 @@ class GradientThresholder:
             base = variable.name.split(":")[0].replace("/", "_")
             with tf.init_scope(), tf.device(variable.device or None):
                 self._residuals[key] = tf.Variable(
-                    tf.zeros(variable.shape, variable.dtype.base_dtype), trainable=False,
+                    tf.zeros(variable.shape, tf.float32), trainable=False,
                     name=base + "_dct_residual")
                 self._thresholds[key] = tf.Variable(
-                    0.0, dtype=variable.dtype.base_dtype, trainable=False,
-                    name=base + "_dct_threshold")
+                    0.0, dtype=tf.float32, trainable=False, name=base + "_dct_threshold")
         return self._residuals[key], self._thresholds[key]
 
     def residual(self, variable: tf.Variable) -> tf.Variable:
@@ -158,26 +168,31 @@ class GradientThresholder:
         return kept_count(variable.shape.num_elements(), self.dct.dp_keep)
 
     def goes_sparse(self, variable: tf.Variable, group_size: int) -> bool:
-        """Whether the kept entries travel as (index, value) pairs: the planner's bytes
-        rule with one value per index. Static, so every rank decides alike."""
+        """Whether the variable's gradient is thresholded at all: its kept entries travel
+        as (index, value) pairs when the planner's bytes rule (one value per index) says
+        pairs are cheaper than the dense allreduce. Otherwise the dense allreduce goes
+        as it is (thresholding would delay entries and save no bytes). Static, so every
+        rank decides alike."""
         return planner.sync_is_sparse(variable.shape.num_elements(), 1,
                                       self.kept(variable), group_size)
 
     def select(self, grad: tf.Tensor, variable: tf.Variable, refresh: tf.Tensor,
                loss_scale: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:
         """(mask, entries): which entries of ``grad + residual`` to send, and those
-        entries (flat). Updates the residual to the entries not sent.
+        entries (flat, in ``grad``'s dtype). Stages the residual (the entries not sent)
+        for ``commit``.
 
-        ``loss_scale``: the gradient is scaled by it (a tape under loss scaling); the
-        threshold and the residual are kept unscaled, and the entries are returned
-        scaled again. Non-finite entries are always sent (so an overflow reaches every
-        rank, as in a dense allreduce), and an overflowing step leaves the residual and
-        the threshold as they were: the step will be skipped.
+        Entries of magnitude zero are never sent (they carry nothing, and a threshold of
+        zero would otherwise send every entry). ``loss_scale``: the gradient is scaled by
+        it (a tape under loss scaling); the threshold and the residual are kept unscaled,
+        and the entries are returned scaled again. On an overflow (a non-finite entry)
+        one non-finite entry is sent with the kept ones, so every rank learns of it as
+        through a dense allreduce, and the staged state is the old one.
         """
         residual, threshold = self._state(variable)
-        flat = tf.reshape(grad, [-1])
+        flat = tf.cast(tf.reshape(grad, [-1]), tf.float32)
         if loss_scale is not None:
-            flat = flat / tf.cast(loss_scale, flat.dtype)
+            flat = flat / tf.cast(loss_scale, tf.float32)
         total = flat + tf.reshape(residual, [-1])
         finite = tf.math.is_finite(total)
         magnitude = tf.where(finite, tf.abs(total), tf.zeros_like(total))
@@ -188,21 +203,32 @@ class GradientThresholder:
             return tf.math.top_k(magnitude, k, sorted=True).values[k - 1]
 
         if k >= variable.shape.num_elements():
-            tau = tf.zeros([], total.dtype)     # keep everything, whatever came before
+            tau = tf.zeros([], tf.float32)     # keep everything, whatever came before
         else:
             stale = threshold.read_value()
-            drifted = tf.reduce_sum(tf.cast(magnitude >= stale, tf.int64)) > int(
-                KEPT_DRIFT * k)
+            passing = tf.logical_and(magnitude >= stale, magnitude > 0)
+            drifted = tf.reduce_sum(tf.cast(passing, tf.int64)) > int(KEPT_DRIFT * k)
             tau = tf.cond(tf.logical_or(refresh, drifted), refreshed, lambda: stale)
-        mask = tf.logical_or(magnitude >= tau, tf.logical_not(finite))
         all_finite = tf.reduce_all(finite)
-        left = tf.where(mask, tf.zeros_like(total), total)
-        residual.assign(tf.where(all_finite, tf.reshape(left, residual.shape), residual))
-        threshold.assign(tf.where(all_finite, tau, threshold))
+        first_overflow = tf.one_hot(tf.argmax(tf.cast(tf.logical_not(finite), tf.int32)),
+                                    tf.size(total), on_value=True, off_value=False)
+        mask = tf.logical_or(tf.logical_and(magnitude >= tau, magnitude > 0),
+                             tf.logical_and(first_overflow, tf.logical_not(all_finite)))
+        left = tf.reshape(tf.where(mask, tf.zeros_like(total), total), residual.shape)
+        self._staged.append((residual, tf.where(all_finite, left, residual),
+                             threshold, tf.where(all_finite, tau, threshold)))
         sent = tf.where(mask, total, tf.zeros_like(total))
         if loss_scale is not None:
-            sent = sent * tf.cast(loss_scale, sent.dtype)
-        return mask, sent
+            sent = sent * tf.cast(loss_scale, tf.float32)
+        return mask, tf.cast(sent, grad.dtype)
+
+    def commit(self, applied: tf.Tensor) -> None:
+        """Stores the staged residuals and thresholds if ``applied`` (the step's synced
+        gradients are finite on every rank), else keeps the old ones."""
+        for residual, left, threshold, tau in self._staged:
+            residual.assign(tf.where(applied, left, residual))
+            threshold.assign(tf.where(applied, tau, threshold))
+        self._staged = []
 
 
 def scatter_sum(values: tf.Tensor, indices: tf.Tensor, shape: Any) -> tf.Tensor:

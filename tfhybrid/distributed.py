@@ -279,9 +279,12 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
     (an allgather, then 1/n: their concatenation stands for the sum) where that moves
     fewer bytes, unless ``options.sparse_as_dense``.
 
-    With a ``thresholder`` (DCT-DP) each dense gradient that crosses a wire sends only
-    its entries above the threshold, as (index, value) pairs where that moves fewer bytes
-    (else zeros elsewhere, in the dense allreduce); the rest waits in its residual.
+    With a ``thresholder`` (DCT-DP) each gradient that would cross a wire as a dense
+    allreduce and whose kept entries are cheaper as (index, value) pairs sends only its
+    entries above the threshold, as pairs; the rest waits in its residual, stored by the
+    route once the step is known to apply (``GradientRoute._commit_dct``). Gradients
+    that travel as rows (IndexedSlices: shard replicas, replicated tables) stay as they
+    are: they are sparse already, and a residual would cost a copy of the table.
     ``loss_scale``: the factor the gradients carry (a tape under loss scaling), which
     the thresholds must not see.
     """
@@ -346,17 +349,15 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
         if group_size == 1:
             reduced[i] = grad if average else _scaled(grad, post)
             continue
-        if thresholder is not None:
+        if thresholder is not None and thresholder.goes_sparse(var, group_size):
             if refresh is None:   # once per step that thresholds anything
                 refresh = thresholder.begin_step()
             mask, sent = thresholder.select(grad, var, refresh, loss_scale)
-            if thresholder.goes_sparse(var, group_size):
-                indices = tf.cast(tf.where(mask)[:, 0], tf.int32)
-                values, indices = gathered(tf.gather(sent, indices), indices, var,
-                                           group_size, process_set, post)
-                reduced[i] = compression_lib.scatter_sum(values, indices, var.shape)
-                continue
-            grad = tf.reshape(sent, tf.shape(grad))
+            indices = tf.cast(tf.where(mask)[:, 0], tf.int32)
+            values, indices = gathered(tf.gather(sent, indices), indices, var,
+                                       group_size, process_set, post)
+            reduced[i] = compression_lib.scatter_sum(values, indices, var.shape)
+            continue
         wire, ctx = compression.compress(grad)
         dense_groups.setdefault((key, wire.dtype.name), (process_set, group_size, []))[
             2].append((i, wire, ctx))
@@ -666,6 +667,7 @@ class GradientRoute:
         self._accumulators: dict[Any, tf.Variable] = {}
         self._passes: tf.Variable | None = None
         self._tagged: set = set()
+        self._warned_synced = False
 
     @property
     def mesh(self) -> mesh_lib.Mesh:
@@ -677,7 +679,8 @@ class GradientRoute:
         if dct is None or dct.dp_keep is None:
             return
         if self.thresholder is not None:
-            if self.thresholder.dct != dct:
+            if (self.thresholder.dct.dp_keep, self.thresholder.dct.refresh_every) != (
+                    dct.dp_keep, dct.refresh_every):
                 raise ValueError(f"dct={dct!r} differs from {self.thresholder.dct!r}, which "
                                  "this optimizer's gradients are already thresholded with")
             return
@@ -692,12 +695,30 @@ class GradientRoute:
                                     self.thresholder, loss_scale)
         if loss_scaling:
             grads = _agree_on_overflow(grads, self.mesh)
+        self._commit_dct(grads)
         return grads
+
+    def _commit_dct(self, grads: list) -> None:
+        """DCT-DP: stores this step's residuals only if its gradients are finite (after
+        the vote, on every rank): a skipped step must not drop what the residuals held."""
+        if self.thresholder is None:
+            return
+        present = [_values(g) for g in grads if g is not None]
+        self.thresholder.commit(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
+                                               for g in present]) if present
+                                else tf.constant(True))
 
     def _sync_unsynced(self, grads: list, variables: list, loss_scaling: bool) -> list:
         """Step 1 for the gradients no tape synced; step 2 for all. Every rank runs the
         vote, whichever gradients it had left to sync."""
         todo = [i for i, g in enumerate(grads) if g is not None and not _is_synced(g)]
+        if self.thresholder is not None and len(todo) < sum(g is not None for g in grads) \
+                and not self._warned_synced:
+            self._warned_synced = True
+            tf.get_logger().warning(
+                "tfhybrid: gradients reached this optimizer already synced by a "
+                "DistributedGradientTape without optimizer=: DCT-DP did not threshold "
+                "them. Pass optimizer= to the tape (its dct= then applies) to compress.")
         synced = allreduce_gradients([grads[i] for i in todo], [variables[i] for i in todo],
                                      self.mesh, self.options, self.thresholder)
         grads = list(grads)
@@ -705,6 +726,7 @@ class GradientRoute:
             grads[i] = grad
         if loss_scaling:
             grads = _agree_on_overflow(grads, self.mesh)
+        self._commit_dct(grads)
         return grads
 
     def apply(self, optimizer: Any, apply_fn: Callable, grads_and_vars: Any,

@@ -988,7 +988,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             widest = max(sample_width(self._routes[o]) for o in range(group))
             wire_positions = compression.position_dtype(max(widest, 1))
         if mine and thresholded:
-            rows = tf.concat([tf.reshape(x, [group, -1, sample_width([r])])
+            # the sample count is given: a route of zero-hot bags has width 0
+            rows = tf.concat([tf.reshape(x, [group, batch, sample_width([r])])
                               for x, r in zip(sums, mine)], axis=2)   # [source, sample, W]
             kept, positions = compression.keep_largest(rows, self._mp_keep)
             back = tf.reshape(kept, [-1])
@@ -1032,8 +1033,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 width = sample_width(routes)
                 k = compression.kept_count(width, self._mp_keep)
                 rows = compression.scatter_kept(tf.reshape(tf.cast(chunk, tf.float32),
-                                                           [-1, k]),
-                                                tf.reshape(position_chunks[owner], [-1, k]),
+                                                           [batch, k]),
+                                                tf.reshape(position_chunks[owner], [batch, k]),
                                                 width)
                 chunk = tf.reshape(tf.concat(
                     [tf.reshape(part, [-1]) for part in tf.split(
