@@ -21,6 +21,10 @@ class ConfigTest(tf.test.TestCase):
         self.assertEqual(DCT.from_config(dct.get_config()), dct)
         self.assertEqual(compression.as_dct(dct.get_config()), dct)
         self.assertIsNone(compression.as_dct(None))
+        # a model's options dict arrives wrapped by TF's tracking (not a Mapping)
+        holder = tf.Module()
+        holder.options = {"dct": dct.get_config()}
+        self.assertEqual(compression.as_dct(holder.options["dct"]), dct)
         # numpy scalars (a sweep's values) become plain numbers, so configs stay JSON
         config = DCT(dp_keep=np.float32(0.5), refresh_every=np.int64(3)).get_config()
         self.assertEqual(config, {"dp_keep": 0.5, "mp_keep": 0.02, "refresh_every": 3})

@@ -97,8 +97,9 @@ def as_dct(value: Any) -> DCT | None:
     """``None``, a ``DCT`` or its config dict (a layer's ``get_config``) -> DCT or None."""
     if value is None or isinstance(value, DCT):
         return value
-    if isinstance(value, Mapping):
-        return DCT.from_config(value)
+    # a config dict, also as Keras's tracking wrapper of one (a model's attribute)
+    if isinstance(value, Mapping) or callable(getattr(value, "keys", None)):
+        return DCT.from_config(dict(value))
     raise ValueError(f"dct={value!r} must be a tfhybrid.compression.DCT, its config dict or "
                      "None")
 
