@@ -223,6 +223,11 @@ class GradientThresholder:
             sent = sent * tf.cast(loss_scale, tf.float32)
         return mask, tf.cast(sent, grad.dtype)
 
+    @property
+    def staged(self) -> bool:
+        """Whether ``select`` ran since the last ``commit``."""
+        return bool(self._staged)
+
     def commit(self, applied: tf.Tensor) -> None:
         """Stores the staged residuals and thresholds if ``applied`` (the step's synced
         gradients are finite on every rank), else keeps the old ones."""

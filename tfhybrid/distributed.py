@@ -282,7 +282,7 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
     With a ``thresholder`` (DCT-DP) each gradient that would cross a wire as a dense
     allreduce and whose kept entries are cheaper as (index, value) pairs sends only its
     entries above the threshold, as pairs; the rest waits in its residual, stored by the
-    route once the step is known to apply (``GradientRoute._commit_dct``). Gradients
+    route once the step is known to apply (``GradientRoute._vote_and_commit``). Gradients
     that travel as rows (IndexedSlices: shard replicas, replicated tables) stay as they
     are: they are sparse already, and a residual would cost a copy of the table.
     ``loss_scale``: the factor the gradients carry (a tape under loss scaling), which
@@ -407,25 +407,29 @@ def _scaled(grad, factor):
 
 
 # ------------------------------------------------------- 2. overflow agreement
-def _agree_on_overflow(grads: list, mesh: mesh_lib.Mesh) -> list:
-    """Makes every rank see a non-finite gradient if any rank has one.
+def _agree_on_overflow(grads: list, mesh: mesh_lib.Mesh) -> tuple[list, tf.Tensor | None]:
+    """Makes every rank see a non-finite gradient if any rank has one; also returns
+    whether every rank's gradients are finite (None on one rank: nothing was voted).
 
     The loss-scale optimizer skips a step and lowers its scale when a gradient overflows.
     Shards differ between ranks, so without this one rank could skip while another steps,
     and their loss scales would drift apart.
     """
-    present = [g for g in grads if g is not None]
     if mesh.size == 1:
-        return grads
-    if present:
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g)))
-                                for g in present])
-    else:  # a rank with no gradient still joins the vote
-        finite = tf.constant(True)
-    everywhere = collectives.allreduce(tf.cast(finite, tf.float32), op=hvd.Min,
+        return grads, None
+    # a rank with no gradient still joins the vote
+    everywhere = collectives.allreduce(tf.cast(_all_finite(grads), tf.float32), op=hvd.Min,
                                        name="tfhybrid_all_finite")
     poison = tf.where(everywhere > 0, 0.0, float("nan"))
-    return [None if g is None else _plus(g, poison) for g in grads]
+    return [None if g is None else _plus(g, poison) for g in grads], everywhere > 0
+
+
+def _all_finite(grads: list) -> tf.Tensor:
+    """Whether this rank's gradients (None ones skipped) are all finite."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return tf.constant(True)
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(_values(g))) for g in present])
 
 
 def _values(grad):
@@ -693,20 +697,18 @@ class GradientRoute:
         ``loss_scale``: the factor the gradients still carry (a tape's)."""
         grads = allreduce_gradients(grads, variables, self.mesh, options or self.options,
                                     self.thresholder, loss_scale)
-        if loss_scaling:
-            grads = _agree_on_overflow(grads, self.mesh)
-        self._commit_dct(grads)
-        return grads
+        return self._vote_and_commit(grads, loss_scaling)
 
-    def _commit_dct(self, grads: list) -> None:
-        """DCT-DP: stores this step's residuals only if its gradients are finite (after
-        the vote, on every rank): a skipped step must not drop what the residuals held."""
-        if self.thresholder is None:
-            return
-        present = [_values(g) for g in grads if g is not None]
-        self.thresholder.commit(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g))
-                                               for g in present]) if present
-                                else tf.constant(True))
+    def _vote_and_commit(self, grads: list, loss_scaling: bool) -> list:
+        """Step 2, the overflow vote under loss scaling; then DCT-DP stores this step's
+        residuals only if the gradients are finite (on every rank, where there was a
+        vote): a skipped step must not drop what the residuals held."""
+        applied = None
+        if loss_scaling:
+            grads, applied = _agree_on_overflow(grads, self.mesh)
+        if self.thresholder is not None and self.thresholder.staged:
+            self.thresholder.commit(_all_finite(grads) if applied is None else applied)
+        return grads
 
     def _sync_unsynced(self, grads: list, variables: list, loss_scaling: bool) -> list:
         """Step 1 for the gradients no tape synced; step 2 for all. Every rank runs the
@@ -724,10 +726,7 @@ class GradientRoute:
         grads = list(grads)
         for i, grad in zip(todo, synced):
             grads[i] = grad
-        if loss_scaling:
-            grads = _agree_on_overflow(grads, self.mesh)
-        self._commit_dct(grads)
-        return grads
+        return self._vote_and_commit(grads, loss_scaling)
 
     def apply(self, optimizer: Any, apply_fn: Callable, grads_and_vars: Any,
               *args: Any, **kwargs: Any) -> Any:

@@ -979,14 +979,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
         # A keep share that drops nothing (1.0, or narrow vectors) sends as without DCT:
         # a top-k over every entry would only cost time.
+        owner_widths = [sample_width(self._routes[o]) for o in range(group)]
         thresholded = self._mp_keep is not None and group > 1 and any(
-            compression.kept_count(sample_width(self._routes[o]), self._mp_keep)
-            < sample_width(self._routes[o]) for o in range(group))
+            compression.kept_count(w, self._mp_keep) < w for w in owner_widths)
         if thresholded:
             # DCT-MP: each sample keeps its largest entries; positions cross as small ints
             # of one type for the whole group (the widest owner's), as Horovod requires
-            widest = max(sample_width(self._routes[o]) for o in range(group))
-            wire_positions = compression.position_dtype(max(widest, 1))
+            wire_positions = compression.position_dtype(max(max(owner_widths), 1))
         if mine and thresholded:
             # the sample count is given: a route of zero-hot bags has width 0
             rows = tf.concat([tf.reshape(x, [group, batch, sample_width([r])])
@@ -1030,16 +1029,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             if thresholded:
                 # back to [sample, W] with zeros where the owner sent nothing, then
                 # flat in the unthresholded order: route after route, sample-major
-                width = sample_width(routes)
+                width = owner_widths[owner]
                 k = compression.kept_count(width, self._mp_keep)
                 rows = compression.scatter_kept(tf.reshape(tf.cast(chunk, tf.float32),
                                                            [batch, k]),
                                                 tf.reshape(position_chunks[owner], [batch, k]),
                                                 width)
-                chunk = tf.reshape(tf.concat(
-                    [tf.reshape(part, [-1]) for part in tf.split(
-                        rows, [sample_width([r]) for r in routes], num=len(routes),
-                        axis=1)], 0), [-1])
+                chunk = tf.concat([tf.reshape(part, [-1]) for part in tf.split(
+                    rows, [sample_width([r]) for r in routes], num=len(routes), axis=1)], 0)
             # with dp_input=False every feature here has one bag per sample (checked)
             widths = [batch * (bags[r.feature].per_sample if self.dp_input else 1) * r.width
                       for r in routes]

@@ -132,10 +132,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"--{name}={value!r} must be a finite number > 0")
-        for name in ("dct_dp_keep", "dct_mp_keep"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 < value <= 1.0:
-                raise ValueError(f"--{name}={value!r} must be a fraction in (0, 1]")
+        try:
+            _dct(self)      # DCT's own checks, under the flags' names
+        except ValueError as error:
+            raise ValueError(f"--dct_{error}") from None
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
             raise ValueError(f"--learning_rate={self.learning_rate!r} must be a finite "
                              "number > 0")
