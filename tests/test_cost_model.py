@@ -113,6 +113,38 @@ class LinkBytesTest(unittest.TestCase):
                          full.collective("alltoall_ids").bytes_per_rank)
 
 
+    def test_overlap_hides_only_gradient_syncs(self):
+        """The alltoalls and a weight sync stay on the critical path; the gradient syncs
+        hide behind compute by ``overlap`` of the shorter of the two."""
+        tables = (TableConfig("t", 1000, 8),)
+        work = Workload(tables, local_batch_size=4, dense_parameters=100_000,
+                        optimizer="sgd", unique_fraction=1.0)
+        plan = plan_sharding(list(tables), 2, 2, local_batch_size=4)
+        # compute (dense 1e-4 s/sample * 4 = 0.4 ms) exceeds the gradient syncs at 1.25e8
+        slow_compute = ComputeRates(1e9, {"sgd": 2e9}, 1e-4, 1e-3, 1e-4)
+        steps = {}
+        for overlap in (0.0, 0.5):
+            rates = ComputeRates(**{**slow_compute.__dict__, "overlap": overlap})
+            for lay in ("model_major", "data_major"):
+                steps[overlap, lay] = predict(plan, lay, _cluster(rates=rates), work)
+        for lay in ("model_major", "data_major"):
+            none, half = steps[0.0, lay], steps[0.5, lay]
+            behind = [c for c in none.collectives if c.behind_compute]
+            self.assertEqual({c.name for c in behind} - {"dense_allreduce",
+                                                         "shard_grad_allreduce",
+                                                         "shard_grad_allgather",
+                                                         "replicated_allgather"}, set())
+            self.assertIn("dense_allreduce", {c.name for c in behind})
+            self.assertFalse(any(c.behind_compute for c in none.collectives
+                                 if c.kind == "alltoall"))
+            hidden = 0.5 * min(none.compute_seconds, none.behind_compute_seconds)
+            self.assertGreater(hidden, 0.0)
+            self.assertAlmostEqual(none.step_seconds - half.step_seconds, hidden, places=12)
+        weights = Workload(tables, local_batch_size=4, optimizer="sgd",
+                           replica_sync="weights", sync_every=2)
+        sync = predict(plan, "model_major", _cluster(), weights).collective("shard_weight_sync")
+        self.assertFalse(sync.behind_compute)
+
 class MemoryTest(unittest.TestCase):
 
     def test_rowwise_adagrad_state(self):

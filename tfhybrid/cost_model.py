@@ -37,8 +37,12 @@ data-parallel tables and the dense layers allreduce over all N ranks.
 Step time = step_overhead + collective_overhead * (collective calls per step)
 + max over positions of [lookup bytes / lookup rate + apply bytes / apply rate]
 + dense_seconds_per_sample * b + Σ collective seconds
-- overlap * min(compute, Σ collective seconds) (``ComputeRates.overlap``, fitted: 0 means
-the collectives never run while the rank computes).
+- overlap * min(compute, Σ seconds of the gradient syncs) (``ComputeRates.overlap``,
+fitted: 0 means the collectives never run while the rank computes). Only the gradient
+syncs (shard gradients, dense and replicated tables) can hide: Horovod reduces them in its
+background thread while the backward pass goes on. The alltoalls sit on the critical path
+(the forward needs the activations, the owners' apply needs their gradients) and a weight
+sync runs between steps.
 
 Memory per rank = table params + optimizer state (the planner's) + dense params and their
 optimizer state + embedding activations held from forward to backward (planner's
@@ -94,9 +98,9 @@ class ComputeRates:
     sparse apply's rate per byte of updated rows + their state; ``dense_seconds_per_sample``:
     the dense towers' forward + backward + apply; ``step_overhead_seconds``: fixed per step;
     ``collective_overhead_seconds``: software cost of one collective call; ``overlap``:
-    the share of the shorter of compute and communication that runs concurrently with the
-    other (Horovod's background thread sends one table's rows while others are looked
-    up or the towers run; 0 = strictly one after the other). ``math.inf`` rates mean free.
+    the share of the shorter of compute and the gradient syncs that runs concurrently with
+    the other (Horovod's background thread reduces one variable's gradient while the
+    backward pass computes the next; 0 = strictly one after the other). ``math.inf`` rates mean free.
 
     >>> rates = ComputeRates(2e9, {"sgd": 1e9}, 1e-6, 1e-3, 1e-4)
     >>> rates.apply_rate("sgd"), ComputeRates.from_dict(rates.to_dict()) == rates
@@ -347,7 +351,9 @@ class CollectiveCost:
     ``bytes_per_rank``: the largest S (allreduce), X (alltoall, sent) or U (allgather part)
     of a rank; ``max_intra_link_bytes`` / ``max_nic_bytes``: the most any rank's intra-node
     link / any node's NIC carries (per direction) for one call; ``calls_per_step``: 1, or
-    1/K for a weight sync; ``seconds``: per step (per call * calls_per_step).
+    1/K for a weight sync; ``seconds``: per step (per call * calls_per_step);
+    ``behind_compute``: a gradient sync, which can run while the backward pass computes
+    (``ComputeRates.overlap`` of it hides).
     """
 
     name: str
@@ -360,6 +366,7 @@ class CollectiveCost:
     max_nic_bytes: float
     calls_per_step: float
     seconds: float
+    behind_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -383,6 +390,11 @@ class Prediction:
     lookup_bytes: float = 0.0
     apply_bytes: float = 0.0
     collective_calls: float = 0.0
+
+    @property
+    def behind_compute_seconds(self) -> float:
+        """Seconds per step of the collectives that can run behind compute."""
+        return sum(c.seconds for c in self.collectives if c.behind_compute)
 
     @property
     def fits(self) -> bool:
@@ -578,7 +590,7 @@ def predict(plan: ShardingPlan, layout: str, cluster: ClusterSpec,
 
     def add(name: str, kind: str, group: str, groups: Sequence[Sequence[int]], links: _Links,
             per_rank: float, calls_per_step: float, sequential: bool = False,
-            messages: int = 1) -> None:
+            messages: int = 1, behind_compute: bool = False) -> None:
         """``messages`` calls share one call's bytes (sparse tensors: values, indices)."""
         nonlocal calls
         if per_rank <= 0 or len(groups[0]) == 1:
@@ -587,7 +599,7 @@ def predict(plan: ShardingPlan, layout: str, cluster: ClusterSpec,
         collectives.append(CollectiveCost(
             name, kind, group, len(groups[0]), links.spans, per_rank,
             max(links.intra.values(), default=0.0), max(links.nic.values(), default=0.0),
-            calls_per_step * messages, seconds))
+            calls_per_step * messages, seconds, behind_compute))
         calls += calls_per_step * messages
 
     for name, attr in (("alltoall_ids", "ids_sent"), ("alltoall_activations",
@@ -598,33 +610,36 @@ def predict(plan: ShardingPlan, layout: str, cluster: ClusterSpec,
         add(name, "alltoall", "model", model_groups, links, max(sent), 1.0)
 
     def data_sync(name: str, kind: str, attr: str, calls_per_step: float,
-                  count_attr: str | None) -> None:
+                  count_attr: str | None, behind_compute: bool) -> None:
         size = [getattr(t, attr) for t in traffic]
         links, seq = _ring(data_groups, lambda g: size[position(g[0])], cluster, kind)
         # sparse gradients go as two allgathers (values, indices) per tensor; Horovod fuses
         # the dense allreduces of one step into one call
         count = max(getattr(t, count_attr) for t in traffic) if count_attr else 1
         add(name, kind, "data", data_groups, links, max(size), calls_per_step, seq,
-            2 * count if kind == "allgather" else 1)
+            2 * count if kind == "allgather" else 1, behind_compute)
 
     if workload.replica_sync == "weights":
-        data_sync("shard_weight_sync", "allreduce", "shard_weight_sync_bytes", 1.0 / k, None)
+        # between steps: nothing computes while the weights travel
+        data_sync("shard_weight_sync", "allreduce", "shard_weight_sync_bytes", 1.0 / k, None,
+                  False)
     else:
-        data_sync("shard_grad_allreduce", "allreduce", "shard_allreduce_bytes", 1.0, None)
+        data_sync("shard_grad_allreduce", "allreduce", "shard_allreduce_bytes", 1.0, None,
+                  True)
         data_sync("shard_grad_allgather", "allgather", "shard_allgather_bytes", 1.0,
-                  "shard_allgather_count")
+                  "shard_allgather_count", True)
 
     everyone = [tuple(range(n))]
     dense_bytes = workload.dense_parameters * DENSE_VALUE_BYTES
     replicated = max(t.replicated_allreduce_bytes for t in traffic)
     links, seq = _ring(everyone, lambda g: dense_bytes + replicated, cluster, "allreduce")
     add("dense_allreduce", "allreduce", "all", everyone, links, dense_bytes + replicated, 1.0,
-        seq)
+        seq, behind_compute=True)
     gathered = max(t.replicated_allgather_bytes for t in traffic)
     links, seq = _ring(everyone, lambda g: gathered, cluster, "allgather")
     count = max(t.replicated_allgather_count for t in traffic)
     add("replicated_allgather", "allgather", "all", everyone, links, gathered, 1.0, False,
-        2 * count)
+        2 * count, behind_compute=True)
 
     # compute: the slowest position
     apply_rate = rates.apply_rate(workload.optimizer)
@@ -636,8 +651,8 @@ def predict(plan: ShardingPlan, layout: str, cluster: ClusterSpec,
     compute = sum(parts) + dense_seconds
     overhead = rates.step_overhead_seconds + rates.collective_overhead_seconds * calls
     communication = sum(c.seconds for c in collectives)
-    step = (compute + communication + overhead
-            - rates.overlap * min(compute, communication))
+    behind = sum(c.seconds for c in collectives if c.behind_compute)
+    step = compute + communication + overhead - rates.overlap * min(compute, behind)
 
     dense_memory = (dense_bytes + planner.optimizer_state_bytes(
         workload.dense_parameters, 1, workload.dense_optimizer))
@@ -875,10 +890,10 @@ def calibrate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec
         pred = predict(plan, layout, cluster, work)
         design.append([1.0, pred.collective_calls, pred.lookup_bytes, pred.apply_bytes,
                        float(work.local_batch_size)])
-        # the overlap term taken as rates.overlap * communication: the fitted points are
+        # the overlap term taken as rates.overlap * (gradient syncs): the fitted points are
         # meant to be ones whose communication is the shorter part (loopback)
-        target.append(point["step_seconds"]
-                      - (1.0 - rates.overlap) * pred.communication_seconds)
+        target.append(point["step_seconds"] - pred.communication_seconds
+                      + rates.overlap * pred.behind_compute_seconds)
     a = np.asarray(design)
     template = [rates.step_overhead_seconds, rates.collective_overhead_seconds,
                 1 / rates.lookup_bytes_per_s, 1 / rates.apply_rate(workload.optimizer),
