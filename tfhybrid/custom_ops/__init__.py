@@ -426,19 +426,34 @@ def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, wei
         return _rowwise_adagrad_pure_tf(var, accum, indices, grad, *scalars)
 
 
+def coalesce_rows(indices, grad):
+    """(ascending distinct indices [U], float32 gradient rows summed per index [U, D]).
+
+    A stable sort first, so duplicates are summed in input order: deterministic."""
+    g = tf.cast(grad, tf.float32)
+    order = tf.argsort(indices, stable=True)
+    unique_idx, seg = tf.unique(tf.gather(indices, order))  # ascending, since sorted
+    return unique_idx, tf.math.segment_sum(tf.gather(g, order), seg)
+
+
+def rowwise_adagrad_rows(rows, accum_rows, g, mean_square, lr, epsilon, scale, weight_decay):
+    """The row-wise AdaGrad step of distinct rows: (new rows, new accumulators).
+
+    ``mean_square`` is each row's mean of g**2 over the entries it holds (all of them for
+    a dense table; the present chunks for a FIITED one)."""
+    v = accum_rows + mean_square
+    mult = lr / (tf.sqrt(v / scale) + epsilon)
+    w = tf.cast(rows, tf.float32) - mult[:, None] * g
+    decay = tf.where(weight_decay > 0, lr * weight_decay, 0.0)
+    return w - decay * w, v
+
+
 def _rowwise_adagrad_pure_tf(var, accum, indices, grad, lr, epsilon, scale, weight_decay):
     indices = _check_in_range(indices, _num_rows(var), "rowwise_adagrad_apply", "index")
-    g = tf.cast(grad, tf.float32)
-    # Sort (stable) so duplicates are summed in input order by segment_sum: deterministic.
-    order = tf.argsort(indices, stable=True)
-    sorted_idx = tf.gather(indices, order)
-    unique_idx, seg = tf.unique(sorted_idx)  # ascending, since sorted
-    g = tf.math.segment_sum(tf.gather(g, order), seg)
-    v = tf.gather(accum, unique_idx) + tf.reduce_mean(tf.square(g), axis=1)
-    mult = lr / (tf.sqrt(v / scale) + epsilon)
-    w = tf.gather(var, unique_idx) - mult[:, None] * g
-    decay = tf.where(weight_decay > 0, lr * weight_decay, 0.0)
-    w = w - decay * w
+    unique_idx, g = coalesce_rows(indices, grad)
+    w, v = rowwise_adagrad_rows(tf.gather(var, unique_idx), tf.gather(accum, unique_idx), g,
+                                tf.reduce_mean(tf.square(g), axis=1), lr, epsilon, scale,
+                                weight_decay)
     update_accum = tf.raw_ops.ResourceScatterUpdate(resource=accum.handle, indices=unique_idx,
                                                     updates=tf.cast(v, accum.dtype))
     update_var = tf.raw_ops.ResourceScatterUpdate(resource=var.handle, indices=unique_idx,

@@ -1,0 +1,192 @@
+"""FIITED's chunked table (tfhybrid.fiited): storage, lookup, row-wise AdaGrad, adjustment."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import unittest
+
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import custom_ops
+from tfhybrid.fiited import ChunkedTable
+
+ROWS, DIM, CHUNKS = 50, 8, 4
+
+
+def _batches(steps=4, n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = rng.integers(0, ROWS // 2, size=n).astype(np.int64)   # duplicates, cold rows
+        yield tf.constant(ids), tf.constant(rng.normal(size=(n, DIM)).astype(np.float32))
+
+
+def _dense_reference(initial):
+    var = tf.Variable(initial)
+    accum = tf.Variable(tf.zeros([ROWS]))
+    return var, accum
+
+
+class NothingPrunedTest(unittest.TestCase):
+
+    def test_lookup_and_adagrad_equal_a_dense_table_bit_for_bit(self):
+        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=3)
+        var, accum = _dense_reference(table.to_dense())
+        for ids, grad in _batches():
+            table.apply(ids, grad, learning_rate=0.05, epsilon=1e-8, weight_decay=0.01)
+            custom_ops.rowwise_adagrad_apply(var, accum, ids, grad, 0.05, 1e-8,
+                                             weight_decay=0.01, use_custom_op=False)
+        np.testing.assert_array_equal(table.to_dense().numpy(), var.numpy())
+        np.testing.assert_array_equal(table.accumulator.numpy(), accum.numpy())
+        ids = tf.constant([[1, 2], [2, 49]])
+        np.testing.assert_array_equal(table.lookup(ids).numpy(),
+                                      tf.gather(var, ids).numpy())
+        self.assertEqual(table.present_chunks(), ROWS * CHUNKS)
+
+    @unittest.skipUnless(custom_ops.custom_ops_available(), "the C++ ops are not built")
+    def test_matches_the_fused_kernel(self):
+        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=4)
+        var, accum = _dense_reference(table.to_dense())
+        for ids, grad in _batches(seed=1):
+            table.apply(ids, grad, learning_rate=0.05)
+            custom_ops.rowwise_adagrad_apply(var, accum, ids, grad, 0.05, 1e-8,
+                                             use_custom_op=True)
+        np.testing.assert_allclose(table.to_dense().numpy(), var.numpy(), rtol=1e-6,
+                                   atol=1e-7)
+
+    def test_traced_apply_equals_eager(self):
+        eager, traced = ChunkedTable(ROWS, DIM, CHUNKS, seed=5), ChunkedTable(ROWS, DIM,
+                                                                               CHUNKS, seed=5)
+        step = tf.function(lambda i, g: traced.apply(i, g, learning_rate=0.1))
+        for ids, grad in _batches(seed=2):
+            eager.apply(ids, grad, learning_rate=0.1)
+            step(ids, grad)
+        np.testing.assert_array_equal(eager.to_dense().numpy(), traced.to_dense().numpy())
+
+
+class PruningTest(unittest.TestCase):
+
+    def _trained(self, seed=0):
+        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=seed, utility_decay=0.9)
+        for ids, grad in _batches(seed=seed):
+            table.apply(ids, grad, learning_rate=0.05)
+        return table
+
+    def test_lookup_equals_dense_with_pruned_entries_zeroed(self):
+        table = self._trained()
+        before = table.to_dense().numpy()
+        stats = table.adjust(target_memory=0.4)
+        counts = table.chunks_per_row()
+        self.assertEqual(stats["present"], int(0.4 * ROWS * CHUNKS))
+        self.assertEqual(counts.sum(), stats["present"])
+        # every row keeps a prefix of at least min_chunks (1) chunks
+        self.assertTrue((counts >= 1).all())
+        # rows never looked up (utility 0) lose chunks before rows that were
+        utility = table.utility.numpy()
+        self.assertGreater(counts[utility > 0].mean(), counts[utility == 0].mean())
+        expected = before.copy()
+        for i, k in enumerate(counts):
+            expected[i, k * (DIM // CHUNKS):] = 0.0
+        np.testing.assert_array_equal(table.to_dense().numpy(), expected)
+        ids = tf.constant([0, 7, 30, 49, 7])
+        np.testing.assert_array_equal(table.lookup(ids).numpy(), expected[ids.numpy()])
+
+    def test_updates_touch_only_present_chunks(self):
+        table = self._trained(seed=1)
+        table.adjust(target_memory=0.5)
+        dense = table.to_dense().numpy()
+        accum = table.accumulator.numpy()
+        counts = table.chunks_per_row()
+        ids, grad = next(_batches(steps=1, seed=9))
+        table.apply(ids, grad, learning_rate=0.1)
+        # the reference: numpy over each row's held entries only
+        cd = DIM // CHUNKS
+        g = np.zeros((ROWS, DIM), np.float64)
+        np.add.at(g, ids.numpy(), grad.numpy().astype(np.float64))
+        for i in np.unique(ids.numpy()):
+            held = counts[i] * cd
+            accum[i] += np.mean(g[i, :held] ** 2)
+            dense[i, :held] -= 0.1 * g[i, :held] / (np.sqrt(accum[i]) + 1e-8)
+        np.testing.assert_allclose(table.to_dense().numpy(), dense, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(table.accumulator.numpy(), accum, rtol=1e-5)
+        self.assertEqual(table.present_chunks(), counts.sum())
+
+    def test_pool_bytes_are_the_present_chunks(self):
+        table = self._trained(seed=2)
+        full = table.memory_bytes()
+        self.assertEqual(full["pool"], ROWS * DIM * 4)
+        table.adjust(target_memory=0.25)
+        mem = table.memory_bytes()
+        chunk_bytes = (DIM // CHUNKS) * 4
+        self.assertEqual(mem["pool"], table.present_chunks() * chunk_bytes)
+        self.assertEqual(table.pool_slots(), table.present_chunks())
+        self.assertEqual(mem["total"], mem["pool"] + mem["row_offsets"] + mem["row_state"])
+        self.assertEqual(mem["row_offsets"], (ROWS + 1) * 4)
+        self.assertEqual(mem["dense"], ROWS * (DIM + 1) * 4)
+
+    def test_freed_chunks_are_reused_and_regrown_chunks_start_at_zero(self):
+        table = self._trained(seed=3)
+        table.adjust(target_memory=0.5)
+        size = table.pool_slots()
+        before = table.to_dense().numpy()
+        # make the least useful rows the most useful: they must grow, others shrink
+        counts = table.chunks_per_row()
+        low = np.argsort(counts, kind="stable")[:5]
+        utility = np.zeros(ROWS, np.float32)
+        utility[low] = 100.0
+        table.utility.assign(utility)
+        stats = table.adjust(target_memory=0.5)
+        self.assertGreater(stats["grown"], 0)
+        self.assertEqual(stats["freed"], stats["grown"])     # the freed memory grows them
+        self.assertEqual(table.pool_slots(), size)     # no new memory
+        after = table.to_dense().numpy()
+        cd = DIM // CHUNKS
+        new_counts = table.chunks_per_row()
+        for i in low:
+            self.assertEqual(new_counts[i], CHUNKS)
+            np.testing.assert_array_equal(after[i, :counts[i] * cd],
+                                          before[i, :counts[i] * cd])
+            np.testing.assert_array_equal(after[i, counts[i] * cd:], 0.0)
+
+    def test_checkpoint_restores_a_pruned_table(self):
+        table = self._trained(seed=4)
+        table.adjust(target_memory=0.3)
+        with tempfile.TemporaryDirectory() as d:
+            path = tf.train.Checkpoint(table=table).save(os.path.join(d, "ckpt"))
+            fresh = ChunkedTable(ROWS, DIM, CHUNKS, seed=99)
+            tf.train.Checkpoint(table=fresh).restore(path).assert_consumed()
+        np.testing.assert_array_equal(fresh.to_dense().numpy(), table.to_dense().numpy())
+        np.testing.assert_array_equal(fresh.row_offsets.numpy(), table.row_offsets.numpy())
+        self.assertEqual(fresh.memory_bytes(), table.memory_bytes())
+
+
+class ErrorsTest(unittest.TestCase):
+
+    def test_bad_arguments_name_the_value(self):
+        with self.assertRaisesRegex(ValueError, "chunks=3 must divide dim=8"):
+            ChunkedTable(10, 8, 3)
+        with self.assertRaisesRegex(ValueError, r"rows must be an integer >= 1, got 0"):
+            ChunkedTable(0, 8, 2)
+        with self.assertRaisesRegex(ValueError, "min_chunks=5 exceeds chunks=4"):
+            ChunkedTable(10, 8, 4, min_chunks=5)
+        with self.assertRaisesRegex(ValueError, r"initial_value has shape \(2, 8\)"):
+            ChunkedTable(10, 8, 4, initial_value=np.zeros((2, 8)))
+        table = ChunkedTable(10, 8, 4)
+        for bad in (0.0, 1.5, float("nan"), "half", True):
+            with self.assertRaisesRegex(ValueError, "target_memory must be a number in"):
+                table.adjust(bad)
+        with self.assertRaisesRegex(ValueError, r"chunks_per_row must be 10 integers, got "
+                                                r"shape \(3,\)"):
+            table.resize([1, 2, 3])
+        with self.assertRaisesRegex(ValueError, r"must lie in \[0, 4\], got values in "
+                                                r"\[0, 5\]"):
+            table.resize(np.array([0] * 9 + [5]))
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "an id >= rows"):
+            table.lookup(tf.constant([10]))
+        with self.assertRaisesRegex(ValueError, "ids must be int32 or int64"):
+            table.lookup(tf.constant([1.0]))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,256 @@
+"""FIITED's chunked embedding table: per-row dimensions that training adjusts.
+
+FIITED (Fine-grained In-Training Embedding Dimension optimization, arXiv 2401.04408)
+gives every row of a table its own width. A row's vector is split into ``chunks``
+fixed-size chunks; the row keeps a prefix of them and its missing chunks read as zeros.
+Rows live in a *pool* of chunks reached through a per-row index (the paper's "virtually
+hashed, physically indexed" table), so a pruned chunk really frees memory:
+
+* ``pool``: ``[present chunks, dim / chunks]``, exactly the chunks some row holds, each
+  row's chunks side by side;
+* ``row_offsets``: ``[rows + 1]`` int32, row i's chunks are pool slots
+  ``row_offsets[i] .. row_offsets[i + 1] - 1`` (4 bytes per row, where a slot per chunk
+  would cost 4 per chunk: a quarter of a 16-wide row at 4 chunks);
+* ``accumulator``: row-wise AdaGrad's one float per row, which stays with its row
+  whatever happens to the row's chunks;
+* ``utility``: per row, an exponential moving average of how often the row is looked up
+  times its gradient's size (the paper's signal), updated by :meth:`ChunkedTable.apply`.
+
+:meth:`ChunkedTable.adjust` re-divides a chunk budget (``target_memory`` of the dense
+table's chunks) by utility: chunk ``j`` of row ``i`` scores ``utility[i] / (j + 1)`` and the
+best-scoring chunks are kept, so every row keeps a prefix and rows that grow important
+regain chunks (as zeros: the row's output does not jump). The pool is then rebuilt at
+exactly the kept size (the freed chunks' memory is what the grown ones use), so its
+bytes are always those of the present chunks; while it is rebuilt the old and the new
+pool both exist.
+
+This module is the table's storage and math (pure TF, single table, single process):
+lookup, row-wise AdaGrad apply, utility and adjustment. The Keras layer option
+(``dims="adaptive"``), the C++ chunked kernels and the sharded, distributed use are
+issue 15's next steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
+
+__all__ = ["ChunkedTable"]
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _check_fraction(name: str, value: Any, low_open: bool = True) -> float:
+    ok = (isinstance(value, (int, float, np.floating, np.integer))
+          and not isinstance(value, bool) and math.isfinite(float(value))
+          and (0.0 < float(value) if low_open else 0.0 <= float(value)) and float(value) <= 1.0)
+    if not ok:
+        interval = "(0, 1]" if low_open else "[0, 1]"
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+class ChunkedTable(tf.Module):
+    """An embedding table whose rows keep a prefix of their chunks (FIITED storage).
+
+    ``rows`` x ``dim`` float32, split into ``chunks`` chunks of ``dim // chunks`` (``dim``
+    must divide). Starts with every chunk present: until :meth:`adjust` prunes, lookups and
+    updates equal a dense table's bit for bit.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.fiited import ChunkedTable
+        table = ChunkedTable(100, 8, chunks=4, seed=0)
+        ids = tf.constant([3, 7, 3])
+        table.apply(ids, tf.ones([3, 8]), learning_rate=0.1)
+        table.adjust(target_memory=0.5)            # keep half of the 400 chunks
+        assert table.present_chunks() == 200
+        assert table.lookup(ids).shape == (3, 8)
+    """
+
+    def __init__(self, rows: int, dim: int, chunks: int = 8, *,
+                 initial_value: Any = None, seed: int | None = None,
+                 utility_decay: float = 0.99, min_chunks: int = 1,
+                 name: str | None = None):
+        super().__init__(name=name)
+        self.rows = _check_int("rows", rows, 1)
+        self.dim = _check_int("dim", dim, 1)
+        self.chunks = _check_int("chunks", chunks, 1)
+        if self.dim % self.chunks:
+            raise ValueError(f"chunks={chunks} must divide dim={dim}")
+        self.chunk_dim = self.dim // self.chunks
+        self.utility_decay = _check_fraction("utility_decay", utility_decay, low_open=False)
+        self.min_chunks = _check_int("min_chunks", min_chunks, 0)
+        if self.min_chunks > self.chunks:
+            raise ValueError(f"min_chunks={min_chunks} exceeds chunks={chunks}")
+        if initial_value is None:
+            initial_value = tf.random.stateless_uniform(
+                [self.rows, self.dim], seed=[0 if seed is None else int(seed), 0],
+                minval=-0.05, maxval=0.05)
+        initial_value = tf.convert_to_tensor(initial_value, tf.float32)
+        if initial_value.shape != (self.rows, self.dim):
+            raise ValueError(f"initial_value has shape {initial_value.shape}; expected "
+                             f"[{self.rows}, {self.dim}]")
+        total = self.rows * self.chunks
+        if total >= 2**31:
+            raise ValueError(f"rows x chunks = {total} chunks exceed the int32 row offsets")
+        self.pool = tf.Variable(tf.reshape(initial_value, [total, self.chunk_dim]),
+                                shape=tf.TensorShape([None, self.chunk_dim]), name="pool")
+        self.row_offsets = tf.Variable(tf.range(0, total + 1, self.chunks, dtype=tf.int32),
+                                       name="row_offsets")
+        self.accumulator = tf.Variable(tf.zeros([self.rows]), name="accumulator")
+        self.utility = tf.Variable(tf.zeros([self.rows]), name="utility")
+
+    # ------------------------------------------------------------------ reading
+    def _gather_rows(self, ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """([N, dim] rows with absent chunks zero, [N, chunks] pool slots, [N, chunks]
+        whether each chunk is present)."""
+        start = tf.gather(self.row_offsets, ids)
+        count = tf.gather(self.row_offsets, ids + 1) - start
+        position = tf.range(self.chunks, dtype=tf.int32)
+        present = position[None, :] < count[:, None]
+        slots = tf.where(present, start[:, None] + position[None, :], 0)
+        values = tf.gather(self.pool, slots)                           # [N, C, cd]
+        values = tf.where(present[..., None], values, tf.zeros_like(values))
+        return tf.reshape(values, [-1, self.dim]), slots, present
+
+    def lookup(self, ids: Any) -> tf.Tensor:
+        """Rows of ``ids`` (any shape S) as S + [dim]; a pruned chunk reads as zeros."""
+        ids = tf.convert_to_tensor(ids)
+        if ids.dtype not in (tf.int32, tf.int64):
+            raise ValueError(f"ids must be int32 or int64, got {ids.dtype}")
+        flat = tf.reshape(ids, [-1])
+        tf.debugging.assert_less(flat, tf.cast(self.rows, flat.dtype),
+                                 message=f"ChunkedTable {self.name!r}: an id >= rows "
+                                         f"({self.rows})")
+        tf.debugging.assert_non_negative(flat, message=f"ChunkedTable {self.name!r}: a "
+                                                       f"negative id")
+        rows = self._gather_rows(tf.cast(flat, tf.int32))[0]
+        return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+
+    def to_dense(self) -> tf.Tensor:
+        """The [rows, dim] table this pool represents (pruned chunks as zeros)."""
+        return self._gather_rows(tf.range(self.rows))[0]
+
+    def chunks_per_row(self) -> np.ndarray:
+        """How many chunks each row holds (a prefix of its chunks)."""
+        return np.diff(self.row_offsets.numpy())
+
+    def present_chunks(self) -> int:
+        return int(self.row_offsets[-1])
+
+    def pool_slots(self) -> int:
+        """Chunks the pool holds (its first dimension; the variable's static shape is
+        [None, chunk_dim] since adjusting resizes it)."""
+        return int(tf.shape(self.pool)[0])
+
+    def memory_bytes(self) -> dict:
+        """Bytes held: the pool (present chunks only), the row offsets and the per-row
+        state (AdaGrad accumulator, utility), and what a dense table + accumulator takes."""
+        pool = self.pool_slots() * self.chunk_dim * 4
+        index = (self.rows + 1) * 4
+        state = 2 * self.rows * 4
+        return {"pool": pool, "row_offsets": index, "row_state": state,
+                "total": pool + index + state, "dense": self.rows * (self.dim + 1) * 4}
+
+    # ------------------------------------------------------------------ training
+    def apply(self, ids: Any, grad: Any, learning_rate: float, epsilon: float = 1e-8,
+              scale: float = 1.0, weight_decay: float = 0.0) -> None:
+        """Row-wise AdaGrad (FBGEMM EXACT_ROWWISE_ADAGRAD) on the present chunks, and the
+        utility update.
+
+        Duplicate ids are summed first (deterministic order). A row's ``mean(g**2)`` is
+        over the entries it holds, so a row with every chunk updates exactly as
+        :func:`tfhybrid.custom_ops.rowwise_adagrad_apply` does; a pruned chunk's gradient
+        is dropped (it has nowhere to go)."""
+        ids = tf.reshape(tf.convert_to_tensor(ids), [-1])
+        grad = tf.reshape(tf.convert_to_tensor(grad), [-1, self.dim])
+        unique_ids, g = coalesce_rows(tf.cast(ids, tf.int32), grad)
+        rows, slots, chunk_present = self._gather_rows(unique_ids)
+        present = tf.repeat(tf.cast(chunk_present, tf.float32), self.chunk_dim, axis=1)
+        held = tf.reduce_sum(present, axis=1)
+        square = tf.square(g)
+        mean_square = tf.where(held == self.dim, tf.reduce_mean(square, axis=1),
+                               tf.reduce_sum(square * present, axis=1) / tf.maximum(held, 1.0))
+        scalars = [tf.cast(x, tf.float32) for x in (learning_rate, epsilon, scale,
+                                                   weight_decay)]
+        new_rows, new_accum = rowwise_adagrad_rows(
+            rows, tf.gather(self.accumulator, unique_ids), g, mean_square, *scalars)
+        keep = tf.reshape(chunk_present, [-1])
+        self.pool.scatter_nd_update(
+            tf.boolean_mask(tf.reshape(slots, [-1]), keep)[:, None],
+            tf.boolean_mask(tf.reshape(new_rows, [-1, self.chunk_dim]), keep))
+        self.accumulator.scatter_nd_update(unique_ids[:, None], new_accum)
+        # utility: decay everywhere, then add each looked-up row's summed gradient norm
+        # (its access count times its mean gradient's size)
+        decay = self.utility_decay
+        self.utility.assign(self.utility * decay)
+        self.utility.scatter_nd_add(unique_ids[:, None], (1.0 - decay) * tf.norm(g, axis=1))
+
+    # ------------------------------------------------------------------ adjusting
+    def plan_chunks(self, target_memory: float) -> np.ndarray:
+        """Chunks per row under a budget of ``target_memory`` x (rows x chunks) chunks.
+
+        Chunk j of row i scores utility[i] / (j + 1); the best scores win, ties by chunk
+        position then row id, so each row keeps a prefix and the choice is deterministic.
+        Every row keeps at least ``min_chunks`` (the budget is raised to that if needed)."""
+        target = _check_fraction("target_memory", target_memory)
+        total = self.rows * self.chunks
+        budget = max(int(math.floor(target * total)), self.rows * self.min_chunks)
+        utility = self.utility.numpy().astype(np.float64)
+        score = utility[:, None] / np.arange(1, self.chunks + 1)[None, :]
+        position = np.broadcast_to(np.arange(self.chunks)[None, :], score.shape)
+        row = np.broadcast_to(np.arange(self.rows)[:, None], score.shape)
+        forced = position < self.min_chunks
+        # lexsort: the last key is the primary one
+        order = np.lexsort((row.ravel(), position.ravel(), -score.ravel(),
+                            ~forced.ravel()))
+        keep = np.zeros(total, dtype=bool)
+        keep[order[:budget]] = True
+        return keep.reshape(self.rows, self.chunks).sum(axis=1)
+
+    def adjust(self, target_memory: float) -> dict:
+        """Re-divides the chunks by utility: :meth:`resize` to :meth:`plan_chunks`."""
+        return self.resize(self.plan_chunks(target_memory))
+
+    def resize(self, chunks_per_row: Any) -> dict:
+        """Gives row i its first ``chunks_per_row[i]`` chunks and rebuilds the pool at
+        exactly that size.
+
+        Returns counts: ``freed`` and ``grown`` chunks (a grown chunk starts at zero, in
+        memory a freed one gave back) and ``present`` after."""
+        new_counts = np.asarray(chunks_per_row)
+        if new_counts.shape != (self.rows,) or not np.issubdtype(new_counts.dtype, np.integer):
+            raise ValueError(f"chunks_per_row must be {self.rows} integers, got shape "
+                             f"{new_counts.shape} of {new_counts.dtype}")
+        if new_counts.min() < 0 or new_counts.max() > self.chunks:
+            raise ValueError(f"chunks_per_row must lie in [0, {self.chunks}], got values in "
+                             f"[{new_counts.min()}, {new_counts.max()}]")
+        new_counts = new_counts.astype(np.int64)
+        old_offsets = self.row_offsets.numpy().astype(np.int64)
+        old_counts = np.diff(old_offsets)
+        new_offsets = np.concatenate([[0], np.cumsum(new_counts)])
+        kept = np.minimum(old_counts, new_counts)
+        position = np.arange(self.chunks)[None, :]
+        carried = position < kept[:, None]                  # [rows, chunks]
+        source = (old_offsets[:-1, None] + position)[carried]
+        target = (new_offsets[:-1, None] + position)[carried]
+        old_pool = self.pool.numpy()
+        pool = np.zeros((int(new_offsets[-1]), self.chunk_dim), old_pool.dtype)
+        pool[target] = old_pool[source]
+        del old_pool
+        self.pool.assign(pool)
+        self.row_offsets.assign(new_offsets.astype(np.int32))
+        return {"freed": int(np.maximum(old_counts - new_counts, 0).sum()),
+                "grown": int(np.maximum(new_counts - old_counts, 0).sum()),
+                "present": int(new_offsets[-1])}
