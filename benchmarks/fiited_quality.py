@@ -129,7 +129,9 @@ def run_arm(name: str, arm: str, seed: int, target: float | None, matched: list 
     rows = spec.table_rows
     chunks = {"dense": CHUNKS, "fiited": CHUNKS, "uniform": EMBEDDING_DIM, "frequency": 1}[arm]
     tables = [ChunkedTable(r, EMBEDDING_DIM, chunks, initial_value=_initial(r, seed, t),
-                           min_chunks=0, utility_decay=args.utility_decay, name=f"table_{t}")
+                           min_chunks=args.min_chunks if arm == "fiited" else 0,
+                           utility_decay=args.utility_decay,
+                           position_power=args.position_power, name=f"table_{t}")
               for t, r in enumerate(rows)]
     table_bytes = [r * (EMBEDDING_DIM + 1) * 4 for r in rows]
     if arm == "uniform":
@@ -225,11 +227,17 @@ def _plot(results: list[dict], path: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.25, 0.125],
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.25, 0.1875, 0.125],
                         help="FIITED's final share of each table's chunks")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
     parser.add_argument("--adjust_every", type=int, default=50)
     parser.add_argument("--utility_decay", type=float, default=0.99)
+    parser.add_argument("--min_chunks", type=int, default=1,
+                        help="FIITED: chunks every row keeps")
+    parser.add_argument("--position_power", type=float, default=3.0,
+                        help="FIITED: chunk j of a row scores utility / (j + 1) ** this")
+    parser.add_argument("--arms", nargs="*", default=["uniform", "frequency"],
+                        help="the same-bytes baselines to run beside dense and FIITED")
     parser.add_argument("--steps", type=int, default=0, help="override the training steps")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "fiited_quality"))
@@ -242,7 +250,7 @@ def main() -> int:
             for target in args.targets:
                 fiited = run_arm(name, "fiited", seed, target, None, args)
                 results.append(fiited)
-                for arm in ("uniform", "frequency"):
+                for arm in args.arms:
                     results.append(run_arm(name, arm, seed, target, fiited["table_bytes"],
                                            args))
     table = _table(results)

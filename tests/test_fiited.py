@@ -149,6 +149,19 @@ class PruningTest(unittest.TestCase):
                                           before[i, :counts[i] * cd])
             np.testing.assert_array_equal(after[i, counts[i] * cd:], 0.0)
 
+    def test_a_table_with_every_chunk_pruned_reads_zeros_and_trains(self):
+        table = ChunkedTable(ROWS, DIM, CHUNKS, min_chunks=0, seed=6)
+        table.resize(np.zeros(ROWS, np.int64))
+        self.assertEqual((table.pool_slots(), table.present_chunks()), (0, 0))
+        ids, grad = next(_batches(steps=1))
+        step = tf.function(lambda i, g: table.apply(i, g, learning_rate=0.1))
+        step(ids, grad)
+        np.testing.assert_array_equal(table.lookup(ids).numpy(), 0.0)
+        table.utility.assign(tf.range(ROWS, dtype=tf.float32))
+        table.adjust(target_memory=0.1)              # the most useful rows regrow, as zeros
+        self.assertEqual(table.present_chunks(), int(0.1 * ROWS * CHUNKS))
+        np.testing.assert_array_equal(table.to_dense().numpy(), 0.0)
+
     def test_checkpoint_restores_a_pruned_table(self):
         table = self._trained(seed=4)
         table.adjust(target_memory=0.3)

@@ -19,7 +19,8 @@ hashed, physically indexed" table), so a pruned chunk really frees memory:
 :meth:`ChunkedTable.adjust` re-divides a chunk budget (``target_memory`` of the dense
 table's chunks) by utility: chunk ``j`` of row ``i`` scores ``utility[i] / (j + 1)`` and the
 best-scoring chunks are kept, so every row keeps a prefix and rows that grow important
-regain chunks (as zeros: the row's output does not jump). The pool is then rebuilt at
+regain chunks (as zeros: the row's output does not jump). (``position_power`` p makes it
+``utility[i] / (j + 1) ** p``.) The pool is then rebuilt at
 exactly the kept size (the freed chunks' memory is what the grown ones use), so its
 bytes are always those of the present chunks; while it is rebuilt the old and the new
 pool both exist.
@@ -81,7 +82,7 @@ class ChunkedTable(tf.Module):
     def __init__(self, rows: int, dim: int, chunks: int = 8, *,
                  initial_value: Any = None, seed: int | None = None,
                  utility_decay: float = 0.99, min_chunks: int = 1,
-                 name: str | None = None):
+                 position_power: float = 1.0, name: str | None = None):
         super().__init__(name=name)
         self.rows = _check_int("rows", rows, 1)
         self.dim = _check_int("dim", dim, 1)
@@ -93,6 +94,11 @@ class ChunkedTable(tf.Module):
         self.min_chunks = _check_int("min_chunks", min_chunks, 0)
         if self.min_chunks > self.chunks:
             raise ValueError(f"min_chunks={min_chunks} exceeds chunks={chunks}")
+        if (isinstance(position_power, bool) or not isinstance(position_power, (int, float))
+                or not 0.0 <= position_power < math.inf):
+            raise ValueError(f"position_power must be a finite number >= 0, got "
+                             f"{position_power!r}")
+        self.position_power = float(position_power)
         if initial_value is None:
             initial_value = tf.random.stateless_uniform(
                 [self.rows, self.dim], seed=[0 if seed is None else int(seed), 0],
@@ -120,7 +126,10 @@ class ChunkedTable(tf.Module):
         position = tf.range(self.chunks, dtype=tf.int32)
         present = position[None, :] < count[:, None]
         slots = tf.where(present, start[:, None] + position[None, :], 0)
-        values = tf.gather(self.pool, slots)                           # [N, C, cd]
+        shape = tf.concat([tf.shape(slots), [self.chunk_dim]], 0)
+        values = tf.cond(tf.shape(self.pool)[0] > 0,               # [N, C, cd]
+                         lambda: tf.gather(self.pool, slots),
+                         lambda: tf.zeros(shape, self.pool.dtype))   # every chunk pruned
         values = tf.where(present[..., None], values, tf.zeros_like(values))
         return tf.reshape(values, [-1, self.dim]), slots, present
 
@@ -201,14 +210,15 @@ class ChunkedTable(tf.Module):
     def plan_chunks(self, target_memory: float) -> np.ndarray:
         """Chunks per row under a budget of ``target_memory`` x (rows x chunks) chunks.
 
-        Chunk j of row i scores utility[i] / (j + 1); the best scores win, ties by chunk
-        position then row id, so each row keeps a prefix and the choice is deterministic.
+        Chunk j of row i scores utility[i] / (j + 1) ** position_power; the best scores
+        win, ties by chunk position then row id, so each row keeps a prefix and the choice
+        is deterministic. A larger power spreads the chunks more evenly over the rows.
         Every row keeps at least ``min_chunks`` (the budget is raised to that if needed)."""
         target = _check_fraction("target_memory", target_memory)
         total = self.rows * self.chunks
         budget = max(int(math.floor(target * total)), self.rows * self.min_chunks)
         utility = self.utility.numpy().astype(np.float64)
-        score = utility[:, None] / np.arange(1, self.chunks + 1)[None, :]
+        score = utility[:, None] / np.arange(1, self.chunks + 1)[None, :] ** self.position_power
         position = np.broadcast_to(np.arange(self.chunks)[None, :], score.shape)
         row = np.broadcast_to(np.arange(self.rows)[:, None], score.shape)
         forced = position < self.min_chunks
