@@ -203,3 +203,121 @@ class ErrorsTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+# --------------------------------------------------------------------------- the Keras layer
+INIT = tf.keras.initializers.RandomUniform(-0.05, 0.05, seed=1)
+
+
+def _layers(combiner):
+    from tfhybrid.layers import Embedding
+    dense = Embedding(ROWS, DIM, combiner=combiner, embeddings_initializer=INIT,
+                      use_custom_kernel=False)
+    adaptive = Embedding(ROWS, DIM, combiner=combiner, embeddings_initializer=INIT,
+                         dims="adaptive", chunks=CHUNKS, target_memory=0.5)
+    return dense, adaptive
+
+
+def _model(layer):
+    from tfhybrid.optimizers import RowWiseAdagrad
+    inputs = tf.keras.Input([3], dtype=tf.int32)
+    outputs = tf.keras.layers.Dense(1, kernel_initializer="ones")(layer(inputs))
+    model = tf.keras.Model(inputs, outputs)
+    model.compile(RowWiseAdagrad(0.1, use_custom_op=False), "mse")
+    return model
+
+
+def _data(n=64):
+    rng = np.random.default_rng(7)
+    return rng.integers(0, ROWS, (n, 3)), rng.normal(size=(n, 1)).astype(np.float32)
+
+
+class AdaptiveLayerTest(unittest.TestCase):
+
+    def test_lookups_equal_the_dense_layer(self):
+        ids = tf.constant([[1, 2, 2], [4, 49, 1]])
+        ragged = tf.ragged.constant([[1, 2], [], [3, 3, 3]])
+        for combiner in ("sum", "mean", None):
+            dense, adaptive = _layers(combiner)
+            np.testing.assert_array_equal(adaptive(ids).numpy(), dense(ids).numpy())
+            got, want = adaptive(ragged), dense(ragged)
+            if combiner is None:
+                got, want = got.flat_values, want.flat_values
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+            self.assertEqual([w.name.split("/")[-1] for w in adaptive.trainable_weights],
+                             ["pool:0"])
+
+    def test_fit_equals_the_dense_layer_bit_for_bit_then_prunes(self):
+        from tfhybrid.callbacks import FiitedAdjust
+        for combiner in ("sum", "mean"):
+            dense, adaptive = _layers(combiner)
+            x, y = _data()
+            dense_model, adaptive_model = _model(dense), _model(adaptive)
+            for model in (dense_model, adaptive_model):
+                model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+            np.testing.assert_array_equal(adaptive.table.to_dense().numpy(),
+                                          dense.embeddings.numpy())
+            accumulators = [v for v in dense_model.optimizer.variables
+                            if v.shape == (ROWS,)]
+            np.testing.assert_array_equal(adaptive.table.accumulator.numpy(),
+                                          accumulators[0].numpy())
+            # every 2 batches, ramping to the layer's 0.5 over 4 batches
+            adaptive_model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                               callbacks=[FiitedAdjust(every_n_batches=2, ramp_batches=4)])
+            self.assertEqual(adaptive.table.present_chunks(), ROWS * CHUNKS // 2)
+            memory = adaptive.table.memory_bytes()
+            self.assertLess(memory["total"], memory["dense"])
+
+    def test_adjust_needs_the_row_wise_optimizer(self):
+        from tfhybrid.callbacks import FiitedAdjust
+        _, adaptive = _layers("sum")
+        model = _model(adaptive)
+        model.compile(tf.keras.optimizers.Adam(0.01), "mse")
+        x, y = _data(16)
+        with self.assertRaisesRegex(ValueError, "Adam's per-entry state cannot follow"):
+            model.fit(x, y, verbose=0, callbacks=[FiitedAdjust(every_n_batches=1)])
+        with self.assertRaisesRegex(ValueError, "every_n_batches must be an int >= 1, got 0"):
+            FiitedAdjust(every_n_batches=0)
+
+    def test_config_round_trips_and_saved_model_serves(self):
+        from tfhybrid.layers import Embedding
+        _, adaptive = _layers("mean")
+        config = adaptive.get_config()
+        self.assertEqual((config["dims"], config["chunks"], config["target_memory"]),
+                         ("adaptive", CHUNKS, 0.5))
+        self.assertEqual(Embedding.from_config(config).get_config(), config)
+        dense_config = Embedding(ROWS, DIM).get_config()
+        self.assertNotIn("dims", dense_config)
+        model = _model(adaptive)
+        x, y = _data(32)
+        model.fit(x, y, batch_size=16, verbose=0)
+        adaptive.adjust(0.25)
+        want = model.predict(x, verbose=0)
+        with tempfile.TemporaryDirectory() as d:
+            tf.saved_model.save(model, d)
+            served = tf.saved_model.load(d)
+            got = served.signatures["serving_default"](tf.constant(x, tf.int32))
+        np.testing.assert_allclose(list(got.values())[0].numpy(), want, rtol=1e-6)
+
+    def test_bad_settings_name_the_value(self):
+        from tfhybrid.layers import Embedding
+        with self.assertRaisesRegex(ValueError, "dims='wide' is unknown"):
+            Embedding(10, 8, dims="wide")
+        with self.assertRaisesRegex(ValueError, "chunks=3 must be an int >= 1 that divides "
+                                                "output_dim=8"):
+            Embedding(10, 8, dims="adaptive", chunks=3)
+        with self.assertRaisesRegex(ValueError, "target_memory must be a number in"):
+            Embedding(10, 8, dims="adaptive", target_memory=0)
+        with self.assertRaisesRegex(ValueError, r"does not support \['sparse'\]"):
+            Embedding(10, 8, dims="adaptive", sparse=True)
+        with self.assertRaisesRegex(ValueError, "adjust\\(\\) needs dims='adaptive'"):
+            Embedding(10, 8).adjust()
+
+    def test_distributed_embedding_rejects_adaptive_tables(self):
+        import tfhybrid
+        from tfhybrid.layers import Embedding
+        tfhybrid.init(model_parallel=1)
+        layer = tfhybrid.DistributedEmbedding([Embedding(10, 8, dims="adaptive")])
+        with self.assertRaisesRegex(ValueError, "dims='adaptive' \\(FIITED\\), which runs "
+                                                "in one process only for now"):
+            layer([tf.constant([1, 2])])

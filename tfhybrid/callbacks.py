@@ -188,6 +188,65 @@ class ConsistentSteps(tf.keras.callbacks.Callback):
                 "input evenly over the ranks and pass steps_per_epoch to fit")
 
 
+class FiitedAdjust(tf.keras.callbacks.Callback):
+    """Runs FIITED's adjustment of every ``dims="adaptive"`` Embedding in the model.
+
+    Every ``every_n_batches`` training batches each adaptive layer keeps
+    ``target_memory`` of its chunks (:meth:`tfhybrid.layers.Embedding.adjust`); with
+    ``ramp_batches`` the budget goes linearly from the whole table to the layer's
+    ``target_memory`` over that many batches, so rows are pruned as their utility becomes
+    known. The adjustment resizes the tables' pools, which only an optimizer whose state is
+    per logical row can follow (:class:`tfhybrid.optimizers.RowWiseAdagrad` and its
+    momentum-scaled variant): any other raises ValueError at the start of ``fit``.
+
+    Example::
+
+        import numpy as np
+        import tensorflow as tf
+        from tfhybrid.callbacks import FiitedAdjust
+        from tfhybrid.layers import Embedding
+        from tfhybrid.optimizers import RowWiseAdagrad
+        table = Embedding(100, 8, combiner="sum", dims="adaptive", chunks=4,
+                          target_memory=0.5)
+        model = tf.keras.Sequential([table, tf.keras.layers.Dense(1)])
+        model.compile(RowWiseAdagrad(0.1), "mse")
+        x, y = np.random.randint(0, 100, (64, 3)), np.random.rand(64, 1)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[FiitedAdjust(every_n_batches=4)])
+        assert table.table.present_chunks() == 200
+    """
+
+    def __init__(self, every_n_batches: int = 1000, ramp_batches: int = 0):
+        super().__init__()
+        for name, value, low in (("every_n_batches", every_n_batches, 1),
+                                 ("ramp_batches", ramp_batches, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.every_n_batches = every_n_batches
+        self.ramp_batches = ramp_batches
+        self._batches = 0
+
+    def _layers(self) -> list:
+        return [layer for layer in self.model._flatten_layers(include_self=False)
+                if getattr(layer, "dims", None) == "adaptive"]
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        from tfhybrid.optimizers import RowWiseAdagrad
+        optimizer = getattr(self.model, "optimizer", None)
+        if self._layers() and not isinstance(optimizer, RowWiseAdagrad):
+            raise ValueError(
+                f"FiitedAdjust resizes the adaptive tables, which {type(optimizer).__name__}"
+                "'s per-entry state cannot follow; compile with "
+                "tfhybrid.optimizers.RowWiseAdagrad")
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batches += 1
+        if self._batches % self.every_n_batches:
+            return
+        ramp = 1.0 if not self.ramp_batches else min(1.0, self._batches / self.ramp_batches)
+        for layer in self._layers():
+            layer.adjust(1.0 - (1.0 - layer.target_memory) * ramp)
+
+
 def verbose(level: int = 1, mesh: mesh_lib.Mesh | None = None) -> int:
     """``level`` on rank 0 and 0 elsewhere: pass as ``fit(verbose=...)`` so only rank 0
     draws the progress bar and prints logs."""
@@ -206,4 +265,4 @@ def defaults(mesh: mesh_lib.Mesh | None = None) -> list:
 
 
 __all__ = ["BroadcastGlobalVariablesCallback", "BroadcastVariables", "SyncReplicas", "MetricAverage", "ConsistentSteps",
-           "verbose", "defaults"]
+           "FiitedAdjust", "verbose", "defaults"]

@@ -41,7 +41,12 @@ import tensorflow as tf
 
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 
-__all__ = ["ChunkedTable"]
+__all__ = ["ChunkedTable", "table_of"]
+
+
+def table_of(variable: Any) -> "ChunkedTable | None":
+    """The ChunkedTable whose pool ``variable`` is, else None."""
+    return getattr(variable, "_tfhybrid_chunked_table", None)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -113,9 +118,17 @@ class ChunkedTable(tf.Module):
         self.pool = tf.Variable(tf.reshape(initial_value, [total, self.chunk_dim]),
                                 shape=tf.TensorShape([None, self.chunk_dim]), name="pool")
         self.row_offsets = tf.Variable(tf.range(0, total + 1, self.chunks, dtype=tf.int32),
-                                       name="row_offsets")
-        self.accumulator = tf.Variable(tf.zeros([self.rows]), name="accumulator")
-        self.utility = tf.Variable(tf.zeros([self.rows]), name="utility")
+                                       trainable=False, name="row_offsets")
+        self.accumulator = tf.Variable(tf.zeros([self.rows]), trainable=False,
+                                       name="accumulator")
+        self.utility = tf.Variable(tf.zeros([self.rows]), trainable=False, name="utility")
+        # how an optimizer finds the table of a pool gradient (table_of)
+        self.pool._tfhybrid_chunked_table = self
+
+    @staticmethod
+    def check_target(target_memory: Any) -> float:
+        """``target_memory`` as a float in (0, 1], else ValueError naming it."""
+        return _check_fraction("target_memory", target_memory)
 
     # ------------------------------------------------------------------ reading
     def _gather_rows(self, ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -125,12 +138,12 @@ class ChunkedTable(tf.Module):
         count = tf.gather(self.row_offsets, ids + 1) - start
         position = tf.range(self.chunks, dtype=tf.int32)
         present = position[None, :] < count[:, None]
-        slots = tf.where(present, start[:, None] + position[None, :], 0)
-        shape = tf.concat([tf.shape(slots), [self.chunk_dim]], 0)
-        values = tf.cond(tf.shape(self.pool)[0] > 0,               # [N, C, cd]
-                         lambda: tf.gather(self.pool, slots),
-                         lambda: tf.zeros(shape, self.pool.dtype))   # every chunk pruned
-        values = tf.where(present[..., None], values, tf.zeros_like(values))
+        slots = start[:, None] + position[None, :]
+        # gather only the present chunks, so the pool's gradient names only real slots
+        where = tf.where(present)
+        values = tf.scatter_nd(where, tf.gather(self.pool, tf.gather_nd(slots, where)),
+                               tf.concat([tf.shape(slots, out_type=tf.int64),
+                                          [self.chunk_dim]], 0))      # [N, C, cd]
         return tf.reshape(values, [-1, self.dim]), slots, present
 
     def lookup(self, ids: Any) -> tf.Tensor:
@@ -145,7 +158,9 @@ class ChunkedTable(tf.Module):
         tf.debugging.assert_non_negative(flat, message=f"ChunkedTable {self.name!r}: a "
                                                        f"negative id")
         rows = self._gather_rows(tf.cast(flat, tf.int32))[0]
-        return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+        out = tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+        out.set_shape(ids.shape.concatenate([self.dim]))
+        return out
 
     def to_dense(self) -> tf.Tensor:
         """The [rows, dim] table this pool represents (pruned chunks as zeros)."""
@@ -175,16 +190,39 @@ class ChunkedTable(tf.Module):
     # ------------------------------------------------------------------ training
     def apply(self, ids: Any, grad: Any, learning_rate: float, epsilon: float = 1e-8,
               scale: float = 1.0, weight_decay: float = 0.0) -> None:
-        """Row-wise AdaGrad (FBGEMM EXACT_ROWWISE_ADAGRAD) on the present chunks, and the
-        utility update.
+        """Row-wise AdaGrad (FBGEMM EXACT_ROWWISE_ADAGRAD) on the present chunks of the
+        rows ``ids`` given their gradient rows ``grad`` ([N, dim]), and the utility update.
 
         Duplicate ids are summed first (deterministic order). A row's ``mean(g**2)`` is
         over the entries it holds, so a row with every chunk updates exactly as
         :func:`tfhybrid.custom_ops.rowwise_adagrad_apply` does; a pruned chunk's gradient
         is dropped (it has nowhere to go)."""
-        ids = tf.reshape(tf.convert_to_tensor(ids), [-1])
+        ids = tf.cast(tf.reshape(tf.convert_to_tensor(ids), [-1]), tf.int32)
         grad = tf.reshape(tf.convert_to_tensor(grad), [-1, self.dim])
-        unique_ids, g = coalesce_rows(tf.cast(ids, tf.int32), grad)
+        unique_ids, g = coalesce_rows(ids, grad)
+        self._apply_rows(unique_ids, g, learning_rate, epsilon, scale, weight_decay)
+
+    def apply_pool_gradient(self, grad: Any, learning_rate: float, epsilon: float = 1e-8,
+                            scale: float = 1.0, weight_decay: float = 0.0) -> None:
+        """:meth:`apply` for the gradient of :attr:`pool` itself (what a tape gives for a
+        model that called :meth:`lookup`): ``tf.IndexedSlices`` over pool slots, or a dense
+        ``[slots, chunk_dim]`` tensor. Duplicate slots are summed in input order, the
+        order a dense table sums duplicate ids in, so the result is the same bit for bit."""
+        if not isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+            grad = tf.IndexedSlices(grad, tf.range(tf.shape(grad)[0]))
+        unique_slots, g = coalesce_rows(tf.cast(grad.indices, tf.int32), grad.values)
+        row = tf.searchsorted(self.row_offsets, unique_slots, side="right") - 1
+        position = unique_slots - tf.gather(self.row_offsets, row)
+        unique_rows, which = tf.unique(row)               # ascending: slots are sorted
+        where = tf.stack([tf.cast(which, tf.int32), position], axis=1)
+        rows_grad = tf.scatter_nd(where, g, tf.stack([tf.size(unique_rows), self.chunks,
+                                                      self.chunk_dim]))
+        self._apply_rows(unique_rows, tf.reshape(rows_grad, [-1, self.dim]), learning_rate,
+                         epsilon, scale, weight_decay)
+
+    def _apply_rows(self, unique_ids, g, learning_rate, epsilon, scale, weight_decay) -> None:
+        """The update of distinct rows ``unique_ids`` with summed gradient rows ``g``."""
         rows, slots, chunk_present = self._gather_rows(unique_ids)
         present = tf.repeat(tf.cast(chunk_present, tf.float32), self.chunk_dim, axis=1)
         held = tf.reduce_sum(present, axis=1)
@@ -214,7 +252,7 @@ class ChunkedTable(tf.Module):
         win, ties by chunk position then row id, so each row keeps a prefix and the choice
         is deterministic. A larger power spreads the chunks more evenly over the rows.
         Every row keeps at least ``min_chunks`` (the budget is raised to that if needed)."""
-        target = _check_fraction("target_memory", target_memory)
+        target = self.check_target(target_memory)
         total = self.rows * self.chunks
         budget = max(int(math.floor(target * total)), self.rows * self.min_chunks)
         utility = self.utility.numpy().astype(np.float64)

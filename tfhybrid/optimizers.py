@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import fiited
 from tfhybrid.custom_ops import custom_ops_available, rowwise_adagrad_apply
 
 __all__ = ["RowWiseAdagrad", "MomentumScaledRowWiseAdagrad"]
@@ -152,6 +153,12 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
             self._accumulators.append(self._add_accumulator(var))
 
     def _add_accumulator(self, var: tf.Variable) -> tf.Variable:
+        table = fiited.table_of(var)
+        if table is not None:
+            # a FIITED pool: its rows' accumulators live with the table, one per logical row
+            # whatever the pool's chunks do; listed here so the optimizer saves them too
+            self._variables.append(table.accumulator)
+            return table.accumulator
         if var.shape.rank == 2:
             shape = [var.shape[0] if var.shape[0] is not None else tf.shape(var)[0]]
         else:
@@ -194,6 +201,9 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
         lr = tf.cast(self.learning_rate, tf.float32)
         scale = self._momentum_scale(variable)  # Python float, fixed at trace time
         wd = self.rowwise_weight_decay if self._use_weight_decay(variable) else 0.0
+        table = fiited.table_of(variable)
+        if table is not None:
+            return table.apply_pool_gradient(gradient, lr, self.epsilon, scale, wd)
         if variable.shape.rank == 2:
             if isinstance(gradient, tf.IndexedSlices):
                 return self._sparse_rowwise(variable, accumulator, gradient, lr, scale, wd)

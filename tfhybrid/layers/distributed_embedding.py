@@ -139,6 +139,10 @@ def _check_custom_table(table: _Table, placement: Any) -> None:
 
 def _check_table_config(layer: Any, table: _Table, placement: Any) -> None:
     """Raises ``ValueError`` for a Keras Embedding setting the plan cannot honour."""
+    if getattr(layer, "dims", None) == "adaptive":
+        raise ValueError(
+            f"embedding layer {table.name!r} has dims='adaptive' (FIITED), which runs in one "
+            "process only for now; shard it as a dense table (dims=None)")
     variable_dtype = tf.as_dtype(layer.dtype_policy.variable_dtype)
     if variable_dtype != tf.float32:
         raise ValueError(

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from tfhybrid import custom_ops
+from tfhybrid.fiited import ChunkedTable
 # Re-exported so that `tfhybrid.layers.embedding.X` resolves every X that
 # distributed-embeddings' embedding module has; each lives in its own module.
 from tfhybrid.layers.concat_one_hot import ConcatEmbedding, ConcatOneHotEmbedding  # noqa: F401
@@ -26,6 +27,7 @@ __all__ = ["Embedding", "CPUInitializer", "ConcatOneHotEmbedding", "ConcatEmbedd
 _LOG = logging.getLogger(__name__)
 
 COMBINERS = (None, "sum", "mean")
+DIMS = (None, "adaptive")
 
 
 class CPUInitializer(tf.keras.initializers.Initializer):
@@ -81,6 +83,16 @@ class Embedding(tf.keras.layers.Embedding):
     on the CPU, else plain TF ops; ``False`` always uses plain TF ops. Both give the same
     values.
 
+    ``dims="adaptive"`` stores the table as FIITED's chunked pool
+    (:class:`tfhybrid.fiited.ChunkedTable`: ``chunks`` chunks per row, rows keep a prefix,
+    pruned chunks read as zeros and take no memory). Until the first adjustment it equals
+    the dense table; :meth:`adjust` (or the :class:`tfhybrid.callbacks.FiitedAdjust`
+    callback, every N steps in ``fit``) re-divides ``target_memory`` of the chunks by each
+    row's utility. Train it with :class:`tfhybrid.optimizers.RowWiseAdagrad` (its state is
+    one accumulator per logical row, kept by the table): Keras' optimizers keep state shaped
+    like the pool, which changes size. Single process for now (``DistributedEmbedding``
+    rejects it).
+
     Example::
 
         import tensorflow as tf
@@ -93,7 +105,8 @@ class Embedding(tf.keras.layers.Embedding):
     """
 
     def __init__(self, input_dim: int, output_dim: int, combiner: str | None = None,
-                 use_custom_kernel: bool = True, **kwargs: Any):
+                 use_custom_kernel: bool = True, dims: str | None = None, chunks: int = 8,
+                 target_memory: float = 0.35, **kwargs: Any):
         if combiner not in COMBINERS:
             hint = (" (distributed-embeddings' 'indices_weight' is not supported)"
                     if combiner == "indices_weight" else "")
@@ -107,14 +120,57 @@ class Embedding(tf.keras.layers.Embedding):
         if combiner is not None and kwargs.get("sparse"):
             raise ValueError(f"sparse=True (a SparseTensor output) needs combiner=None; got "
                              f"combiner={combiner!r}")
+        if dims not in DIMS:
+            raise ValueError(f"dims={dims!r} is unknown; expected one of {DIMS}")
+        if dims == "adaptive":
+            unsupported = [k for k in ("sparse", "embeddings_regularizer",
+                                       "embeddings_constraint", "activity_regularizer")
+                           if kwargs.get(k)]
+            if unsupported:
+                raise ValueError(f"dims='adaptive' does not support {unsupported}: got "
+                                 f"{ {k: kwargs[k] for k in unsupported} }")
+            # the table checks chunks and output_dim; target_memory is checked here so
+            # that a bad value fails at construction, not at the first adjustment
+            ChunkedTable.check_target(target_memory)
+            if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or (
+                    isinstance(output_dim, int) and output_dim % chunks):
+                raise ValueError(f"chunks={chunks!r} must be an int >= 1 that divides "
+                                 f"output_dim={output_dim!r}")
         super().__init__(input_dim, output_dim, **kwargs)
         self.combiner = combiner
         self.use_custom_kernel = use_custom_kernel
+        self.dims = dims
+        self.chunks = chunks
+        self.target_memory = float(target_memory)
         self._logged_1d = False
+
+    # -------------------------------------------------------------------- build
+    def build(self, input_shape=None):
+        if self.dims != "adaptive":
+            return super().build(input_shape)
+        with tf.init_scope():
+            initial = self.embeddings_initializer(shape=(self.input_dim, self.output_dim),
+                                                  dtype=tf.float32)
+        self.table = ChunkedTable(self.input_dim, self.output_dim, self.chunks,
+                                  initial_value=initial, name="table")
+        self.built = True
+
+    def adjust(self, target_memory: float | None = None) -> dict:
+        """FIITED's adjustment (``dims="adaptive"`` only): keep ``target_memory`` (default:
+        the layer's) of the table's chunks, divided by row utility."""
+        if self.dims != "adaptive":
+            raise ValueError(f"Embedding {self.name!r}: adjust() needs dims='adaptive', "
+                             f"got dims={self.dims!r}")
+        return self.table.adjust(self.target_memory if target_memory is None
+                                 else target_memory)
 
     # -------------------------------------------------------------------- call
     def call(self, inputs):
         ids = inputs
+        if self.dims == "adaptive" and self.combiner is None and (
+                isinstance(ids, tf.SparseTensor) or getattr(self, "_use_one_hot_matmul", False)):
+            raise ValueError(f"Embedding {self.name!r}: dims='adaptive' without a combiner "
+                             "takes dense or ragged ids, got a SparseTensor or one-hot matmul")
         if self.combiner is None and (isinstance(ids, tf.SparseTensor)
                                       or getattr(self, "sparse", False)
                                       or getattr(self, "_use_one_hot_matmul", False)):
@@ -139,6 +195,8 @@ class Embedding(tf.keras.layers.Embedding):
 
     def _lookup_flat(self, flat_ids):
         """[N] ids -> [N, output_dim] rows (no combine)."""
+        if self.dims == "adaptive":
+            return self.table.lookup(flat_ids)
         if _in_xla_context():
             return tf.gather(self.embeddings, flat_ids)  # what Keras' Embedding compiles to
         return custom_ops.embedding_lookup_combine(
@@ -195,6 +253,8 @@ class Embedding(tf.keras.layers.Embedding):
         return out
 
     def _combine(self, ids):
+        if self.dims == "adaptive":
+            return _combine_rows(self.table.lookup, ids, self.combiner)
         if _in_xla_context() and not isinstance(ids, tf.RaggedTensor):
             return _combine_dense_plain(self.embeddings, ids, self.combiner)
         return custom_ops.embedding_lookup_combine(
@@ -216,8 +276,12 @@ class Embedding(tf.keras.layers.Embedding):
         return super().compute_mask(inputs, mask)
 
     def get_config(self) -> dict:
-        return dict(super().get_config(), combiner=self.combiner,
-                    use_custom_kernel=self.use_custom_kernel)
+        config = dict(super().get_config(), combiner=self.combiner,
+                      use_custom_kernel=self.use_custom_kernel)
+        if self.dims is not None:   # a dense table's config stays distributed-embeddings'
+            config.update(dims=self.dims, chunks=self.chunks,
+                          target_memory=self.target_memory)
+        return config
 
 
 def _in_xla_context() -> bool:
@@ -235,6 +299,24 @@ def _combine_dense_plain(params, ids, combiner: str):
     if combiner == "mean":
         out = out / tf.cast(tf.maximum(tf.shape(ids)[1], 1), acc_dtype)
     return tf.cast(out, rows.dtype)
+
+
+def _combine_rows(lookup, ids, combiner: str):
+    """[B, H] dense or [B, None] ragged ids -> [B, D] through ``lookup`` ([N] -> [N, D]);
+    an empty bag gives zeros, ``"mean"`` divides by max(bag size, 1)."""
+    if isinstance(ids, tf.RaggedTensor):
+        rows = lookup(ids.flat_values)
+        out = tf.math.unsorted_segment_sum(rows, ids.value_rowids(), ids.nrows())
+        sizes = ids.row_lengths()[:, None]
+    else:
+        flat = lookup(tf.reshape(ids, [-1]))
+        rows = tf.reshape(flat, tf.concat([tf.shape(ids), tf.shape(flat)[1:]], 0))
+        rows.set_shape(ids.shape.concatenate(flat.shape[1:]))
+        out = tf.reduce_sum(rows, axis=1)
+        sizes = tf.shape(ids)[1]
+    if combiner == "mean":
+        out = out / tf.cast(tf.maximum(sizes, 1), out.dtype)
+    return out
 
 
 def _int_ids(ids):
