@@ -1,0 +1,159 @@
+"""FIITED's chunked table against the dense table it replaces: forward and train-step time
+at 0%, 65% and 90% of the chunks pruned (issue 15, "Speed").
+
+Every path runs the same step on the same ids (the kernel benchmark's workload,
+benchmarks/_tbe_workload.py: Zipf ids, sum combiner, a fixed upstream gradient, the exact
+row-wise AdaGrad step with duplicate ids summed first):
+
+* ``dense, fused C++``: tfhybrid's fused lookup+combine op and row-wise AdaGrad kernel
+  (what a dense ``tfhybrid.layers.Embedding`` runs);
+* ``dense, pure TF``: the same math in plain TF ops (the ops' fallback);
+* ``chunked, p% pruned``: ``tfhybrid.fiited.ChunkedTable`` (pure TF for now: gather through
+  the row offsets, the pool's gradient applied per logical row), with p% of each table's
+  chunks pruned by utility (a random utility per row, so which rows shrink does not follow
+  the ids).
+
+Prints per path the median [p25, p75] (min, max) milliseconds over --repeats timed runs
+of --iters steps each, and each path's ratio to the fused dense path measured in the same
+run; the pool's bytes beside each chunked path.
+
+Usage: .venv/bin/python benchmarks/fiited_speed.py [--tables 4 --rows 250000 --dim 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from benchmarks import _tbe_workload as workload_lib  # noqa: E402
+from benchmarks._stats import SPREAD_LEGEND, summarize  # noqa: E402
+from tfhybrid import custom_ops  # noqa: E402
+from tfhybrid.fiited import ChunkedTable  # noqa: E402
+
+LR, EPS = workload_lib.LEARNING_RATE, workload_lib.EPSILON
+
+
+def dense_fns(tables, accumulators, use_op: bool):
+    def forward(ids):
+        return [custom_ops.embedding_lookup_combine(t, ids[i], combiner="sum",
+                                                    use_custom_op=use_op)
+                for i, t in enumerate(tables)]
+
+    def train(ids, upstream):
+        with tf.GradientTape() as tape:
+            out = tf.concat(forward(ids), axis=1)
+            loss = tf.reduce_sum(out * upstream)
+        grads = tape.gradient(loss, tables)
+        for t, a, g in zip(tables, accumulators, grads):
+            custom_ops.rowwise_adagrad_apply(t, a, g.indices, g.values, LR, EPS,
+                                             use_custom_op=use_op)
+        return loss
+    return tf.function(lambda ids: tf.concat(forward(ids), axis=1)), tf.function(train)
+
+
+def chunked_fns(tables):
+    def forward(ids):
+        return tf.concat([tf.reduce_sum(t.lookup(ids[i]), axis=1)
+                          for i, t in enumerate(tables)], axis=1)
+
+    def train(ids, upstream):
+        pools = [t.pool for t in tables]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(forward(ids) * upstream)
+        for t, g in zip(tables, tape.gradient(loss, pools)):
+            t.apply_pool_gradient(g, LR, EPS)
+        return loss
+    return tf.function(forward), tf.function(train)
+
+
+def time_fn(fn, args_of, iters: int, repeats: int, warmup: int) -> list[float]:
+    for k in range(warmup):
+        fn(*args_of(k))
+    out = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        for k in range(iters):
+            result = fn(*args_of(warmup + r * iters + k))
+        _ = result.numpy() if hasattr(result, "numpy") else None
+        out.append((time.perf_counter() - start) / iters)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=250_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--hotness", type=int, default=8)
+    parser.add_argument("--alpha", type=float, default=1.05)
+    parser.add_argument("--pruned", type=float, nargs="+", default=[0.0, 0.65, 0.9])
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    if not custom_ops.custom_ops_available():
+        raise SystemExit("the C++ ops are not built (make setup builds them)")
+    work = workload_lib.Workload(args.tables, args.rows, args.dim, args.batch, args.hotness,
+                                 args.alpha, seed=0)
+    batches = args.warmup + args.iters * args.repeats
+    ids = workload_lib.zipf_ids(work, batches)
+    upstream = tf.constant(workload_lib.upstream_gradient(work))
+    initial = [workload_lib.initial_table(work, t) for t in range(args.tables)]
+    ids_t = [tf.constant(ids[b]) for b in range(batches)]
+    print(f"workload: {args.tables} tables x {args.rows} x {args.dim} float32, batch "
+          f"{args.batch}, {args.hotness} ids per bag, Zipf({args.alpha}), sum, row-wise "
+          f"AdaGrad; {args.chunks} chunks per row; {args.threads} threads; "
+          f"{args.repeats} x {args.iters} timed steps\n")
+
+    rows_out = []
+
+    def measure(label, forward, train, pool_bytes=None):
+        fwd = summarize(time_fn(forward, lambda k: (ids_t[k % batches],), args.iters,
+                                args.repeats, args.warmup))
+        step = summarize(time_fn(train, lambda k: (ids_t[k % batches], upstream),
+                                 args.iters, args.repeats, args.warmup))
+        rows_out.append((label, fwd, step, pool_bytes))
+
+    for use_op, label in ((True, "dense, fused C++"), (False, "dense, pure TF")):
+        tables = [tf.Variable(x) for x in initial]
+        accums = [tf.Variable(tf.zeros([args.rows])) for _ in initial]
+        measure(label, *dense_fns(tables, accums, use_op), args.tables * args.rows * args.dim * 4)
+        del tables, accums
+    rng = np.random.default_rng(1)
+    for pruned in args.pruned:
+        tables = [ChunkedTable(args.rows, args.dim, args.chunks, initial_value=x, min_chunks=0)
+                  for x in initial]
+        if pruned > 0:
+            for t in tables:
+                t.utility.assign(rng.random(args.rows).astype(np.float32))
+                t.adjust(1.0 - pruned)
+        measure(f"chunked, {pruned:.0%} pruned", *chunked_fns(tables),
+                sum(t.memory_bytes()["pool"] for t in tables))
+        del tables
+
+    base_fwd, base_step = rows_out[0][1].median, rows_out[0][2].median
+    header = (f"{'path':24} {'forward ms ' + SPREAD_LEGEND:>44} {'x fused':>8}   "
+              f"{'train step ms':>40} {'x fused':>8}  pool MB")
+    print(header + "\n" + "-" * len(header))
+    for label, fwd, step, pool in rows_out:
+        print(f"{label:24} {fwd.format(1e3):>44} {fwd.median / base_fwd:8.2f}   "
+              f"{step.format(1e3):>40} {step.median / base_step:8.2f}  {pool / 2**20:7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
