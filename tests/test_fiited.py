@@ -121,7 +121,9 @@ class PruningTest(unittest.TestCase):
         chunk_bytes = (DIM // CHUNKS) * 4
         self.assertEqual(mem["pool"], table.present_chunks() * chunk_bytes)
         self.assertEqual(table.pool_slots(), table.present_chunks())
-        self.assertEqual(mem["total"], mem["pool"] + mem["row_offsets"] + mem["row_state"])
+        self.assertEqual(mem["zero_chunk"], chunk_bytes)
+        self.assertEqual(mem["total"], mem["pool"] + mem["zero_chunk"] + mem["row_offsets"]
+                         + mem["row_state"])
         self.assertEqual(mem["row_offsets"], (ROWS + 1) * 4)
         self.assertEqual(mem["dense"], ROWS * (DIM + 1) * 4)
 

@@ -6,8 +6,9 @@ fixed-size chunks; the row keeps a prefix of them and its missing chunks read as
 Rows live in a *pool* of chunks reached through a per-row index (the paper's "virtually
 hashed, physically indexed" table), so a pruned chunk really frees memory:
 
-* ``pool``: ``[present chunks, dim / chunks]``, exactly the chunks some row holds, each
-  row's chunks side by side;
+* ``pool``: ``[present chunks + 1, dim / chunks]``, exactly the chunks some row holds,
+  each row's chunks side by side, then one chunk of zeros that every pruned chunk reads
+  (so a lookup is one gather; the zero chunk is never updated);
 * ``row_offsets``: ``[rows + 1]`` int32, row i's chunks are pool slots
   ``row_offsets[i] .. row_offsets[i + 1] - 1`` (4 bytes per row, where a slot per chunk
   would cost 4 per chunk: a quarter of a 16-wide row at 4 chunks);
@@ -87,7 +88,7 @@ class ChunkedTable(tf.Module):
     def __init__(self, rows: int, dim: int, chunks: int = 8, *,
                  initial_value: Any = None, seed: int | None = None,
                  utility_decay: float = 0.99, min_chunks: int = 1,
-                 position_power: float = 1.0, name: str | None = None):
+                 position_power: float = 3.0, name: str | None = None):
         super().__init__(name=name)
         self.rows = _check_int("rows", rows, 1)
         self.dim = _check_int("dim", dim, 1)
@@ -115,8 +116,10 @@ class ChunkedTable(tf.Module):
         total = self.rows * self.chunks
         if total >= 2**31:
             raise ValueError(f"rows x chunks = {total} chunks exceed the int32 row offsets")
-        self.pool = tf.Variable(tf.reshape(initial_value, [total, self.chunk_dim]),
-                                shape=tf.TensorShape([None, self.chunk_dim]), name="pool")
+        self.pool = tf.Variable(
+            tf.concat([tf.reshape(initial_value, [total, self.chunk_dim]),
+                       tf.zeros([1, self.chunk_dim])], 0),
+            shape=tf.TensorShape([None, self.chunk_dim]), name="pool")
         self.row_offsets = tf.Variable(tf.range(0, total + 1, self.chunks, dtype=tf.int32),
                                        trainable=False, name="row_offsets")
         self.accumulator = tf.Variable(tf.zeros([self.rows]), trainable=False,
@@ -131,19 +134,19 @@ class ChunkedTable(tf.Module):
         return _check_fraction("target_memory", target_memory)
 
     # ------------------------------------------------------------------ reading
-    def _gather_rows(self, ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _gather_rows(self, ids: tf.Tensor, pool: tf.Tensor | None = None
+                     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """([N, dim] rows with absent chunks zero, [N, chunks] pool slots, [N, chunks]
-        whether each chunk is present)."""
+        whether each chunk is present); ``pool``: the pool's value, if already read."""
+        pool = self.pool if pool is None else pool
         start = tf.gather(self.row_offsets, ids)
         count = tf.gather(self.row_offsets, ids + 1) - start
         position = tf.range(self.chunks, dtype=tf.int32)
         present = position[None, :] < count[:, None]
-        slots = start[:, None] + position[None, :]
-        # gather only the present chunks, so the pool's gradient names only real slots
-        where = tf.where(present)
-        values = tf.scatter_nd(where, tf.gather(self.pool, tf.gather_nd(slots, where)),
-                               tf.concat([tf.shape(slots, out_type=tf.int64),
-                                          [self.chunk_dim]], 0))      # [N, C, cd]
+        # a pruned chunk reads the zero chunk after the present ones
+        zero_chunk = tf.shape(pool)[0] - 1
+        slots = tf.where(present, start[:, None] + position[None, :], zero_chunk)
+        values = tf.gather(pool, slots)                                # [N, C, cd]
         return tf.reshape(values, [-1, self.dim]), slots, present
 
     def lookup(self, ids: Any) -> tf.Tensor:
@@ -157,10 +160,22 @@ class ChunkedTable(tf.Module):
                                          f"({self.rows})")
         tf.debugging.assert_non_negative(flat, message=f"ChunkedTable {self.name!r}: a "
                                                        f"negative id")
-        rows = self._gather_rows(tf.cast(flat, tf.int32))[0]
+        rows = self._rows_with_row_gradient(tf.cast(flat, tf.int32))
         out = tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
         out.set_shape(ids.shape.concatenate([self.dim]))
         return out
+
+    def _rows_with_row_gradient(self, ids: tf.Tensor) -> tf.Tensor:
+        """[N, dim] rows whose gradient reaches :attr:`pool` as ``tf.IndexedSlices`` of
+        the N gradient rows at the logical row ids (dense_shape [rows, dim]): the form a
+        dense table's gradient has, which :meth:`apply_pool_gradient` sums per row like
+        the dense path, with no per-chunk bookkeeping."""
+        @tf.custom_gradient
+        def rows_of(pool):
+            def grad(upstream):
+                return tf.IndexedSlices(upstream, ids, tf.constant([self.rows, self.dim]))
+            return self._gather_rows(ids, pool)[0], grad
+        return rows_of(self.pool.read_value())
 
     def to_dense(self) -> tf.Tensor:
         """The [rows, dim] table this pool represents (pruned chunks as zeros)."""
@@ -174,18 +189,21 @@ class ChunkedTable(tf.Module):
         return int(self.row_offsets[-1])
 
     def pool_slots(self) -> int:
-        """Chunks the pool holds (its first dimension; the variable's static shape is
-        [None, chunk_dim] since adjusting resizes it)."""
-        return int(tf.shape(self.pool)[0])
+        """Chunks the pool holds for rows (its first dimension less the zero chunk; the
+        variable's static shape is [None, chunk_dim] since adjusting resizes it)."""
+        return int(tf.shape(self.pool)[0]) - 1
 
     def memory_bytes(self) -> dict:
-        """Bytes held: the pool (present chunks only), the row offsets and the per-row
-        state (AdaGrad accumulator, utility), and what a dense table + accumulator takes."""
+        """Bytes held: the pool's present chunks, its zero chunk, the row offsets and the
+        per-row state (AdaGrad accumulator, utility), and what a dense table + accumulator
+        takes."""
         pool = self.pool_slots() * self.chunk_dim * 4
+        zero_chunk = self.chunk_dim * 4
         index = (self.rows + 1) * 4
         state = 2 * self.rows * 4
-        return {"pool": pool, "row_offsets": index, "row_state": state,
-                "total": pool + index + state, "dense": self.rows * (self.dim + 1) * 4}
+        return {"pool": pool, "zero_chunk": zero_chunk, "row_offsets": index,
+                "row_state": state, "total": pool + zero_chunk + index + state,
+                "dense": self.rows * (self.dim + 1) * 4}
 
     # ------------------------------------------------------------------ training
     def apply(self, ids: Any, grad: Any, learning_rate: float, epsilon: float = 1e-8,
@@ -204,22 +222,13 @@ class ChunkedTable(tf.Module):
 
     def apply_pool_gradient(self, grad: Any, learning_rate: float, epsilon: float = 1e-8,
                             scale: float = 1.0, weight_decay: float = 0.0) -> None:
-        """:meth:`apply` for the gradient of :attr:`pool` itself (what a tape gives for a
-        model that called :meth:`lookup`): ``tf.IndexedSlices`` over pool slots, or a dense
-        ``[slots, chunk_dim]`` tensor. Duplicate slots are summed in input order, the
-        order a dense table sums duplicate ids in, so the result is the same bit for bit."""
+        """:meth:`apply` for the gradient a tape gives :attr:`pool` for a model that called
+        :meth:`lookup`: ``tf.IndexedSlices`` of gradient rows at logical row ids (what
+        :meth:`lookup` registers), or a dense ``[rows, dim]`` tensor."""
         if not isinstance(grad, tf.IndexedSlices):
             grad = tf.convert_to_tensor(grad)
             grad = tf.IndexedSlices(grad, tf.range(tf.shape(grad)[0]))
-        unique_slots, g = coalesce_rows(tf.cast(grad.indices, tf.int32), grad.values)
-        row = tf.searchsorted(self.row_offsets, unique_slots, side="right") - 1
-        position = unique_slots - tf.gather(self.row_offsets, row)
-        unique_rows, which = tf.unique(row)               # ascending: slots are sorted
-        where = tf.stack([tf.cast(which, tf.int32), position], axis=1)
-        rows_grad = tf.scatter_nd(where, g, tf.stack([tf.size(unique_rows), self.chunks,
-                                                      self.chunk_dim]))
-        self._apply_rows(unique_rows, tf.reshape(rows_grad, [-1, self.dim]), learning_rate,
-                         epsilon, scale, weight_decay)
+        self.apply(grad.indices, grad.values, learning_rate, epsilon, scale, weight_decay)
 
     def _apply_rows(self, unique_ids, g, learning_rate, epsilon, scale, weight_decay) -> None:
         """The update of distinct rows ``unique_ids`` with summed gradient rows ``g``."""
@@ -294,7 +303,7 @@ class ChunkedTable(tf.Module):
         source = (old_offsets[:-1, None] + position)[carried]
         target = (new_offsets[:-1, None] + position)[carried]
         old_pool = self.pool.numpy()
-        pool = np.zeros((int(new_offsets[-1]), self.chunk_dim), old_pool.dtype)
+        pool = np.zeros((int(new_offsets[-1]) + 1, self.chunk_dim), old_pool.dtype)
         pool[target] = old_pool[source]
         del old_pool
         self.pool.assign(pool)
