@@ -47,7 +47,6 @@ from tfhybrid.fiited import ChunkedTable  # noqa: E402
 from tfhybrid.train import data, models  # noqa: E402
 
 EMBEDDING_DIM = 32
-CHUNKS = 8
 BOTTOM = (64, EMBEDDING_DIM)
 TOP = (64, 32, 1)
 DENSE_LR, TABLE_LR = 0.003, 0.05
@@ -127,7 +126,8 @@ def run_arm(name: str, arm: str, seed: int, target: float | None, matched: list 
     steps = args.steps or steps
     spec = data.dataset_spec(name, seed=seed, **options)
     rows = spec.table_rows
-    chunks = {"dense": CHUNKS, "fiited": CHUNKS, "uniform": EMBEDDING_DIM, "frequency": 1}[arm]
+    chunks = {"dense": args.chunks, "fiited": args.chunks, "uniform": EMBEDDING_DIM,
+              "frequency": 1}[arm]
     tables = [ChunkedTable(r, EMBEDDING_DIM, chunks, initial_value=_initial(r, seed, t),
                            min_chunks=args.min_chunks if arm == "fiited" else 0,
                            utility_decay=args.utility_decay,
@@ -232,6 +232,7 @@ def main() -> int:
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
     parser.add_argument("--adjust_every", type=int, default=50)
     parser.add_argument("--utility_decay", type=float, default=0.99)
+    parser.add_argument("--chunks", type=int, default=8, help="FIITED: chunks per row")
     parser.add_argument("--min_chunks", type=int, default=1,
                         help="FIITED: chunks every row keeps")
     parser.add_argument("--position_power", type=float, default=3.0,
@@ -257,7 +258,7 @@ def main() -> int:
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"settings": vars(args), "embedding_dim": EMBEDDING_DIM, "chunks": CHUNKS,
+        json.dump({"settings": vars(args), "embedding_dim": EMBEDDING_DIM,
                    "results": results}, f, indent=1)
     with open(os.path.join(args.out, "table.txt"), "w") as f:
         f.write(table + "\n")
