@@ -10,26 +10,25 @@ hashed, physically indexed" table), so a pruned chunk really frees memory:
   each row's chunks side by side, then one chunk of zeros that every pruned chunk reads
   (so a lookup is one gather; the zero chunk is never updated);
 * ``row_offsets``: ``[rows + 1]`` int32, row i's chunks are pool slots
-  ``row_offsets[i] .. row_offsets[i + 1] - 1`` (4 bytes per row, where a slot per chunk
-  would cost 4 per chunk: a quarter of a 16-wide row at 4 chunks);
+  ``row_offsets[i] .. row_offsets[i + 1] - 1`` (4 bytes per row, where a slot index per
+  chunk would cost 4 bytes per chunk: a quarter of the pool for 4-float chunks);
 * ``accumulator``: row-wise AdaGrad's one float per row, which stays with its row
   whatever happens to the row's chunks;
 * ``utility``: per row, an exponential moving average of how often the row is looked up
   times its gradient's size (the paper's signal), updated by :meth:`ChunkedTable.apply`.
 
 :meth:`ChunkedTable.adjust` re-divides a chunk budget (``target_memory`` of the dense
-table's chunks) by utility: chunk ``j`` of row ``i`` scores ``utility[i] / (j + 1)`` and the
-best-scoring chunks are kept, so every row keeps a prefix and rows that grow important
-regain chunks (as zeros: the row's output does not jump). (``position_power`` p makes it
-``utility[i] / (j + 1) ** p``.) The pool is then rebuilt at
-exactly the kept size (the freed chunks' memory is what the grown ones use), so its
-bytes are always those of the present chunks; while it is rebuilt the old and the new
-pool both exist.
+table's chunks) by utility: chunk ``j`` of row ``i`` scores
+``utility[i] / (j + 1) ** position_power`` and the best-scoring chunks are kept, so every
+row keeps a prefix (at least ``min_chunks``) and rows that grow important regain chunks
+(as zeros: the row's output does not jump). The pool is then rebuilt at exactly the kept
+size (the freed chunks' memory is what the grown ones use), so its bytes are always those
+of the present chunks; while it is rebuilt the old and the new pool both exist.
 
-This module is the table's storage and math (pure TF, single table, single process):
-lookup, row-wise AdaGrad apply, utility and adjustment. The Keras layer option
-(``dims="adaptive"``), the C++ chunked kernels and the sharded, distributed use are
-issue 15's next steps.
+This module is the table's storage and math in plain TF ops: lookup, row-wise AdaGrad
+apply, utility and adjustment. ``tfhybrid.layers.Embedding(dims="adaptive")`` is the
+Keras layer on it; fused C++ kernels and sharding inside ``DistributedEmbedding`` are not
+built yet.
 """
 
 from __future__ import annotations
