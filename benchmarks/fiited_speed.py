@@ -8,10 +8,11 @@ row-wise AdaGrad step with duplicate ids summed first):
 * ``dense, fused C++``: tfhybrid's fused lookup+combine op and row-wise AdaGrad kernel
   (what a dense ``tfhybrid.layers.Embedding`` runs);
 * ``dense, pure TF``: the same math in plain TF ops (the ops' fallback);
-* ``chunked, p% pruned``: ``tfhybrid.fiited.ChunkedTable`` (pure TF for now: gather through
-  the row offsets, the pool's gradient applied per logical row), with p% of each table's
-  chunks pruned by utility (a random utility per row, so which rows shrink does not follow
-  the ids).
+* ``chunked, p% pruned``: ``tfhybrid.fiited.ChunkedTable`` with its C++ kernels (the
+  lookup through the row offsets, the row-wise AdaGrad on the chunks rows hold; the
+  combine and the utility update in TF ops), with p% of each table's chunks pruned by
+  utility (a random utility per row, so which rows shrink does not follow the ids);
+* ``chunked pure TF, 0% pruned``: the same table on its plain-TF path.
 
 Prints per path the median [p25, p75] (min, max) milliseconds over --repeats timed runs
 of --iters steps each, and each path's ratio to the fused dense path measured in the same
@@ -134,23 +135,24 @@ def main() -> int:
         measure(label, *dense_fns(tables, accums, use_op), args.tables * args.rows * args.dim * 4)
         del tables, accums
     rng = np.random.default_rng(1)
-    for pruned in args.pruned:
-        tables = [ChunkedTable(args.rows, args.dim, args.chunks, initial_value=x, min_chunks=0)
-                  for x in initial]
+    for pruned, use_op in [(p, None) for p in args.pruned] + [(0.0, False)]:
+        tables = [ChunkedTable(args.rows, args.dim, args.chunks, initial_value=x, min_chunks=0,
+                               use_custom_op=use_op) for x in initial]
         if pruned > 0:
             for t in tables:
                 t.utility.assign(rng.random(args.rows).astype(np.float32))
                 t.adjust(1.0 - pruned)
-        measure(f"chunked, {pruned:.0%} pruned", *chunked_fns(tables),
+        label = "chunked" if use_op is None else "chunked pure TF"
+        measure(f"{label}, {pruned:.0%} pruned", *chunked_fns(tables),
                 sum(t.memory_bytes()["pool"] for t in tables))
         del tables
 
     base_fwd, base_step = rows_out[0][1].median, rows_out[0][2].median
-    header = (f"{'path':24} {'forward ms ' + SPREAD_LEGEND:>44} {'x fused':>8}   "
+    header = (f"{'path':28} {'forward ms ' + SPREAD_LEGEND:>44} {'x fused':>8}   "
               f"{'train step ms':>40} {'x fused':>8}  pool MB")
     print(header + "\n" + "-" * len(header))
     for label, fwd, step, pool in rows_out:
-        print(f"{label:24} {fwd.format(1e3):>44} {fwd.median / base_fwd:8.2f}   "
+        print(f"{label:28} {fwd.format(1e3):>44} {fwd.median / base_fwd:8.2f}   "
               f"{step.format(1e3):>40} {step.median / base_step:8.2f}  {pool / 2**20:7.1f}")
     return 0
 

@@ -31,7 +31,8 @@ def _dense_reference(initial):
 class NothingPrunedTest(unittest.TestCase):
 
     def test_lookup_and_adagrad_equal_a_dense_table_bit_for_bit(self):
-        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=3)
+        # the pure-TF paths of both (the C++ kernels sum squares in another order)
+        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=3, use_custom_op=False)
         var, accum = _dense_reference(table.to_dense())
         for ids, grad in _batches():
             table.apply(ids, grad, learning_rate=0.05, epsilon=1e-8, weight_decay=0.01)
@@ -46,7 +47,7 @@ class NothingPrunedTest(unittest.TestCase):
 
     @unittest.skipUnless(custom_ops.custom_ops_available(), "the C++ ops are not built")
     def test_matches_the_fused_kernel(self):
-        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=4)
+        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=4, use_custom_op=True)
         var, accum = _dense_reference(table.to_dense())
         for ids, grad in _batches(seed=1):
             table.apply(ids, grad, learning_rate=0.05)
@@ -54,6 +55,31 @@ class NothingPrunedTest(unittest.TestCase):
                                              use_custom_op=True)
         np.testing.assert_allclose(table.to_dense().numpy(), var.numpy(), rtol=1e-6,
                                    atol=1e-7)
+
+    @unittest.skipUnless(custom_ops.custom_ops_available(), "the C++ ops are not built")
+    def test_chunked_kernels_equal_the_pure_tf_path_after_pruning(self):
+        tables = [ChunkedTable(ROWS, DIM, CHUNKS, seed=8, min_chunks=0, use_custom_op=op)
+                  for op in (True, False)]
+        for step, (ids, grad) in enumerate(_batches(steps=6, seed=4)):
+            for table in tables:
+                table.apply(ids, grad, learning_rate=0.05, weight_decay=0.01)
+                if step == 2:   # prune, some rows to nothing, then keep training
+                    table.adjust(target_memory=0.3)
+            # the C++ lookup copies exactly what the pure-TF gather reads
+            np.testing.assert_array_equal(tables[0].lookup(ids).numpy(),
+                                          tables[0]._gather_rows(tf.cast(ids, tf.int32))[0])
+            np.testing.assert_allclose(tables[0].to_dense().numpy(),
+                                       tables[1].to_dense().numpy(), rtol=1e-5, atol=1e-7)
+        self.assertEqual(tables[0].chunks_per_row().tolist(),
+                         tables[1].chunks_per_row().tolist())
+        self.assertIn(0, tables[0].chunks_per_row().tolist())
+        np.testing.assert_allclose(tables[0].accumulator.numpy(),
+                                   tables[1].accumulator.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(tables[0].utility.numpy(), tables[1].utility.numpy(),
+                                   rtol=1e-5)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "got id 50"):
+            custom_ops.chunked_lookup(tables[0].pool, tables[0].row_offsets,
+                                      tf.constant([50]), DIM, use_custom_op=True)
 
     def test_traced_apply_equals_eager(self):
         eager, traced = ChunkedTable(ROWS, DIM, CHUNKS, seed=5), ChunkedTable(ROWS, DIM,
@@ -216,7 +242,8 @@ def _layers(combiner):
     dense = Embedding(ROWS, DIM, combiner=combiner, embeddings_initializer=INIT,
                       use_custom_kernel=False)
     adaptive = Embedding(ROWS, DIM, combiner=combiner, embeddings_initializer=INIT,
-                         dims="adaptive", chunks=CHUNKS, target_memory=0.5)
+                         dims="adaptive", chunks=CHUNKS, target_memory=0.5,
+                         use_custom_kernel=False)
     return dense, adaptive
 
 

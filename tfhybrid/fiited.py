@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import custom_ops
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 
 __all__ = ["ChunkedTable", "table_of"]
@@ -87,7 +88,8 @@ class ChunkedTable(tf.Module):
     def __init__(self, rows: int, dim: int, chunks: int = 8, *,
                  initial_value: Any = None, seed: int | None = None,
                  utility_decay: float = 0.99, min_chunks: int = 1,
-                 position_power: float = 3.0, name: str | None = None):
+                 position_power: float = 3.0, use_custom_op: bool | None = None,
+                 name: str | None = None):
         super().__init__(name=name)
         self.rows = _check_int("rows", rows, 1)
         self.dim = _check_int("dim", dim, 1)
@@ -104,6 +106,10 @@ class ChunkedTable(tf.Module):
             raise ValueError(f"position_power must be a finite number >= 0, got "
                              f"{position_power!r}")
         self.position_power = float(position_power)
+        if use_custom_op not in (None, True, False):
+            raise ValueError(f"use_custom_op must be None, True or False, got "
+                             f"{use_custom_op!r}")
+        self.use_custom_op = use_custom_op
         if initial_value is None:
             initial_value = tf.random.stateless_uniform(
                 [self.rows, self.dim], seed=[0 if seed is None else int(seed), 0],
@@ -173,7 +179,11 @@ class ChunkedTable(tf.Module):
         def rows_of(pool):
             def grad(upstream):
                 return tf.IndexedSlices(upstream, ids, tf.constant([self.rows, self.dim]))
-            return self._gather_rows(ids, pool)[0], grad
+            rows = custom_ops.chunked_lookup(pool, self.row_offsets, ids, self.dim,
+                                             self.use_custom_op)
+            if rows is None:
+                rows = self._gather_rows(ids, pool)[0]
+            return rows, grad
         return rows_of(self.pool.read_value())
 
     def to_dense(self) -> tf.Tensor:
@@ -216,8 +226,21 @@ class ChunkedTable(tf.Module):
         is dropped (it has nowhere to go)."""
         ids = tf.cast(tf.reshape(tf.convert_to_tensor(ids), [-1]), tf.int32)
         grad = tf.reshape(tf.convert_to_tensor(grad), [-1, self.dim])
-        unique_ids, g = coalesce_rows(ids, grad)
-        self._apply_rows(unique_ids, g, learning_rate, epsilon, scale, weight_decay)
+        applied = custom_ops.chunked_rowwise_adagrad_apply(
+            self.pool, self.accumulator, self.row_offsets, ids, grad, learning_rate,
+            epsilon, scale, weight_decay, self.use_custom_op)
+        if applied is None:
+            unique_ids, g = coalesce_rows(ids, grad)
+            self._apply_rows(unique_ids, g, learning_rate, epsilon, scale, weight_decay)
+            norms = tf.norm(g, axis=1)
+        else:
+            unique_ids, norms = applied
+        # utility: decay everywhere, then add each looked-up row's summed gradient norm
+        # (its access count times its mean gradient's size)
+        decay = self.utility_decay
+        self.utility.assign(self.utility * decay)
+        self.utility.scatter_nd_add(tf.cast(unique_ids, tf.int32)[:, None],
+                                    (1.0 - decay) * norms)
 
     def apply_pool_gradient(self, grad: Any, learning_rate: float, epsilon: float = 1e-8,
                             scale: float = 1.0, weight_decay: float = 0.0) -> None:
@@ -246,11 +269,6 @@ class ChunkedTable(tf.Module):
             tf.boolean_mask(tf.reshape(slots, [-1]), keep)[:, None],
             tf.boolean_mask(tf.reshape(new_rows, [-1, self.chunk_dim]), keep))
         self.accumulator.scatter_nd_update(unique_ids[:, None], new_accum)
-        # utility: decay everywhere, then add each looked-up row's summed gradient norm
-        # (its access count times its mean gradient's size)
-        decay = self.utility_decay
-        self.utility.assign(self.utility * decay)
-        self.utility.scatter_nd_add(unique_ids[:, None], (1.0 - decay) * tf.norm(g, axis=1))
 
     # ------------------------------------------------------------------ adjusting
     def plan_chunks(self, target_memory: float) -> np.ndarray:

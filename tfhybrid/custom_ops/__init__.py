@@ -37,6 +37,7 @@ from pathlib import Path
 import tensorflow as tf
 
 __all__ = ["embedding_lookup_combine", "rowwise_adagrad_apply", "custom_ops_available",
+           "chunked_lookup", "chunked_rowwise_adagrad_apply",
            "kernel_isa", "supported_kernel_isas", "load_library", "library_path"]
 
 _LOG = logging.getLogger(__name__)
@@ -424,6 +425,27 @@ def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, wei
             return _require_lib().rowwise_adagrad_apply(var.handle, accum.handle, indices, grad,
                                                         *scalars)
         return _rowwise_adagrad_pure_tf(var, accum, indices, grad, *scalars)
+
+
+def chunked_lookup(pool, row_offsets, ids, dim: int, use_custom_op=None):
+    """FIITED's pool lookup in C++ (``tfhybrid.fiited.ChunkedTable`` owns the pure-TF
+    path): [N, dim] rows, each row's chunks then zeros. None when the op is not to be
+    used (``use_custom_op`` False, or None and the op is not built or not on a CPU)."""
+    if not _use_op(use_custom_op, pool):
+        return None
+    return _require_lib().chunked_embedding_lookup(pool, row_offsets, ids, dim=dim)
+
+
+def chunked_rowwise_adagrad_apply(pool, accum, row_offsets, indices, grad, lr, epsilon,
+                                  scale, weight_decay, use_custom_op=None):
+    """FIITED's row-wise AdaGrad on a pool variable in C++: (distinct rows ascending,
+    their summed gradients' norms). None when the op is not to be used (see
+    :func:`chunked_lookup`)."""
+    if not _use_op(use_custom_op, pool, accum):
+        return None
+    scalars = [tf.cast(x, tf.float32) for x in (lr, epsilon, scale, weight_decay)]
+    return _require_lib().chunked_rowwise_adagrad_apply(
+        pool.handle, accum.handle, row_offsets, indices, tf.cast(grad, tf.float32), *scalars)
 
 
 def coalesce_rows(indices, grad):

@@ -152,7 +152,8 @@ class Embedding(tf.keras.layers.Embedding):
             initial = self.embeddings_initializer(shape=(self.input_dim, self.output_dim),
                                                   dtype=tf.float32)
         self.table = ChunkedTable(self.input_dim, self.output_dim, self.chunks,
-                                  initial_value=initial, name="table")
+                                  initial_value=initial, use_custom_op=self._lookup_option(),
+                                  name="table")
         self.built = True
 
     def adjust(self, target_memory: float | None = None) -> dict:

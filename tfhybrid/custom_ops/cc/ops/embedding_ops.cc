@@ -5,6 +5,9 @@
 //   EmbeddingLookupCombineGrad      backward: unique sorted ids + coalesced gradient rows
 //   RowwiseAdagradApply             sparse exact row-wise Adagrad (FBGEMM semantics)
 //   TfhybridKernelIsa               which instruction-set level the kernels above use
+//   ChunkedEmbeddingLookup          FIITED: rows of a chunk pool (row offsets), zeros past
+//                                   each row's chunks
+//   ChunkedRowwiseAdagradApply      FIITED: row-wise Adagrad on the chunks rows hold
 //
 // Kernels live in ../kernels/. The Python wrappers and gradients are in
 // tfhybrid/custom_ops/__init__.py.
@@ -165,6 +168,63 @@ For each distinct row i with summed gradient g (float32):
   accum[i] += mean_j(g_j^2)
   var[i] -= lr * g / (sqrt(accum[i] / scale) + epsilon)
   if weight_decay > 0: var[i] -= lr * weight_decay * var[i]   (after the step)
+)doc");
+
+REGISTER_OP("ChunkedEmbeddingLookup")
+    .Input("pool: float")
+    .Input("row_offsets: int32")
+    .Input("ids: Tindices")
+    .Output("rows: float")
+    .Attr("Tindices: {int32, int64}")
+    .Attr("dim: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle pool, offsets, ids;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &pool));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &offsets));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &ids));
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(0, c->Matrix(c->Dim(ids, 0), dim));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Rows of a FIITED chunk pool (tfhybrid.fiited.ChunkedTable).
+
+pool: float32 [S, dim / C]; row r's chunks are pool[row_offsets[r] .. row_offsets[r + 1]).
+rows[n] = row ids[n]'s chunks, then zeros up to dim.
+)doc");
+
+REGISTER_OP("ChunkedRowwiseAdagradApply")
+    .Input("pool: resource")
+    .Input("accum: resource")
+    .Input("row_offsets: int32")
+    .Input("indices: Tindices")
+    .Input("grad: float")
+    .Input("lr: float")
+    .Input("epsilon: float")
+    .Input("scale: float")
+    .Input("weight_decay: float")
+    .Output("unique_ids: int64")
+    .Output("grad_norms: float")
+    .Attr("Tindices: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 2, &unused));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Exact row-wise Adagrad on a FIITED chunk pool, in place.
+
+Duplicate indices are summed first (input order). For each distinct row i with summed
+float32 gradient g ([dim]) and h = the entries its chunks hold:
+  accum[i] += mean over its h entries of g^2
+  its h entries -= lr * g / (sqrt(accum[i] / scale) + epsilon), then weight decay
+unique_ids: the distinct rows, ascending; grad_norms: |g| of each (all dim entries).
 )doc");
 
 REGISTER_OP("TfhybridKernelIsa")

@@ -1,0 +1,211 @@
+// CPU kernels for FIITED's chunk pool (tfhybrid/fiited.py): ChunkedEmbeddingLookup and
+// ChunkedRowwiseAdagradApply.
+//
+// Row r's chunks are pool rows [row_offsets[r], row_offsets[r + 1]), side by side, so a
+// row's present entries are one contiguous run of the flat pool: a lookup is one copy per
+// id plus zeros, an update touches that run only. Ids are grouped with the same stable
+// radix sort as RowwiseAdagradApply, so duplicates are summed in input order and the
+// result does not depend on the number of threads.
+
+#define EIGEN_USE_THREADS
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "embedding_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+
+namespace tensorflow {
+namespace tfhybrid {
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+// Checks the offsets against the pool and the width; returns the row count.
+inline Status CheckOffsets(const Tensor& offsets_t, int64 pool_rows, int64 chunk_dim, int64 dim,
+                           int64* rows) {
+  if (!TensorShapeUtils::IsVector(offsets_t.shape()) || offsets_t.NumElements() < 1) {
+    return errors::InvalidArgument("row_offsets must be a non-empty vector, got ",
+                                   offsets_t.shape().DebugString());
+  }
+  if (chunk_dim <= 0 || dim % chunk_dim != 0) {
+    return errors::InvalidArgument("dim ", dim, " is not a multiple of the chunk width ",
+                                   chunk_dim);
+  }
+  const int32* off = offsets_t.flat<int32>().data();
+  *rows = offsets_t.NumElements() - 1;
+  const int64 chunks = dim / chunk_dim;
+  if (off[0] != 0 || off[*rows] > pool_rows) {
+    return errors::InvalidArgument("row_offsets must start at 0 and end within the pool's ",
+                                   pool_rows, " chunks");
+  }
+  for (int64 r = 0; r < *rows; ++r) {
+    const int64 k = static_cast<int64>(off[r + 1]) - off[r];
+    if (k < 0 || k > chunks) {
+      return errors::InvalidArgument("row ", r, " holds ", k, " chunks, expected 0..", chunks);
+    }
+  }
+  return OkStatus();
+}
+
+template <typename Tidx>
+class ChunkedEmbeddingLookupOp : public OpKernel {
+ public:
+  explicit ChunkedEmbeddingLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& pool_t = ctx->input(0);
+    const Tensor& ids_t = ctx->input(2);
+    OP_REQUIRES(ctx, pool_t.dims() == 2,
+                errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString()));
+    const int64 cd = pool_t.dim_size(1);
+    int64 rows = 0;
+    OP_REQUIRES_OK(ctx, CheckOffsets(ctx->input(1), pool_t.dim_size(0), cd, dim_, &rows));
+    const int64 n = ids_t.NumElements();
+    const Tidx* ids = ids_t.flat<Tidx>().data();
+    const int64 bad = FirstOutOfRange(ids, n, rows);
+    OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError("chunked", ids, bad, rows));
+    Tensor* out_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
+    float* out = out_t->flat<float>().data();
+    const float* pool = pool_t.flat<float>().data();
+    const int32* off = ctx->input(1).flat<int32>().data();
+    const int64 dim = dim_;
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    workers->ParallelFor(n, 2 * dim * 4 + 150, [&](int64 begin, int64 end) {
+      for (int64 p = begin; p < end; ++p) {
+        const int64 r = static_cast<int64>(ids[p]);
+        const int64 held = (static_cast<int64>(off[r + 1]) - off[r]) * cd;
+        std::memcpy(out + p * dim, pool + static_cast<int64>(off[r]) * cd, held * sizeof(float));
+        std::memset(out + p * dim + held, 0, (dim - held) * sizeof(float));
+      }
+    });
+  }
+
+ private:
+  int64 dim_;
+};
+
+template <typename Tidx>
+class ChunkedRowwiseAdagradApplyOp : public OpKernel {
+ public:
+  explicit ChunkedRowwiseAdagradApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    for (int i = 0; i < 2; ++i) {
+      core::RefCountPtr<Var> v;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &v));
+      tf_shared_lock ml(*v->mu());
+      OP_REQUIRES(ctx, v->tensor()->dtype() == DT_FLOAT,
+                  errors::InvalidArgument("ChunkedRowwiseAdagradApply: ",
+                                          i == 0 ? "pool" : "accum", " must be float32"));
+    }
+    auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1});
+    Tensor pool_t, accum_t;
+    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, 0, true, true, &pool_t));
+    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, 1, true, true, &accum_t));
+    OP_REQUIRES(ctx, pool_t.dims() == 2,
+                errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString()));
+    const Tensor& grad_t = ctx->input(4);
+    const Tensor& indices_t = ctx->input(3);
+    OP_REQUIRES(ctx, grad_t.dims() == 2 && grad_t.dim_size(0) == indices_t.NumElements(),
+                errors::InvalidArgument("grad must be [N, dim] for N indices, got ",
+                                        grad_t.shape().DebugString()));
+    const int64 cd = pool_t.dim_size(1);
+    const int64 dim = grad_t.dim_size(1);
+    int64 rows = 0;
+    OP_REQUIRES_OK(ctx, CheckOffsets(ctx->input(2), pool_t.dim_size(0), cd, dim, &rows));
+    OP_REQUIRES(ctx, accum_t.NumElements() == rows,
+                errors::InvalidArgument("accum must have ", rows, " entries, got ",
+                                        accum_t.NumElements()));
+    for (int i = 5; i < 9; ++i) {
+      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(i).shape()),
+                  errors::InvalidArgument("input ", i, " must be a scalar"));
+    }
+    const float lr = ctx->input(5).scalar<float>()();
+    const float eps = ctx->input(6).scalar<float>()();
+    const float scale = ctx->input(7).scalar<float>()();
+    const float wd = ctx->input(8).scalar<float>()();
+    const int64 n = indices_t.NumElements();
+    OP_REQUIRES(ctx, n < (int64{1} << 32), errors::InvalidArgument("too many indices: ", n));
+    const Tidx* indices = indices_t.flat<Tidx>().data();
+    const int64 bad = FirstOutOfRange(indices, n, rows);
+    OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError("chunked", indices, bad, rows));
+
+    ScratchHandle scratch;
+    if (n > 0) GroupById(indices, n, rows, &*scratch);
+    const Grouping& g = scratch->g;
+    const int64 u_count = n > 0 ? g.num_unique() : 0;
+    Tensor *ids_out = nullptr, *norms_out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({u_count}), &ids_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({u_count}), &norms_out));
+    if (u_count == 0) return;
+    int64* uniq_out = ids_out->flat<int64>().data();
+    float* norms = norms_out->flat<float>().data();
+    const float* grad = grad_t.flat<float>().data();
+    float* pool = pool_t.flat<float>().data();
+    float* accum = accum_t.flat<float>().data();
+    const int32* off = ctx->input(2).flat<int32>().data();
+    const float decay = wd > 0.0f ? lr * wd : 0.0f;
+    auto pos = [&](int64 k) -> int64 { return g.perm.empty() ? k : static_cast<int64>(g.perm[k]); };
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64 avg_seg = std::max<int64>(1, n / u_count);
+    workers->ParallelFor(u_count, avg_seg * 3 * dim + 8 * dim + 300, [&](int64 begin, int64 end) {
+      std::vector<float> acc(dim);
+      for (int64 u = begin; u < end; ++u) {
+        const int64 ks = g.seg_start[u], ke = g.seg_start[u + 1];
+        std::memcpy(acc.data(), grad + pos(ks) * dim, dim * sizeof(float));
+        for (int64 k = ks + 1; k < ke; ++k) {
+          const float* row = grad + pos(k) * dim;
+          for (int64 d = 0; d < dim; ++d) acc[d] += row[d];
+        }
+        const int64 r = g.unique_ids[u];
+        const int64 held = (static_cast<int64>(off[r + 1]) - off[r]) * cd;
+        float squares = 0.0f, held_squares = 0.0f;
+        for (int64 d = 0; d < dim; ++d) {
+          squares += acc[d] * acc[d];
+          if (d + 1 == held) held_squares = squares;
+        }
+        if (held == 0) held_squares = 0.0f;
+        uniq_out[u] = r;
+        norms[u] = std::sqrt(squares);
+        const float v = accum[r] + (held > 0 ? held_squares / static_cast<float>(held) : 0.0f);
+        accum[r] = v;
+        const float mult = lr / (std::sqrt(v / scale) + eps);
+        float* w = pool + static_cast<int64>(off[r]) * cd;
+        for (int64 d = 0; d < held; ++d) {
+          const float stepped = w[d] - mult * acc[d];
+          w[d] = decay != 0.0f ? stepped - decay * stepped : stepped;
+        }
+      }
+    });
+  }
+};
+
+#define TFHYBRID_REGISTER_CHUNKED(Tidx)                                                \
+  REGISTER_KERNEL_BUILDER(                                                             \
+      Name("ChunkedEmbeddingLookup").Device(DEVICE_CPU).TypeConstraint<Tidx>("Tindices"), \
+      ChunkedEmbeddingLookupOp<Tidx>);                                                 \
+  REGISTER_KERNEL_BUILDER(Name("ChunkedRowwiseAdagradApply")                           \
+                              .Device(DEVICE_CPU)                                      \
+                              .HostMemory("lr")                                        \
+                              .HostMemory("epsilon")                                   \
+                              .HostMemory("scale")                                     \
+                              .HostMemory("weight_decay")                              \
+                              .TypeConstraint<Tidx>("Tindices"),                       \
+                          ChunkedRowwiseAdagradApplyOp<Tidx>);
+
+TFHYBRID_REGISTER_CHUNKED(int32)
+TFHYBRID_REGISTER_CHUNKED(int64_t)
+
+#undef TFHYBRID_REGISTER_CHUNKED
+
+}  // namespace tfhybrid
+}  // namespace tensorflow
