@@ -25,10 +25,11 @@ row keeps a prefix (at least ``min_chunks``) and rows that grow important regain
 size (the freed chunks' memory is what the grown ones use), so its bytes are always those
 of the present chunks; while it is rebuilt the old and the new pool both exist.
 
-This module is the table's storage and math in plain TF ops: lookup, row-wise AdaGrad
-apply, utility and adjustment. ``tfhybrid.layers.Embedding(dims="adaptive")`` is the
-Keras layer on it; fused C++ kernels and sharding inside ``DistributedEmbedding`` are not
-built yet.
+This module is the table's storage and math: lookup, row-wise AdaGrad apply, utility
+and adjustment, with C++ kernels for the lookup and the apply
+(``tfhybrid.custom_ops.chunked_lookup`` / ``chunked_rowwise_adagrad_apply``) and a
+plain-TF path the tests hold them to. ``tfhybrid.layers.Embedding(dims="adaptive")`` is
+the Keras layer on it; sharding inside ``DistributedEmbedding`` is not built yet.
 """
 
 from __future__ import annotations
