@@ -45,7 +45,6 @@ class NothingPrunedTest(unittest.TestCase):
                                       tf.gather(var, ids).numpy())
         self.assertEqual(table.present_chunks(), ROWS * CHUNKS)
 
-    @unittest.skipUnless(custom_ops.custom_ops_available(), "the C++ ops are not built")
     def test_matches_the_fused_kernel(self):
         table = ChunkedTable(ROWS, DIM, CHUNKS, seed=4, use_custom_op=True)
         var, accum = _dense_reference(table.to_dense())
@@ -56,7 +55,6 @@ class NothingPrunedTest(unittest.TestCase):
         np.testing.assert_allclose(table.to_dense().numpy(), var.numpy(), rtol=1e-6,
                                    atol=1e-7)
 
-    @unittest.skipUnless(custom_ops.custom_ops_available(), "the C++ ops are not built")
     def test_chunked_kernels_equal_the_pure_tf_path_after_pruning(self):
         tables = [ChunkedTable(ROWS, DIM, CHUNKS, seed=8, min_chunks=0, use_custom_op=op)
                   for op in (True, False)]
