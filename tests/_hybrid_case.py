@@ -49,6 +49,8 @@ class Case:
     world: int
     seed: int = 0
     empty_rank: int | None = None   # this rank's ragged bags are all empty
+    # FIITED: every table dims="adaptive" with one column per chunk, keeping this share
+    adaptive_target: float | None = None
 
 
     def __post_init__(self):
@@ -118,7 +120,10 @@ class Case:
         return tf.keras.layers.Dense(1, name="logit", dtype="float32")(hidden)
 
     def embedding_layers(self):
-        return [Embedding(t.rows, t.dim, combiner=t.combiner, name=t.name)
+        fiited = ({} if self.adaptive_target is None else
+                  dict(dims="adaptive", target_memory=self.adaptive_target))
+        return [Embedding(t.rows, t.dim, combiner=t.combiner, name=t.name,
+                          **(dict(fiited, chunks=t.dim) if fiited else {}))
                 for t in self.tables]
 
     def distributed_model(self, mesh, **layer_kwargs):
@@ -135,7 +140,11 @@ class Case:
         embedded = [layer(x) for layer, x in zip(self.embedding_layers(), inputs)]
         model = tf.keras.Model(inputs, self._head(embedded))
         for table, values in zip(self.tables, self.table_values):
-            model.get_layer(table.name).set_weights([values])
+            layer = model.get_layer(table.name)
+            if self.adaptive_target is None:
+                layer.set_weights([values])
+            else:
+                layer.table.write_rows(0, values)
         self._set_dense(model)
         return model
 
@@ -161,6 +170,8 @@ def table_weights(layer) -> list:
 
 
 def reference_tables(model, case: Case) -> list:
+    if case.adaptive_target is not None:
+        return [model.get_layer(t.name).table.to_dense().numpy() for t in case.tables]
     return [model.get_layer(t.name).get_weights()[0] for t in case.tables]
 
 

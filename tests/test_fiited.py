@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import unittest
 
@@ -340,11 +341,72 @@ class AdaptiveLayerTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "adjust\\(\\) needs dims='adaptive'"):
             Embedding(10, 8).adjust()
 
-    def test_distributed_embedding_rejects_adaptive_tables(self):
+    def test_distributed_embedding_rejects_what_it_cannot_shard(self):
         import tfhybrid
+        from tfhybrid import mesh as mesh_lib
         from tfhybrid.layers import Embedding
-        tfhybrid.init(model_parallel=1)
-        layer = tfhybrid.DistributedEmbedding([Embedding(10, 8, dims="adaptive")])
-        with self.assertRaisesRegex(ValueError, "dims='adaptive' \\(FIITED\\), which runs "
-                                                "in one process only for now"):
-            layer([tf.constant([1, 2])])
+        try:
+            mesh = tfhybrid.init(model_parallel=1)
+            with self.assertRaisesRegex(ValueError, r"tables \['t'\] have dims='adaptive' "
+                                                    "\(FIITED\), which needs replica_sync="
+                                                    "'gradients'"):
+                tfhybrid.DistributedEmbedding([Embedding(10, 8, dims="adaptive", name="t")],
+                                              replica_sync="weights")
+            # a plan whose column slices of 4 and 12 columns cut the 8-column chunks
+            from tfhybrid import planner
+            plan = planner.plan_sharding([planner.TableConfig("t", 100, 16)], 1, 1)
+            slices = ('"kind": "column_wise", "shards": ['
+                      '{"table": "t", "row_start": 0, "row_end": 100, "col_start": 0, '
+                      '"col_end": 4, "owner": 0}, {"table": "t", "row_start": 0, '
+                      '"row_end": 100, "col_start": 4, "col_end": 16, "owner": 0}]')
+            plan = planner.ShardingPlan.from_json(re.sub(
+                r'"kind": "table_wise", "shards": \[[^\]]*\]', slices, plan.to_json()))
+            layer = tfhybrid.DistributedEmbedding(
+                [Embedding(100, 16, combiner="sum", dims="adaptive", chunks=2, name="t")],
+                plan=plan)
+            with self.assertRaisesRegex(ValueError, r"is split into columns \[0, 4\), which "
+                                                    "cut a chunk"):
+                layer([tf.constant([[1, 2]])])
+        finally:
+            mesh_lib._reset_for_tests()
+
+    def test_distributed_embedding_in_one_process_equals_the_layer(self):
+        import tfhybrid
+        from tfhybrid import mesh as mesh_lib
+        from tfhybrid.layers import Embedding
+        try:
+            tfhybrid.init(model_parallel=1)
+            init = tf.keras.initializers.RandomUniform(-0.1, 0.1, seed=4)
+            make = lambda: Embedding(ROWS, DIM, combiner="sum", dims="adaptive",  # noqa
+                                     chunks=CHUNKS, target_memory=0.5, name="t",
+                                     embeddings_initializer=init)
+            single = make()
+            layer = tfhybrid.DistributedEmbedding([make()])
+            ids = tf.constant(np.random.default_rng(1).integers(0, ROWS, (16, 3)))
+            single(ids)
+            layer([ids])
+            single.table.write_rows(0, layer.get_weights()[0])
+            for embedding in (single, layer):
+                for _ in range(3):
+                    with tf.GradientTape() as tape:
+                        out = embedding(ids if embedding is single else [ids])
+                        loss = tf.reduce_sum(tf.square(out[0] if embedding is layer
+                                                       else out))
+                    variables = embedding.trainable_variables
+                    from tfhybrid.optimizers import RowWiseAdagrad
+                    opt = getattr(embedding, "_test_opt", None) or RowWiseAdagrad(0.1)
+                    embedding._test_opt = opt
+                    opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            kept = layer.adjust()
+            single.adjust()
+            self.assertEqual(kept, {"t": ROWS * CHUNKS // 2})
+            np.testing.assert_array_equal(layer.chunks_per_row()[0],
+                                          single.table.chunks_per_row())
+            np.testing.assert_allclose(layer.get_weights()[0], single.table.to_dense(),
+                                       rtol=1e-6, atol=1e-7)
+            self.assertEqual(layer.memory_bytes()["embedding"],
+                             single.table.memory_bytes()["pool"]
+                             + single.table.memory_bytes()["zero_chunk"]
+                             + single.table.memory_bytes()["row_offsets"])
+        finally:
+            mesh_lib._reset_for_tests()

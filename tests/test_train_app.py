@@ -35,6 +35,9 @@ COMMON_FLAGS = ["--model=dlrm", "--dataset=synthetic", f"--steps={PARITY_STEPS}"
 
 # DCT at keep fractions that still learn in 60 steps, with thresholds refreshed often
 DCT_FLAGS = ["--dct_dp_keep=0.05", "--dct_mp_keep=0.25", "--dct_refresh_every=10"]
+# FIITED: half of the tables' chunks (of 2 floats) kept, adjusted every 10 batches
+FIITED_FLAGS = ["--fiited_target=0.5", "--fiited_chunks=4", "--fiited_every=10",
+                "--fiited_ramp=30"]
 
 
 def _cli(flags, np_=1, timeout=420):
@@ -60,7 +63,8 @@ class TrainAppTest(tf.test.TestCase):
         for name, np_, extra in [("one", 1, []),
                                  ("mesh", 4, ["--model_parallel=2", "--count_traffic"]),
                                  ("dct", 4, ["--model_parallel=2", "--count_traffic"]
-                                  + DCT_FLAGS)]:
+                                  + DCT_FLAGS),
+                                 ("fiited", 4, ["--model_parallel=2"] + FIITED_FLAGS)]:
             out = os.path.join(cls.work, name)
             done = _cli(COMMON_FLAGS + extra + [
                 f"--metrics_json={out}.json", f"--export_dir={out}_export",
@@ -139,6 +143,35 @@ class TrainAppTest(tf.test.TestCase):
         self.assertAllClose(restored["auc"], self.runs["mesh"][0]["auc"], atol=1e-6)
         self.assertAllClose(restored["logloss"], self.runs["mesh"][0]["logloss"], atol=1e-6)
 
+    def test_fiited_prunes_learns_and_restores_in_one_process(self):
+        mesh, fiited = self.runs["mesh"][0], self.runs["fiited"][0]
+        figures = fiited["fiited"]
+        print(f"AUC after {PARITY_STEPS} steps on 2x2: {mesh['auc']:.4f}, with FIITED "
+              f"{fiited['auc']:.4f} at {figures['memory_saved']:.1%} less embedding memory")
+        self.assertIsNone(mesh["fiited"])
+        self.assertEqual(figures["chunks"], 4)
+        # half the 4 chunks of every row are kept (8 bytes each), plus the 4-byte row
+        # offsets (rows + 1 per table, 26 tables)
+        rows = figures["dense_bytes"] // (4 * 8)
+        self.assertEqual(figures["chunks_kept"], rows * 2)
+        self.assertEqual(figures["embedding_bytes"],
+                         figures["chunks_kept"] * 8 + 4 * (rows + 26))
+        self.assertGreater(figures["memory_saved"], 0.3)
+        self.assertGreater(fiited["auc"], 0.6)
+        # the 2x2 checkpoint (pools, layouts, utilities) restores in one process
+        out = os.path.join(self.work, "fiited_restored.json")
+        done = _cli(COMMON_FLAGS[:2] + ["--steps=0"] + COMMON_FLAGS[3:] + FIITED_FLAGS + [
+            "--restore", f"--checkpoint_dir={self.work}/fiited_ckpt",
+            f"--metrics_json={out}"])
+        self.assertEqual(done.returncode, 0, done.stderr[-5000:])
+        with open(out) as f:
+            restored = json.load(f)
+        self.assertEqual(restored["fiited"]["chunks_kept"], figures["chunks_kept"])
+        self.assertAllClose(restored["auc"], fiited["auc"], atol=1e-6)
+        # the exported model (dense tables with the pruned entries zero) serves the same
+        loaded = tf.saved_model.load(os.path.join(self.work, "fiited_export"))
+        self.assertIn("serving_default", loaded.signatures)
+
     def test_bad_flags_name_the_value(self):
         done = _cli(["--model=dlrm", "--embedding_dim=16", "--bottom_mlp_dims=32,8"])
         self.assertNotEqual(done.returncode, 0)
@@ -162,7 +195,16 @@ class TrainConfigTest(tf.test.TestCase):
                  (dict(embedding_optimizer="lamb"), "--embedding_optimizer='lamb'"),
                  (dict(dense_optimizer="ftrl"), "--dense_optimizer='ftrl'"),
                  (dict(embedding_learning_rate=0.0), "--embedding_learning_rate=0.0"),
-                 (dict(dense_learning_rate=float("inf")), "--dense_learning_rate=inf")]
+                 (dict(dense_learning_rate=float("inf")), "--dense_learning_rate=inf"),
+                 (dict(fiited_target=0.0, optimizer="rowwise_adagrad"),
+                  "--fiited_target=0.0 must be a number in"),
+                 (dict(fiited_target=0.5, fiited_chunks=3, optimizer="rowwise_adagrad"),
+                  "--fiited_chunks=3 must divide --embedding_dim=16"),
+                 (dict(fiited_target=0.5), "--fiited_target needs the tables trained by "
+                                           "row-wise AdaGrad"),
+                 (dict(fiited_target=0.5, optimizer="rowwise_adagrad",
+                       replica_sync="weights"), "--replica_sync=gradients"),
+                 (dict(fiited_every=0), "--fiited_every=0")]
         for values, message in cases:
             with self.assertRaisesRegex(ValueError, message.replace("[", r"\[")):
                 TrainConfig(**values).validate()

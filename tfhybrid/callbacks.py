@@ -189,7 +189,9 @@ class ConsistentSteps(tf.keras.callbacks.Callback):
 
 
 class FiitedAdjust(tf.keras.callbacks.Callback):
-    """Runs FIITED's adjustment of every ``dims="adaptive"`` Embedding in the model.
+    """Runs FIITED's adjustment of every ``dims="adaptive"`` table in the model
+    (``tfhybrid.layers.Embedding`` layers, and tables inside a ``DistributedEmbedding``,
+    which every rank adjusts at the same batch).
 
     Every ``every_n_batches`` training batches each adaptive layer keeps
     ``target_memory`` of its chunks (:meth:`tfhybrid.layers.Embedding.adjust`); with
@@ -226,12 +228,17 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
         self._batches = 0
 
     def _layers(self) -> list:
+        # adaptive Embedding layers and DistributedEmbedding layers with adaptive tables
+        # (whose own Embedding layers only describe tables: never built)
         return [layer for layer in self.model._flatten_layers(include_self=False)
-                if getattr(layer, "dims", None) == "adaptive"]
+                if hasattr(layer, "_fiited_adaptive") and layer._fiited_adaptive()]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         from tfhybrid.optimizers import RowWiseAdagrad
         optimizer = getattr(self.model, "optimizer", None)
+        # a DistributedOptimizer may train the tables with its own embedding optimizer
+        optimizer = getattr(optimizer, "embedding_optimizer", None) or optimizer
+        optimizer = distributed._base_optimizer(optimizer)   # inside a loss scale one
         if self._layers() and not isinstance(optimizer, RowWiseAdagrad):
             raise ValueError(
                 f"FiitedAdjust resizes the adaptive tables, which {type(optimizer).__name__}"
@@ -244,7 +251,7 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
             return
         ramp = 1.0 if not self.ramp_batches else min(1.0, self._batches / self.ramp_batches)
         for layer in self._layers():
-            layer.adjust(1.0 - (1.0 - layer.target_memory) * ramp)
+            layer._fiited_adjust(ramp)
 
 
 def verbose(level: int = 1, mesh: mesh_lib.Mesh | None = None) -> int:

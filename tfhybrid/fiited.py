@@ -15,11 +15,13 @@ hashed, physically indexed" table), so a pruned chunk really frees memory:
 * ``accumulator``: row-wise AdaGrad's one float per row, which stays with its row
   whatever happens to the row's chunks;
 * ``utility``: per row, an exponential moving average of how often the row is looked up
-  times its gradient's size (the paper's signal), updated by :meth:`ChunkedTable.apply`.
+  times its gradient's size (the paper's signal: here the squared norm of the row's summed
+  gradient, so that column slices' utilities add up), updated by
+  :meth:`ChunkedTable.apply`.
 
 :meth:`ChunkedTable.adjust` re-divides a chunk budget (``target_memory`` of the dense
 table's chunks) by utility: chunk ``j`` of row ``i`` scores
-``utility[i] / (j + 1) ** position_power`` and the best-scoring chunks are kept, so every
+``sqrt(utility[i]) / (j + 1) ** position_power`` and the best-scoring chunks are kept, so every
 row keeps a prefix (at least ``min_chunks``) and rows that grow important regain chunks
 (as zeros: the row's output does not jump). The pool is then rebuilt at exactly the kept
 size (the freed chunks' memory is what the grown ones use), so its bytes are always those
@@ -43,7 +45,12 @@ import tensorflow as tf
 from tfhybrid import custom_ops
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 
-__all__ = ["ChunkedTable", "table_of"]
+__all__ = ["ChunkedTable", "plan_chunk_counts", "table_of"]
+
+# The adjustment's defaults: chunks every row keeps, and how fast a row's later chunks lose
+# score (see plan_chunk_counts).
+MIN_CHUNKS = 1
+POSITION_POWER = 3.0
 
 
 def table_of(variable: Any) -> "ChunkedTable | None":
@@ -67,6 +74,38 @@ def _check_fraction(name: str, value: Any, low_open: bool = True) -> float:
     return float(value)
 
 
+def plan_chunk_counts(utility: Any, chunks: int, target_memory: float,
+                      min_chunks: int = MIN_CHUNKS,
+                      position_power: float = POSITION_POWER) -> np.ndarray:
+    """Chunks per row of a table whose rows have ``utility`` ([rows]), under a budget of
+    ``target_memory`` x (rows x ``chunks``) chunks.
+
+    Chunk j of row i scores sqrt(utility[i]) / (j + 1) ** position_power (the utility is
+    a mean squared gradient norm; its root is the norm's scale); the best scores win, ties
+    by chunk position then row id, so each row keeps a prefix and the choice is
+    deterministic. A larger power spreads the chunks more evenly over the rows. Every row
+    keeps at least ``min_chunks`` (the budget is raised to that if needed).
+
+    A sharded table is planned whole from the sum of its shards' utilities (a column
+    slice's utility is its part of the row's squared norm), so every mesh decides alike.
+    """
+    target = ChunkedTable.check_target(target_memory)
+    utility = np.asarray(utility, np.float64)
+    rows = utility.shape[0]
+    total = rows * chunks
+    budget = max(int(math.floor(target * total)), rows * min_chunks)
+    score = (np.sqrt(np.maximum(utility, 0.0))[:, None]
+             / np.arange(1, chunks + 1)[None, :] ** position_power)
+    position = np.broadcast_to(np.arange(chunks)[None, :], score.shape)
+    row = np.broadcast_to(np.arange(rows)[:, None], score.shape)
+    forced = position < min_chunks
+    # lexsort: the last key is the primary one
+    order = np.lexsort((row.ravel(), position.ravel(), -score.ravel(), ~forced.ravel()))
+    keep = np.zeros(total, dtype=bool)
+    keep[order[:budget]] = True
+    return keep.reshape(rows, chunks).sum(axis=1)
+
+
 class ChunkedTable(tf.Module):
     """An embedding table whose rows keep a prefix of their chunks (FIITED storage).
 
@@ -88,8 +127,8 @@ class ChunkedTable(tf.Module):
 
     def __init__(self, rows: int, dim: int, chunks: int = 8, *,
                  initial_value: Any = None, seed: int | None = None,
-                 utility_decay: float = 0.99, min_chunks: int = 1,
-                 position_power: float = 3.0, use_custom_op: bool | None = None,
+                 utility_decay: float = 0.99, min_chunks: int = MIN_CHUNKS,
+                 position_power: float = POSITION_POWER, use_custom_op: bool | None = None,
                  name: str | None = None):
         super().__init__(name=name)
         self.rows = _check_int("rows", rows, 1)
@@ -236,12 +275,13 @@ class ChunkedTable(tf.Module):
             norms = tf.norm(g, axis=1)
         else:
             unique_ids, norms = applied
-        # utility: decay everywhere, then add each looked-up row's summed gradient norm
-        # (its access count times its mean gradient's size)
+        # utility: decay everywhere, then add each looked-up row's squared summed gradient
+        # norm (its access frequency times its gradient's size; squared, so that the
+        # utilities of a row's column slices add up to the row's)
         decay = self.utility_decay
         self.utility.assign(self.utility * decay)
         self.utility.scatter_nd_add(tf.cast(unique_ids, tf.int32)[:, None],
-                                    (1.0 - decay) * norms)
+                                    (1.0 - decay) * tf.square(norms))
 
     def apply_pool_gradient(self, grad: Any, learning_rate: float, epsilon: float = 1e-8,
                             scale: float = 1.0, weight_decay: float = 0.0) -> None:
@@ -265,34 +305,38 @@ class ChunkedTable(tf.Module):
                                                    weight_decay)]
         new_rows, new_accum = rowwise_adagrad_rows(
             rows, tf.gather(self.accumulator, unique_ids), g, mean_square, *scalars)
-        keep = tf.reshape(chunk_present, [-1])
+        self._write_present(slots, chunk_present, new_rows)
+        self.accumulator.scatter_nd_update(unique_ids[:, None], new_accum)
+
+    def _write_present(self, slots: tf.Tensor, present: tf.Tensor, rows: tf.Tensor) -> None:
+        """Writes the present chunks of ``rows`` ([N, dim]) to their pool ``slots`` (both
+        from :meth:`_gather_rows`); a pruned chunk's values have nowhere to go."""
+        keep = tf.reshape(present, [-1])
         self.pool.scatter_nd_update(
             tf.boolean_mask(tf.reshape(slots, [-1]), keep)[:, None],
-            tf.boolean_mask(tf.reshape(new_rows, [-1, self.chunk_dim]), keep))
-        self.accumulator.scatter_nd_update(unique_ids[:, None], new_accum)
+            tf.boolean_mask(tf.reshape(rows, [-1, self.chunk_dim]), keep))
+
+    def read_rows(self, start: int, stop: int) -> tf.Tensor:
+        """Rows ``start .. stop - 1`` as ``[stop - start, dim]`` (pruned chunks as zeros)."""
+        return self._gather_rows(tf.range(start, stop))[0]
+
+    def write_rows(self, start: int, values: Any) -> None:
+        """Sets rows ``start ..`` to ``values`` ([n, dim]) where they hold chunks; the
+        entries of pruned chunks are dropped (the row keeps its width)."""
+        values = tf.convert_to_tensor(values, tf.float32)
+        if values.shape.rank != 2 or values.shape[1] != self.dim or not (
+                0 <= start and start + values.shape[0] <= self.rows):
+            raise ValueError(f"write_rows: values of shape {values.shape} at row {start} "
+                             f"do not fit a [{self.rows}, {self.dim}] table")
+        _, slots, present = self._gather_rows(tf.range(start, start + values.shape[0]))
+        self._write_present(slots, present, values)
 
     # ------------------------------------------------------------------ adjusting
     def plan_chunks(self, target_memory: float) -> np.ndarray:
-        """Chunks per row under a budget of ``target_memory`` x (rows x chunks) chunks.
-
-        Chunk j of row i scores utility[i] / (j + 1) ** position_power; the best scores
-        win, ties by chunk position then row id, so each row keeps a prefix and the choice
-        is deterministic. A larger power spreads the chunks more evenly over the rows.
-        Every row keeps at least ``min_chunks`` (the budget is raised to that if needed)."""
-        target = self.check_target(target_memory)
-        total = self.rows * self.chunks
-        budget = max(int(math.floor(target * total)), self.rows * self.min_chunks)
-        utility = self.utility.numpy().astype(np.float64)
-        score = utility[:, None] / np.arange(1, self.chunks + 1)[None, :] ** self.position_power
-        position = np.broadcast_to(np.arange(self.chunks)[None, :], score.shape)
-        row = np.broadcast_to(np.arange(self.rows)[:, None], score.shape)
-        forced = position < self.min_chunks
-        # lexsort: the last key is the primary one
-        order = np.lexsort((row.ravel(), position.ravel(), -score.ravel(),
-                            ~forced.ravel()))
-        keep = np.zeros(total, dtype=bool)
-        keep[order[:budget]] = True
-        return keep.reshape(self.rows, self.chunks).sum(axis=1)
+        """Chunks per row under a budget of ``target_memory`` x (rows x chunks) chunks:
+        :func:`plan_chunk_counts` of this table's utility."""
+        return plan_chunk_counts(self.utility.numpy(), self.chunks, target_memory,
+                                 self.min_chunks, self.position_power)
 
     def adjust(self, target_memory: float) -> dict:
         """Re-divides the chunks by utility: :meth:`resize` to :meth:`plan_chunks`."""

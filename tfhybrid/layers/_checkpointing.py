@@ -40,6 +40,7 @@ import re
 import weakref
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.trackable import data_structures
@@ -48,6 +49,7 @@ from tensorflow.python.training.saving import saveable_object
 from tfhybrid import _checkpoint_writer
 from tfhybrid import _resharding
 from tfhybrid import distributed
+from tfhybrid import fiited
 
 # The layer's and the optimizer's checkpoint children (part of the checkpoint format).
 TABLES_CHILD = "tables"
@@ -150,9 +152,89 @@ class _LayerTables(trackable_base.Trackable):
         layer = self._layer()
         if layer is None:
             return {}
-        return {f"table_{t}": _factory((table.rows, table.dim),
-                                       [_variable_piece(rect, var) for rect, var in pieces])
+        return {f"table_{t}": (_chunked_factory(table, pieces) if table.chunks else
+                               _factory((table.rows, table.dim),
+                                        [_variable_piece(rect, var) for rect, var in pieces]))
                 for t, (table, pieces) in enumerate(zip(layer._tables, _held(layer)))}
+
+
+# the keys of a FIITED table's layout and utility, after its values' key
+CHUNKS_SUFFIX, UTILITY_SUFFIX = "_chunks", "_utility"
+
+
+class _ChunkedTableSaveable(saveable_object.SaveableObject):
+    """A FIITED table (``dims="adaptive"``) as three full tensors:
+
+    - its values under the table's own key, ``[rows, dim]`` with pruned entries zero
+      (what the table reads);
+    - which chunks each row holds, ``<key>_chunks``: ``[rows, chunks]`` int8 of 0/1;
+    - its utility, ``<key>_utility``: ``[rows, chunks]``, each shard's row utility spread
+      evenly over the chunk columns it holds, so a restore onto other column slices sums
+      its columns and every row's total (what the adjustment plans by) is kept.
+
+    Each rank offers its shards' rectangles of each (in chunk columns for the last two).
+    The three are restored together: the pools are resized to the saved layout before
+    the values land.
+    """
+
+    def __init__(self, name: str, table: Any, held: list):
+        self._held = held
+
+        def in_chunks(rect: _resharding.Rect) -> _resharding.Rect:
+            return _resharding.Rect(rect.row_start, rect.row_end,
+                                    rect.col_start // table.chunk_dim,
+                                    rect.col_end // table.chunk_dim)
+
+        def values(chunked):
+            return lambda: chunked.read_rows(0, chunked.rows)
+
+        def layout(chunked):
+            return lambda: tf.cast(tf.range(chunked.chunks)[None, :] < tf.constant(
+                chunked.chunks_per_row())[:, None], tf.int8)
+
+        def utility(chunked):
+            return lambda: tf.tile(chunked.utility.read_value()[:, None] / chunked.chunks,
+                                   [1, chunked.chunks])
+
+        by_chunk = (table.rows, table.chunks)
+        parts = (("", (table.rows, table.dim), tf.float32, lambda rect: rect, values),
+                 (CHUNKS_SUFFIX, by_chunk, tf.int8, in_chunks, layout),
+                 (UTILITY_SUFFIX, by_chunk, tf.float32, in_chunks, utility))
+        specs = []
+        for suffix, full_shape, dtype, rect_of, reader in parts:
+            for rect, chunked in held:
+                target = rect_of(rect)
+                specs.append(_checkpoint_writer.PieceSpec(
+                    reader(chunked), _resharding.slice_spec(full_shape, target),
+                    name + suffix, dtype, chunked.pool.device, target.shape))
+        super().__init__(None, specs, name)
+
+    @property
+    def device(self) -> str:
+        return self.specs[0].device if self.specs else "/cpu:0"
+
+    def restore(self, restored_tensors, restored_shapes):
+        del restored_shapes
+        if not tf.executing_eagerly():
+            raise RuntimeError("a FIITED table is restored eagerly (its pool is resized)")
+        n = len(self._held)
+        for i, (_, chunked) in enumerate(self._held):
+            values, present, utility = (restored_tensors[i], restored_tensors[n + i],
+                                        restored_tensors[2 * n + i])
+            present = present.numpy() != 0
+            counts = present.sum(axis=1)
+            if (present != (np.arange(chunked.chunks)[None, :] < counts[:, None])).any():
+                raise ValueError(f"FIITED table {chunked.name!r}: the checkpoint's chunk "
+                                 "layout is not a prefix of each row's chunks")
+            chunked.resize(counts)
+            chunked.write_rows(0, values)
+            chunked.utility.assign(tf.reduce_sum(utility, axis=1))
+        return tf.no_op()
+
+
+def _chunked_factory(table: Any, pieces: list) -> Callable:
+    held = [(rect, fiited.table_of(var)) for rect, var in pieces]
+    return lambda name: _ChunkedTableSaveable(name, table, held)
 
 
 def register_layer(layer: Any) -> None:
@@ -201,6 +283,11 @@ def _slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
     owner = _owner(optimizer, variable)
     if owner is None:
         return {}
+    chunked = fiited.table_of(variable)
+    if chunked is not None:
+        # a FIITED pool's only state is its rows' accumulator, which the table holds
+        return ({"accumulator": chunked.accumulator}
+                if any(v is chunked.accumulator for v in _variables_of(owner)) else {})
     if hasattr(owner, "get_slot_names"):   # legacy Keras optimizers
         slots = {}
         for name in owner.get_slot_names():

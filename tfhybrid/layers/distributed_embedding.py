@@ -27,6 +27,7 @@ import os
 import random
 from typing import Any, Sequence
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
@@ -35,9 +36,11 @@ from tfhybrid import collectives
 from tfhybrid import compression
 from tfhybrid import custom_ops
 from tfhybrid import distributed
+from tfhybrid import fiited
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import planner
-from tfhybrid.layers.embedding import Embedding
+from tfhybrid.fiited import ChunkedTable, plan_chunk_counts
+from tfhybrid.layers.embedding import Embedding, _combine_rows
 
 
 _LOG = logging.getLogger("tfhybrid")
@@ -58,6 +61,14 @@ class _Table:
     # shard is an instance of it, made from its config with the shard's shape
     custom_class: Any = None
     custom_config: Any = None
+    # FIITED (``dims="adaptive"``): chunks per row of the whole table, and the share of
+    # them kept; None for a dense table
+    chunks: int | None = None
+    target_memory: float | None = None
+
+    @property
+    def chunk_dim(self) -> int:
+        return self.dim // self.chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +117,10 @@ def _table_from_layer(layer: Any) -> _Table:
                   combiner=getattr(layer, "combiner", None),
                   initializer=initializer,
                   custom_class=type(layer) if custom else None,
-                  custom_config=config if custom else None)
+                  custom_config=config if custom else None,
+                  **({"chunks": int(config["chunks"]),
+                      "target_memory": float(config["target_memory"])}
+                     if config.get("dims") == "adaptive" else {}))
 
 
 def _custom_shard_layer(table: _Table, rows: int, width: int, name: str) -> Any:
@@ -139,10 +153,15 @@ def _check_custom_table(table: _Table, placement: Any) -> None:
 
 def _check_table_config(layer: Any, table: _Table, placement: Any) -> None:
     """Raises ``ValueError`` for a Keras Embedding setting the plan cannot honour."""
-    if getattr(layer, "dims", None) == "adaptive":
-        raise ValueError(
-            f"embedding layer {table.name!r} has dims='adaptive' (FIITED), which runs in one "
-            "process only for now; shard it as a dense table (dims=None)")
+    if table.chunks:
+        for shard in placement.shards:
+            if shard.col_start % table.chunk_dim or shard.col_end % table.chunk_dim:
+                raise ValueError(
+                    f"embedding layer {table.name!r} (dims='adaptive', chunks={table.chunks}"
+                    f" of {table.chunk_dim} columns) is split into columns "
+                    f"[{shard.col_start}, {shard.col_end}), which cut a chunk; choose "
+                    "chunks so that each column slice holds whole chunks, or raise "
+                    "column_slice_threshold above the table's size")
     variable_dtype = tf.as_dtype(layer.dtype_policy.variable_dtype)
     if variable_dtype != tf.float32:
         raise ValueError(
@@ -396,6 +415,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         names = [t.name for t in self._tables]
         if len(set(names)) != len(names):
             raise ValueError(f"embedding layer names must be unique; got {names}")
+        adaptive = [t.name for t in self._tables if t.chunks]
+        if adaptive and replica_sync == "weights":
+            # each replica would prune by its own utility, and replicas whose pools differ
+            # cannot be averaged
+            raise ValueError(f"tables {adaptive} have dims='adaptive' (FIITED), which needs "
+                             "replica_sync='gradients' (every replica then sees the same "
+                             f"utility and prunes alike); got replica_sync={replica_sync!r}")
         if input_table_map is None:
             input_table_map = list(range(len(self._tables)))
         input_table_map = [int(t) for t in input_table_map]
@@ -545,14 +571,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # variables: one per data-parallel table, one per model-parallel shard we own
         self._table_vars: dict[int, tf.Variable] = {}
         self._shard_vars: dict[tuple[int, int], tf.Variable] = {}
+        # FIITED tables and shards, keyed "<table>_<shard>" (a tracked dict: their
+        # variables are the layer's weights); the variable above is the table's pool
+        self._chunked_tables: dict[str, ChunkedTable] = {}
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
             ids_per_step = local_batch * hotness[t]
             if placement.kind == "data_parallel":
                 self._table_vars[t] = self._add_table_weight(
                     t, 0, table.name, placement.shards[0], on_host[(t, 0)])
                 distributed.mark_embedding(self._table_vars[t])
-                distributed.mark_sparse_sync(self._table_vars[t], planner.sync_is_sparse(
-                    table.rows, table.dim, ids_per_step, mesh.size))
+                distributed.mark_sparse_sync(self._table_vars[t], bool(table.chunks) or
+                                             planner.sync_is_sparse(table.rows, table.dim,
+                                                                    ids_per_step, mesh.size))
                 continue
             if placement.kind == "row_wise":
                 ids_per_step /= len(placement.shards)
@@ -565,9 +595,17 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     var, mesh, self.sync_every if self.replica_sync == "weights" else None,
                     table_key=self._table_key(t))
                 distributed.mark_embedding(var)
-                distributed.mark_sparse_sync(var, planner.sync_is_sparse(
+                # a pool's gradient is rows at logical ids, which only the sparse sync
+                # (and the pool's own apply) can place
+                distributed.mark_sparse_sync(var, bool(table.chunks) or planner.sync_is_sparse(
                     shard.row_end - shard.row_start, shard.col_end - shard.col_start,
                     mesh.model_parallel * ids_per_step, mesh.data_parallel))
+                chunked = self._chunked(t, s)
+                if chunked is not None:
+                    # the pool's row state lives on the shard's position too (broadcast
+                    # and checkpointed with the shard)
+                    for state in (chunked.row_offsets, chunked.accumulator, chunked.utility):
+                        distributed.mark_model_parallel(state, mesh)
                 self._shard_vars[(t, s)] = var
         # The backward alltoall must run on every rank of the model group, but the tape
         # skips it on a rank whose sent rows touch no trainable variable (a position that
@@ -633,6 +671,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         layer = self._embedding_layers[table]
         rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
         with tf.device("/CPU:0") if on_host else contextlib.nullcontext():
+            if self._tables[table].chunks:
+                with tf.init_scope():
+                    initial = _slice_initializer(self._tables[table], shard)(
+                        [rows, width], dtype=tf.float32)
+                chunked = ChunkedTable(
+                    rows, width, width // self._tables[table].chunk_dim,
+                    initial_value=initial, name=name.replace("/", "_"),
+                    use_custom_op=None if self.use_custom_kernel else False)
+                self._chunked_tables[f"{table}_{index}"] = chunked
+                return chunked.pool
             if self._tables[table].custom_class is not None:
                 custom = _custom_shard_layer(self._tables[table], rows, width,
                                              name.replace("/", "_"))
@@ -651,6 +699,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     def _table_key(self, table: int) -> str:
         return f"{self.name}/{self._tables[table].name}"
+
+    def _chunked(self, table: int, shard: int) -> ChunkedTable | None:
+        """The FIITED pool of table ``table``'s shard ``shard`` (0 for a replicated table)
+        if this rank holds it and the table is adaptive."""
+        return self._chunked_tables.get(f"{table}_{shard}")
 
     # ------------------------------------------------------------------ call
     def call(self, inputs):
@@ -1053,6 +1106,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     def _lookup_sum(self, key: tuple[int, int], var, ids, lengths):
         """The sum of each bag's rows of one table or shard (``key``: table, shard)."""
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
+        chunked = self._chunked(*key)
+        if chunked is not None:
+            return _combine_rows(chunked.lookup, ragged, "sum")
         custom = self._custom_shards.get(key)
         if custom is not None:
             # without a combiner every bag is one id (checked in _check_custom_table)
@@ -1095,7 +1151,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                         continue
                     # a gather reads only the chunk; a dense read of a variable that saw
                     # sparse updates copies the whole table first
-                    local = (tf.gather(var, tf.range(start, stop)) if var is not None
+                    chunked = self._chunked(t, s) if var is not None else None
+                    local = (chunked.read_rows(start, stop) if chunked is not None
+                             else tf.gather(var, tf.range(start, stop)) if var is not None
                              else tf.zeros([0, width], tf.float32))
                     if not replicated:
                         local = collectives.allgather(local, mesh.model_parallel,
@@ -1137,19 +1195,134 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 raise ValueError(f"set_weights: table {table.name!r} has shape "
                                  f"{np.shape(full)}; expected {(table.rows, table.dim)}")
             placement = self.plan.tables[t]
-            targets = ([(self._table_vars[t], placement.shards[0])]
+            targets = ([(self._table_vars[t], 0, placement.shards[0])]
                        if placement.kind == "data_parallel" else
-                       [(v, placement.shards[s]) for (tt, s), v in self._shard_vars.items()
-                        if tt == t])
-            for var, shard in targets:
+                       [(v, s, placement.shards[s])
+                        for (tt, s), v in self._shard_vars.items() if tt == t])
+            for var, s, shard in targets:
                 width = shard.col_end - shard.col_start
+                chunked = self._chunked(t, s)
                 for start, stop in _chunks(shard.row_end - shard.row_start, width,
                                            None if chunk is None else 4 * chunk):
+                    values = np.asarray(full[shard.row_start + start:shard.row_start + stop,
+                                             shard.col_start:shard.col_end], np.float32)
+                    if chunked is not None:
+                        # a FIITED row keeps its width: pruned entries are dropped
+                        chunked.write_rows(start, values)
+                        continue
                     # scatter_update writes in place; a sliced assign may copy the table
-                    var.scatter_update(tf.IndexedSlices(
-                        np.asarray(full[shard.row_start + start:shard.row_start + stop,
-                                        shard.col_start:shard.col_end], np.float32),
-                        tf.range(start, stop)))
+                    var.scatter_update(tf.IndexedSlices(values, tf.range(start, stop)))
+
+    # ------------------------------------------------------------ FIITED
+    def adjust(self, target_memory: float | None = None) -> dict[str, int]:
+        """FIITED's adjustment of every ``dims="adaptive"`` table: keep ``target_memory``
+        (default: each table layer's) of the table's chunks, divided by row utility.
+
+        Every rank must call it (``tfhybrid.callbacks.FiitedAdjust`` does, at the same
+        batch everywhere): a sharded table is planned whole, from its shards' utilities
+        summed over the model group (a column slice's utility is its part of the row's),
+        and each shard keeps its part of that plan, so every mesh prunes alike. Returns
+        the chunks each adaptive table keeps, by table name."""
+        if target_memory is not None:
+            ChunkedTable.check_target(target_memory)
+        return self._adjust(lambda table: table.target_memory if target_memory is None
+                            else target_memory)
+
+    def _fiited_adaptive(self) -> bool:
+        """Whether :meth:`adjust` has tables to adjust (the FiitedAdjust callback asks)."""
+        return self.built and any(table.chunks for table in self._tables)
+
+    def _fiited_adjust(self, ramp: float) -> None:
+        """The FiitedAdjust callback's step: each table's budget ``ramp`` of the way from
+        the whole table to its ``target_memory``."""
+        self._adjust(lambda table: 1.0 - (1.0 - table.target_memory) * ramp)
+
+    def _adjust(self, target_of) -> dict[str, int]:
+        self._require_built("adjust")
+        adaptive = [t for t, table in enumerate(self._tables) if table.chunks]
+        if not adaptive:
+            raise ValueError(f"DistributedEmbedding {self.name!r}.adjust(): no table has "
+                             "dims='adaptive'")
+        mesh = self._mesh
+        sharded = [t for t in adaptive if self.plan.tables[t].kind != "data_parallel"]
+        # each sharded table's utility per row, whole: this rank's shards in place, summed
+        # over the model group (every row is held by one shard per column slice)
+        utilities = []
+        for t in sharded:
+            whole = np.zeros([self._tables[t].rows], np.float32)
+            for s, shard in enumerate(self.plan.tables[t].shards):
+                chunked = self._chunked(t, s)
+                if chunked is not None:
+                    whole[shard.row_start:shard.row_end] += chunked.utility.numpy()
+            utilities.append(whole)
+        if utilities and mesh.model_parallel > 1:
+            summed = collectives.allreduce(tf.constant(np.concatenate(utilities)), hvd.Sum,
+                                           f"tfhybrid_{self.name}_fiited_utility",
+                                           mesh.model_process_set).numpy()
+            utilities = np.split(summed, np.cumsum([len(u) for u in utilities])[:-1])
+        kept = {}
+        for t in adaptive:
+            table, placement = self._tables[t], self.plan.tables[t]
+            target = target_of(table)
+            if placement.kind == "data_parallel":
+                # every rank's copy has the same utility (its gradient is synced)
+                kept[table.name] = self._chunked(t, 0).adjust(target)["present"]
+                continue
+            counts = plan_chunk_counts(utilities[sharded.index(t)], table.chunks, target)
+            kept[table.name] = int(counts.sum())
+            for s, shard in enumerate(placement.shards):
+                chunked = self._chunked(t, s)
+                if chunked is None:
+                    continue
+                # the row's chunks that fall in this column slice (a prefix of them)
+                first = shard.col_start // table.chunk_dim
+                chunked.resize(np.clip(counts[shard.row_start:shard.row_end] - first, 0,
+                                       chunked.chunks))
+        return kept
+
+    def chunks_per_row(self) -> list:
+        """Per table, how many chunks each row holds (None for a dense table); every
+        rank must call it (the counts of shards are gathered over the model group)."""
+        self._require_built("chunks_per_row")
+        mesh = self._mesh
+        counts = []
+        for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
+            if not table.chunks:
+                counts.append(None)
+                continue
+            if placement.kind == "data_parallel":
+                counts.append(self._chunked(t, 0).chunks_per_row())
+                continue
+            whole = np.zeros([table.rows], np.int32)
+            for s, shard in enumerate(placement.shards):
+                chunked = self._chunked(t, s)
+                if chunked is not None:
+                    whole[shard.row_start:shard.row_end] += chunked.chunks_per_row()
+            if mesh.model_parallel > 1:
+                whole = collectives.allreduce(tf.constant(whole), hvd.Sum,
+                                              f"tfhybrid_{self.name}_fiited_counts",
+                                              mesh.model_process_set).numpy()
+            counts.append(whole)
+        return counts
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's tables and shards: ``"embedding"`` (tables and FIITED
+        pools with their row index) and, for FIITED, ``"dense"``, what the same shards
+        take as dense tables."""
+        self._require_built("memory_bytes")
+        held = {"embedding": 0, "dense": 0}
+        for var in list(self._table_vars.values()) + list(self._shard_vars.values()):
+            chunked = fiited.table_of(var)
+            if chunked is None:
+                nbytes = int(np.prod(var.shape)) * var.dtype.size
+                held["embedding"] += nbytes
+                held["dense"] += nbytes
+            else:
+                memory = chunked.memory_bytes()
+                held["embedding"] += memory["pool"] + memory["zero_chunk"] + memory[
+                    "row_offsets"]
+                held["dense"] += chunked.rows * chunked.dim * 4
+        return held
 
     # ------------------------------------------------------------ config
     def get_config(self) -> dict:

@@ -58,6 +58,16 @@ flags.DEFINE_float("dct_mp_keep", None, "DCT-MP: the share of each sample's look
                    "the alltoall returns (its largest entries). Default: off.")
 flags.DEFINE_integer("dct_refresh_every", _DEFAULTS.dct_refresh_every,
                      "DCT-DP: steps between recomputations of each gradient's threshold.")
+flags.DEFINE_float("fiited_target", None, "FIITED: per-row embedding widths learned in "
+                   "training, keeping this share of the tables' chunks (e.g. 0.35). Needs "
+                   "row-wise AdaGrad for the tables. Default: off (dense tables).")
+flags.DEFINE_integer("fiited_chunks", _DEFAULTS.fiited_chunks,
+                     "FIITED: chunks per row (must divide --embedding_dim).")
+flags.DEFINE_integer("fiited_every", _DEFAULTS.fiited_every,
+                     "FIITED: training batches between adjustments of the widths.")
+flags.DEFINE_integer("fiited_ramp", _DEFAULTS.fiited_ramp,
+                     "FIITED: batches over which the budget goes from the whole tables to "
+                     "--fiited_target (0: at once).")
 flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the dense towers with XLA.")
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size.")
 flags.DEFINE_integer("steps", None, "Steps per epoch (default: one pass over file data; "

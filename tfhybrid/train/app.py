@@ -68,6 +68,12 @@ class TrainConfig:
     dct_dp_keep: float | None = None
     dct_mp_keep: float | None = None
     dct_refresh_every: int = 2000
+    # FIITED (tfhybrid.fiited): per-row widths keeping this share of the tables' chunks;
+    # None: dense tables
+    fiited_target: float | None = None
+    fiited_chunks: int = 8
+    fiited_every: int = 1000                   # batches between adjustments
+    fiited_ramp: int = 0                       # batches over which the budget shrinks
     xla: bool = False
     batch_size: int = 1024                     # global
     steps: int | None = None                   # per epoch; None: one pass (file datasets)
@@ -109,7 +115,7 @@ class TrainConfig:
                 raise ValueError(f"--{name}={getattr(self, name)!r} is unknown; expected one "
                                  f"of {', '.join(allowed)}")
         positive = ["sync_every", "batch_size", "epochs", "embedding_dim", "num_cross_layers",
-                    "dct_refresh_every"]
+                    "dct_refresh_every", "fiited_chunks", "fiited_every"]
         optional_positive = ["model_parallel", "eval_batches", "max_table_rows",
                              "projection_dim", "threads"] + list(STALL_FLAGS)
         for name in positive + optional_positive:
@@ -119,7 +125,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name}={value!r} must be an integer >= 1")
         # steps=0 evaluates (a restored checkpoint, say) without training
-        for name in ("checkpoint_every", "warmup_steps") + (
+        for name in ("checkpoint_every", "warmup_steps", "fiited_ramp") + (
                 ("steps",) if self.steps is not None else ()):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -141,6 +147,8 @@ class TrainConfig:
                              "number > 0")
         if not self.cardinality_scale > 0:
             raise ValueError(f"--cardinality_scale={self.cardinality_scale!r} must be > 0")
+        if self.fiited_target is not None:
+            _check_fiited(self)
         if (self.restore or self.checkpoint_every) and not self.checkpoint_dir:
             raise ValueError("--restore and --checkpoint_every need --checkpoint_dir")
         if self.model == "dlrm" and list(self.bottom_mlp_dims)[-1:] != [self.embedding_dim]:
@@ -253,6 +261,52 @@ def _optimizer(config: TrainConfig):
                    else hvd.Compression.none)
     return tfhybrid.DistributedOptimizer(dense, embedding_optimizer=tables,
                                          compression=compression, dct=_dct(config))
+
+
+def _check_fiited(config: TrainConfig) -> None:
+    """What --fiited_target needs, as ValueErrors naming the flags."""
+    target = config.fiited_target
+    if isinstance(target, bool) or not (isinstance(target, (int, float))
+                                        and math.isfinite(target) and 0 < target <= 1):
+        raise ValueError(f"--fiited_target={target!r} must be a number in (0, 1] (the "
+                         "share of the tables' chunks kept)")
+    if config.embedding_dim % config.fiited_chunks:
+        raise ValueError(f"--fiited_chunks={config.fiited_chunks} must divide "
+                         f"--embedding_dim={config.embedding_dim}")
+    tables = config.embedding_optimizer or config.optimizer
+    if tables not in ("rowwise_adagrad", "ms_rowwise_adagrad"):
+        raise ValueError(f"--fiited_target needs the tables trained by row-wise AdaGrad "
+                         f"(--optimizer or --embedding_optimizer rowwise_adagrad or "
+                         f"ms_rowwise_adagrad), whose state follows a resized row; got "
+                         f"{tables!r}")
+    if config.replica_sync != "gradients":
+        raise ValueError(f"--fiited_target needs --replica_sync=gradients; got "
+                         f"{config.replica_sync!r}")
+
+
+def _fiited(config: TrainConfig) -> dict | None:
+    """The tables' FIITED options of the flags (a model's ``fiited``), or None."""
+    if config.fiited_target is None:
+        return None
+    return {"chunks": config.fiited_chunks, "target_memory": float(config.fiited_target)}
+
+
+def _fiited_figures(model) -> dict | None:
+    """The run's FIITED figures: chunks kept and embedding bytes (the tables' pools and
+    row offsets, one replica) against dense tables. Every rank must call it."""
+    tables = model.embedding._embedding_layers
+    counts = model.embedding.chunks_per_row()
+    kept = sum(int(c.sum()) for c in counts if c is not None)
+    pool = index = dense = 0
+    for layer, c in zip(tables, counts):
+        if c is None:
+            continue
+        chunk_bytes = 4 * layer.output_dim // layer.chunks
+        pool += int(c.sum()) * chunk_bytes
+        index += 4 * (layer.input_dim + 1)
+        dense += 4 * layer.input_dim * layer.output_dim
+    return {"chunks_kept": kept, "embedding_bytes": pool + index, "dense_bytes": dense,
+            "memory_saved": 1.0 - (pool + index) / dense if dense else 0.0}
 
 
 def _dct(config: TrainConfig):
@@ -608,7 +662,7 @@ def run(config: TrainConfig) -> dict:
             data_parallel_threshold=config.data_parallel_threshold,
             replica_sync=config.replica_sync, sync_every=config.sync_every,
             optimizer=config.embedding_optimizer or config.optimizer,
-            dct=_dct_config(config)))
+            dct=_dct_config(config)), fiited=_fiited(config))
     if config.communication == "float16" and config.mixed_precision == "none":
         # the wire carries the layer's compute dtype; the towers stay float32
         model_options["embedding_options"]["dtype"] = "mixed_float16"
@@ -670,6 +724,8 @@ def run(config: TrainConfig) -> dict:
     if fault:
         fit_callbacks.append(fault)
     fit_callbacks += callbacks.defaults(mesh) + [throughput.callback]
+    if config.fiited_target is not None:
+        fit_callbacks.append(callbacks.FiitedAdjust(config.fiited_every, config.fiited_ramp))
     if config.checkpoint_dir:
         fit_callbacks.append(_checkpoint_callback(config, model, optimizer, mesh, first_step))
     if config.log_dir and mesh.rank == 0:
@@ -710,6 +766,9 @@ def run(config: TrainConfig) -> dict:
         train_loss=train_loss,
         communication=config.communication,
         dct=_dct_config(config),
+        fiited=None if config.fiited_target is None else dict(
+            _fiited(config), every=config.fiited_every, ramp=config.fiited_ramp,
+            **_fiited_figures(model)),
         samples_per_second=throughput.samples_per_second(), best_auc=spec.best_auc,
         **throughput.figures(),
         malformed_lines_skipped=malformed if malformed is not None else (

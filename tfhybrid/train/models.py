@@ -25,6 +25,7 @@ import tensorflow as tf
 import tensorflow_recommenders as tfrs
 
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
+from tfhybrid.layers.embedding import Embedding
 from tfhybrid.layers.xla import XlaCompiled
 
 MODELS = ("dlrm", "dcnv2")
@@ -63,7 +64,10 @@ class _LocalTables(tf.keras.layers.Layer):
 
     def set_weights(self, weights):
         for table, w in zip(self.tables, weights):
-            table.set_weights([w])
+            if getattr(table, "dims", None) == "adaptive":
+                table.table.write_rows(0, w)   # FIITED: pruned entries stay pruned
+            else:
+                table.set_weights([w])
 
 
 class _DotInteraction(tf.keras.layers.Layer):
@@ -85,7 +89,8 @@ class _ClickModel(tf.keras.Model):
     def __init__(self, table_rows: Sequence[int], dense_features: int, embedding_dim: int,
                  top_mlp_dims: Sequence[int] = (1024, 1024, 512, 256, 1),
                  distributed: bool = True, xla: bool = False,
-                 embedding_options: dict | None = None, seed: int = 0, **kwargs: Any):
+                 embedding_options: dict | None = None, seed: int = 0,
+                 fiited: dict | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.table_rows = _check_dims("table_rows", table_rows)
         if isinstance(dense_features, bool) or not isinstance(dense_features, int) \
@@ -104,10 +109,13 @@ class _ClickModel(tf.keras.Model):
         self.xla = bool(xla)
         self.embedding_options = dict(embedding_options or {})
         self.seed = int(seed)
-        tables = [tf.keras.layers.Embedding(
+        # FIITED: {"chunks": C, "target_memory": share} makes every table dims="adaptive"
+        self.fiited = None if fiited is None else dict(fiited)
+        tables = [(Embedding if self.fiited else tf.keras.layers.Embedding)(
             rows, embedding_dim, name=f"table_{t}",
             embeddings_initializer=tf.keras.initializers.RandomUniform(
-                -0.05, 0.05, seed=_seed(self.seed, f"table_{t}")))
+                -0.05, 0.05, seed=_seed(self.seed, f"table_{t}")),
+            **(dict(dims="adaptive", **self.fiited) if self.fiited else {}))
             for t, rows in enumerate(self.table_rows)]
         if self.distributed:
             self.embedding = DistributedEmbedding(tables, name="embedding",
@@ -134,6 +142,7 @@ class _ClickModel(tf.keras.Model):
                 "embedding_dim": self.embedding_dim, "top_mlp_dims": list(self.top_mlp_dims),
                 "distributed": self.distributed, "xla": self.xla,
                 "embedding_options": dict(self.embedding_options), "seed": self.seed,
+                "fiited": None if self.fiited is None else dict(self.fiited),
                 "name": self.name}
 
     @classmethod
@@ -262,7 +271,9 @@ def serving_copy(model: _ClickModel, tables: Sequence[np.ndarray]) -> _ClickMode
     policy = tf.keras.mixed_precision.global_policy()
     tf.keras.mixed_precision.set_global_policy("float32")
     try:
-        config = dict(model.get_config(), distributed=False, xla=False, embedding_options={})
+        # FIITED's tables are served dense: their pruned entries are zeros
+        config = dict(model.get_config(), distributed=False, xla=False, embedding_options={},
+                      fiited=None)
         copy = type(model).from_config(config)
         copy(example_batch(copy))
     finally:
