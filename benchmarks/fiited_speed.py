@@ -8,10 +8,11 @@ row-wise AdaGrad step with duplicate ids summed first):
 * ``dense, fused C++``: tfhybrid's fused lookup+combine op and row-wise AdaGrad kernel
   (what a dense ``tfhybrid.layers.Embedding`` runs);
 * ``dense, pure TF``: the same math in plain TF ops (the ops' fallback);
-* ``chunked, p% pruned``: ``tfhybrid.fiited.ChunkedTable`` with its C++ kernels (the
-  lookup through the row offsets, the row-wise AdaGrad on the chunks rows hold; the
-  combine and the utility update in TF ops), with p% of each table's chunks pruned by
-  utility (a random utility per row, so which rows shrink does not follow the ids);
+* ``chunked, p% pruned``: ``tfhybrid.fiited.ChunkedTable.lookup_combine`` with its C++
+  kernels (one fused gather-and-sum through the row offsets, whose gradient arrives
+  coalesced from the dense kernel's backward; the row-wise AdaGrad on the chunks rows
+  hold; the utility update in TF ops), with p% of each table's chunks pruned by utility
+  (a random utility per row, so which rows shrink does not follow the ids);
 * ``chunked pure TF, 0% pruned``: the same table on its plain-TF path.
 
 Prints per path the median [p25, p75] (min, max) milliseconds over --repeats timed runs
@@ -63,8 +64,7 @@ def dense_fns(tables, accumulators, use_op: bool):
 
 def chunked_fns(tables):
     def forward(ids):
-        return tf.concat([tf.reduce_sum(t.lookup(ids[i]), axis=1)
-                          for i, t in enumerate(tables)], axis=1)
+        return tf.concat([t.lookup_combine(ids[i]) for i, t in enumerate(tables)], axis=1)
 
     def train(ids, upstream):
         pools = [t.pool for t in tables]

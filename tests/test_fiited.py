@@ -80,6 +80,32 @@ class NothingPrunedTest(unittest.TestCase):
             custom_ops.chunked_lookup(tables[0].pool, tables[0].row_offsets,
                                       tf.constant([50]), DIM, use_custom_op=True)
 
+    def test_fused_lookup_combine_equals_the_pure_tf_path_after_pruning(self):
+        from tfhybrid.custom_ops import coalesce_rows
+        tables = [ChunkedTable(ROWS, DIM, CHUNKS, seed=9, min_chunks=0, use_custom_op=op)
+                  for op in (True, False)]
+        for table in tables:
+            table.utility.assign(tf.range(ROWS, dtype=tf.float32))
+            table.adjust(target_memory=0.4)
+        self.assertIn(0, tables[0].chunks_per_row().tolist())
+        ragged = tf.ragged.constant([[3, 7, 3, 49], [], [0, 25, 25]], dtype=tf.int64)
+        dense = tf.constant([[1, 2, 2], [48, 30, 1]], dtype=tf.int32)
+        for ids in (ragged, dense):
+            for combiner in ("sum", "mean"):
+                results = []
+                for table in tables:
+                    with tf.GradientTape() as tape:
+                        out = table.lookup_combine(ids, combiner)
+                        loss = tf.reduce_sum(out * tf.range(1.0, DIM + 1.0))
+                    grad = tape.gradient(loss, table.pool)
+                    results.append((out, *coalesce_rows(grad.indices, grad.values)))
+                (out, ids_op, rows_op), (want, ids_tf, rows_tf) = results
+                np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-6)
+                np.testing.assert_array_equal(ids_op.numpy(), ids_tf.numpy())
+                np.testing.assert_allclose(rows_op.numpy(), rows_tf.numpy(), rtol=1e-6)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "got id 50"):
+            tables[0].lookup_combine(tf.constant([[50]]))
+
     def test_traced_apply_equals_eager(self):
         eager, traced = ChunkedTable(ROWS, DIM, CHUNKS, seed=5), ChunkedTable(ROWS, DIM,
                                                                                CHUNKS, seed=5)
@@ -325,7 +351,9 @@ class AdaptiveLayerTest(unittest.TestCase):
             tf.saved_model.save(model, d)
             served = tf.saved_model.load(d)
             got = served.signatures["serving_default"](tf.constant(x, tf.int32))
-        np.testing.assert_allclose(list(got.values())[0].numpy(), want, rtol=1e-6)
+        # the served graph may sum a bag in another order than the fused kernel
+        np.testing.assert_allclose(list(got.values())[0].numpy(), want, rtol=1e-6,
+                                   atol=1e-7)
 
     def test_bad_settings_name_the_value(self):
         from tfhybrid.layers import Embedding

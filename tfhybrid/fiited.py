@@ -106,6 +106,24 @@ def plan_chunk_counts(utility: Any, chunks: int, target_memory: float,
     return keep.reshape(rows, chunks).sum(axis=1)
 
 
+def _combine_rows(lookup, ids, combiner: str):
+    """[B, H] dense or [B, None] ragged ids -> [B, D] through ``lookup`` ([N] -> [N, D]);
+    an empty bag gives zeros, ``"mean"`` divides by max(bag size, 1)."""
+    if isinstance(ids, tf.RaggedTensor):
+        rows = lookup(ids.flat_values)
+        out = tf.math.unsorted_segment_sum(rows, ids.value_rowids(), ids.nrows())
+        sizes = ids.row_lengths()[:, None]
+    else:
+        flat = lookup(tf.reshape(ids, [-1]))
+        rows = tf.reshape(flat, tf.concat([tf.shape(ids), tf.shape(flat)[1:]], 0))
+        rows.set_shape(ids.shape.concatenate(flat.shape[1:]))
+        out = tf.reduce_sum(rows, axis=1)
+        sizes = tf.shape(ids)[1]
+    if combiner == "mean":
+        out = out / tf.cast(tf.maximum(sizes, 1), out.dtype)
+    return out
+
+
 class ChunkedTable(tf.Module):
     """An embedding table whose rows keep a prefix of their chunks (FIITED storage).
 
@@ -225,6 +243,47 @@ class ChunkedTable(tf.Module):
                 rows = self._gather_rows(ids, pool)[0]
             return rows, grad
         return rows_of(self.pool.read_value())
+
+    def lookup_combine(self, ids: Any, combiner: str = "sum") -> tf.Tensor:
+        """Bags of rows combined: ``[B, H]`` dense or ``[B, None]`` ragged ids ->
+        ``[B, dim]`` sums (``"mean"``: divided by max(bag size, 1)).
+
+        With the C++ ops, one fused kernel gathers and sums through the row offsets, and
+        the pool's gradient arrives coalesced (each looked-up row once, duplicates summed
+        in input order: ``tf.IndexedSlices`` at ascending logical ids); otherwise
+        :meth:`lookup` and a segment sum."""
+        if combiner not in ("sum", "mean"):
+            raise ValueError(f"combiner must be 'sum' or 'mean', got {combiner!r}")
+        if isinstance(ids, tf.RaggedTensor):
+            flat, splits = ids.values, ids.row_splits
+        else:
+            ids = tf.convert_to_tensor(ids)
+            if ids.shape.rank != 2:
+                raise ValueError(f"dense ids must be [B, H], got shape {ids.shape}")
+            flat = tf.reshape(ids, [-1])
+            shape = tf.shape(ids, out_type=tf.int64)
+            splits = tf.range(shape[0] + 1) * shape[1]
+        if flat.dtype not in (tf.int32, tf.int64):
+            raise ValueError(f"ids must be int32 or int64, got {flat.dtype}")
+        if not custom_ops.custom_op_used(self.use_custom_op, self.pool):
+            return _combine_rows(self.lookup, ids, combiner)
+        out = self._fused_sums(self.pool.read_value(), flat, splits)
+        if combiner == "mean":
+            sizes = tf.cast(tf.maximum(splits[1:] - splits[:-1], 1), out.dtype)
+            out = out / sizes[:, None]
+        out.set_shape([ids.shape[0], self.dim])
+        return out
+
+    def _fused_sums(self, pool: tf.Tensor, flat: tf.Tensor, splits: tf.Tensor) -> tf.Tensor:
+        @tf.custom_gradient
+        def sums_of(pool):
+            def grad(upstream):
+                unique_ids, rows = custom_ops.combine_gradient_rows(
+                    tf.cast(upstream, tf.float32), flat, splits, self.rows, self.name)
+                return tf.IndexedSlices(rows, unique_ids, tf.constant([self.rows, self.dim]))
+            return custom_ops.chunked_lookup_combine(pool, self.row_offsets, flat, splits,
+                                                     self.dim, self.name), grad
+        return sums_of(pool)
 
     def to_dense(self) -> tf.Tensor:
         """The [rows, dim] table this pool represents (pruned chunks as zeros)."""

@@ -371,7 +371,8 @@ def _register_gradients():
             tf.RegisterGradient(name)(fn)
         except KeyError:  # already registered (module re-imported)
             pass
-    for name in ("EmbeddingLookupCombineGrad", "RowwiseAdagradApply", "TfhybridKernelIsa"):
+    for name in ("EmbeddingLookupCombineGrad", "RowwiseAdagradApply", "TfhybridKernelIsa",
+                 "ChunkedEmbeddingLookupCombine"):
         try:
             tf.no_gradient(name)
         except KeyError:
@@ -434,6 +435,32 @@ def chunked_lookup(pool, row_offsets, ids, dim: int, use_custom_op=None):
     if not _use_op(use_custom_op, pool):
         return None
     return _require_lib().chunked_embedding_lookup(pool, row_offsets, ids, dim=dim)
+
+
+def custom_op_used(use_custom_op, *placed) -> bool:
+    """Whether a kernel of this library runs for tensors/variables ``placed``, given a
+    ``use_custom_op`` of None (auto), True (required: raises when not built) or False."""
+    return _use_op(use_custom_op, *placed)
+
+
+def chunked_lookup_combine(pool, row_offsets, ids, row_splits, dim: int,
+                           table_name: str = "embedding"):
+    """FIITED's bags in C++: [B, dim] sums of the rows of ``ids`` ([N]) in the bags
+    ``row_splits`` ([B + 1]). The caller owns the gradient (:func:`combine_gradient_rows`)
+    and the choice of path (:func:`custom_op_used`)."""
+    return _require_lib().chunked_embedding_lookup_combine(
+        pool, row_offsets, ids, tf.cast(row_splits, tf.int64), dim=dim, table_name=table_name)
+
+
+def combine_gradient_rows(upstream, ids, row_splits, num_rows, table_name: str = "embedding"):
+    """The gradient of bags of summed rows w.r.t. their table, in C++: (distinct ids
+    ascending [U], their summed gradient rows [U, D]), duplicates summed in input order.
+
+    ``upstream``: [B, D] float32, the bags' gradient; ``ids``/``row_splits`` as looked up.
+    """
+    return _require_lib().embedding_lookup_combine_grad(
+        upstream, ids, tf.cast(row_splits, tf.int64), tf.cast(num_rows, tf.int64),
+        combiner="sum", table_name=table_name)
 
 
 def chunked_rowwise_adagrad_apply(pool, accum, row_offsets, indices, grad, lr, epsilon,

@@ -40,7 +40,7 @@ from tfhybrid import fiited
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import planner
 from tfhybrid.fiited import ChunkedTable, plan_chunk_counts
-from tfhybrid.layers.embedding import Embedding, _combine_rows
+from tfhybrid.layers.embedding import Embedding
 
 
 _LOG = logging.getLogger("tfhybrid")
@@ -1108,7 +1108,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
         chunked = self._chunked(*key)
         if chunked is not None:
-            return _combine_rows(chunked.lookup, ragged, "sum")
+            return chunked.lookup_combine(ragged)
         custom = self._custom_shards.get(key)
         if custom is not None:
             # without a combiner every bag is one id (checked in _check_custom_table)

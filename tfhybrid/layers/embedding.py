@@ -265,7 +265,7 @@ class Embedding(tf.keras.layers.Embedding):
 
     def _combine(self, ids):
         if self.dims == "adaptive":
-            return _combine_rows(self.table.lookup, ids, self.combiner)
+            return self.table.lookup_combine(ids, self.combiner)
         if _in_xla_context() and not isinstance(ids, tf.RaggedTensor):
             return _combine_dense_plain(self.embeddings, ids, self.combiner)
         return custom_ops.embedding_lookup_combine(
@@ -310,24 +310,6 @@ def _combine_dense_plain(params, ids, combiner: str):
     if combiner == "mean":
         out = out / tf.cast(tf.maximum(tf.shape(ids)[1], 1), acc_dtype)
     return tf.cast(out, rows.dtype)
-
-
-def _combine_rows(lookup, ids, combiner: str):
-    """[B, H] dense or [B, None] ragged ids -> [B, D] through ``lookup`` ([N] -> [N, D]);
-    an empty bag gives zeros, ``"mean"`` divides by max(bag size, 1)."""
-    if isinstance(ids, tf.RaggedTensor):
-        rows = lookup(ids.flat_values)
-        out = tf.math.unsorted_segment_sum(rows, ids.value_rowids(), ids.nrows())
-        sizes = ids.row_lengths()[:, None]
-    else:
-        flat = lookup(tf.reshape(ids, [-1]))
-        rows = tf.reshape(flat, tf.concat([tf.shape(ids), tf.shape(flat)[1:]], 0))
-        rows.set_shape(ids.shape.concatenate(flat.shape[1:]))
-        out = tf.reduce_sum(rows, axis=1)
-        sizes = tf.shape(ids)[1]
-    if combiner == "mean":
-        out = out / tf.cast(tf.maximum(sizes, 1), out.dtype)
-    return out
 
 
 def _int_ids(ids):

@@ -1,5 +1,5 @@
-// CPU kernels for FIITED's chunk pool (tfhybrid/fiited.py): ChunkedEmbeddingLookup and
-// ChunkedRowwiseAdagradApply.
+// CPU kernels for FIITED's chunk pool (tfhybrid/fiited.py): ChunkedEmbeddingLookup,
+// ChunkedEmbeddingLookupCombine and ChunkedRowwiseAdagradApply.
 //
 // Row r's chunks are pool rows [row_offsets[r], row_offsets[r + 1]), side by side, so a
 // row's present entries are one contiguous run of the flat pool: a lookup is one copy per
@@ -9,8 +9,11 @@
 
 #define EIGEN_USE_THREADS
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "embedding_common.h"
@@ -90,6 +93,78 @@ class ChunkedEmbeddingLookupOp : public OpKernel {
 
  private:
   int64 dim_;
+};
+
+// Bags of ids summed through the pool: out[b] = sum of bag b's rows (each row's chunks,
+// zeros past them), in id order. Its gradient does not depend on the storage: it is
+// EmbeddingLookupCombineGrad's (tfhybrid/custom_ops/__init__.py).
+template <typename Tidx>
+class ChunkedEmbeddingLookupCombineOp : public OpKernel {
+ public:
+  explicit ChunkedEmbeddingLookupCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& pool_t = ctx->input(0);
+    const Tensor& ids_t = ctx->input(2);
+    const Tensor& splits_t = ctx->input(3);
+    OP_REQUIRES(ctx, pool_t.dims() == 2,
+                errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids_t.shape()) &&
+                         TensorShapeUtils::IsVector(splits_t.shape()),
+                errors::InvalidArgument("ids and row_splits must be 1-D"));
+    const int64 cd = pool_t.dim_size(1);
+    int64 rows = 0;
+    OP_REQUIRES_OK(ctx, CheckOffsets(ctx->input(1), pool_t.dim_size(0), cd, dim_, &rows));
+    const int64 n = ids_t.NumElements();
+    const Tidx* ids = ids_t.flat<Tidx>().data();
+    const int64 bad = FirstOutOfRange(ids, n, rows);
+    OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name_, ids, bad, rows));
+    const int64 num_splits = splits_t.NumElements();
+    const int64* splits = splits_t.flat<int64>().data();
+    OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_splits, n, table_name_));
+    const int64 bags = num_splits - 1;
+    Tensor* out_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({bags, dim_}), &out_t));
+    float* out = out_t->flat<float>().data();
+    if (bags == 0) return;
+    const float* pool = pool_t.flat<float>().data();
+    const int32* off = ctx->input(1).flat<int32>().data();
+    const int64 dim = dim_;
+    auto run = [&](int64 p) {  // the present run of id p's row
+      const int64 r = static_cast<int64>(ids[p]);
+      return std::make_pair(pool + static_cast<int64>(off[r]) * cd,
+                            (static_cast<int64>(off[r + 1]) - off[r]) * cd);
+    };
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64 avg_bag = std::max<int64>(1, n / bags);
+    workers->ParallelFor(bags, avg_bag * (2 * dim * 4 + 150) + dim, [&](int64 begin, int64 end) {
+      const int64 first = splits[begin], last = splits[end];
+      for (int64 p = first; p < std::min(first + kPrefetchDistance, last); ++p) {
+        const auto r = run(p);
+        PrefetchRow(r.first, r.second * static_cast<int64>(sizeof(float)));
+      }
+      for (int64 b = begin; b < end; ++b) {
+        float* o = out + b * dim;
+        std::memset(o, 0, dim * sizeof(float));
+        for (int64 p = splits[b]; p < splits[b + 1]; ++p) {
+          if (p + kPrefetchDistance < last) {
+            const auto ahead = run(p + kPrefetchDistance);
+            PrefetchRow(ahead.first, ahead.second * static_cast<int64>(sizeof(float)));
+          }
+          const auto r = run(p);
+          const float* src = r.first;
+          for (int64 d = 0; d < r.second; ++d) o[d] += src[d];
+        }
+      }
+    });
+  }
+
+ private:
+  int64 dim_;
+  std::string table_name_;
 };
 
 template <typename Tidx>
@@ -193,6 +268,10 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
   REGISTER_KERNEL_BUILDER(                                                             \
       Name("ChunkedEmbeddingLookup").Device(DEVICE_CPU).TypeConstraint<Tidx>("Tindices"), \
       ChunkedEmbeddingLookupOp<Tidx>);                                                 \
+  REGISTER_KERNEL_BUILDER(Name("ChunkedEmbeddingLookupCombine")                        \
+                              .Device(DEVICE_CPU)                                      \
+                              .TypeConstraint<Tidx>("Tindices"),                       \
+                          ChunkedEmbeddingLookupCombineOp<Tidx>);                      \
   REGISTER_KERNEL_BUILDER(Name("ChunkedRowwiseAdagradApply")                           \
                               .Device(DEVICE_CPU)                                      \
                               .HostMemory("lr")                                        \

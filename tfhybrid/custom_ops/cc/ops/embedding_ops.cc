@@ -7,6 +7,7 @@
 //   TfhybridKernelIsa               which instruction-set level the kernels above use
 //   ChunkedEmbeddingLookup          FIITED: rows of a chunk pool (row offsets), zeros past
 //                                   each row's chunks
+//   ChunkedEmbeddingLookupCombine   FIITED: bags of those rows summed
 //   ChunkedRowwiseAdagradApply      FIITED: row-wise Adagrad on the chunks rows hold
 //
 // Kernels live in ../kernels/. The Python wrappers and gradients are in
@@ -192,6 +193,36 @@ Rows of a FIITED chunk pool (tfhybrid.fiited.ChunkedTable).
 
 pool: float32 [S, dim / C]; row r's chunks are pool[row_offsets[r] .. row_offsets[r + 1]).
 rows[n] = row ids[n]'s chunks, then zeros up to dim.
+)doc");
+
+REGISTER_OP("ChunkedEmbeddingLookupCombine")
+    .Input("pool: float")
+    .Input("row_offsets: int32")
+    .Input("ids: Tindices")
+    .Input("row_splits: int64")
+    .Output("sums: float")
+    .Attr("Tindices: {int32, int64}")
+    .Attr("dim: int >= 1")
+    .Attr("table_name: string = 'embedding'")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle pool, offsets, ids, splits;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &pool));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &offsets));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &ids));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &splits));
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      DimensionHandle bags;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &bags));
+      c->set_output(0, c->Matrix(bags, dim));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Bags of rows of a FIITED chunk pool, summed (tfhybrid.fiited.ChunkedTable.lookup_combine).
+
+sums[b] = the sum over ids[row_splits[b] .. row_splits[b + 1]) of each id's row (its
+chunks, then zeros up to dim), in id order. The gradient with respect to the table is
+EmbeddingLookupCombineGrad's (it does not depend on how the rows are stored).
 )doc");
 
 REGISTER_OP("ChunkedRowwiseAdagradApply")
