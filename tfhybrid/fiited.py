@@ -267,23 +267,13 @@ class ChunkedTable(tf.Module):
             raise ValueError(f"ids must be int32 or int64, got {flat.dtype}")
         if not custom_ops.custom_op_used(self.use_custom_op, self.pool):
             return _combine_rows(self.lookup, ids, combiner)
-        out = self._fused_sums(self.pool.read_value(), flat, splits)
+        out = custom_ops.chunked_lookup_combine(self.pool, self.row_offsets, flat, splits,
+                                                self.dim, self.name)
         if combiner == "mean":
             sizes = tf.cast(tf.maximum(splits[1:] - splits[:-1], 1), out.dtype)
             out = out / sizes[:, None]
         out.set_shape([ids.shape[0], self.dim])
         return out
-
-    def _fused_sums(self, pool: tf.Tensor, flat: tf.Tensor, splits: tf.Tensor) -> tf.Tensor:
-        @tf.custom_gradient
-        def sums_of(pool):
-            def grad(upstream):
-                unique_ids, rows = custom_ops.combine_gradient_rows(
-                    tf.cast(upstream, tf.float32), flat, splits, self.rows, self.name)
-                return tf.IndexedSlices(rows, unique_ids, tf.constant([self.rows, self.dim]))
-            return custom_ops.chunked_lookup_combine(pool, self.row_offsets, flat, splits,
-                                                     self.dim, self.name), grad
-        return sums_of(pool)
 
     def to_dense(self) -> tf.Tensor:
         """The [rows, dim] table this pool represents (pruned chunks as zeros)."""
@@ -325,22 +315,20 @@ class ChunkedTable(tf.Module):
         is dropped (it has nowhere to go)."""
         ids = tf.cast(tf.reshape(tf.convert_to_tensor(ids), [-1]), tf.int32)
         grad = tf.reshape(tf.convert_to_tensor(grad), [-1, self.dim])
-        applied = custom_ops.chunked_rowwise_adagrad_apply(
-            self.pool, self.accumulator, self.row_offsets, ids, grad, learning_rate,
-            epsilon, scale, weight_decay, self.use_custom_op)
-        if applied is None:
-            unique_ids, g = coalesce_rows(ids, grad)
-            self._apply_rows(unique_ids, g, learning_rate, epsilon, scale, weight_decay)
-            norms = tf.norm(g, axis=1)
-        else:
-            unique_ids, norms = applied
+        if custom_ops.custom_op_used(self.use_custom_op, self.pool, self.accumulator):
+            custom_ops.chunked_rowwise_adagrad_apply(
+                self.pool, self.accumulator, self.row_offsets, ids, grad, learning_rate,
+                epsilon, scale, weight_decay, self.utility, self.utility_decay)
+            return
+        unique_ids, g = coalesce_rows(ids, grad)
+        self._apply_rows(unique_ids, g, learning_rate, epsilon, scale, weight_decay)
         # utility: decay everywhere, then add each looked-up row's squared summed gradient
         # norm (its access frequency times its gradient's size; squared, so that the
-        # utilities of a row's column slices add up to the row's)
+        # utilities of a row's column slices add up to the row's); the C++ op does the same
         decay = self.utility_decay
         self.utility.assign(self.utility * decay)
         self.utility.scatter_nd_add(tf.cast(unique_ids, tf.int32)[:, None],
-                                    (1.0 - decay) * tf.square(norms))
+                                    (1.0 - decay) * tf.reduce_sum(tf.square(g), axis=1))
 
     def apply_pool_gradient(self, grad: Any, learning_rate: float, epsilon: float = 1e-8,
                             scale: float = 1.0, weight_decay: float = 0.0) -> None:

@@ -365,14 +365,23 @@ def _register_gradients():
         dense_shape = tf.raw_ops.VariableShape(input=op.inputs[0], out_type=tf.int32)
         return [_lookup_grad(op, grad, dense_shape), None, None]
 
+    def _chunked_grad(op, grad):
+        # the table's rows: one fewer than its row offsets
+        rows = tf.shape(op.inputs[1], out_type=tf.int64)[0] - 1
+        unique_ids, values = _require_lib().embedding_lookup_combine_grad(
+            tf.cast(grad, tf.float32), op.inputs[2], op.inputs[3], rows, combiner="sum",
+            table_name=op.get_attr("table_name").decode())
+        dense_shape = tf.stack([tf.cast(rows, tf.int32), op.get_attr("dim")])
+        return [tf.IndexedSlices(values, unique_ids, dense_shape), None, None, None]
+
     for name, fn in (("EmbeddingLookupCombine", _tensor_grad),
-                     ("ResourceEmbeddingLookupCombine", _resource_grad)):
+                     ("ResourceEmbeddingLookupCombine", _resource_grad),
+                     ("ChunkedEmbeddingLookupCombine", _chunked_grad)):
         try:
             tf.RegisterGradient(name)(fn)
         except KeyError:  # already registered (module re-imported)
             pass
-    for name in ("EmbeddingLookupCombineGrad", "RowwiseAdagradApply", "TfhybridKernelIsa",
-                 "ChunkedEmbeddingLookupCombine"):
+    for name in ("EmbeddingLookupCombineGrad", "RowwiseAdagradApply", "TfhybridKernelIsa"):
         try:
             tf.no_gradient(name)
         except KeyError:
@@ -446,33 +455,28 @@ def custom_op_used(use_custom_op, *placed) -> bool:
 def chunked_lookup_combine(pool, row_offsets, ids, row_splits, dim: int,
                            table_name: str = "embedding"):
     """FIITED's bags in C++: [B, dim] sums of the rows of ``ids`` ([N]) in the bags
-    ``row_splits`` ([B + 1]). The caller owns the gradient (:func:`combine_gradient_rows`)
-    and the choice of path (:func:`custom_op_used`)."""
+    ``row_splits`` ([B + 1]), read from the pool variable in place. Its gradient (below)
+    reaches ``pool`` as ``tf.IndexedSlices`` at the distinct logical ids, ascending, each
+    row's gradient summed in input order: the dense op's backward kernel, since a bag
+    sum's gradient does not depend on how the rows are stored. The caller chooses the
+    path (:func:`custom_op_used`)."""
+    _variable_accessed(pool)
     return _require_lib().chunked_embedding_lookup_combine(
-        pool, row_offsets, ids, tf.cast(row_splits, tf.int64), dim=dim, table_name=table_name)
-
-
-def combine_gradient_rows(upstream, ids, row_splits, num_rows, table_name: str = "embedding"):
-    """The gradient of bags of summed rows w.r.t. their table, in C++: (distinct ids
-    ascending [U], their summed gradient rows [U, D]), duplicates summed in input order.
-
-    ``upstream``: [B, D] float32, the bags' gradient; ``ids``/``row_splits`` as looked up.
-    """
-    return _require_lib().embedding_lookup_combine_grad(
-        upstream, ids, tf.cast(row_splits, tf.int64), tf.cast(num_rows, tf.int64),
-        combiner="sum", table_name=table_name)
+        pool.handle, row_offsets, ids, tf.cast(row_splits, tf.int64), dim=dim,
+        table_name=table_name)
 
 
 def chunked_rowwise_adagrad_apply(pool, accum, row_offsets, indices, grad, lr, epsilon,
-                                  scale, weight_decay, use_custom_op=None):
-    """FIITED's row-wise AdaGrad on a pool variable in C++: (distinct rows ascending,
-    their summed gradients' norms). None when the op is not to be used (see
-    :func:`chunked_lookup`)."""
-    if not _use_op(use_custom_op, pool, accum):
-        return None
+                                  scale, weight_decay, utility, utility_decay):
+    """FIITED's row-wise AdaGrad on a pool variable in C++, with the utility update
+    (every entry times ``utility_decay``, then each distinct row's plus
+    ``(1 - utility_decay)`` times its summed gradient's squared norm). The caller
+    chooses the path (:func:`custom_op_used`)."""
     scalars = [tf.cast(x, tf.float32) for x in (lr, epsilon, scale, weight_decay)]
     return _require_lib().chunked_rowwise_adagrad_apply(
-        pool.handle, accum.handle, row_offsets, indices, tf.cast(grad, tf.float32), *scalars)
+        pool.handle, accum.handle, row_offsets, indices, tf.cast(grad, tf.float32), *scalars,
+        utility.handle, tf.constant(utility_decay, tf.float32),
+        tf.constant(1.0 - utility_decay, tf.float32))
 
 
 def coalesce_rows(indices, grad):

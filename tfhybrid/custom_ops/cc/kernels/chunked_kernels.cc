@@ -107,7 +107,20 @@ class ChunkedEmbeddingLookupCombineOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& pool_t = ctx->input(0);
+    core::RefCountPtr<Var> v;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &v));
+    {
+      tf_shared_lock ml(*v->mu());
+      OP_REQUIRES(ctx, v->tensor()->IsInitialized() && v->tensor()->dtype() == DT_FLOAT,
+                  errors::InvalidArgument("embedding table '", table_name_,
+                                          "': the pool must be an initialized float32 variable"));
+    }
+    // As ResourceGather: sparse access mode, then the pool is read in place under a
+    // shared lock. No tensor of the pool outlives the op, so the optimizer's in-place
+    // update later in the step never has to copy the pool.
+    OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, float>(ctx, v.get()));
+    tf_shared_lock ml(*v->mu());
+    const Tensor& pool_t = *v->tensor();
     const Tensor& ids_t = ctx->input(2);
     const Tensor& splits_t = ctx->input(3);
     OP_REQUIRES(ctx, pool_t.dims() == 2,
@@ -173,18 +186,22 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
   explicit ChunkedRowwiseAdagradApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
-    for (int i = 0; i < 2; ++i) {
+    // the variables: pool, accum and utility
+    const int kUtility = 9;
+    for (int i : {0, 1, kUtility}) {
       core::RefCountPtr<Var> v;
       OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &v));
       tf_shared_lock ml(*v->mu());
       OP_REQUIRES(ctx, v->tensor()->dtype() == DT_FLOAT,
-                  errors::InvalidArgument("ChunkedRowwiseAdagradApply: ",
-                                          i == 0 ? "pool" : "accum", " must be float32"));
+                  errors::InvalidArgument("ChunkedRowwiseAdagradApply: input ", i,
+                                          " (pool, accum, utility) must be float32"));
     }
     auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
-        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1});
-    Tensor pool_t, accum_t;
+        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1, kUtility});
+    Tensor pool_t, accum_t, utility_t;
     OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, 0, true, true, &pool_t));
+    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, kUtility, true, true,
+                                                                     &utility_t));
     OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, 1, true, true, &accum_t));
     OP_REQUIRES(ctx, pool_t.dims() == 2,
                 errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString()));
@@ -197,10 +214,11 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
     const int64 dim = grad_t.dim_size(1);
     int64 rows = 0;
     OP_REQUIRES_OK(ctx, CheckOffsets(ctx->input(2), pool_t.dim_size(0), cd, dim, &rows));
-    OP_REQUIRES(ctx, accum_t.NumElements() == rows,
-                errors::InvalidArgument("accum must have ", rows, " entries, got ",
-                                        accum_t.NumElements()));
-    for (int i = 5; i < 9; ++i) {
+    OP_REQUIRES(ctx, accum_t.NumElements() == rows && utility_t.NumElements() == rows,
+                errors::InvalidArgument("accum and utility must have ", rows, " entries, got ",
+                                        accum_t.NumElements(), " and ",
+                                        utility_t.NumElements()));
+    for (int i : {5, 6, 7, 8, 10, 11}) {
       OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(i).shape()),
                   errors::InvalidArgument("input ", i, " must be a scalar"));
     }
@@ -208,6 +226,8 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
     const float eps = ctx->input(6).scalar<float>()();
     const float scale = ctx->input(7).scalar<float>()();
     const float wd = ctx->input(8).scalar<float>()();
+    const float utility_decay = ctx->input(10).scalar<float>()();
+    const float utility_weight = ctx->input(11).scalar<float>()();
     const int64 n = indices_t.NumElements();
     OP_REQUIRES(ctx, n < (int64{1} << 32), errors::InvalidArgument("too many indices: ", n));
     const Tidx* indices = indices_t.flat<Tidx>().data();
@@ -218,19 +238,20 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
     if (n > 0) GroupById(indices, n, rows, &*scratch);
     const Grouping& g = scratch->g;
     const int64 u_count = n > 0 ? g.num_unique() : 0;
-    Tensor *ids_out = nullptr, *norms_out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({u_count}), &ids_out));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({u_count}), &norms_out));
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    // the utility's decay touches every row, in the same pass as nothing else: one
+    // multiply per row (a rows-long TF op would read and write it three times)
+    float* utility = utility_t.flat<float>().data();
+    workers->ParallelFor(rows, 2, [&](int64 begin, int64 end) {
+      for (int64 r = begin; r < end; ++r) utility[r] *= utility_decay;
+    });
     if (u_count == 0) return;
-    int64* uniq_out = ids_out->flat<int64>().data();
-    float* norms = norms_out->flat<float>().data();
     const float* grad = grad_t.flat<float>().data();
     float* pool = pool_t.flat<float>().data();
     float* accum = accum_t.flat<float>().data();
     const int32* off = ctx->input(2).flat<int32>().data();
     const float decay = wd > 0.0f ? lr * wd : 0.0f;
     auto pos = [&](int64 k) -> int64 { return g.perm.empty() ? k : static_cast<int64>(g.perm[k]); };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64 avg_seg = std::max<int64>(1, n / u_count);
     workers->ParallelFor(u_count, avg_seg * 3 * dim + 8 * dim + 300, [&](int64 begin, int64 end) {
       std::vector<float> acc(dim);
@@ -249,8 +270,8 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
           if (d + 1 == held) held_squares = squares;
         }
         if (held == 0) held_squares = 0.0f;
-        uniq_out[u] = r;
-        norms[u] = std::sqrt(squares);
+        // utility: the row's squared summed gradient, weighted (after the decay above)
+        utility[r] += utility_weight * squares;
         const float v = accum[r] + (held > 0 ? held_squares / static_cast<float>(held) : 0.0f);
         accum[r] = v;
         const float mult = lr / (std::sqrt(v / scale) + eps);
@@ -278,6 +299,8 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
                               .HostMemory("epsilon")                                   \
                               .HostMemory("scale")                                     \
                               .HostMemory("weight_decay")                              \
+                              .HostMemory("utility_decay")                             \
+                              .HostMemory("utility_weight")                            \
                               .TypeConstraint<Tidx>("Tindices"),                       \
                           ChunkedRowwiseAdagradApplyOp<Tidx>);
 

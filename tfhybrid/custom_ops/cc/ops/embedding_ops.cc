@@ -196,7 +196,7 @@ rows[n] = row ids[n]'s chunks, then zeros up to dim.
 )doc");
 
 REGISTER_OP("ChunkedEmbeddingLookupCombine")
-    .Input("pool: float")
+    .Input("pool: resource")
     .Input("row_offsets: int32")
     .Input("ids: Tindices")
     .Input("row_splits: int64")
@@ -205,8 +205,7 @@ REGISTER_OP("ChunkedEmbeddingLookupCombine")
     .Attr("dim: int >= 1")
     .Attr("table_name: string = 'embedding'")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle pool, offsets, ids, splits;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &pool));
+      ShapeHandle offsets, ids, splits;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &offsets));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &ids));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &splits));
@@ -220,6 +219,7 @@ REGISTER_OP("ChunkedEmbeddingLookupCombine")
     .Doc(R"doc(
 Bags of rows of a FIITED chunk pool, summed (tfhybrid.fiited.ChunkedTable.lookup_combine).
 
+pool: the pool variable, float32 [S, dim / C], read in place.
 sums[b] = the sum over ids[row_splits[b] .. row_splits[b + 1]) of each id's row (its
 chunks, then zeros up to dim), in id order. The gradient with respect to the table is
 EmbeddingLookupCombineGrad's (it does not depend on how the rows are stored).
@@ -235,8 +235,9 @@ REGISTER_OP("ChunkedRowwiseAdagradApply")
     .Input("epsilon: float")
     .Input("scale: float")
     .Input("weight_decay: float")
-    .Output("unique_ids: int64")
-    .Output("grad_norms: float")
+    .Input("utility: resource")
+    .Input("utility_decay: float")
+    .Input("utility_weight: float")
     .Attr("Tindices: {int32, int64}")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -244,8 +245,6 @@ REGISTER_OP("ChunkedRowwiseAdagradApply")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 2, &unused));
-      c->set_output(0, c->Vector(c->UnknownDim()));
-      c->set_output(1, c->Vector(c->UnknownDim()));
       return OkStatus();
     })
     .Doc(R"doc(
@@ -255,7 +254,8 @@ Duplicate indices are summed first (input order). For each distinct row i with s
 float32 gradient g ([dim]) and h = the entries its chunks hold:
   accum[i] += mean over its h entries of g^2
   its h entries -= lr * g / (sqrt(accum[i] / scale) + epsilon), then weight decay
-unique_ids: the distinct rows, ascending; grad_norms: |g| of each (all dim entries).
+utility (FIITED's per-row signal, float32 [rows]): every entry *= utility_decay, then each
+distinct row's += utility_weight * |g|^2 (all dim entries).
 )doc");
 
 REGISTER_OP("TfhybridKernelIsa")
