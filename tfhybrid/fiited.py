@@ -28,10 +28,13 @@ size (the freed chunks' memory is what the grown ones use), so its bytes are alw
 of the present chunks; while it is rebuilt the old and the new pool both exist.
 
 This module is the table's storage and math: lookup, row-wise AdaGrad apply, utility
-and adjustment, with C++ kernels for the lookup and the apply
-(``tfhybrid.custom_ops.chunked_lookup`` / ``chunked_rowwise_adagrad_apply``) and a
+and adjustment, with C++ kernels for the lookups and the apply
+(``tfhybrid.custom_ops.chunked_lookup`` / ``chunked_lookup_combine`` /
+``chunked_rowwise_adagrad_apply``) and a
 plain-TF path the tests hold them to. ``tfhybrid.layers.Embedding(dims="adaptive")`` is
-the Keras layer on it; sharding inside ``DistributedEmbedding`` is not built yet.
+the Keras layer on it; inside ``DistributedEmbedding`` each shard is a ChunkedTable and
+the layer plans a sharded table whole (:func:`plan_chunk_counts` of its shards' summed
+utilities), so every mesh prunes alike.
 """
 
 from __future__ import annotations

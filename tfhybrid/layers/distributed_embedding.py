@@ -308,7 +308,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
       embeddings: ``tf.keras.layers.Embedding`` or ``tfhybrid.layers.Embedding`` layers,
         one per table (their weights are not used; they carry the configuration). A
         seeded uniform or normal ``embeddings_initializer`` gives the same initial tables
-        on every mesh, so runs on different meshes start from the same point.
+        on every mesh, so runs on different meshes start from the same point. A
+        ``dims="adaptive"`` table (FIITED) is stored as chunk pools, one per shard, and
+        :meth:`adjust` (or ``tfhybrid.callbacks.FiitedAdjust``) re-divides its chunks.
       mesh: a ``tfhybrid.Mesh``; ``None`` takes ``tfhybrid.init()``'s mesh.
       strategy, column_slice_threshold, row_slice_threshold, data_parallel_threshold:
         the planner's options (see ``tfhybrid.planner.plan_sharding``), named as in
