@@ -172,6 +172,36 @@ class TrainAppTest(tf.test.TestCase):
         loaded = tf.saved_model.load(os.path.join(self.work, "fiited_export"))
         self.assertIn("serving_default", loaded.signatures)
 
+    def test_binary_input_trains_exactly_as_the_tsv_it_came_from(self):
+        from tests.test_criteo_binary import _line
+        from tfhybrid.train.preprocess import preprocess
+        rng = np.random.default_rng(5)
+        tsv, binary = os.path.join(self.work, "tsv"), os.path.join(self.work, "binary")
+        for split, lines in (("train", 2048), ("eval", 1024)):
+            os.makedirs(os.path.join(tsv, split))
+            with open(os.path.join(tsv, split, "day_0"), "w") as f:
+                f.writelines(_line(rng) + "\n" for _ in range(lines))
+        preprocess(tsv, binary, workers=2, log=lambda _: None)
+        runs = {}
+        for dataset, folder in (("criteo_tsv", tsv), ("criteo_binary", binary)):
+            out = os.path.join(self.work, f"{dataset}.json")
+            done = _cli(COMMON_FLAGS[:1] + [f"--dataset={dataset}", f"--data_dir={folder}",
+                                            "--steps=8", "--batch_size=256",
+                                            "--eval_batches=4", "--model_parallel=2",
+                                            f"--metrics_json={out}"] + COMMON_FLAGS[5:],
+                        np_=4)
+            self.assertEqual(done.returncode, 0, done.stderr[-5000:])
+            with open(out) as f:
+                runs[dataset] = json.load(f)
+        tsv_run, binary_run = runs["criteo_tsv"], runs["criteo_binary"]
+        print(f"2x2, 8 steps: TSV loss {tsv_run['train_loss']:.6f} AUC {tsv_run['auc']:.6f}; "
+              f"binary loss {binary_run['train_loss']:.6f} AUC {binary_run['auc']:.6f}")
+        self.assertEqual(binary_run["mesh"], [2, 2])
+        self.assertEqual(binary_run["steps"], 8)
+        self.assertAllClose(binary_run["train_loss"], tsv_run["train_loss"], atol=1e-6)
+        self.assertAllClose(binary_run["auc"], tsv_run["auc"], atol=1e-6)
+        self.assertAllClose(binary_run["logloss"], tsv_run["logloss"], atol=1e-6)
+
     def test_bad_flags_name_the_value(self):
         done = _cli(["--model=dlrm", "--embedding_dim=16", "--bottom_mlp_dims=32,8"])
         self.assertNotEqual(done.returncode, 0)

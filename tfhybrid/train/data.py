@@ -58,6 +58,15 @@ criteo_tsv
     reference to it, since datasets derived with ``.repeat()``, ``.map()``... lack the
     attribute.
 
+criteo_binary
+    Criteo preprocessed once by ``python -m tfhybrid.train.preprocess`` into fixed-width
+    columns (``data_dir/train``, ``data_dir/eval``; format:
+    :mod:`tfhybrid.train.criteo_binary`), memory-mapped: each rank reads only its own
+    slice of each global batch, with no per-line Python. With hashed ids (the default) a
+    rank's batches equal ``criteo_tsv``'s from the TSV it came from; with vocabulary ids
+    the tables have the vocabulary's rows. Global batch k depends on k alone, so skipping
+    k batches (a resumed run) reads nothing.
+
 movielens
     MovieLens-100k from the recbole 1.2.1 wheel, fetched into ``data_dir`` (default
     ``~/.cache/tfhybrid/data/ml-100k``) on first use, see :func:`fetch_movielens`. Click = rating >= 4. Categorical: user id, item
@@ -93,9 +102,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid.train import criteo_binary
 from tfhybrid.train.metrics import roc_auc
 
-DATASETS = ("synthetic", "criteo_tsv", "movielens")
+DATASETS = ("synthetic", "criteo_tsv", "criteo_binary", "movielens")
 SPLITS = ("train", "eval")
 
 # Rows of the 26 categorical tables of Criteo 1TB click logs (the MLPerf DLRM sizes).
@@ -200,6 +210,9 @@ def dataset_spec(name: str, *, data_dir: str | None = None, max_table_rows: int 
         return DatasetSpec(name, ml.dense.shape[1], _capped(ml.table_rows, max_table_rows),
                            MOVIELENS_FEATURE_NAMES)
     rows = scaled_cardinalities(cardinality_scale, max_table_rows)
+    if name == "criteo_binary":
+        rows = tuple(int(r) for r in _criteo_binary_split(data_dir, "train", rows,
+                                                          max_table_rows).rows)
     best = _teacher(int(seed), rows).best_auc() if name == "synthetic" else None
     return DatasetSpec(name, CRITEO_DENSE_FEATURES, rows, CRITEO_FEATURE_NAMES, best)
 
@@ -241,6 +254,11 @@ def make_dataset(name: str, split: str, *, global_batch_size: int, rank: int = 0
         files = criteo_files(data_dir, split)
         return _criteo_dataset(files, split, global_batch_size, rank, local, rows,
                                skip_malformed, num_batches)
+    if name == "criteo_binary":
+        rows = scaled_cardinalities(cardinality_scale, max_table_rows)
+        return _criteo_binary_dataset(_criteo_binary_split(data_dir, split, rows,
+                                                           max_table_rows),
+                                      split, global_batch_size, rank, local, num_batches)
     return _movielens_dataset(fetch_movielens(data_dir), split, global_batch_size, rank,
                               local, max_table_rows, seed, num_batches)
 
@@ -531,16 +549,59 @@ def _hex_mod(hex_fields: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return value if reduce_each_step else value % rows
 
 
-def _parse_criteo_fields(fields: list[list[bytes]], rows: Sequence[int]
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Converts validated criteo lines (split on tabs) to (dense, ids, labels) arrays."""
+def hex_values(hex_fields: np.ndarray) -> np.ndarray:
+    """int(h, 16) as uint64 for a validated bytes array [n, t] of at most 16 hex digits
+    (empty -> 0), vectorized; ``hex_values(h) % rows == _hex_mod(h, rows)``."""
+    width = hex_fields.dtype.itemsize
+    codes = np.ascontiguousarray(hex_fields).view(np.uint8).reshape(*hex_fields.shape, width)
+    value = np.zeros(hex_fields.shape, np.uint64)
+    for j in range(width):
+        c = codes[..., j]
+        value = np.where(c != 0, value * np.uint64(16)
+                         + _HEX_VALUE[np.minimum(c, 127)].astype(np.uint64), value)
+    return value
+
+
+def criteo_columns(fields: list[list[bytes]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validated criteo lines (split on tabs) as (labels float32 [n, 1], dense float32
+    [n, 13] = log(1 + max(x, 0)) with empty = 0, categorical hex fields bytes [n, 26])."""
     table = np.array(fields, dtype=bytes).reshape(len(fields), _CRITEO_FIELDS)
     labels = (table[:, 0] == b"1").astype(np.float32)[:, None]
     ints = table[:, 1:1 + CRITEO_DENSE_FEATURES]
     ints = np.where(ints == b"", b"0", ints).astype(np.float64)
     dense = np.log1p(np.maximum(ints, 0.0)).astype(np.float32)
-    ids = _hex_mod(table[:, 1 + CRITEO_DENSE_FEATURES:], np.asarray(rows, np.int64))
+    return labels, dense, table[:, 1 + CRITEO_DENSE_FEATURES:]
+
+
+def _parse_criteo_fields(fields: list[list[bytes]], rows: Sequence[int]
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Converts validated criteo lines (split on tabs) to (dense, ids, labels) arrays."""
+    labels, dense, hex_fields = criteo_columns(fields)
+    ids = _hex_mod(hex_fields, np.asarray(rows, np.int64))
     return dense, ids.astype(np.int32), labels
+
+
+def valid_criteo_lines(path: str, skip_malformed: bool, stats: ParseStats
+                       ) -> Iterator[bytes]:
+    """The valid lines of one criteo TSV file (plain or gzip), without their line ends;
+    a malformed line raises ``ValueError("<path>, line <n>: <what>")`` or, with
+    ``skip_malformed``, is counted in ``stats`` and skipped."""
+    with _open_binary(path) as f:
+        for number, line in enumerate(f, 1):
+            stats.lines += 1
+            line = line.rstrip(b"\n")
+            if line.endswith(b"\r"):   # Windows line ends
+                line = line[:-1]
+            if _CRITEO_LINE.fullmatch(line) is None:
+                message = f"{path}, line {number}: {_malformed_reason(line)}"
+                if not skip_malformed:
+                    raise ValueError(message)
+                stats.malformed += 1
+                if stats.first_malformed is None:
+                    stats.first_malformed = message
+                continue
+            stats.examples += 1
+            yield line
 
 
 def _criteo_batches(files: Sequence[str], global_batch: int, rank: int, local: int,
@@ -554,33 +615,19 @@ def _criteo_batches(files: Sequence[str], global_batch: int, rank: int, local: i
         position = 0          # valid lines so far in the current global batch
         mine: list[list[bytes]] = []
         for path in files:
-            with _open_binary(path) as f:
-                for number, line in enumerate(f, 1):
-                    stats.lines += 1
-                    line = line.rstrip(b"\n")
-                    if line.endswith(b"\r"):   # Windows line ends
-                        line = line[:-1]
-                    if _CRITEO_LINE.fullmatch(line) is None:
-                        message = f"{path}, line {number}: {_malformed_reason(line)}"
-                        if not skip_malformed:
-                            raise ValueError(message)
-                        stats.malformed += 1
-                        if stats.first_malformed is None:
-                            stats.first_malformed = message
-                        continue
-                    stats.examples += 1
-                    # every rank validates every line; only its own slice gets converted
-                    if lo <= position < hi:
-                        mine.append(line.split(b"\t"))
-                    position += 1
-                    if position == global_batch:
-                        dense, ids, labels = _parse_criteo_fields(mine, rows)
-                        yield {"dense": dense, "categorical": ids}, labels
-                        mine, position = [], 0
-                        emitted += 1
-                        emitted_this_pass += 1
-                        if num_batches is not None and emitted == num_batches:
-                            return
+            for line in valid_criteo_lines(path, skip_malformed, stats):
+                # every rank validates every line; only its own slice gets converted
+                if lo <= position < hi:
+                    mine.append(line.split(b"\t"))
+                position += 1
+                if position == global_batch:
+                    dense, ids, labels = _parse_criteo_fields(mine, rows)
+                    yield {"dense": dense, "categorical": ids}, labels
+                    mine, position = [], 0
+                    emitted += 1
+                    emitted_this_pass += 1
+                    if num_batches is not None and emitted == num_batches:
+                        return
         if not repeat:
             return
         if emitted_this_pass == 0:
@@ -599,6 +646,41 @@ def _criteo_dataset(files: list[str], split: str, global_batch: int, rank: int, 
         output_signature=_signature(local, CRITEO_DENSE_FEATURES, len(rows))).prefetch(2)
     dataset.parse_stats = stats
     return dataset
+
+
+# --------------------------------------------------------------------------- criteo binary
+
+def _criteo_binary_split(data_dir, split: str, hashed_rows, max_table_rows):
+    return criteo_binary.open_split(data_dir, split, CRITEO_DENSE_FEATURES,
+                                    len(CRITEO_1TB_CARDINALITIES), hashed_rows, max_table_rows)
+
+
+def _criteo_binary_dataset(columns: "criteo_binary.Split", split: str, global_batch: int,
+                           rank: int, local: int, num_batches: int | None) -> tf.data.Dataset:
+    """Global batch k is samples [k B, (k + 1) B) of the split (train repeats them, each
+    pass dropping the remainder, as criteo_tsv does); this rank reads its slice."""
+    available = columns.samples // global_batch
+    if available == 0:
+        raise ValueError(f"criteo_binary: {columns.folder} holds {columns.samples} samples, "
+                         f"fewer than one global batch of {global_batch}")
+    repeat = split == "train" and num_batches is not None
+    count = num_batches if repeat else min(available, num_batches or available)
+
+    def read(k):
+        start = (int(k) % available) * global_batch + rank * local
+        features, labels = columns.batch(start, local)
+        return features["dense"], features["categorical"], labels
+
+    def element(k):
+        dense, ids, labels = tf.numpy_function(read, [k], [tf.float32, tf.int32, tf.float32],
+                                               stateful=False)
+        dense.set_shape([local, CRITEO_DENSE_FEATURES])
+        ids.set_shape([local, len(columns.rows)])
+        labels.set_shape([local, 1])
+        return {"dense": dense, "categorical": ids}, labels
+
+    # a range of step numbers: skip(k) (a resumed run) reads nothing it skips
+    return tf.data.Dataset.range(count).map(element).prefetch(2)
 
 
 # --------------------------------------------------------------------------- movielens
