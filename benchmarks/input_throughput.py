@@ -1,8 +1,8 @@
 """Input samples/s per rank: the criteo_tsv reader against the criteo_binary reader, at 1, 2
 and 4 ranks reading at once, plus preprocessing lines/s (issue 17).
 
-One TSV of ``--lines`` Criteo-format lines (random values, 8-digit hex ids, some fields
-empty) is written, then converted by ``tfhybrid.train.preprocess`` (``--ids=hash``, so
+``--lines`` Criteo-format lines in ``--files`` day files (random values, 8-digit hex ids,
+some fields empty) are written, then converted by ``tfhybrid.train.preprocess`` (``--ids=hash``, so
 both readers give identical batches: tests/test_criteo_binary.py). For each reader and
 rank count N, N processes start together, each iterating its own rank's share of one
 pass (``make_dataset(..., rank=r, size=N)``, global batch ``--batch``) and timing it
@@ -71,7 +71,8 @@ def _rank(job) -> tuple[int, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=200_000)
-    parser.add_argument("--batch", type=int, default=4096, help="global batch")
+    parser.add_argument("--files", type=int, default=4, help="train day files")
+    parser.add_argument("--batch", type=int, default=16384, help="global batch")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="preprocessing processes")
@@ -80,9 +81,13 @@ def main() -> int:
     from tfhybrid.train.preprocess import preprocess
     work = tempfile.mkdtemp(prefix="tfhybrid-input-")
     tsv, binary = os.path.join(work, "tsv"), os.path.join(work, "binary")
-    for split, lines in (("train", args.lines), ("eval", args.batch)):
-        os.makedirs(os.path.join(tsv, split))
-        _write_tsv(os.path.join(tsv, split, "day_0"), lines, seed=len(split))
+    # train in --files day files, so the preprocessing workers share them
+    os.makedirs(os.path.join(tsv, "train"))
+    os.makedirs(os.path.join(tsv, "eval"))
+    for day in range(args.files):
+        _write_tsv(os.path.join(tsv, "train", f"day_{day}"), args.lines // args.files,
+                   seed=day)
+    _write_tsv(os.path.join(tsv, "eval", f"day_{args.files}"), args.batch, seed=args.files)
     converted = preprocess(tsv, binary, workers=args.workers, log=lambda _: None)["train"]
     preprocess_rate = converted["lines"] / converted["seconds"]
     print(f"preprocessing: {converted['lines']:,} lines in {converted['seconds']:.2f} s = "
@@ -105,7 +110,8 @@ def main() -> int:
                             "total": totals})
             print(f"  {READERS[name]:6s} x{size}: per rank "
                   f"{summarize(per_rank).format(1e-3, 1)} k samples/s", flush=True)
-    lines = [f"{args.lines:,} train lines, global batch {args.batch}; preprocessing "
+    lines = [f"{args.lines:,} train lines in {args.files} files, global batch {args.batch}; "
+             f"preprocessing (worker start-up included) "
              f"{preprocess_rate:,.0f} lines/s with {args.workers} workers; {args.repeats} "
              f"repeats; k samples/s, {SPREAD_LEGEND}", "",
              f"{'reader':8s} {'ranks':>5s}  {'per rank':>40s}  {'total':>40s}  binary/tsv"]
