@@ -44,13 +44,22 @@ def _reference_counts(model, case):
     return [model.get_layer(t.name).table.chunks_per_row() for t in case.tables]
 
 
-def _distributed(case, mesh, adjust=ADJUST, **layer_kwargs):
+def _compiled(case, mesh, **layer_kwargs):
     model, layer = case.distributed_model(mesh, **layer_kwargs)
     model.compile(optimizer=tfhybrid.DistributedOptimizer(RowWiseAdagrad(0.1)),
                   loss=hc.loss_fn)
+    return model, layer
+
+
+def _fit(model, case, mesh, adjust=ADJUST):
     ids, labels = case.local_data(mesh.rank)
     model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0,
               callbacks=[FiitedAdjust(**adjust)])
+
+
+def _distributed(case, mesh, adjust=ADJUST, **layer_kwargs):
+    model, layer = _compiled(case, mesh, **layer_kwargs)
+    _fit(model, case, mesh, adjust)
     return model, layer
 
 
@@ -113,12 +122,6 @@ class ColumnSliceTest(tf.test.TestCase):
             self.assertAllEqual(got, want)
 
 
-def _fit_more(model, case, mesh):
-    ids, labels = case.local_data(mesh.rank)
-    model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0,
-              callbacks=[FiitedAdjust(**ADJUST)])
-
-
 class CheckpointTest(tf.test.TestCase):
     """A FIITED checkpoint holds whole tables (values, chunk layout, utility) under
     mesh-free names, so it restores onto another mesh and training goes on as if
@@ -144,22 +147,20 @@ class CheckpointTest(tf.test.TestCase):
         model, layer = _distributed(case, mesh, **_NO_COLUMN_SLICES)
         model.save_weights(path)
         saved_tables, saved_counts = hc.table_weights(layer), layer.chunks_per_row()
-        _fit_more(model, more, mesh)
+        _fit(model, more, mesh)
         want_tables, want_counts = hc.table_weights(layer), layer.chunks_per_row()
         want_dense = hc.dense_weights(model)
         mesh_lib._reset_for_tests()
 
         # 4x1 (every table whole on each rank): exact restore, then the same training
         mesh = tfhybrid.init(model_parallel=1)
-        model, layer = case.distributed_model(mesh, **_NO_COLUMN_SLICES)
-        model.compile(optimizer=tfhybrid.DistributedOptimizer(RowWiseAdagrad(0.1)),
-                      loss=hc.loss_fn)
+        model, layer = _compiled(case, mesh, **_NO_COLUMN_SLICES)
         model.load_weights(path)
         for got, want in zip(layer.chunks_per_row(), saved_counts):
             self.assertAllEqual(got, want)
         for got, want in zip(hc.table_weights(layer), saved_tables):
             self.assertAllEqual(got, want)
-        _fit_more(model, more, mesh)
+        _fit(model, more, mesh)
         for got, want in zip(layer.chunks_per_row(), want_counts):
             self.assertAllEqual(got, want)
         for got, want in zip(hc.table_weights(layer), want_tables):
@@ -170,10 +171,8 @@ class CheckpointTest(tf.test.TestCase):
 
         # 1x4 with column slices: the layout, values and each row's utility come back
         mesh = tfhybrid.init(model_parallel=world)
-        model, layer = case.distributed_model(mesh)
+        model, layer = _compiled(case, mesh)
         self.assertIn("column_wise", {p.kind for p in layer.plan.tables})
-        model.compile(optimizer=tfhybrid.DistributedOptimizer(RowWiseAdagrad(0.1)),
-                      loss=hc.loss_fn)
         model.load_weights(path)
         for got, want in zip(layer.chunks_per_row(), saved_counts):
             self.assertAllEqual(got, want)
