@@ -55,6 +55,18 @@ inline Status CheckOffsets(const Tensor& offsets_t, int64 pool_rows, int64 chunk
   return OkStatus();
 }
 
+// Checks a lookup's pool ([S, chunk width]), row offsets and ids; returns the row count.
+template <typename Tidx>
+inline Status CheckLookup(const Tensor& pool_t, const Tensor& offsets_t, const Tidx* ids,
+                          int64 n, int64 dim, const std::string& table_name, int64* rows) {
+  if (pool_t.dims() != 2) {
+    return errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString());
+  }
+  TF_RETURN_IF_ERROR(CheckOffsets(offsets_t, pool_t.dim_size(0), pool_t.dim_size(1), dim, rows));
+  const int64 bad = FirstOutOfRange(ids, n, *rows);
+  return bad < 0 ? OkStatus() : IdOutOfRangeError(table_name, ids, bad, *rows);
+}
+
 template <typename Tidx>
 class ChunkedEmbeddingLookupOp : public OpKernel {
  public:
@@ -65,15 +77,11 @@ class ChunkedEmbeddingLookupOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& pool_t = ctx->input(0);
     const Tensor& ids_t = ctx->input(2);
-    OP_REQUIRES(ctx, pool_t.dims() == 2,
-                errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString()));
-    const int64 cd = pool_t.dim_size(1);
-    int64 rows = 0;
-    OP_REQUIRES_OK(ctx, CheckOffsets(ctx->input(1), pool_t.dim_size(0), cd, dim_, &rows));
     const int64 n = ids_t.NumElements();
     const Tidx* ids = ids_t.flat<Tidx>().data();
-    const int64 bad = FirstOutOfRange(ids, n, rows);
-    OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError("chunked", ids, bad, rows));
+    int64 rows = 0;
+    OP_REQUIRES_OK(ctx, CheckLookup(pool_t, ctx->input(1), ids, n, dim_, "chunked", &rows));
+    const int64 cd = pool_t.dim_size(1);
     Tensor* out_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
     float* out = out_t->flat<float>().data();
@@ -123,18 +131,14 @@ class ChunkedEmbeddingLookupCombineOp : public OpKernel {
     const Tensor& pool_t = *v->tensor();
     const Tensor& ids_t = ctx->input(2);
     const Tensor& splits_t = ctx->input(3);
-    OP_REQUIRES(ctx, pool_t.dims() == 2,
-                errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids_t.shape()) &&
                          TensorShapeUtils::IsVector(splits_t.shape()),
                 errors::InvalidArgument("ids and row_splits must be 1-D"));
-    const int64 cd = pool_t.dim_size(1);
-    int64 rows = 0;
-    OP_REQUIRES_OK(ctx, CheckOffsets(ctx->input(1), pool_t.dim_size(0), cd, dim_, &rows));
     const int64 n = ids_t.NumElements();
     const Tidx* ids = ids_t.flat<Tidx>().data();
-    const int64 bad = FirstOutOfRange(ids, n, rows);
-    OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name_, ids, bad, rows));
+    int64 rows = 0;
+    OP_REQUIRES_OK(ctx, CheckLookup(pool_t, ctx->input(1), ids, n, dim_, table_name_, &rows));
+    const int64 cd = pool_t.dim_size(1);
     const int64 num_splits = splits_t.NumElements();
     const int64* splits = splits_t.flat<int64>().data();
     OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_splits, n, table_name_));
