@@ -438,3 +438,116 @@ class AdaptiveLayerTest(unittest.TestCase):
                              + single.table.memory_bytes()["row_offsets"])
         finally:
             mesh_lib._reset_for_tests()
+
+class CompactCheckpointTest(unittest.TestCase):
+    """A DistributedEmbedding checkpoint holds a FIITED table compactly: only the present
+    chunks, each row's chunk count, and per-chunk-column row state."""
+
+    def _layer(self, dims, seed=4):
+        import tfhybrid
+        from tfhybrid.layers import Embedding
+        from tfhybrid.optimizers import RowWiseAdagrad
+        init = tf.keras.initializers.RandomUniform(-0.1, 0.1, seed=seed)
+        adaptive = dict(dims="adaptive", chunks=CHUNKS, target_memory=0.3) if dims else {}
+        layer = tfhybrid.DistributedEmbedding(
+            [Embedding(ROWS, DIM, combiner="sum", name="a", embeddings_initializer=init,
+                       **adaptive),
+             Embedding(ROWS, 4 * DIM, combiner="sum", name="b",
+                       embeddings_initializer=init, **adaptive)])
+        optimizer = tfhybrid.DistributedOptimizer(RowWiseAdagrad(0.1))
+        ids = [tf.constant(np.random.default_rng(seed).integers(0, ROWS, (16, 3)))] * 2
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(tf.square(x)) for x in layer(ids)])
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+        return layer, optimizer
+
+    def _keys(self, path):
+        found = {}
+        for key, shape in tf.train.list_variables(path):
+            match = re.search(r"tables/\.ATTRIBUTES/table_(\d)(_\w+)?$", key)
+            if match:
+                found[f"table_{match.group(1)}{match.group(2) or ''}"] = shape
+        return found
+
+    def test_holds_only_present_chunks_and_restores_exactly(self):
+        import tfhybrid
+        from tfhybrid import mesh as mesh_lib
+        try:
+            tfhybrid.init(model_parallel=1)
+            layer, optimizer = self._layer(dims="adaptive")
+            layer.adjust()
+            counts = layer.chunks_per_row()
+            weights = layer.get_weights()
+            with tempfile.TemporaryDirectory() as d:
+                path = tf.train.Checkpoint(layer=layer, optimizer=optimizer).save(
+                    os.path.join(d, "ckpt"))
+                keys = self._keys(path)
+                for t, dim in enumerate((DIM, 4 * DIM)):
+                    # only the present chunks, chunk-major
+                    self.assertEqual(keys[f"table_{t}"],
+                                     [int(counts[t].sum()), dim // CHUNKS])
+                    self.assertEqual(keys[f"table_{t}_chunk_counts"], [ROWS])
+                    self.assertEqual(keys[f"table_{t}_utility"], [ROWS, CHUNKS])
+                    reader = tf.train.load_checkpoint(path)
+                    slot = [k for k, _ in tf.train.list_variables(path)
+                            if k.endswith(f"table_{t}_accumulator")]
+                    self.assertEqual(reader.get_tensor(slot[0]).shape, (ROWS, CHUNKS))
+                    np.testing.assert_array_equal(
+                        reader.get_tensor([k for k, _ in tf.train.list_variables(path)
+                                           if k.endswith(f"table_{t}_chunk_counts")][0]),
+                        counts[t])
+                wanted = {t: (table.accumulator.numpy(), table.utility.numpy())
+                          for t, table in enumerate(layer._chunked_tables.values())}
+                mesh_lib._reset_for_tests()
+                tfhybrid.init(model_parallel=1)
+                fresh, fresh_optimizer = self._layer(dims="adaptive", seed=9)
+                tf.train.Checkpoint(layer=fresh, optimizer=fresh_optimizer).restore(
+                    path).assert_existing_objects_matched()
+            for got, want in zip(fresh.chunks_per_row(), counts):
+                np.testing.assert_array_equal(got, want)
+            for got, want in zip(fresh.get_weights(), weights):
+                np.testing.assert_array_equal(got, want)
+            for t, table in enumerate(fresh._chunked_tables.values()):
+                np.testing.assert_array_equal(table.accumulator.numpy(), wanted[t][0])
+                np.testing.assert_array_equal(table.utility.numpy(), wanted[t][1])
+                self.assertEqual(table.pool_slots(), int(counts[t].sum()))
+            # the restored layout is the one the next save places chunks by
+            with tempfile.TemporaryDirectory() as d:
+                path = tf.train.Checkpoint(layer=fresh).save(os.path.join(d, "ckpt"))
+                self.assertEqual(self._keys(path)["table_0"], [int(counts[0].sum()),
+                                                               DIM // CHUNKS])
+        finally:
+            mesh_lib._reset_for_tests()
+
+    def test_compact_layout_places_every_shard_in_one_run_per_chunk(self):
+        import doctest
+        import sys
+        from tfhybrid.layers import _checkpointing
+        self.assertEqual(doctest.testmod(sys.modules[_checkpointing.__name__]).failed, 0)
+        counts = np.random.default_rng(3).integers(0, CHUNKS + 1, ROWS)
+        layout = _checkpointing._CompactLayout.of(counts, CHUNKS)
+        # chunk-major: every (row, chunk) present exactly once, in order
+        order = [(j, i) for j in range(CHUNKS) for i in range(ROWS) if counts[i] > j]
+        self.assertEqual(layout.present, len(order))
+        for rows, chunks in (((0, ROWS), (0, CHUNKS)), ((7, 31), (1, 3))):
+            for j, start, n in layout.runs(*rows, *chunks):
+                self.assertEqual(order[start:start + n],
+                                 [(j, i) for i in range(*rows) if counts[i] > j])
+
+    def test_a_dense_checkpoint_is_refused_by_name(self):
+        import tfhybrid
+        from tfhybrid import mesh as mesh_lib
+        try:
+            tfhybrid.init(model_parallel=1)
+            dense, _ = self._layer(dims=None)
+            with tempfile.TemporaryDirectory() as d:
+                path = tf.train.Checkpoint(layer=dense).save(os.path.join(d, "ckpt"))
+                mesh_lib._reset_for_tests()
+                tfhybrid.init(model_parallel=1)
+                adaptive, _ = self._layer(dims="adaptive")
+                with self.assertRaisesRegex(ValueError, "holds table 'a' without a FIITED "
+                                                        "chunk layout"):
+                    tf.train.Checkpoint(layer=adaptive).restore(path)
+        finally:
+            mesh_lib._reset_for_tests()

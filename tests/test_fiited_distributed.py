@@ -147,6 +147,12 @@ class CheckpointTest(tf.test.TestCase):
         model, layer = _distributed(case, mesh, **_NO_COLUMN_SLICES)
         model.save_weights(path)
         saved_tables, saved_counts = hc.table_weights(layer), layer.chunks_per_row()
+        # compact: each table's values are its present chunks (one column per chunk here)
+        shapes = dict(tf.train.list_variables(path))
+        for t, (table, counts) in enumerate(zip(case.tables, saved_counts)):
+            key = f"tables/.ATTRIBUTES/table_{t}"
+            self.assertEqual([v for k, v in shapes.items() if k.endswith(key)],
+                             [[int(counts.sum()), 1]], table.name)
         _fit(model, more, mesh)
         want_tables, want_counts = hc.table_weights(layer), layer.chunks_per_row()
         want_dense = hc.dense_weights(model)

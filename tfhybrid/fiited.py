@@ -381,6 +381,29 @@ class ChunkedTable(tf.Module):
         _, slots, present = self._gather_rows(tf.range(start, start + values.shape[0]))
         self._write_present(slots, present, values)
 
+    def _column_slots(self, chunk: int) -> np.ndarray:
+        """Pool slots of chunk ``chunk`` of every row that holds it, rows in order."""
+        if not 0 <= chunk < self.chunks:
+            raise ValueError(f"chunk={chunk!r} must lie in [0, {self.chunks})")
+        offsets = self.row_offsets.numpy()
+        holding = np.flatnonzero(np.diff(offsets) > chunk)
+        return offsets[holding] + chunk
+
+    def read_chunk_column(self, chunk: int) -> tf.Tensor:
+        """Chunk ``chunk`` of every row that holds it, rows in order:
+        ``[rows holding it, chunk_dim]`` (a checkpoint's compact form of the pool)."""
+        return tf.gather(self.pool, self._column_slots(chunk))
+
+    def write_chunk_column(self, chunk: int, values: Any) -> None:
+        """The inverse of :meth:`read_chunk_column` under the current layout."""
+        slots = self._column_slots(chunk)
+        values = tf.convert_to_tensor(values, tf.float32)
+        if values.shape != (len(slots), self.chunk_dim):
+            raise ValueError(f"write_chunk_column({chunk}): values of shape {values.shape};"
+                             f" expected [{len(slots)}, {self.chunk_dim}] (the rows that "
+                             "hold the chunk)")
+        self.pool.scatter_nd_update(slots[:, None], values)
+
     # ------------------------------------------------------------------ adjusting
     def plan_chunks(self, target_memory: float) -> np.ndarray:
         """Chunks per row under a budget of ``target_memory`` x (rows x chunks) chunks:

@@ -16,6 +16,11 @@ module answers for the layer and for the optimizer:
   depend on the table's index in the layer (checked by shape), not on Keras' per-process
   layer names. The per-shard variables are not checkpoint children: their names and
   number depend on the mesh.
+- **FIITED tables** (``dims="adaptive"``) are saved compactly: only their present
+  chunks, whose shape depends on the saved layout. So a restore must know that layout
+  before it asks for slices: ``_install_restore_hook`` makes the path of the checkpoint
+  being restored known while TensorFlow gathers what each object restores, and the
+  table reads the saved chunk counts from it first (``_ChunkedTableSaveable``).
 - **Optimizer slots of tables.** Keras optimizers track their slots by position in a
   list, and both the positions and the shapes of table slots depend on the mesh.
   ``attach_optimizer`` (called by ``tfhybrid.DistributedOptimizer``) takes them out of
@@ -36,12 +41,14 @@ module answers for the layer and for the optimizer:
 
 from __future__ import annotations
 
+import contextvars
 import re
 import weakref
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.checkpoint import restore as restore_lib
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.trackable import data_structures
 from tensorflow.python.training.saving import saveable_object
@@ -152,62 +159,157 @@ class _LayerTables(trackable_base.Trackable):
         layer = self._layer()
         if layer is None:
             return {}
-        return {f"table_{t}": (_chunked_factory(table, pieces) if table.chunks else
+        return {f"table_{t}": (_chunked_factory(layer, t, pieces) if table.chunks else
                                _factory((table.rows, table.dim),
                                         [_variable_piece(rect, var) for rect, var in pieces]))
                 for t, (table, pieces) in enumerate(zip(layer._tables, _held(layer)))}
 
 
 # the keys of a FIITED table's layout and utility, after its values' key
-CHUNKS_SUFFIX, UTILITY_SUFFIX = "_chunks", "_utility"
+COUNTS_SUFFIX, UTILITY_SUFFIX = "_chunk_counts", "_utility"
+
+# The checkpoint a restore is reading, while TensorFlow gathers the objects to restore:
+# a FIITED table's compact values have a shape that only the saved layout tells.
+_RESTORING: "contextvars.ContextVar[str | None]" = contextvars.ContextVar(
+    "tfhybrid_restoring", default=None)
+
+
+def _install_restore_hook() -> None:
+    """Makes the path of the checkpoint being restored known while TensorFlow asks the
+    objects what they restore (every restore path, eager or deferred, asks there)."""
+    original = restore_lib.CheckpointPosition.gather_ops_or_named_saveables
+    if getattr(original, "_tfhybrid_hook", False):
+        return
+
+    def gather_ops_or_named_saveables(position):
+        token = _RESTORING.set(position.checkpoint.save_path_string)
+        try:
+            return original(position)
+        finally:
+            _RESTORING.reset(token)
+
+    gather_ops_or_named_saveables._tfhybrid_hook = True
+    restore_lib.CheckpointPosition.gather_ops_or_named_saveables = \
+        gather_ops_or_named_saveables
+
+
+def _in_chunks(table: Any, rect: _resharding.Rect) -> _resharding.Rect:
+    """``rect`` of a FIITED table in chunk columns (its slices hold whole chunks)."""
+    return _resharding.Rect(rect.row_start, rect.row_end, rect.col_start // table.chunk_dim,
+                            rect.col_end // table.chunk_dim)
+
+
+class _CompactLayout(NamedTuple):
+    """Where the rows of a FIITED table sit in its checkpoint's compact values tensor.
+
+    The tensor is ``[present chunks, chunk_dim]``, chunk-major: chunk 0 of every row that
+    holds it (rows in order), then chunk 1, ... So any shard's part of one chunk column
+    (its rows that hold that chunk) is one contiguous run of rows, whatever the mesh.
+
+    >>> layout = _CompactLayout.of(np.array([2, 0, 1, 2]), 2)
+    >>> layout.present, layout.runs(2, 4, 0, 2)   # rows 2..3, chunks 0..1: (chunk, start, n)
+    (5, [(0, 1, 2), (1, 4, 1)])
+    """
+    counts: np.ndarray      # [rows] chunks each row holds
+    starts: np.ndarray      # [chunks] first row of each chunk column in the tensor
+    present: int            # the tensor's rows
+
+    @staticmethod
+    def of(counts: np.ndarray, chunks: int) -> "_CompactLayout":
+        counts = np.asarray(counts, np.int64)
+        holding = _rows_holding(counts, chunks)
+        return _CompactLayout(counts, np.concatenate([[0], np.cumsum(holding)[:-1]]),
+                             int(holding.sum()))
+
+    def runs(self, row_start: int, row_end: int, chunk_start: int, chunk_end: int
+             ) -> list[tuple[int, int, int]]:
+        """(chunk, first tensor row, rows) of rows [row_start, row_end) for each chunk in
+        [chunk_start, chunk_end) that some of them hold."""
+        chunks = len(self.starts)
+        before = _rows_holding(self.counts[:row_start], chunks)
+        inside = _rows_holding(self.counts[row_start:row_end], chunks)
+        return [(j, int(self.starts[j] + before[j]), int(inside[j]))
+                for j in range(chunk_start, chunk_end) if inside[j]]
+
+
+def _rows_holding(counts: np.ndarray, chunks: int) -> np.ndarray:
+    """[chunks]: how many of the rows with these chunk ``counts`` hold each chunk."""
+    rows_with = np.bincount(counts, minlength=chunks + 1)       # rows per count
+    return np.cumsum(rows_with[::-1])[::-1][1:]                 # rows with count > j
 
 
 class _ChunkedTableSaveable(saveable_object.SaveableObject):
-    """A FIITED table (``dims="adaptive"``) as three full tensors:
+    """A FIITED table (``dims="adaptive"``) as three tensors that fit any mesh:
 
-    - its values under the table's own key, ``[rows, dim]`` with pruned entries zero
-      (what the table reads);
-    - which chunks each row holds, ``<key>_chunks``: ``[rows, chunks]`` int8 of 0/1;
+    - its values under the table's own key, compact: only the present chunks,
+      ``[present chunks, chunk_dim]`` in :class:`_CompactLayout`'s order;
+    - each row's chunk count, ``<key>_chunk_counts``: ``[rows]`` int32 (a row holds a
+      prefix of its chunks);
     - its utility, ``<key>_utility``: ``[rows, chunks]``, each shard's row utility spread
       evenly over the chunk columns it holds, so a restore onto other column slices sums
       its columns and every row's total (what the adjustment plans by) is kept.
 
-    Each rank offers its shards' rectangles of each (in chunk columns for the last two).
-    The three are restored together: the pools are resized to the saved layout before
-    the values land.
+    Each rank offers its shards' parts: a run of the values tensor per chunk column, its
+    rows of the counts (from the first column slice) and its rectangle of the utility.
+    Where the runs lie depends on the whole table's layout: a save takes the layer's
+    (``whole_counts``), a restore the checkpoint's (read before the values, through the
+    path ``_RESTORING`` names). The pools are resized to that layout before the values
+    land.
     """
 
-    def __init__(self, name: str, table: Any, held: list):
-        self._held = held
-
-        def in_chunks(rect: _resharding.Rect) -> _resharding.Rect:
-            return _resharding.Rect(rect.row_start, rect.row_end,
-                                    rect.col_start // table.chunk_dim,
-                                    rect.col_end // table.chunk_dim)
-
-        def values(chunked):
-            return lambda: chunked.read_rows(0, chunked.rows)
-
-        def layout(chunked):
-            return lambda: tf.cast(tf.range(chunked.chunks)[None, :] < tf.constant(
-                chunked.chunks_per_row())[:, None], tf.int8)
-
-        def utility(chunked):
-            return lambda: tf.tile(chunked.utility.read_value()[:, None] / chunked.chunks,
-                                   [1, chunked.chunks])
-
+    def __init__(self, name: str, table: Any, held: list, whole_counts: np.ndarray,
+                 on_restore: Callable[[np.ndarray], None]):
+        self._table, self._held, self._on_restore = table, held, on_restore
+        restoring = _RESTORING.get()
+        if restoring is not None:
+            whole_counts = _saved_counts(restoring, name, table)
+        self._layout = _CompactLayout.of(whole_counts, table.chunks)
+        self._runs = []
+        for rect, _ in held:
+            chunk_rect = self._chunk_rect(rect)
+            self._runs.append(self._layout.runs(chunk_rect.row_start, chunk_rect.row_end,
+                                                chunk_rect.col_start, chunk_rect.col_end))
+        values_shape = (self._layout.present, table.chunk_dim)
         by_chunk = (table.rows, table.chunks)
-        parts = (("", (table.rows, table.dim), tf.float32, lambda rect: rect, values),
-                 (CHUNKS_SUFFIX, by_chunk, tf.int8, in_chunks, layout),
-                 (UTILITY_SUFFIX, by_chunk, tf.float32, in_chunks, utility))
         specs = []
-        for suffix, full_shape, dtype, rect_of, reader in parts:
-            for rect, chunked in held:
-                target = rect_of(rect)
-                specs.append(_checkpoint_writer.PieceSpec(
-                    reader(chunked), _resharding.slice_spec(full_shape, target),
-                    name + suffix, dtype, chunked.pool.device, target.shape))
+
+        def spec(read, full_shape, rect, suffix, dtype, device):
+            specs.append(_checkpoint_writer.PieceSpec(
+                read, _resharding.slice_spec(full_shape, rect), name + suffix, dtype,
+                device, rect.shape if len(full_shape) == 2 else rect.shape[:1]))
+
+        for (rect, chunked), runs in zip(held, self._runs):
+            first = self._chunk_rect(rect).col_start
+            for j, start, rows in runs:
+                spec(self._column_reader(chunked, j - first, rows), values_shape,
+                     _resharding.Rect(start, start + rows, 0, table.chunk_dim), "",
+                     tf.float32, chunked.pool.device)
+        for rect, chunked in held:
+            if rect.col_start == 0:      # every row once: the first column slice's rows
+                counts = self._layout.counts[rect.row_start:rect.row_end].astype(np.int32)
+                spec(lambda counts=counts: tf.constant(counts), (table.rows,), rect,
+                     COUNTS_SUFFIX, tf.int32, chunked.pool.device)
+        for rect, chunked in held:
+            spec(lambda chunked=chunked: tf.tile(
+                     chunked.utility.read_value()[:, None] / chunked.chunks,
+                     [1, chunked.chunks]),
+                 by_chunk, self._chunk_rect(rect), UTILITY_SUFFIX, tf.float32,
+                 chunked.pool.device)
         super().__init__(None, specs, name)
+
+    def _chunk_rect(self, rect: _resharding.Rect) -> _resharding.Rect:
+        return _in_chunks(self._table, rect)
+
+    @staticmethod
+    def _column_reader(chunked: Any, chunk: int, rows: int) -> Callable[[], tf.Tensor]:
+        def read() -> tf.Tensor:
+            values = chunked.read_chunk_column(chunk)
+            if values.shape[0] != rows:
+                raise ValueError(f"FIITED table {chunked.name!r}: its pool holds chunk "
+                                 f"{chunk} for {values.shape[0]} rows but the layer's "
+                                 f"layout says {rows}; every rank must adjust alike")
+            return values
+        return read
 
     @property
     def device(self) -> str:
@@ -217,24 +319,51 @@ class _ChunkedTableSaveable(saveable_object.SaveableObject):
         del restored_shapes
         if not tf.executing_eagerly():
             raise RuntimeError("a FIITED table is restored eagerly (its pool is resized)")
-        n = len(self._held)
-        for i, (_, chunked) in enumerate(self._held):
-            values, present, utility = (restored_tensors[i], restored_tensors[n + i],
-                                        restored_tensors[2 * n + i])
-            present = present.numpy() != 0
-            counts = present.sum(axis=1)
-            if (present != (np.arange(chunked.chunks)[None, :] < counts[:, None])).any():
-                raise ValueError(f"FIITED table {chunked.name!r}: the checkpoint's chunk "
-                                 "layout is not a prefix of each row's chunks")
-            chunked.resize(counts)
-            chunked.write_rows(0, values)
-            chunked.utility.assign(tf.reduce_sum(utility, axis=1))
+        values = iter(restored_tensors)
+        columns = []
+        for (rect, chunked), runs in zip(self._held, self._runs):
+            chunk_rect = self._chunk_rect(rect)
+            counts = self._layout.counts[rect.row_start:rect.row_end]
+            chunked.resize(np.clip(counts - chunk_rect.col_start, 0, chunked.chunks))
+            columns.append([(j - chunk_rect.col_start, next(values)) for j, _, _ in runs])
+        # the counts were read before (they placed the values); skip their pieces
+        for rect, _ in self._held:
+            if rect.col_start == 0:
+                next(values)
+        for (_, chunked), chunk_values in zip(self._held, columns):
+            for chunk, column in chunk_values:
+                chunked.write_chunk_column(chunk, column)
+            chunked.utility.assign(tf.reduce_sum(next(values), axis=1))
+        self._on_restore(self._layout.counts)
         return tf.no_op()
 
 
-def _chunked_factory(table: Any, pieces: list) -> Callable:
+def _saved_counts(path: str, name: str, table: Any) -> np.ndarray:
+    """The chunk count of every row of ``table`` in the checkpoint at ``path``."""
+    reader = tf.train.load_checkpoint(path)
+    key = name + COUNTS_SUFFIX
+    if not reader.has_tensor(key):
+        raise ValueError(f"checkpoint {path!r} holds table {table.name!r} without a FIITED "
+                         f"chunk layout ({key!r}): it was saved as a dense table, or by a "
+                         "tfhybrid whose FIITED checkpoints were not compact; restore it "
+                         "into a layer of the same kind")
+    counts = reader.get_tensor(key)
+    if counts.shape != (table.rows,) or counts.min(initial=0) < 0 or counts.max(
+            initial=0) > table.chunks:
+        raise ValueError(f"checkpoint {path!r}: {key!r} must be {table.rows} chunk counts in "
+                         f"[0, {table.chunks}], got shape {counts.shape} with values in "
+                         f"[{counts.min(initial=0)}, {counts.max(initial=0)}]")
+    return counts.astype(np.int64)
+
+
+def _chunked_factory(layer: Any, t: int, pieces: list) -> Callable:
     held = [(rect, fiited.table_of(var)) for rect, var in pieces]
-    return lambda name: _ChunkedTableSaveable(name, table, held)
+
+    def record(counts: np.ndarray) -> None:
+        layer._whole_chunk_counts[t] = counts.astype(layer._whole_chunk_counts[t].dtype)
+
+    return lambda name: _ChunkedTableSaveable(name, layer._tables[t], held,
+                                              layer._whole_chunk_counts[t], record)
 
 
 def register_layer(layer: Any) -> None:
@@ -242,6 +371,7 @@ def register_layer(layer: Any) -> None:
     checkpoint node, and a restore that ran before the build gets them now."""
     # from now on, saves that hold its shards are written by all ranks together
     _checkpoint_writer.install()
+    _install_restore_hook()
     _LAYERS.add(layer)
     node = _LayerTables(layer)
     # set past Keras' __setattr__, which would track it as a child of its own
@@ -336,7 +466,13 @@ class _LayerSlots(trackable_base.Trackable):
         factories = {}
         for t, (table, pieces) in enumerate(zip(layer._tables, _held(layer))):
             per_slot: dict[str, list[_Piece]] = {name: [] for name in names}
+            # a FIITED table's row-wise slot is saved per chunk column (its column
+            # slices hold whole chunks), not broadcast over every column
+            full_shape = (table.rows, table.chunks) if table.chunks else (table.rows,
+                                                                            table.dim)
             for rect, var in pieces:
+                if table.chunks:
+                    rect = _in_chunks(table, rect)
                 slots = _slots_of(optimizer, var)
                 if sorted(slots) != names:
                     raise ValueError(
@@ -346,8 +482,7 @@ class _LayerSlots(trackable_base.Trackable):
                 for name, slot in slots.items():
                     per_slot[name].append(_slot_piece(rect, slot))
             for name, slot_pieces in per_slot.items():
-                factories[f"table_{t}_{name}"] = _factory((table.rows, table.dim),
-                                                          slot_pieces)
+                factories[f"table_{t}_{name}"] = _factory(full_shape, slot_pieces)
         return factories
 
 

@@ -576,6 +576,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # FIITED tables and shards, keyed "<table>_<shard>" (a tracked dict: their
         # variables are the layer's weights); the variable above is the table's pool
         self._chunked_tables: dict[str, ChunkedTable] = {}
+        # per FIITED table, every row's chunk count as every rank planned it at the last
+        # adjustment (or read it from a restored checkpoint): where a shard's chunks go
+        # in the compact checkpoint depends on the rows other ranks hold (plain data:
+        # set past Keras' __setattr__, which would track the dict)
+        object.__setattr__(self, "_whole_chunk_counts", {
+            t: np.full([table.rows], table.chunks, np.min_scalar_type(table.chunks))
+            for t, table in enumerate(self._tables) if table.chunks})
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
             ids_per_step = local_batch * hotness[t]
             if placement.kind == "data_parallel":
@@ -1268,10 +1275,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             target = target_of(table)
             if placement.kind == "data_parallel":
                 # every rank's copy has the same utility (its gradient is synced)
-                kept[table.name] = self._chunked(t, 0).adjust(target)["present"]
+                chunked = self._chunked(t, 0)
+                kept[table.name] = chunked.adjust(target)["present"]
+                self._whole_chunk_counts[t] = chunked.chunks_per_row().astype(
+                    np.min_scalar_type(table.chunks))
                 continue
             counts = plan_chunk_counts(utilities[sharded.index(t)], table.chunks, target)
             kept[table.name] = int(counts.sum())
+            self._whole_chunk_counts[t] = counts.astype(np.min_scalar_type(table.chunks))
             for s, shard in enumerate(placement.shards):
                 chunked = self._chunked(t, s)
                 if chunked is None:
