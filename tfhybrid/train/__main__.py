@@ -45,7 +45,10 @@ flags.DEFINE_enum("dense_optimizer", None, list(train_app.OPTIMIZERS),
 flags.DEFINE_float("dense_learning_rate", None, "Dense layers' learning rate (default: "
                    "--learning_rate).")
 flags.DEFINE_enum("mixed_precision", _DEFAULTS.mixed_precision,
-                  list(train_app.MIXED_PRECISION), "Compute precision.")
+                  list(train_app.PRECISION_CHOICES),
+                  "Compute precision. fp16/bf16 time a 16-bit GEMM first and warn when it is "
+                  "slower than float32 here (CPUs without AMX); auto takes bf16 only where "
+                  "its GEMMs are faster.")
 flags.DEFINE_enum("communication", _DEFAULTS.communication, list(train_app.COMMUNICATION),
                   "What the collectives carry: float16 halves the lookups' alltoall and the "
                   "gradient allreduces while the model computes in float32 (no loss scaling).")

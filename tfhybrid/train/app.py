@@ -23,6 +23,9 @@ from tfhybrid.planner import OPTIMIZERS, REPLICA_SYNC  # pure modules: no TF imp
 from tfhybrid.train import data as data_lib
 
 MIXED_PRECISION = {"none": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
+# --mixed_precision: a policy above, or "auto": bf16 where its GEMMs are faster than
+# float32's here, else float32 (tfhybrid/train/precision.py)
+PRECISION_CHOICES = (*MIXED_PRECISION, "auto")
 # what the collectives carry: float16 sends the lookups' activations and their gradients
 # (alltoall) and the gradient allreduces as float16 while the model computes in float32
 COMMUNICATION = ("float32", "float16")
@@ -109,7 +112,7 @@ class TrainConfig:
         from tfhybrid.train.models import MODELS
         choices = {"model": MODELS, "dataset": data_lib.DATASETS, "layout": LAYOUTS,
                    "replica_sync": REPLICA_SYNC, "optimizer": OPTIMIZERS,
-                   "mixed_precision": tuple(MIXED_PRECISION), "communication": COMMUNICATION}
+                   "mixed_precision": PRECISION_CHOICES, "communication": COMMUNICATION}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name}={getattr(self, name)!r} is unknown; expected one "
@@ -611,6 +614,23 @@ def _count_batches(dataset) -> int:
     return int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
 
 
+def _choose_precision(config: TrainConfig, mesh: mesh_lib.Mesh) -> tuple[str, str | None]:
+    """(--mixed_precision to run, a note or None): rank 0 times a GEMM of the towers'
+    widest layer at the local batch in float32 and 16 bits, and every rank takes its
+    figures, so all ranks choose alike (their collectives carry the compute dtype)."""
+    from tfhybrid.train import precision
+    if config.mixed_precision == "none":
+        return "none", None
+    import horovod.tensorflow as hvd
+    widest = max([*config.bottom_mlp_dims, *config.top_mlp_dims])
+    dtype = precision.HALF_DTYPES.get(config.mixed_precision, "bfloat16")
+    speed = (precision.measure_gemm(dtype, config.batch_size // mesh.size, widest, widest)
+             if mesh.rank == 0 else None)
+    if mesh.size > 1:
+        speed = hvd.broadcast_object(speed, root_rank=0, name="tfhybrid_train_precision")
+    return precision.choose(config.mixed_precision, speed)
+
+
 def evaluate(model, dataset, mesh) -> dict:
     """AUC and log loss over every rank's share of ``dataset``, computed exactly.
 
@@ -645,9 +665,10 @@ def run(config: TrainConfig) -> dict:
     from tfhybrid import distributed as distributed_lib
     from tfhybrid.train.models import build_model, example_batch, export_for_serving
 
-    tf.keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
     stall, stall_notes = _apply_stall_settings(config)
     mesh = tfhybrid.init(model_parallel=config.model_parallel, layout=config.layout)
+    mixed_precision, precision_note = _choose_precision(config, mesh)
+    tf.keras.mixed_precision.set_global_policy(MIXED_PRECISION[mixed_precision])
     data_options = dict(data_dir=config.data_dir, max_table_rows=config.max_table_rows,
                         cardinality_scale=config.cardinality_scale, seed=config.seed)
     spec = data_lib.dataset_spec(config.dataset, **data_options)
@@ -663,7 +684,7 @@ def run(config: TrainConfig) -> dict:
             replica_sync=config.replica_sync, sync_every=config.sync_every,
             optimizer=config.embedding_optimizer or config.optimizer,
             dct=_dct_config(config)), fiited=_fiited(config))
-    if config.communication == "float16" and config.mixed_precision == "none":
+    if config.communication == "float16" and mixed_precision == "none":
         # the wire carries the layer's compute dtype; the towers stay float32
         model_options["embedding_options"]["dtype"] = "mixed_float16"
     if config.model == "dlrm":
@@ -734,12 +755,14 @@ def run(config: TrainConfig) -> dict:
         print(f"tfhybrid.train: {config.model} on {config.dataset}, mesh {mesh.shape[0]}x"
               f"{mesh.shape[1]} (D={mesh.data_parallel} replicas x M={mesh.model_parallel} "
               f"model-parallel ranks), global batch {config.batch_size}, "
-              f"{steps} steps x {config.epochs} epochs, {config.mixed_precision}"
+              f"{steps} steps x {config.epochs} epochs, {mixed_precision}"
               f"{', XLA towers' if config.xla else ''}", flush=True)
         if mesh.size > 1:
             print(f"stall check every {stall[mesh_lib.STALL_CHECK_ENV]} s, shutdown "
                   + (f"after {stall[mesh_lib.STALL_SHUTDOWN_ENV]} s" if watchdog else "off")
                   + "".join(f"; {note}" for note in stall_notes), flush=True)
+        if precision_note:
+            print(f"tfhybrid.train: {precision_note}", file=sys.stderr, flush=True)
         print(model.embedding.plan.describe() if hasattr(model.embedding, "plan")
               and model.embedding.plan is not None else "", flush=True)
     traffic = None
@@ -765,6 +788,7 @@ def run(config: TrainConfig) -> dict:
         global_batch=config.batch_size,
         train_loss=train_loss,
         communication=config.communication,
+        mixed_precision=mixed_precision,
         dct=_dct_config(config),
         fiited=None if config.fiited_target is None else dict(
             _fiited(config), every=config.fiited_every, ramp=config.fiited_ramp,
