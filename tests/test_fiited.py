@@ -551,3 +551,26 @@ class CompactCheckpointTest(unittest.TestCase):
                     tf.train.Checkpoint(layer=adaptive).restore(path)
         finally:
             mesh_lib._reset_for_tests()
+
+    def test_other_chunk_sizes_are_refused_by_name(self):
+        import tfhybrid
+        from tfhybrid import mesh as mesh_lib
+        from tfhybrid.layers import Embedding
+        try:
+            layers = []
+            for chunks in (CHUNKS, CHUNKS // 2):
+                mesh_lib._reset_for_tests()
+                tfhybrid.init(model_parallel=1)
+                layer = tfhybrid.DistributedEmbedding([Embedding(
+                    ROWS, DIM, combiner="sum", name="a", dims="adaptive", chunks=chunks)])
+                layer([tf.constant([[1, 2]])])
+                layers.append(layer)
+            layers[0].adjust(0.25)    # one chunk per row: counts fit both layers
+            with tempfile.TemporaryDirectory() as d:
+                path = tf.train.Checkpoint(layer=layers[0]).save(os.path.join(d, "ckpt"))
+                # 4 chunks of 2 saved; 2 chunks of 4 asked for
+                with self.assertRaisesRegex(ValueError, r"holds table 'a' as \[50, 2\] "
+                                                        r"present chunks.*need \[50, 4\]"):
+                    tf.train.Checkpoint(layer=layers[1]).restore(path)
+        finally:
+            mesh_lib._reset_for_tests()

@@ -353,6 +353,13 @@ def _saved_counts(path: str, name: str, table: Any) -> np.ndarray:
         raise ValueError(f"checkpoint {path!r}: {key!r} must be {table.rows} chunk counts in "
                          f"[0, {table.chunks}], got shape {counts.shape} with values in "
                          f"[{counts.min(initial=0)}, {counts.max(initial=0)}]")
+    # (an all-pruned table saved no values)
+    saved = reader.get_variable_to_shape_map().get(name, [int(counts.sum()), table.chunk_dim])
+    if list(saved) != [int(counts.sum()), table.chunk_dim]:
+        raise ValueError(f"checkpoint {path!r} holds table {table.name!r} as {list(saved)} "
+                         f"present chunks; its layout and {table.chunks} chunks of "
+                         f"{table.chunk_dim} columns need [{int(counts.sum())}, "
+                         f"{table.chunk_dim}]")
     return counts.astype(np.int64)
 
 
