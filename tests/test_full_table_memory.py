@@ -55,17 +55,22 @@ class FullTableMemoryTest(tf.test.TestCase):
         full = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
         with _PeakRss() as setting:
             layer.set_weights([full])
-        got_first = None
-        with _PeakRss() as getting:
-            gathered = layer.get_weights()
-            got_first = gathered[0]
+        # RSS also moves with the allocator's own bookkeeping (a loaded machine once
+        # showed 30 MiB more on one call), so the least of three gathers is compared: a
+        # gather that needed more memory would need it every time
+        extras = []
+        for _ in range(3):
+            with _PeakRss() as getting:
+                got_first = layer.get_weights()[0]
+            extras.append(getting.extra)
+            self.assertAllEqual(got_first[::997], full[::997])
+            self.assertAllEqual(got_first[-1], full[-1])
+            del got_first
         print(f"table {TABLE_BYTES / 2**20:.0f} MiB: set_weights extra "
               f"{setting.extra / 2**20:.0f} MiB, get_weights extra "
-              f"{getting.extra / 2**20:.0f} MiB")
-        self.assertAllEqual(got_first[::997], full[::997])
-        self.assertAllEqual(got_first[-1], full[-1])
+              f"{[round(e / 2**20) for e in extras]} MiB")
         # the gathered copy itself is one table; chunks must keep the rest small
-        self.assertLessEqual(getting.extra, TABLE_BYTES + TABLE_BYTES // 4)
+        self.assertLessEqual(min(extras), TABLE_BYTES + TABLE_BYTES // 4)
         self.assertLessEqual(setting.extra, TABLE_BYTES // 4)
 
 

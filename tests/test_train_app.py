@@ -18,6 +18,10 @@ import tensorflow as tf
 
 from tests.runner import TEST_ENV
 
+# The module starts several jobs of the app (most with 4 ranks on 2 cores): 559 s
+# measured on a slow day, past the runner's default limit of 480 s.
+RUN_TIMEOUT_S = 1200
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
