@@ -23,7 +23,8 @@ from tfhybrid.compression import DCT
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tests import test_distributed_embedding as de
 
-HOROVOD_NP = (2, 4)
+# four ranks only: they cover 1x4 (the 1D route a 1x2 mesh takes) and 2x2
+HOROVOD_NP = (4,)
 
 LOCAL_BATCH = 4
 

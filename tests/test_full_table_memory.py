@@ -53,25 +53,27 @@ class FullTableMemoryTest(tf.test.TestCase):
                        embeddings_initializer="zeros")], mesh=mesh)
         layer([tf.constant([[1, 2]])])
         full = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
-        with _PeakRss() as setting:
-            layer.set_weights([full])
-        # RSS also moves with the allocator's own bookkeeping (a loaded machine once
-        # showed 30 MiB more on one call), so the least of three gathers is compared: a
-        # gather that needed more memory would need it every time
-        extras = []
-        for _ in range(3):
+        # RSS also moves with the allocator's own bookkeeping (loaded machines showed
+        # 30 MiB more on one gather and 48 MiB on one scatter), so the least of three
+        # calls is compared: a call that needed more memory would need it every time
+        set_extras, get_extras = [], []
+        for attempt in range(3):
+            full += 1  # each attempt writes new values, in place (no second table)
+            with _PeakRss() as setting:
+                layer.set_weights([full])
+            set_extras.append(setting.extra)
             with _PeakRss() as getting:
-                got_first = layer.get_weights()[0]
-            extras.append(getting.extra)
-            self.assertAllEqual(got_first[::997], full[::997])
-            self.assertAllEqual(got_first[-1], full[-1])
-            del got_first
+                got = layer.get_weights()[0]
+            get_extras.append(getting.extra)
+            self.assertAllEqual(got[::997], full[::997])
+            self.assertAllEqual(got[-1], full[-1])
+            del got
         print(f"table {TABLE_BYTES / 2**20:.0f} MiB: set_weights extra "
-              f"{setting.extra / 2**20:.0f} MiB, get_weights extra "
-              f"{[round(e / 2**20) for e in extras]} MiB")
+              f"{[round(e / 2**20) for e in set_extras]} MiB, get_weights extra "
+              f"{[round(e / 2**20) for e in get_extras]} MiB")
         # the gathered copy itself is one table; chunks must keep the rest small
-        self.assertLessEqual(min(extras), TABLE_BYTES + TABLE_BYTES // 4)
-        self.assertLessEqual(setting.extra, TABLE_BYTES // 4)
+        self.assertLessEqual(min(get_extras), TABLE_BYTES + TABLE_BYTES // 4)
+        self.assertLessEqual(min(set_extras), TABLE_BYTES // 4)
 
 
 if __name__ == "__main__":
