@@ -59,6 +59,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 
+from benchmarks._cgroup import read_text as _read, write_text as _write  # noqa: E402
 from benchmarks._stats import SPREAD_LEGEND, summarize  # noqa: E402
 
 READERS = {"criteo_tsv": "tsv", "criteo_binary": "binary"}
@@ -81,22 +82,6 @@ def _write_tsv(path: str, lines: int, seed: int) -> None:
             hexes[rng.random((n, 26)) < 0.15] = ""
             for i in range(n):
                 f.write("\t".join([str(labels[i]), *ints[i], *hexes[i]]) + "\n")
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise RuntimeError(f"cannot write {text!r} to {path}: {e}") from e
 
 
 class CpuCaps:

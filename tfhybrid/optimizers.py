@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid import fiited
+from tfhybrid import tiers
 from tfhybrid.custom_ops import custom_ops_available, rowwise_adagrad_apply
 
 __all__ = ["RowWiseAdagrad", "MomentumScaledRowWiseAdagrad"]
@@ -159,6 +160,12 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
             # whatever the pool's chunks do; listed here so the optimizer saves them too
             self._variables.append(table.accumulator)
             return table.accumulator
+        cached = tiers.table_of(var)
+        if cached is not None:
+            # a tiered table's cache: each slot's accumulator moves with the slot's row
+            # between the cache and the store, so the table keeps it
+            self._variables.append(cached.cache_accumulator)
+            return cached.cache_accumulator
         if var.shape.rank == 2:
             shape = [var.shape[0] if var.shape[0] is not None else tf.shape(var)[0]]
         else:

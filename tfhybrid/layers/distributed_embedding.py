@@ -99,6 +99,11 @@ def _table_from_layer(layer: Any) -> _Table:
             "embeddings must hold tf.keras.layers.Embedding / tfhybrid.layers.Embedding "
             "layers, or Keras layers whose get_config() has input_dim and output_dim (a "
             f"custom embedding layer); got {layer!r}")
+    if config.get("cache_rows") is not None:
+        raise ValueError(
+            f"embedding layer {layer.name!r} has cache_rows={config['cache_rows']} (a table "
+            "on disk behind a DRAM cache), which DistributedEmbedding does not shard yet; "
+            "use it as a plain tfhybrid.layers.Embedding in one process")
     custom = type(layer).call not in _LOOKUP_CALLS
     initializer = getattr(layer, "embeddings_initializer", None)
     if initializer is not None:

@@ -16,6 +16,7 @@ from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-
 
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
+from tfhybrid.tiers import POLICIES, CachedTable
 # Re-exported so that `tfhybrid.layers.embedding.X` resolves every X that
 # distributed-embeddings' embedding module has; each lives in its own module.
 from tfhybrid.layers.concat_one_hot import ConcatEmbedding, ConcatOneHotEmbedding  # noqa: F401
@@ -93,6 +94,14 @@ class Embedding(tf.keras.layers.Embedding):
     like the pool, which changes size. Single process for now (``DistributedEmbedding``
     rejects it).
 
+    ``cache_rows=N`` (with ``store_dir``) keeps the table in a slower tier, a
+    memory-mapped file in ``store_dir``, with an ``N``-row DRAM cache in front
+    (:class:`tfhybrid.tiers.CachedTable`, ``cache_policy="lru"`` or ``"lfu"``): before each
+    lookup the batch's rows are loaded into the cache and evicted rows written back, so a
+    table larger than memory trains exactly as it would in memory (SGD without momentum,
+    or ``RowWiseAdagrad``, whose per-row state moves with the rows). One batch may name at
+    most ``N`` distinct ids. Single process for now (``DistributedEmbedding`` rejects it).
+
     Example::
 
         import tensorflow as tf
@@ -106,7 +115,8 @@ class Embedding(tf.keras.layers.Embedding):
 
     def __init__(self, input_dim: int, output_dim: int, combiner: str | None = None,
                  use_custom_kernel: bool = True, dims: str | None = None, chunks: int = 8,
-                 target_memory: float = 0.35, **kwargs: Any):
+                 target_memory: float = 0.35, cache_rows: int | None = None,
+                 store_dir: str | None = None, cache_policy: str = "lru", **kwargs: Any):
         if combiner not in COMBINERS:
             hint = (" (distributed-embeddings' 'indices_weight' is not supported)"
                     if combiner == "indices_weight" else "")
@@ -136,7 +146,12 @@ class Embedding(tf.keras.layers.Embedding):
                     isinstance(output_dim, int) and output_dim % chunks):
                 raise ValueError(f"chunks={chunks!r} must be an int >= 1 that divides "
                                  f"output_dim={output_dim!r}")
+        if cache_rows is not None:
+            _check_tier(cache_rows, store_dir, cache_policy, dims, kwargs)
         super().__init__(input_dim, output_dim, **kwargs)
+        self.cache_rows = cache_rows
+        self.store_dir = store_dir
+        self.cache_policy = cache_policy
         self.combiner = combiner
         self.use_custom_kernel = use_custom_kernel
         self.dims = dims
@@ -146,6 +161,14 @@ class Embedding(tf.keras.layers.Embedding):
 
     # -------------------------------------------------------------------- build
     def build(self, input_shape=None):
+        if self.cache_rows is not None:
+            self.table = CachedTable(self.input_dim, self.output_dim, self.cache_rows,
+                                     self.store_dir, policy=self.cache_policy,
+                                     initializer=_block_initializer(
+                                         self.embeddings_initializer, self.output_dim),
+                                     name=self.name)
+            self.built = True
+            return None
         if self.dims != "adaptive":
             return super().build(input_shape)
         with tf.init_scope():
@@ -190,6 +213,12 @@ class Embedding(tf.keras.layers.Embedding):
             # promises; only Keras implements them.
             return super().call(ids)
         ids = _int_ids(ids)
+        if self.cache_rows is not None:
+            if _in_xla_context():
+                raise ValueError(f"Embedding {self.name!r}: a table with cache_rows "
+                                 "cannot be compiled with XLA (its cache is filled on the "
+                                 "host before each lookup); keep it outside jit_compile")
+            ids = self.table.slots(ids)   # the rows are in the cache from here on
         if self.combiner is None:
             if isinstance(ids, tf.RaggedTensor):
                 out = tf.ragged.map_flat_values(self._lookup_flat, ids)
@@ -204,6 +233,10 @@ class Embedding(tf.keras.layers.Embedding):
         # CPU (and fall back, warning once, when it is not built); False forces plain TF.
         return None if self.use_custom_kernel else False
 
+    def _params(self):
+        """What lookups read: the table, or a tiered table's cache (ids are its slots)."""
+        return self.table.cache if self.cache_rows is not None else self.embeddings
+
     def _lookup_flat(self, flat_ids):
         """[N] ids -> [N, output_dim] rows (no combine)."""
         if self.dims == "adaptive":
@@ -211,7 +244,7 @@ class Embedding(tf.keras.layers.Embedding):
         if _in_xla_context():
             return tf.gather(self.embeddings, flat_ids)  # what Keras' Embedding compiles to
         return custom_ops.embedding_lookup_combine(
-            self.embeddings, flat_ids, combiner=None, table_name=self.name,
+            self._params(), flat_ids, combiner=None, table_name=self.name,
             use_custom_op=self._lookup_option())
 
     def _lookup_dense(self, ids):
@@ -269,7 +302,7 @@ class Embedding(tf.keras.layers.Embedding):
         if _in_xla_context() and not isinstance(ids, tf.RaggedTensor):
             return _combine_dense_plain(self.embeddings, ids, self.combiner)
         return custom_ops.embedding_lookup_combine(
-            self.embeddings, ids, combiner=self.combiner, table_name=self.name,
+            self._params(), ids, combiner=self.combiner, table_name=self.name,
             use_custom_op=self._lookup_option())
 
     # ------------------------------------------------------------------ shapes
@@ -292,7 +325,47 @@ class Embedding(tf.keras.layers.Embedding):
         if self.dims is not None:   # a dense table's config stays distributed-embeddings'
             config.update(dims=self.dims, chunks=self.chunks,
                           target_memory=self.target_memory)
+        if self.cache_rows is not None:
+            config.update(cache_rows=self.cache_rows, store_dir=self.store_dir,
+                          cache_policy=self.cache_policy)
         return config
+
+
+def _check_tier(cache_rows, store_dir, cache_policy, dims, kwargs) -> None:
+    """ValueError naming the value for a tiered table's options that cannot work."""
+    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 1:
+        raise ValueError(f"cache_rows={cache_rows!r} must be None (all rows in memory) or "
+                         "an int >= 1")
+    if not isinstance(store_dir, str) or not store_dir:
+        raise ValueError(f"cache_rows={cache_rows} needs store_dir, the folder of the "
+                         f"table's file; got store_dir={store_dir!r}")
+    if cache_policy not in POLICIES:
+        raise ValueError(f"cache_policy={cache_policy!r} is unknown; expected one of "
+                         f"{POLICIES}")
+    if dims is not None:
+        raise ValueError(f"cache_rows with dims={dims!r} is not supported yet: a tiered "
+                         "table is dense")
+    unsupported = [k for k in ("sparse", "mask_zero", "embeddings_regularizer",
+                               "embeddings_constraint") if kwargs.get(k)]
+    if unsupported:
+        raise ValueError(f"cache_rows does not support {unsupported}: got "
+                         f"{ {k: kwargs[k] for k in unsupported} }")
+
+
+def _block_initializer(initializer, dim: int):
+    """``initializer`` as the tier's ``(start, stop) -> rows`` (a table larger than memory
+    is drawn a block at a time). A seeded Keras initializer gives the same values at every
+    call, so each block draws with its own seed (the seed plus the block's first row)."""
+    config = initializer.get_config()
+    seeded = config.get("seed") is not None
+
+    def rows(start: int, stop: int):
+        init = initializer
+        if seeded:
+            init = initializer.__class__.from_config(dict(config, seed=config["seed"] + start))
+        with tf.device("/CPU:0"):
+            return init(shape=(stop - start, dim), dtype=tf.float32).numpy()
+    return rows
 
 
 def _in_xla_context() -> bool:

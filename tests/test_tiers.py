@@ -1,0 +1,243 @@
+"""A table on disk behind a DRAM cache (tfhybrid.tiers): exactness, eviction, checkpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import unittest
+
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid.layers import DistributedEmbedding, Embedding
+from tfhybrid.optimizers import RowWiseAdagrad
+from tfhybrid.tiers import CachedTable
+
+ROWS, DIM, CACHE, HOT, BATCH = 1000, 8, 100, 3, 32
+
+
+def _data(steps=30, seed=0):
+    rng = np.random.default_rng(seed)
+    # Zipf ids: a hot head that stays cached and a tail that keeps evicting
+    ids = (rng.zipf(1.2, size=(steps * BATCH, HOT)) % ROWS).astype(np.int64)
+    return ids, rng.random((steps * BATCH, 1)).astype(np.float32)
+
+
+def _model(store_dir=None, policy="lru", combiner="sum", cache_rows=CACHE):
+    kwargs = ({} if store_dir is None else
+              dict(cache_rows=cache_rows, store_dir=store_dir, cache_policy=policy))
+    ids = tf.keras.Input((HOT,), dtype=tf.int64)
+    rows = Embedding(ROWS, DIM, combiner=combiner, name="table", **kwargs)(ids)
+    if combiner is None:
+        rows = tf.keras.layers.Flatten()(rows)
+    out = tf.keras.layers.Dense(1, kernel_initializer="ones", name="head")(rows)
+    return tf.keras.Model(ids, out)
+
+
+class _TempDir(unittest.TestCase):
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="tfhybrid-tiers-")
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+
+
+class TieredTrainingTest(_TempDir):
+
+    def _pair(self, optimizer, **kwargs):
+        """A tiered model and an in-memory one with the same initial weights."""
+        tiered, memory = _model(self.dir, **kwargs), _model(**{
+            k: v for k, v in kwargs.items() if k == "combiner"})
+        table = tiered.get_layer("table").table
+        memory.get_layer("table").embeddings.assign(table.read_rows(0, ROWS))
+        memory.get_layer("head").set_weights(tiered.get_layer("head").get_weights())
+        tiered.compile(optimizer(), "mse")
+        memory.compile(optimizer(), "mse")
+        return tiered, memory, table
+
+    def _assert_same_training(self, optimizer, **kwargs):
+        tiered, memory, table = self._pair(optimizer, **kwargs)
+        ids, labels = _data()
+        got = tiered.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        want = memory.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        self.assertEqual(got.history["loss"], want.history["loss"])
+        np.testing.assert_array_equal(table.read_rows(0, ROWS),
+                                      memory.get_layer("table").embeddings.numpy())
+        stats = table.stats()
+        # the test means something only if rows were evicted, written back and reloaded
+        self.assertGreater(stats["writebacks"], 0)
+        self.assertGreater(stats["hits"], 0)
+        self.assertGreater(stats["misses"], CACHE)
+        self.assertEqual(tiered.evaluate(ids, labels, verbose=0),
+                         memory.evaluate(ids, labels, verbose=0))
+        np.testing.assert_array_equal(tiered.predict(ids[:64], verbose=0),
+                                      memory.predict(ids[:64], verbose=0))
+        return tiered, memory, table
+
+    def test_sgd_equals_the_table_in_memory_bit_for_bit(self):
+        self._assert_same_training(lambda: tf.keras.optimizers.SGD(0.1))
+
+    def test_rowwise_adagrad_equals_the_table_in_memory_with_its_state(self):
+        for policy in ("lru", "lfu"):
+            with self.subTest(policy=policy):
+                _, memory, table = self._assert_same_training(
+                    lambda: RowWiseAdagrad(0.1), policy=policy)
+                accumulator = [v for v in memory.optimizer.variables
+                               if "accumulator" in v.name][0]
+                np.testing.assert_array_equal(table.read_accumulator(0, ROWS),
+                                              accumulator.numpy())
+                shutil.rmtree(self.dir)
+                os.makedirs(self.dir)
+
+    def test_mean_and_no_combiner_equal_the_table_in_memory(self):
+        for combiner in ("mean", None):
+            with self.subTest(combiner=combiner):
+                self._assert_same_training(lambda: RowWiseAdagrad(0.1), combiner=combiner)
+
+    def test_a_checkpoint_holds_the_table_not_the_cache(self):
+        tiered, _, table = self._pair(lambda: RowWiseAdagrad(0.1))
+        ids, labels = _data()
+        tiered.fit(ids, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        values, accumulator = table.read_rows(0, ROWS), table.read_accumulator(0, ROWS)
+        path = os.path.join(self.dir, "ckpt", "weights")
+        tiered.save_weights(path)
+        # the store on disk equals the table after the flush of the save
+        np.testing.assert_array_equal(np.asarray(table.store), values)
+        # a fresh model with a different cache state restores the same table and
+        # continues exactly as the saved one does
+        other_dir = os.path.join(self.dir, "other")
+        os.makedirs(other_dir)
+        restored = _model(other_dir)
+        restored.compile(RowWiseAdagrad(0.1), "mse")
+        restored.fit(ids[:BATCH], labels[:BATCH], verbose=0)   # builds the optimizer
+        restored.load_weights(path)
+        restored_table = restored.get_layer("table").table
+        np.testing.assert_array_equal(restored_table.read_rows(0, ROWS), values)
+        np.testing.assert_array_equal(restored_table.read_accumulator(0, ROWS), accumulator)
+        a = tiered.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        b = restored.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        self.assertEqual(a.history["loss"], b.history["loss"])
+        np.testing.assert_array_equal(restored_table.read_rows(0, ROWS),
+                                      table.read_rows(0, ROWS))
+
+
+class CachedTableTest(_TempDir):
+
+    def test_eviction_follows_the_policy(self):
+        # rows 1 and 2 fill a 2-row cache; row 1 is used twice, row 2 last: LRU evicts
+        # row 1, LFU row 2
+        for policy, evicted, kept in (("lru", 1, 2), ("lfu", 2, 1)):
+            with self.subTest(policy=policy):
+                table = CachedTable(10, 2, cache_rows=2, directory=self.dir, seed=0,
+                                    policy=policy, name=f"t_{policy}")
+                for row in (1, 1, 2, 3):
+                    table.slots(tf.constant([row]))
+                self.assertEqual(table.stats()["misses"], 3)
+                table.slots(tf.constant([kept]))
+                self.assertEqual(table.stats()["misses"], 3)
+                table.slots(tf.constant([evicted]))
+                self.assertEqual(table.stats()["misses"], 4)
+
+    def test_rows_written_while_cached_are_read_from_the_cache(self):
+        table = CachedTable(20, 3, cache_rows=4, directory=self.dir, seed=1)
+        slots = table.slots(tf.constant([5, 6]))
+        table.write_rows(5, np.full((2, 3), 7.0), accumulator=[1.0, 2.0])
+        np.testing.assert_array_equal(tf.gather(table.cache, slots).numpy(),
+                                      np.full((2, 3), 7.0))
+        np.testing.assert_array_equal(table.read_accumulator(5, 7), [1.0, 2.0])
+        # the cache's change reaches the store at a flush, not before
+        table.cache.scatter_add(tf.IndexedSlices(tf.ones([1, 3]), slots[:1]))
+        np.testing.assert_array_equal(table.store[5], np.full(3, 7.0))
+        np.testing.assert_array_equal(table.read_rows(5, 6)[0], np.full(3, 8.0))
+        table.flush()
+        np.testing.assert_array_equal(table.store[5], np.full(3, 8.0))
+
+    def test_initial_rows_are_drawn_per_block_and_repeat_for_a_seed(self):
+        a = CachedTable(30, 4, cache_rows=3, directory=self.dir, seed=2, name="a")
+        b = CachedTable(30, 4, cache_rows=3, directory=self.dir, seed=2, name="b")
+        np.testing.assert_array_equal(a.read_rows(0, 30), b.read_rows(0, 30))
+        self.assertFalse(np.array_equal(a.read_rows(0, 1), a.read_rows(1, 2)))
+        layer = Embedding(30, 4, cache_rows=3, store_dir=self.dir, name="seeded",
+                          embeddings_initializer=tf.keras.initializers.RandomUniform(seed=5))
+        layer.build(None)
+        self.assertEqual(len(np.unique(layer.table.read_rows(0, 30), axis=0)), 30)
+
+    def test_memory_counts_the_cache_and_index_not_the_store(self):
+        table = CachedTable(1000, 8, cache_rows=100, directory=self.dir)
+        memory = table.memory_bytes()
+        self.assertEqual(memory["cache"], 100 * 9 * 4)
+        self.assertEqual(memory["store"], 1000 * 9 * 4)
+        self.assertEqual(os.path.getsize(table.paths[0]), 1000 * 8 * 4)
+        self.assertEqual(os.path.getsize(table.paths[1]), 1000 * 4)
+
+
+class TieredErrorsTest(_TempDir):
+
+    def test_bad_arguments_name_the_value(self):
+        cases = [
+            (dict(cache_rows=0, store_dir=self.dir), r"cache_rows=0"),
+            (dict(cache_rows=True, store_dir=self.dir), r"cache_rows=True"),
+            (dict(cache_rows=10), r"store_dir=None"),
+            (dict(cache_rows=10, store_dir=self.dir, cache_policy="fifo"), r"'fifo'"),
+            (dict(cache_rows=10, store_dir=self.dir, dims="adaptive", chunks=2),
+             r"dims='adaptive'"),
+            (dict(cache_rows=10, store_dir=self.dir, mask_zero=True, combiner=None),
+             r"mask_zero"),
+        ]
+        for kwargs, message in cases:
+            with self.subTest(kwargs=kwargs):
+                with self.assertRaisesRegex(ValueError, message):
+                    Embedding(100, 4, **kwargs)
+        with self.assertRaisesRegex(ValueError, r"'big' has cache_rows=10.*not shard"):
+            DistributedEmbedding([Embedding(100, 4, cache_rows=10, store_dir=self.dir,
+                                            name="big")])
+        with self.assertRaisesRegex(ValueError, r"cache_rows=200 exceeds rows=100"):
+            CachedTable(100, 4, cache_rows=200, directory=self.dir)
+        with self.assertRaisesRegex(ValueError, r"directory='/nonexistent/x'"):
+            CachedTable(100, 4, cache_rows=20, directory="/nonexistent/x")
+
+    def test_a_batch_larger_than_the_cache_or_a_bad_id_is_refused(self):
+        layer = Embedding(100, 4, combiner="sum", cache_rows=5, store_dir=self.dir)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r"6 distinct ids but the cache holds cache_rows=5"):
+            layer(tf.constant([[0, 1, 2], [3, 4, 5]]))
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r"got id 100, expected ids in \[0, 100\)"):
+            layer(tf.constant([[0, 100]]))
+
+    def test_optimizers_whose_slots_would_not_follow_the_rows_are_refused(self):
+        ids, labels = _data(steps=1)
+        for name, make in (("Adam", lambda: tf.keras.optimizers.Adam(0.1)),
+                           ("SGD", lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9)),
+                           ("Adam", lambda: tf.keras.optimizers.legacy.Adam(0.1))):
+            with self.subTest(optimizer=make()):
+                model = _model(self.dir)
+                model.compile(make(), "mse")
+                with self.assertRaisesRegex(ValueError, rf"{name} keeps a .* slot per "
+                                                        r"entry of table 'table'"):
+                    model.fit(ids, labels, batch_size=BATCH, verbose=0)
+                shutil.rmtree(self.dir)
+                os.makedirs(self.dir)
+        # the dense layers may keep any optimizer's slots
+        model = _model()
+        model.compile(tf.keras.optimizers.Adam(0.1), "mse")
+        model.fit(ids, labels, batch_size=BATCH, verbose=0)
+
+    def test_xla_is_refused_naming_the_table(self):
+        layer = Embedding(100, 4, combiner="sum", cache_rows=5, store_dir=self.dir,
+                          name="on_disk")
+        with self.assertRaisesRegex(ValueError, r"'on_disk'.*XLA"):
+            tf.function(layer, jit_compile=True)(tf.constant([[0, 1]]))
+
+    def test_config_round_trips(self):
+        layer = Embedding(100, 4, combiner="mean", cache_rows=5, store_dir=self.dir,
+                          cache_policy="lfu")
+        config = layer.get_config()
+        self.assertEqual((config["cache_rows"], config["store_dir"],
+                          config["cache_policy"]), (5, self.dir, "lfu"))
+        self.assertEqual(Embedding.from_config(config).get_config(), config)
+        self.assertNotIn("cache_rows", Embedding(100, 4).get_config())
+
+
+if __name__ == "__main__":
+    tf.test.main()

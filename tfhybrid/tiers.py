@@ -1,0 +1,372 @@
+"""A table in a slower memory tier with a DRAM cache in front (ZionEX's memory hierarchy).
+
+ZionEX (arXiv 2104.05158) trains tables larger than accelerator memory by keeping rows in
+a slower tier (host DDR, SSD) and caching the hot ones in fast memory. FBGEMM's SSD
+table-batched embedding, TorchRec's UVM caching and TF Recommenders Addons' RocksDB tables
+do the same. Here the slow tier is a file on disk, memory-mapped, and the fast tier is a
+``cache_rows``-row ``tf.Variable``:
+
+* **store**: ``<directory>/<name>.values`` (``[rows, dim]`` float32) and
+  ``<name>.accumulator`` (``[rows]`` float32, row-wise AdaGrad's state), little-endian,
+  memory-mapped; only the rows the cache loads or writes back are touched, so a table of
+  any size fits whatever the process may hold (the kernel may drop clean file pages);
+* **cache**: ``cache`` (``[cache_rows, dim]``) and ``cache_accumulator``
+  (``[cache_rows]``), the variables the lookups read and the optimizer updates;
+* **index** (host): each row's cache slot or -1 (4 bytes per row); per slot its row, the
+  policy's state (LRU: CLOCK's reference bit, an approximation of LRU that costs
+  O(rows loaded) per batch; LFU: in how many steps it was used since loaded), the step of
+  its last lookup and whether it was used since loaded.
+
+Before a lookup, :meth:`CachedTable.slots` maps the batch's ids to cache slots: rows not
+cached are loaded (value and accumulator) into slots that this batch does not use, chosen
+by the policy, and a slot's previous row is written back first if it was used since it
+was loaded (write-back). The lookup and the optimizer then work on the cache as on any
+table, so training equals training the whole table in memory bit for bit (a row's
+arithmetic does not depend on where it sits). The cache never holds stale rows: the
+store is only read for rows not in the cache, and :meth:`flush` (run by every checkpoint
+save) writes every used slot back.
+
+``tfhybrid.layers.Embedding(..., cache_rows=N, store_dir=path)`` is the Keras layer on it.
+Train it with SGD without momentum or :class:`tfhybrid.optimizers.RowWiseAdagrad`, whose
+per-row state the table keeps: any other Keras optimizer would keep a slot shaped like the
+cache, which would not follow its rows, so creating one raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid.fiited import _check_int  # one rule for a table's integer options
+
+__all__ = ["CachedTable", "POLICIES", "table_of"]
+
+POLICIES = ("lru", "lfu")
+# rows initialized (or written by write_rows) per block: bounds the memory a table of
+# any size needs on the way into its store
+_BLOCK_BYTES = 8 * 1024 * 1024
+
+
+def table_of(variable: Any) -> "CachedTable | None":
+    """The CachedTable whose cache ``variable`` is, else None."""
+    return getattr(variable, "_tfhybrid_cached_table", None)
+
+
+def _momentum_free_sgd(optimizer: Any) -> bool:
+    # Keras 2.15's SGD makes a momentum slot even at momentum 0, but then resets it every
+    # step (m = 0 * m + update), so its slots carry nothing from step to step
+    return isinstance(optimizer, tf.keras.optimizers.SGD) and not optimizer.nesterov and \
+        float(optimizer.momentum) == 0.0
+
+
+def _refusing_slots(create: Callable) -> Callable:
+    """``create`` (an optimizer's slot factory) that refuses a tiered table's cache: a
+    slot per cache entry would stay put while rows move between the cache and the file."""
+    def create_slot(self, *args, **kwargs):
+        # new optimizers: (model_variable, variable_name); legacy ones: (var, slot_name)
+        variable = args[0] if args else kwargs.get("model_variable", kwargs.get("var"))
+        slot_name = args[1] if len(args) > 1 else kwargs.get(
+            "variable_name", kwargs.get("slot_name"))
+        table = table_of(variable)
+        if table is not None and not _momentum_free_sgd(self):
+            raise ValueError(
+                f"{type(self).__name__} keeps a {slot_name!r} slot per entry of table "
+                f"{table.name!r}, whose rows move between a DRAM cache and its file "
+                "(cache_rows): train it with tfhybrid.optimizers.RowWiseAdagrad (its row "
+                "state moves with the rows) or SGD without momentum")
+        return create(self, *args, **kwargs)
+    create_slot._tfhybrid_refuses_tiered = True
+    return create_slot
+
+
+def _install_slot_guards() -> None:
+    """Wraps the slot factories of Keras' optimizers (new and legacy) once."""
+    for base, name in ((tf.keras.optimizers.Optimizer, "add_variable_from_reference"),
+                       (tf.keras.optimizers.legacy.Optimizer, "add_slot")):
+        owner = next(k for k in base.__mro__ if name in vars(k))
+        if not getattr(vars(owner)[name], "_tfhybrid_refuses_tiered", False):
+            setattr(owner, name, _refusing_slots(vars(owner)[name]))
+
+
+_install_slot_guards()
+
+
+class CachedTable(tf.Module):
+    """``rows`` x ``dim`` float32 rows on disk behind a cache of ``cache_rows`` rows.
+
+    ``initializer(start, stop)`` gives rows ``start..stop-1`` as a ``[stop - start, dim]``
+    array (default: uniform in [-0.05, 0.05) from ``seed``, drawn per block so a table
+    larger than memory never exists whole); ``policy`` is ``"lru"`` or ``"lfu"``.
+
+    Example::
+
+        import tempfile
+        import tensorflow as tf
+        from tfhybrid.tiers import CachedTable
+        table = CachedTable(1000, 4, cache_rows=8, directory=tempfile.mkdtemp(), seed=0)
+        slots = table.slots(tf.constant([[3, 7], [3, 999]]))   # ids -> cache slots
+        rows = tf.gather(table.cache, slots)                   # [2, 2, 4]
+        assert (rows.numpy()[1, 1] == table.read_rows(999, 1000)[0]).all()
+        assert table.stats()["misses"] == 3
+    """
+
+    def __init__(self, rows: int, dim: int, cache_rows: int, directory: str, *,
+                 initializer: Callable[[int, int], Any] | None = None,
+                 seed: int | None = None, policy: str = "lru", name: str | None = None):
+        super().__init__(name=name)
+        self.rows = _check_int("rows", rows, 1)
+        self.dim = _check_int("dim", dim, 1)
+        self.cache_rows = _check_int("cache_rows", cache_rows, 1)
+        if self.cache_rows > self.rows:
+            raise ValueError(f"cache_rows={cache_rows} exceeds rows={rows}: the whole "
+                             "table fits, keep it in memory")
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} is unknown; expected one of {POLICIES}")
+        self.policy = policy
+        if not isinstance(directory, (str, os.PathLike)) or not os.path.isdir(directory):
+            raise ValueError(f"directory={directory!r} must be an existing folder for the "
+                             "table's store")
+        stem = os.path.join(os.fspath(directory), self.name)
+        self.paths = (f"{stem}.values", f"{stem}.accumulator")
+        self.store = np.memmap(self.paths[0], np.dtype("<f4"), "w+",
+                               shape=(self.rows, self.dim))
+        self.store_accumulator = np.memmap(self.paths[1], np.dtype("<f4"), "w+",
+                                           shape=(self.rows,))
+        self.cache = tf.Variable(tf.zeros([self.cache_rows, self.dim]), name="cache")
+        self.cache_accumulator = tf.Variable(tf.zeros([self.cache_rows]), trainable=False,
+                                             name="cache_accumulator")
+        # how an optimizer finds the table of a cache gradient (table_of)
+        self.cache._tfhybrid_cached_table = self
+        self._slot_of_row = np.full(self.rows, -1, np.int32)   # 4 bytes per row
+        self._row_of_slot = np.full(self.cache_rows, -1, np.int64)
+        self._stamp = np.zeros(self.cache_rows, np.int64)      # LFU: steps used since loaded
+        self._referenced = np.zeros(self.cache_rows, bool)     # LRU (CLOCK): used since passed
+        self._hand = 0                                         # LRU (CLOCK): the next slot
+        self._last_used = np.zeros(self.cache_rows, np.int64)  # step of the last lookup
+        self._used = np.zeros(self.cache_rows, bool)   # may differ from the store
+        self._filled = 0                               # slots [filled, cache_rows) free
+        if initializer is None:
+            base = 0 if seed is None else int(seed)
+
+            def initializer(start, stop):
+                return tf.random.stateless_uniform(
+                    [stop - start, self.dim], seed=[base, start], minval=-0.05,
+                    maxval=0.05).numpy()
+        for start, stop in self._blocks():
+            self.write_rows(start, initializer(start, stop))
+        self._step = 0
+        self._hits = self._misses = self._writebacks = 0
+
+    def _blocks(self):
+        step = max(1, _BLOCK_BYTES // (4 * self.dim))
+        for start in range(0, self.rows, step):
+            yield start, min(self.rows, start + step)
+
+    # ------------------------------------------------------------------ the cache
+    def slots(self, ids: Any) -> Any:
+        """The cache slot of every id (a tensor, ``tf.RaggedTensor`` or
+        ``tf.SparseTensor`` of the same structure, int64), loading the rows that are not
+        cached first. Every id of one call is cached at once, so a call may name at most
+        ``cache_rows`` distinct ids. Works eagerly and inside ``tf.function`` (the host
+        side runs in a ``tf.py_function``, ordered with the step's other stateful ops)."""
+        if isinstance(ids, tf.RaggedTensor):
+            return ids.with_flat_values(self.slots(ids.flat_values))
+        if isinstance(ids, tf.SparseTensor):
+            return tf.SparseTensor(ids.indices, self.slots(ids.values), ids.dense_shape)
+        ids = tf.convert_to_tensor(ids)
+        if not ids.dtype.is_integer:
+            raise ValueError(f"CachedTable {self.name!r}: ids must be integers, got "
+                             f"{ids.dtype}")
+        slots = tf.py_function(self._slots_numpy, [ids], tf.int64,
+                               name=f"{self.name}_cache_slots")
+        slots.set_shape(ids.shape)
+        return slots
+
+    def _slots_numpy(self, ids: tf.Tensor) -> np.ndarray:
+        ids = ids.numpy()
+        flat = ids.reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.rows):
+            bad = flat.min() if flat.min() < 0 else flat.max()
+            raise ValueError(f"CachedTable {self.name!r} got id {bad}, expected ids in "
+                             f"[0, {self.rows})")
+        self._step += 1
+        slots = self._slot_of_row[flat].astype(np.int64)
+        missing = slots < 0
+        hit_slots = slots[~missing]
+        # this batch's cached rows: never evicted for its other rows
+        self._last_used[hit_slots] = self._step
+        hits = int(np.count_nonzero(self._last_used[:self._filled] == self._step))
+        if missing.any():
+            rows = np.unique(flat[missing])   # ascending: the store is read in file order
+            if hits + rows.size > self.cache_rows:
+                raise ValueError(
+                    f"CachedTable {self.name!r}: one batch names {hits + rows.size} "
+                    f"distinct ids but the cache holds cache_rows={self.cache_rows}; "
+                    "raise cache_rows or lower the batch")
+            self._load(rows)
+            self._misses += rows.size
+            slots[missing] = self._slot_of_row[flat[missing]]
+        self._hits += hits
+        used = slots if missing.any() else hit_slots
+        if self.policy == "lru":
+            self._referenced[used] = True
+        else:                              # once per step and slot, as fancy += does
+            self._stamp[used] += 1
+        self._last_used[used] = self._step
+        self._used[used] = True
+        return slots.reshape(ids.shape)
+
+    def _load(self, rows: np.ndarray) -> None:
+        """Puts ``rows`` (ascending, none cached) into slots this batch does not use:
+        free slots first, then the policy's least-recently / least-frequently used ones,
+        written back first if used since loaded."""
+        free = min(rows.size, self.cache_rows - self._filled)
+        victims = np.arange(self._filled, self._filled + free)
+        self._filled += free
+        self._last_used[victims] = self._step   # taken: not to be taken twice
+        need = rows.size - free
+        if need:
+            taken = self._clock(need) if self.policy == "lru" else self._least_used(need)
+            self._write_back(taken)
+            old = self._row_of_slot[taken]
+            self._slot_of_row[old] = -1
+            victims = np.concatenate([victims, taken])
+        self.cache.scatter_update(tf.IndexedSlices(np.asarray(self.store[rows]), victims))
+        self.cache_accumulator.scatter_update(
+            tf.IndexedSlices(np.asarray(self.store_accumulator[rows]), victims))
+        self._row_of_slot[victims] = rows
+        self._slot_of_row[rows] = victims
+        self._stamp[victims] = 0
+        self._referenced[victims] = False
+        self._used[victims] = False
+
+    def _clock(self, need: int) -> np.ndarray:
+        """``need`` slots not used by this batch, by CLOCK (second chance), the usual
+        approximation of LRU at O(rows loaded) per batch: a hand sweeps the slots and
+        takes each one not used since the hand last passed it."""
+        taken = []
+        while need:
+            window = (self._hand + np.arange(min(self.cache_rows, max(2 * need, 256)))) \
+                % self.cache_rows
+            takeable = ~self._referenced[window] & (self._last_used[window] != self._step)
+            picks = np.flatnonzero(takeable)[:need]
+            passed = picks[-1] + 1 if picks.size == need else window.size
+            self._referenced[window[:passed]] = False   # their second chance is spent
+            self._last_used[window[picks]] = self._step    # not to be taken twice
+            taken.append(window[picks])
+            need -= picks.size
+            self._hand = (self._hand + passed) % self.cache_rows
+        return np.concatenate(taken)
+
+    def _least_used(self, need: int) -> np.ndarray:
+        """``need`` slots not used by this batch, the least frequently used (LFU)."""
+        score = self._stamp.copy()
+        score[self._last_used == self._step] = np.iinfo(np.int64).max
+        return np.argpartition(score, need - 1)[:need]
+
+    def _write_back(self, slots: np.ndarray) -> None:
+        """Writes the rows of ``slots`` that were used since loaded to the store."""
+        slots = slots[(self._row_of_slot[slots] >= 0) & self._used[slots]]
+        if not slots.size:
+            return
+        rows = self._row_of_slot[slots]
+        order = np.argsort(rows)
+        slots, rows = slots[order], rows[order]
+        self.store[rows] = tf.gather(self.cache, slots).numpy()
+        self.store_accumulator[rows] = tf.gather(self.cache_accumulator, slots).numpy()
+        self._used[slots] = False
+        self._writebacks += slots.size
+
+    def flush(self) -> None:
+        """Writes every cached row that was used since loaded back to the store (the
+        cache keeps it): after it, the store alone is the table."""
+        self._write_back(np.arange(self.cache_rows))
+        self.store.flush()
+        self.store_accumulator.flush()
+
+    def invalidate(self) -> None:
+        """Empties the cache without writing back (the store was replaced)."""
+        self._slot_of_row[:] = -1
+        self._row_of_slot[:] = -1
+        self._stamp[:] = 0
+        self._referenced[:] = False
+        self._hand = 0
+        self._last_used[:] = 0
+        self._used[:] = False
+        self._filled = 0
+
+    def stats(self) -> dict:
+        """Distinct ids per call that found their row cached (``hits``) or loaded it
+        (``misses``), rows written back, slots holding a row, and the hit rate."""
+        looked = self._hits + self._misses
+        return {"hits": self._hits, "misses": self._misses,
+                "writebacks": self._writebacks, "cached_rows": self._filled,
+                "hit_rate": self._hits / looked if looked else 0.0}
+
+    def memory_bytes(self) -> dict:
+        """Bytes in DRAM (the cache, its accumulator and the host index) and in the
+        store."""
+        index = sum(a.nbytes for a in (self._slot_of_row, self._row_of_slot, self._stamp,
+                                         self._referenced, self._last_used, self._used))
+        return {"cache": self.cache_rows * (self.dim + 1) * 4, "index": index,
+                "store": self.rows * (self.dim + 1) * 4}
+
+    # ------------------------------------------------------------ whole rows
+    def read_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start..stop-1`` as they are now (cached rows from the cache)."""
+        values = np.array(self.store[start:stop])
+        return self._overlay(start, stop, values, self.cache)
+
+    def read_accumulator(self, start: int, stop: int) -> np.ndarray:
+        values = np.array(self.store_accumulator[start:stop])
+        return self._overlay(start, stop, values, self.cache_accumulator)
+
+    def _overlay(self, start: int, stop: int, values: np.ndarray, cached) -> np.ndarray:
+        slots = self._slot_of_row[start:stop]
+        held = np.nonzero(slots >= 0)[0]
+        if held.size:
+            values[held] = tf.gather(cached, slots[held]).numpy()
+        return values
+
+    def write_rows(self, start: int, values: Any, accumulator: Any = None) -> None:
+        """Sets rows ``start..start+len(values)-1`` (and their accumulators, zero unless
+        given), in the store and in the cache where cached."""
+        values = np.asarray(values, np.float32)
+        stop = start + values.shape[0]
+        if values.ndim != 2 or values.shape[1] != self.dim or start < 0 or \
+                stop > self.rows:
+            raise ValueError(f"CachedTable {self.name!r}.write_rows({start}, shape "
+                             f"{values.shape}): expected [n, {self.dim}] rows within "
+                             f"[0, {self.rows})")
+        accumulator = (np.zeros(values.shape[0], np.float32) if accumulator is None
+                       else np.asarray(accumulator, np.float32))
+        self.store[start:stop] = values
+        self.store_accumulator[start:stop] = accumulator
+        slots = self._slot_of_row[start:stop]
+        held = np.nonzero(slots >= 0)[0]
+        if held.size:
+            self.cache.scatter_update(tf.IndexedSlices(values[held], slots[held]))
+            self.cache_accumulator.scatter_update(
+                tf.IndexedSlices(accumulator[held], slots[held]))
+
+    # ------------------------------------------------------------ checkpoints
+    def _serialize_to_tensors(self):
+        # the cache is slot-ordered and meaningless without the host index, so a
+        # checkpoint holds the table in row order: the store, flushed first
+        self.flush()
+        return {"values": tf.constant(np.asarray(self.store)),
+                "accumulator": tf.constant(np.asarray(self.store_accumulator))}
+
+    def _restore_from_tensors(self, restored_tensors):
+        values = restored_tensors["values"].numpy()
+        if values.shape != (self.rows, self.dim):
+            raise ValueError(f"CachedTable {self.name!r}: the checkpoint holds a "
+                             f"{list(values.shape)} table; this one is "
+                             f"[{self.rows}, {self.dim}]")
+        self.invalidate()
+        self.store[:] = values
+        self.store_accumulator[:] = restored_tensors["accumulator"].numpy()
+        return tf.no_op()
