@@ -41,18 +41,22 @@ class _TempDir(unittest.TestCase):
         self.dir = tempfile.mkdtemp(prefix="tfhybrid-tiers-")
         self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
 
+    def fresh_dir(self) -> str:
+        """A folder of its own, for a table that lives beside the test's others."""
+        return tempfile.mkdtemp(dir=self.dir)
+
 
 class TieredTrainingTest(_TempDir):
 
-    def _pair(self, optimizer, **kwargs):
+    def _pair(self, optimizer, steps_per_execution=1, **kwargs):
         """A tiered model and an in-memory one with the same initial weights."""
-        tiered, memory = _model(self.dir, **kwargs), _model(**{
+        tiered, memory = _model(self.fresh_dir(), **kwargs), _model(**{
             k: v for k, v in kwargs.items() if k == "combiner"})
         table = tiered.get_layer("table").table
         memory.get_layer("table").embeddings.assign(table.read_rows(0, ROWS))
         memory.get_layer("head").set_weights(tiered.get_layer("head").get_weights())
-        tiered.compile(optimizer(), "mse")
-        memory.compile(optimizer(), "mse")
+        tiered.compile(optimizer(), "mse", steps_per_execution=steps_per_execution)
+        memory.compile(optimizer(), "mse", steps_per_execution=steps_per_execution)
         return tiered, memory, table
 
     def _assert_same_training(self, optimizer, **kwargs):
@@ -86,13 +90,16 @@ class TieredTrainingTest(_TempDir):
                                if "accumulator" in v.name][0]
                 np.testing.assert_array_equal(table.read_accumulator(0, ROWS),
                                               accumulator.numpy())
-                shutil.rmtree(self.dir)
-                os.makedirs(self.dir)
 
     def test_mean_and_no_combiner_equal_the_table_in_memory(self):
         for combiner in ("mean", None):
             with self.subTest(combiner=combiner):
                 self._assert_same_training(lambda: RowWiseAdagrad(0.1), combiner=combiner)
+
+    def test_several_steps_per_call_keep_the_steps_in_order(self):
+        # fit's loop over steps inside one tf.function: each step's cache fill follows
+        # the previous step's update
+        self._assert_same_training(lambda: RowWiseAdagrad(0.1), steps_per_execution=4)
 
     def test_a_checkpoint_holds_the_table_not_the_cache(self):
         tiered, _, table = self._pair(lambda: RowWiseAdagrad(0.1))
@@ -105,9 +112,7 @@ class TieredTrainingTest(_TempDir):
         np.testing.assert_array_equal(np.asarray(table.store), values)
         # a fresh model with a different cache state restores the same table and
         # continues exactly as the saved one does
-        other_dir = os.path.join(self.dir, "other")
-        os.makedirs(other_dir)
-        restored = _model(other_dir)
+        restored = _model(self.fresh_dir())
         restored.compile(RowWiseAdagrad(0.1), "mse")
         restored.fit(ids[:BATCH], labels[:BATCH], verbose=0)   # builds the optimizer
         restored.load_weights(path)
@@ -193,6 +198,10 @@ class TieredErrorsTest(_TempDir):
                                             name="big")])
         with self.assertRaisesRegex(ValueError, r"cache_rows=200 exceeds rows=100"):
             CachedTable(100, 4, cache_rows=200, directory=self.dir)
+        live = CachedTable(100, 4, cache_rows=20, directory=self.dir, name="twice")
+        with self.assertRaisesRegex(ValueError, r"another live table \('twice'\)"):
+            CachedTable(100, 4, cache_rows=20, directory=self.dir, name="twice")
+        del live
         with self.assertRaisesRegex(ValueError, r"directory='/nonexistent/x'"):
             CachedTable(100, 4, cache_rows=20, directory="/nonexistent/x")
 
@@ -211,13 +220,11 @@ class TieredErrorsTest(_TempDir):
                            ("SGD", lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9)),
                            ("Adam", lambda: tf.keras.optimizers.legacy.Adam(0.1))):
             with self.subTest(optimizer=make()):
-                model = _model(self.dir)
+                model = _model(self.fresh_dir())
                 model.compile(make(), "mse")
                 with self.assertRaisesRegex(ValueError, rf"{name} keeps a .* slot per "
                                                         r"entry of table 'table'"):
                     model.fit(ids, labels, batch_size=BATCH, verbose=0)
-                shutil.rmtree(self.dir)
-                os.makedirs(self.dir)
         # the dense layers may keep any optimizer's slots
         model = _model()
         model.compile(tf.keras.optimizers.Adam(0.1), "mse")

@@ -34,7 +34,9 @@ cache, which would not follow its rows, so creating one raises ``ValueError``.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -48,6 +50,10 @@ POLICIES = ("lru", "lfu")
 # rows initialized (or written by write_rows) per block: bounds the memory a table of
 # any size needs on the way into its store
 _BLOCK_BYTES = 8 * 1024 * 1024
+
+
+# each live table's store file: two tables writing one file would corrupt each other
+_OPEN_STORES: "weakref.WeakValueDictionary[str, CachedTable]" = weakref.WeakValueDictionary()
 
 
 def table_of(variable: Any) -> "CachedTable | None":
@@ -131,6 +137,16 @@ class CachedTable(tf.Module):
                              "table's store")
         stem = os.path.join(os.fspath(directory), self.name)
         self.paths = (f"{stem}.values", f"{stem}.accumulator")
+        holder = _OPEN_STORES.get(os.path.realpath(self.paths[0]))
+        if holder is not None:
+            del holder
+            gc.collect()   # a model that is gone may still wait for the cycle collector
+            holder = _OPEN_STORES.get(os.path.realpath(self.paths[0]))
+        if holder is not None:
+            raise ValueError(f"CachedTable {self.name!r}: {self.paths[0]} is the store of "
+                             f"another live table ({holder.name!r}); give the table another "
+                             "name or another directory")
+        _OPEN_STORES[os.path.realpath(self.paths[0])] = self
         self.store = np.memmap(self.paths[0], np.dtype("<f4"), "w+",
                                shape=(self.rows, self.dim))
         self.store_accumulator = np.memmap(self.paths[1], np.dtype("<f4"), "w+",
