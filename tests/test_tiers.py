@@ -101,6 +101,24 @@ class TieredTrainingTest(_TempDir):
         # the previous step's update
         self._assert_same_training(lambda: RowWiseAdagrad(0.1), steps_per_execution=4)
 
+    def test_layer_weights_are_the_table_in_row_order(self):
+        tiered, memory, table = self._pair(lambda: RowWiseAdagrad(0.1))
+        ids, labels = _data(steps=8)
+        tiered.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        layer = tiered.get_layer("table")
+        accumulator = table.read_accumulator(0, ROWS)
+        (weights,) = layer.get_weights()
+        np.testing.assert_array_equal(weights, table.read_rows(0, ROWS))
+        layer.set_weights([weights * 2])
+        np.testing.assert_array_equal(layer.get_weights()[0], weights * 2)
+        # the optimizer's row state stays, as Keras keeps slots across set_weights
+        np.testing.assert_array_equal(table.read_accumulator(0, ROWS), accumulator)
+        with self.assertRaisesRegex(ValueError, r"takes one table; got 2"):
+            layer.set_weights([weights, weights])
+        with self.assertRaisesRegex(ValueError, r"SparseTensor"):
+            Embedding(ROWS, DIM, cache_rows=CACHE, store_dir=self.fresh_dir())(
+                tf.sparse.from_dense(tf.constant([[1, 0]])))
+
     def test_a_checkpoint_holds_the_table_not_the_cache(self):
         tiered, _, table = self._pair(lambda: RowWiseAdagrad(0.1))
         ids, labels = _data()

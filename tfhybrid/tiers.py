@@ -348,8 +348,8 @@ class CachedTable(tf.Module):
         return values
 
     def write_rows(self, start: int, values: Any, accumulator: Any = None) -> None:
-        """Sets rows ``start..start+len(values)-1`` (and their accumulators, zero unless
-        given), in the store and in the cache where cached."""
+        """Sets rows ``start..start+len(values)-1`` (and their accumulators, where given;
+        else they keep theirs), in the store and in the cache where cached."""
         values = np.asarray(values, np.float32)
         stop = start + values.shape[0]
         if values.ndim != 2 or values.shape[1] != self.dim or start < 0 or \
@@ -357,16 +357,17 @@ class CachedTable(tf.Module):
             raise ValueError(f"CachedTable {self.name!r}.write_rows({start}, shape "
                              f"{values.shape}): expected [n, {self.dim}] rows within "
                              f"[0, {self.rows})")
-        accumulator = (np.zeros(values.shape[0], np.float32) if accumulator is None
-                       else np.asarray(accumulator, np.float32))
         self.store[start:stop] = values
-        self.store_accumulator[start:stop] = accumulator
+        if accumulator is not None:
+            accumulator = np.asarray(accumulator, np.float32)
+            self.store_accumulator[start:stop] = accumulator
         slots = self._slot_of_row[start:stop]
         held = np.nonzero(slots >= 0)[0]
         if held.size:
             self.cache.scatter_update(tf.IndexedSlices(values[held], slots[held]))
-            self.cache_accumulator.scatter_update(
-                tf.IndexedSlices(accumulator[held], slots[held]))
+            if accumulator is not None:
+                self.cache_accumulator.scatter_update(
+                    tf.IndexedSlices(accumulator[held], slots[held]))
 
     # ------------------------------------------------------------ checkpoints
     def _serialize_to_tensors(self):

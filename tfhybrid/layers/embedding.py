@@ -179,6 +179,24 @@ class Embedding(tf.keras.layers.Embedding):
                                   name="table")
         self.built = True
 
+    def get_weights(self) -> list:
+        """The table, ``[input_dim, output_dim]``; for a table with ``cache_rows``, the
+        whole table in row order (cached rows from the cache), not the cache."""
+        if self.cache_rows is not None and self.built:
+            return [self.table.read_rows(0, self.input_dim)]
+        return super().get_weights()
+
+    def set_weights(self, weights) -> None:
+        """Sets the table; a table with ``cache_rows`` takes the whole table and keeps its
+        row-wise optimizer state, as Keras keeps an optimizer's slots."""
+        if self.cache_rows is not None and self.built:
+            if len(weights) != 1:
+                raise ValueError(f"Embedding {self.name!r}.set_weights takes one table; got "
+                                 f"{len(weights)} arrays")
+            self.table.write_rows(0, weights[0])
+            return None
+        return super().set_weights(weights)
+
     def adjust(self, target_memory: float | None = None) -> dict:
         """FIITED's adjustment (``dims="adaptive"`` only): keep ``target_memory`` (default:
         the layer's) of the table's chunks, divided by row utility."""
@@ -205,6 +223,11 @@ class Embedding(tf.keras.layers.Embedding):
                 isinstance(ids, tf.SparseTensor) or getattr(self, "_use_one_hot_matmul", False)):
             raise ValueError(f"Embedding {self.name!r}: dims='adaptive' without a combiner "
                              "takes dense or ragged ids, got a SparseTensor or one-hot matmul")
+        if self.cache_rows is not None and self.combiner is None and (
+                isinstance(ids, tf.SparseTensor)
+                or getattr(self, "_use_one_hot_matmul", False)):
+            raise ValueError(f"Embedding {self.name!r}: cache_rows without a combiner takes "
+                             "dense or ragged ids, got a SparseTensor or one-hot matmul")
         if self.combiner is None and (isinstance(ids, tf.SparseTensor)
                                       or getattr(self, "sparse", False)
                                       or getattr(self, "_use_one_hot_matmul", False)):
