@@ -275,6 +275,8 @@ def _scale_child(args) -> None:
             "steps": args.scale_steps, "first_step_s": first,
             "samples_per_s": done * args.batch / seconds,
             "hit_rate": hits / max(1, hits + misses) if share is not None else None,
+            "writebacks": config.embeddings[0].table.stats()["writebacks"]
+            if share is not None else None,
             "memory": config.embeddings[0].table.memory_bytes() if share is not None
             else None, **status}), flush=True)
     finally:
@@ -344,7 +346,7 @@ def _report(args, tput: dict | None, big: dict | None, started: float) -> str:
             "",
             f"scale: one table of {big['rows']:,} x {args.dim} ({big['table_mib']:.0f} MiB "
             f"with its row-wise state), cache {big['cache_rows']:,} rows "
-            f"({args.scale_share:.0%}), process memory limit {big['limit_mib']} MiB "
+            f"({args.scale_share:.1%}), process memory limit {big['limit_mib']} MiB "
             f"(cgroup), {args.scale_steps} steps of {args.batch}"]
         for label in ("tier", "in memory"):
             r = big[label]
@@ -357,13 +359,37 @@ def _report(args, tput: dict | None, big: dict | None, started: float) -> str:
                          f"{r['RssAnon'] / mib:.0f} MiB, file {r['RssFile'] / mib:.0f} "
                          f"MiB at the end)")
                 if r.get("hit_rate") is not None:
-                    line += f", hit rate {r['hit_rate']:.1%}"
+                    line += (f", hit rate {r['hit_rate']:.1%}, {r['writebacks']:,} rows "
+                             "written back")
             else:
                 line += "did not finish"
             peak = r["group_peak"]
             line += f"; group peak {peak / mib:.0f} MiB" if peak else ""
             lines.append(line)
     return "\n".join(lines)
+
+
+def _plot(tput: dict, path: str, title: str) -> None:
+    """Samples/s of each configuration: every timed round as a dot, the median as a bar,
+    the hit rate written above the tiers' bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for x, (label, row) in enumerate(tput.items()):
+        rates = np.asarray(row["samples_per_s"]) / 1e3
+        ax.bar(x, row["median"] / 1e3, color="tab:blue" if x == 0 else "tab:orange")
+        ax.plot([x] * rates.size, rates, "k.", markersize=4)
+        note = f"{row['vs_memory']:.2f}x" + ("" if row["hit_rate"] is None else
+                                             f"\nhit {row['hit_rate']:.0%}")
+        ax.annotate(note, (x, rates.max()), textcoords="offset points", xytext=(0, 4),
+                    ha="center", fontsize=8)
+    ax.set_xticks(range(len(tput)), list(tput), fontsize=8)
+    ax.set_ylabel("k samples/s (median; dots: rounds)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -388,12 +414,15 @@ def main() -> int:
                         "the system's temporary folder)")
     parser.add_argument("--scale_rows", type=int, default=16_000_000,
                         help="rows of the scale run's table (0 skips the scale run)")
-    parser.add_argument("--scale_share", type=float, default=0.10)
+    parser.add_argument("--scale_share", type=float, default=0.002,
+                        help="the scale run's cache, a share of its rows (small enough "
+                        "that it is full within a few steps and rows are written back)")
     parser.add_argument("--scale_limit_mib", type=int, default=1536)
-    parser.add_argument("--scale_steps", type=int, default=30)
+    parser.add_argument("--scale_steps", type=int, default=60)
     parser.add_argument("--scale_timeout", type=int, default=1200)
     parser.add_argument("--skip_throughput", action="store_true")
-    parser.add_argument("--out", default=None, help="also write the table here (+ .json)")
+    parser.add_argument("--out", default=None, help="also write the table here (+ .json, "
+                        "and a .png of the throughput)")
     parser.add_argument("--child_share", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.bottom_mlp = [int(w) for w in str(args.bottom_mlp).split(",") if w]
@@ -412,6 +441,10 @@ def main() -> int:
             f.write(text + "\n")
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump({"throughput": tput, "scale": big}, f, indent=1, default=float)
+        if tput is not None:
+            _plot(tput, os.path.splitext(args.out)[0] + ".png",
+                  f"DLRM towers {args.bottom_mlp + [args.dim]} / {args.top_mlp + [1]}, "
+                  f"{args.tables} x {args.rows:,} x {args.dim}, batch {args.batch}")
     return 0
 
 
