@@ -215,8 +215,9 @@ class CachedTable(tf.Module):
         # this batch's cached rows: never evicted for its other rows
         self._last_used[hit_slots] = self._step
         hits = int(np.count_nonzero(self._last_used[:self._filled] == self._step))
-        if missing.any():
-            rows = np.unique(flat[missing])   # ascending: the store is read in file order
+        missing_ids = flat[missing]
+        if missing_ids.size:
+            rows = np.unique(missing_ids)   # ascending: the store is read in file order
             if hits + rows.size > self.cache_rows:
                 raise ValueError(
                     f"CachedTable {self.name!r}: one batch names {hits + rows.size} "
@@ -224,9 +225,9 @@ class CachedTable(tf.Module):
                     "raise cache_rows or lower the batch")
             self._load(rows)
             self._misses += rows.size
-            slots[missing] = self._slot_of_row[flat[missing]]
+            slots[missing] = self._slot_of_row[missing_ids]
         self._hits += hits
-        used = slots if missing.any() else hit_slots
+        used = slots if missing_ids.size else hit_slots
         if self.policy == "lru":
             self._referenced[used] = True
         else:                              # once per step and slot, as fancy += does
