@@ -135,11 +135,19 @@ class FaultTest(tf.test.TestCase):
         # fit's step count is --steps on every rank, so ConsistentSteps cannot see that
         # rank 1's input holds only 4 batches; without the app's check rank 1 would leave
         # fit early and rank 0 would wait for it in step 5's collectives
-        code, output, end = _horovodrun(TINY + STALL_FLAGS + ["--steps=12"],
+        code, output, end = _horovodrun(TINY + STALL_FLAGS + ["--steps=12", "--nopipeline"],
                                         env={train_app.TEST_SHORT_INPUT_ENV: "1:4"})
         self.assertJobFailed(code, output, end,
                              "rank 1: the training input ran out after 4 of 12 steps",
                              fault_line="Your input ran out of data")
+
+    def test_pipelined_input_that_runs_out_on_one_rank_fails_every_rank(self):
+        # the pipeline reads a batch ahead, so its ranks find out together, one step early
+        code, output, end = _horovodrun(TINY + STALL_FLAGS + ["--steps=12"],
+                                        env={train_app.TEST_SHORT_INPUT_ENV: "1:4"})
+        cause = ("TrainPipeline: the input of ranks [1] ended while the other ranks had "
+                 "another batch")
+        self.assertJobFailed(code, output, end, cause, fault_line=cause)
 
     def test_rank_that_hangs_is_ended_by_the_stall_shutdown(self):
         # rank 1 blocks after step 6 without raising: nothing but the stall shutdown can

@@ -7,7 +7,8 @@ The public surface is small on purpose, like Horovod's:
 - ``tfhybrid.DistributedGradientTape`` / ``tfhybrid.DistributedOptimizer`` route gradients;
 - ``tfhybrid.broadcast_variables`` (and the ``BroadcastGlobalVariablesCallback``) makes
   every rank start from the same weights;
-- ``tfhybrid.optimizers`` holds the row-wise AdaGrad optimizers.
+- ``tfhybrid.optimizers`` holds the row-wise AdaGrad optimizers;
+- ``tfhybrid.TrainPipeline`` sends the next batch's ids while a step computes.
 - ``tfhybrid.compression.DCT`` turns on DCT's thresholded communication (both halves).
 
 Attributes load lazily, so ``import tfhybrid.planner`` pulls in neither TensorFlow nor
@@ -31,6 +32,7 @@ _LAZY_ATTRIBUTES = {
     "broadcast_variables": "tfhybrid.distributed",
     "sync_replicas": "tfhybrid.distributed",
     "DistributedEmbedding": "tfhybrid.layers.distributed_embedding",
+    "TrainPipeline": "tfhybrid.pipeline",
     "BroadcastGlobalVariablesCallback": "tfhybrid.callbacks",
     # NVIDIA distributed-embeddings' private helper, for scripts that import it
     "_dp_to_mp_input": "tfhybrid.layers.distributed_embedding",

@@ -38,6 +38,7 @@ from tfhybrid import custom_ops
 from tfhybrid import distributed
 from tfhybrid import fiited
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import pipeline as pipeline_lib
 from tfhybrid import planner
 from tfhybrid.fiited import ChunkedTable, plan_chunk_counts
 from tfhybrid.layers.embedding import Embedding
@@ -727,36 +728,21 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 "(jit_compile=True), but its Horovod alltoall/allgather cannot be compiled. "
                 "Use model.compile(jit_compile=False) and wrap the dense towers in "
                 "tfhybrid.layers.XlaCompiled(...) to run them under XLA.")
-        inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-        fed = self._fed_features
-        if len(inputs) != len(fed):
-            raise ValueError(f"DistributedEmbedding got {len(inputs)} inputs; expected "
-                             f"{len(fed)}" + ("" if self.dp_input else
-                                              f" (features {fed}, dp_input=False)"))
-        mesh = self._mesh
-        raw = dict(zip(fed, inputs))
-        invalid: dict[int, str] = {}
-        if self.dp_input:
-            bags = {f: self._as_bags(f, x) for f, x in raw.items()}
-            local_batch = bags[0].batch
+        bags, local_batch, invalid = self._bags_of(inputs)
+        phase = pipeline_lib.phase_of(self)
+        if phase is None or phase.routing:
+            # 1-2. validate on every rank together, then ids to their owners
+            bags, routed = self._route(bags, local_batch, invalid)
+            if phase is not None:
+                # TrainPipeline reads this batch ahead: it keeps the ids and stops here
+                phase.hand_over(self, routed)
+                return self._placeholders(bags)
         else:
-            local_batch = self._local_batch_of_group(inputs[0])
-            start = tf.cast(mesh.model_position, local_batch.dtype) * local_batch
-            bags = {}
-            for f, x in raw.items():
-                if self.plan.tables[self.input_table_map[f]].kind == "data_parallel":
-                    # a replicated table looks up only this rank's share of the batch
-                    x = x[start:start + local_batch]
-                bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
+            # TrainPipeline routed (and validated) this batch during the previous step
+            routed = phase.take(self)
 
-        # 1. validate on every rank, together
-        checked = self._validate_everywhere(bags, local_batch, invalid)
-        with tf.control_dependencies(checked):
-            bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
-                    for f, b in bags.items()}
-
-        # 2-4. model-parallel features through the model group
-        partials = self._exchange(bags, local_batch) if any(self._routes) else {}
+        # 3-4. model-parallel features through the model group
+        partials = self._exchange(bags, local_batch, routed) if any(self._routes) else {}
 
         outputs = []
         for f, t in enumerate(self.input_table_map):
@@ -777,6 +763,63 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 # the owners already divided means; one bag per sample (checked)
                 outputs.append(tf.cast(summed, self.compute_dtype))
         self._add_activity_losses(outputs, local_batch)
+        return outputs
+
+    def _bags_of(self, inputs) -> tuple[dict, Any, dict]:
+        """The fed features as bags, the local batch, and dp_input=False's bad inputs."""
+        inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        fed = self._fed_features
+        if len(inputs) != len(fed):
+            raise ValueError(f"DistributedEmbedding got {len(inputs)} inputs; expected "
+                             f"{len(fed)}" + ("" if self.dp_input else
+                                              f" (features {fed}, dp_input=False)"))
+        raw = dict(zip(fed, inputs))
+        invalid: dict[int, str] = {}
+        if self.dp_input:
+            bags = {f: self._as_bags(f, x) for f, x in raw.items()}
+            return bags, bags[0].batch, invalid
+        local_batch = self._local_batch_of_group(inputs[0])
+        start = tf.cast(self._mesh.model_position, local_batch.dtype) * local_batch
+        bags = {}
+        for f, x in raw.items():
+            if self.plan.tables[self.input_table_map[f]].kind == "data_parallel":
+                # a replicated table looks up only this rank's share of the batch
+                x = x[start:start + local_batch]
+            bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
+        return bags, local_batch, invalid
+
+    def _route(self, bags: dict, batch, invalid: dict) -> tuple[dict, list]:
+        """Steps 1-2: the checked bags, and the ids of the routes this position owns.
+
+        The routed ids are ``[ids of each owned route] + [bag lengths of each]``, for the
+        model group's samples in rank order: what ``_exchange`` looks up. Nothing here
+        reads a variable, so ``TrainPipeline`` may run it a step ahead.
+        """
+        checked = self._validate_everywhere(bags, batch, invalid)
+        with tf.control_dependencies(checked):
+            bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
+                    for f, b in bags.items()}
+        if not any(self._routes):
+            return bags, []
+        if self.dp_input:
+            route_ids, route_lengths = self._ids_through_group(bags, batch)
+        else:
+            # the input already holds the model group's batch of this position's features
+            shard_ids = [self._shard_ids(bags[r.feature], r)
+                         for r in self._routes[self._mesh.model_position]]
+            route_ids = [ids for ids, _ in shard_ids]
+            route_lengths = [lengths for _, lengths in shard_ids]
+        return bags, route_ids + route_lengths
+
+    def _placeholders(self, bags: dict) -> list:
+        """Zeros shaped like the outputs: a read-ahead's forward stops at this layer, and
+        what follows only needs to trace."""
+        outputs = []
+        for f, t in enumerate(self.input_table_map):
+            bag = bags[f]
+            zeros = tf.zeros([tf.size(bag.lengths), self._tables[t].dim], tf.float32)
+            outputs.append(self._finish(bag, zeros) if self.dp_input
+                           else tf.cast(zeros, self.compute_dtype))
         return outputs
 
     def _add_activity_losses(self, outputs: list, local_batch) -> None:
@@ -1015,21 +1058,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return ([tf.cast(tf.concat(x, 0), tf.int64) for x in route_ids],
                 [tf.concat(x, 0) for x in route_lengths])
 
-    def _exchange(self, bags: dict, batch) -> dict:
-        """Steps 2-4: ids to the owners, owner lookups, embeddings back.
+    def _exchange(self, bags: dict, batch, routed: list) -> dict:
+        """Steps 3-4: owner lookups of the routed ids (``_route``), embeddings back.
 
         Returns each (feature, shard)'s rows for this rank's samples.
         """
         mesh = self._mesh
         group = mesh.model_parallel
         mine = self._routes[mesh.model_position]
-        if self.dp_input:
-            route_ids, route_lengths = self._ids_through_group(bags, batch)
-        else:
-            # the input already holds the model group's batch of this position's features
-            shard_ids = [self._shard_ids(bags[r.feature], r) for r in mine]
-            route_ids = [ids for ids, _ in shard_ids]
-            route_lengths = [lengths for _, lengths in shard_ids]
+        route_ids, route_lengths = routed[:len(mine)], routed[len(mine):]
 
         # 3. owner: look up and sum the bags of all M ranks of the model group
         sums = []

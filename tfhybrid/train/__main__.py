@@ -72,6 +72,10 @@ flags.DEFINE_integer("fiited_ramp", _DEFAULTS.fiited_ramp,
                      "FIITED: batches over which the budget goes from the whole tables to "
                      "--fiited_target (0: at once).")
 flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the dense towers with XLA.")
+flags.DEFINE_bool("pipeline", _DEFAULTS.pipeline,
+                  "Read the next batch and send its ids to their owners while this step "
+                  "computes (tfhybrid.TrainPipeline; same results). --nopipeline runs the "
+                  "phases one after another, for debugging.")
 flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size.")
 flags.DEFINE_integer("steps", None, "Steps per epoch (default: one pass over file data; "
                      "200 for synthetic data).")

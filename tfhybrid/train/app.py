@@ -78,6 +78,9 @@ class TrainConfig:
     fiited_every: int = 1000                   # batches between adjustments
     fiited_ramp: int = 0                       # batches over which the budget shrinks
     xla: bool = False
+    # tfhybrid.TrainPipeline: the next batch's input and ids alltoall overlap this step
+    # (same results); False runs the phases one after another, for debugging
+    pipeline: bool = True
     batch_size: int = 1024                     # global
     steps: int | None = None                   # per epoch; None: one pass (file datasets)
     epochs: int = 1
@@ -756,7 +759,8 @@ def run(config: TrainConfig) -> dict:
               f"{mesh.shape[1]} (D={mesh.data_parallel} replicas x M={mesh.model_parallel} "
               f"model-parallel ranks), global batch {config.batch_size}, "
               f"{steps} steps x {config.epochs} epochs, {mixed_precision}"
-              f"{', XLA towers' if config.xla else ''}", flush=True)
+              f"{', XLA towers' if config.xla else ''}"
+              f"{', pipelined' if config.pipeline else ''}", flush=True)
         if mesh.size > 1:
             print(f"stall check every {stall[mesh_lib.STALL_CHECK_ENV]} s, shutdown "
                   + (f"after {stall[mesh_lib.STALL_SHUTDOWN_ENV]} s" if watchdog else "off")
@@ -770,6 +774,8 @@ def run(config: TrainConfig) -> dict:
         from tfhybrid import collectives
         traffic = collectives.count_traffic()
     train_loss = None
+    if config.pipeline:
+        tfhybrid.TrainPipeline(model)   # model.fit reads a batch ahead
     if steps > 0:
         with _explain_shutdown(mesh.rank, stall), watchdog or contextlib.nullcontext():
             history = model.fit(train, epochs=config.epochs, steps_per_epoch=steps,
@@ -788,6 +794,7 @@ def run(config: TrainConfig) -> dict:
         global_batch=config.batch_size,
         train_loss=train_loss,
         communication=config.communication,
+        pipeline=config.pipeline,
         mixed_precision=mixed_precision,
         dct=_dct_config(config),
         fiited=None if config.fiited_target is None else dict(

@@ -1,0 +1,215 @@
+"""TrainPipeline: reading a batch ahead changes when its ids travel, never the result.
+
+Every comparison is exact (``assertAllEqual``): the pipelined step looks up after the
+previous step's update, with the same ids, so nothing may differ in the last bit.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import mesh as mesh_lib
+from tfhybrid import optimizers
+from tfhybrid.pipeline import TrainPipeline
+from tests import _hybrid_case as hc
+
+# four ranks only: 2x2 and 1x4 run both halves of the hybrid route, and 4x1 the API
+# checks; one process would only repeat them without a collective
+HOROVOD_NP = (4,)
+
+STEPS = 50
+
+
+def _model(case, mesh, make_optimizer, steps_per_execution=1, **layer_kwargs):
+    model, layer = case.distributed_model(mesh, **layer_kwargs)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(make_optimizer()), loss=hc.loss_fn,
+                  steps_per_execution=steps_per_execution)
+    return model, layer
+
+
+def _weights(model, layer):
+    return hc.table_weights(layer) + hc.dense_weights(model)
+
+
+def _fit(case, mesh, make_optimizer, pipeline, epochs=1, steps_per_execution=1,
+         **layer_kwargs):
+    model, layer = _model(case, mesh, make_optimizer, steps_per_execution, **layer_kwargs)
+    if pipeline:
+        TrainPipeline(model)
+    ids, labels = case.local_data(mesh.rank)
+    history = model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0,
+                        epochs=epochs)
+    return _weights(model, layer), history.history["loss"]
+
+
+def _custom_loop(case, mesh, make_optimizer, enabled, **layer_kwargs):
+    model, layer = case.distributed_model(mesh, **layer_kwargs)
+    optimizer = make_optimizer()
+
+    def train_step(batch):
+        ids, labels = batch
+        with tf.GradientTape() as tape:
+            loss = hc.loss_fn(labels, model(ids, training=True))
+        tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    pipeline = TrainPipeline(model, tf.function(train_step), enabled=enabled)
+    ids, labels = case.local_data(mesh.rank)
+    data = tf.data.Dataset.from_tensor_slices((tuple(ids), labels)).batch(case.local_batch)
+    iterator = iter(data)
+    losses = [float(pipeline.progress(iterator)) for _ in range(case.steps)]
+    with self_raises_stop_iteration():
+        pipeline.progress(iterator)
+    return _weights(model, layer), losses
+
+
+class self_raises_stop_iteration:
+    """The input is used up: the pipeline says so as a Python iterator would."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is not StopIteration:
+            raise AssertionError(f"expected StopIteration after the last batch, got {kind}")
+        return True
+
+
+class PipelineEqualsPlainLoopTest(tf.test.TestCase):
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def _assert_same(self, got, want):
+        self.assertEqual(len(got), len(want))
+        for g, w in zip(got, want):
+            self.assertAllEqual(g, w)
+
+    def test_fit_and_custom_loop_equal_the_plain_loop_bit_for_bit(self):
+        world = hc.world_size()
+        mesh_shapes = sorted({min(2, world), world})   # 2x2 and 1x4 (one process: 1x1)
+        # (optimizer, layer options, model_parallel, steps, also a custom loop)
+        runs = [("rowwise_adagrad", lambda: optimizers.RowWiseAdagrad(0.1), {},
+                 mesh_shapes[0], STEPS, True),
+                ("weight_sync", lambda: optimizers.MomentumScaledRowWiseAdagrad(0.1),
+                 dict(replica_sync="weights", sync_every=3), mesh_shapes[0], 20, False),
+                ("sgd", lambda: tf.keras.optimizers.SGD(0.5), {}, mesh_shapes[-1], 20, True)]
+        for name, make, layer_kwargs, model_parallel, steps, loop in runs:
+            case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=steps, world=world,
+                           seed=5)
+            with self.subTest(optimizer=name, model_parallel=model_parallel, steps=steps):
+                mesh = tfhybrid.init(model_parallel=model_parallel)
+                plain, plain_loss = _fit(case, mesh, make, False, **layer_kwargs)
+                piped, piped_loss = _fit(case, mesh, make, True, **layer_kwargs)
+                self._assert_same(piped, plain)
+                self.assertEqual(piped_loss, plain_loss)
+                if loop:
+                    looped, losses = _custom_loop(case, mesh, make, True, **layer_kwargs)
+                    unpiped, unpiped_losses = _custom_loop(case, mesh, make, False,
+                                                           **layer_kwargs)
+                    self._assert_same(looped, unpiped)
+                    self.assertEqual(losses, unpiped_losses)
+                    # the tape loop and fit take the same route (test_gradient_route)
+                    for g, w in zip(looped, plain):
+                        self.assertAllClose(g, w, atol=1e-6, rtol=1e-6)
+                mesh_lib._reset_for_tests()
+
+    def test_epochs_and_steps_per_execution(self):
+        """A new epoch's iterator drops the batch read ahead from the old one (the plain
+        loop never reads it); several steps per call pipeline inside the call."""
+        world = hc.world_size()
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=9, world=world, seed=6)
+        make = lambda: optimizers.RowWiseAdagrad(0.1)  # noqa: E731
+        mesh = tfhybrid.init(model_parallel=min(2, world))
+        plain, plain_loss = _fit(case, mesh, make, False, epochs=2)
+        for steps_per_execution in (1, 4):
+            with self.subTest(steps_per_execution=steps_per_execution):
+                piped, piped_loss = _fit(case, mesh, make, True, epochs=2,
+                                         steps_per_execution=steps_per_execution)
+                self._assert_same(piped, plain)
+                if steps_per_execution == 1:
+                    self.assertEqual(piped_loss, plain_loss)
+
+
+class PipelineErrorsTest(tf.test.TestCase):
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def _pipelined(self, case, mesh):
+        model, layer = _model(case, mesh, lambda: tf.keras.optimizers.SGD(0.1))
+        return model, TrainPipeline(model)
+
+    def test_input_that_ends_early_on_one_rank_fails_everywhere(self):
+        world = hc.world_size()
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=4, world=world, seed=7)
+        mesh = tfhybrid.init(model_parallel=2)
+        model, _ = self._pipelined(case, mesh)
+        ids, labels = case.local_data(mesh.rank)
+        batches = case.steps - (1 if mesh.rank == world - 1 else 0)
+        data = tf.data.Dataset.from_tensor_slices((tuple(ids), labels)).batch(
+            case.local_batch).take(batches)
+        with self.assertRaisesRegex(ValueError, rf"ranks \[{world - 1}\] ended"):
+            model.fit(data, verbose=0)
+
+    def test_a_bad_id_in_the_batch_read_ahead_fails_on_every_rank(self):
+        world = hc.world_size()
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=3, world=world, seed=8)
+        mesh = tfhybrid.init(model_parallel=min(2, world))
+        model, _ = self._pipelined(case, mesh)
+        ids, labels = case.local_data(mesh.rank)
+        wide = np.array(ids[0])
+        if mesh.rank == world - 1:
+            wide[-1, 0] = 64   # the last batch: found while the second-last one trains
+        data = tf.data.Dataset.from_tensor_slices(((wide,) + tuple(ids[1:]), labels)).batch(
+            case.local_batch)
+        # the message quotes the table's name as TF escapes it: \'wide\'
+        message = rf"table .{{1,2}}wide.{{1,2}} got id 64 on rank {world - 1}"
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
+            model.fit(data, verbose=0)
+
+    def test_a_model_that_skips_its_embedding_is_refused(self):
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=2, world=hc.world_size())
+        mesh = tfhybrid.init(model_parallel=1)
+        model, layer = case.distributed_model(mesh)
+        optimizer = tf.keras.optimizers.SGD(0.1)
+
+        def train_step(batch):   # never calls the model
+            return tf.reduce_sum(batch[1])
+
+        pipeline = TrainPipeline(model, train_step)
+        ids, labels = case.local_data(mesh.rank)
+        data = tf.data.Dataset.from_tensor_slices((tuple(ids), labels)).batch(2)
+        with self.assertRaisesRegex(ValueError, r"did not call DistributedEmbedding layers "
+                                                rf"\['{layer.name}'\]"):
+            pipeline.progress(iter(data))
+        del optimizer
+
+    def test_bad_arguments_name_the_value(self):
+        with self.assertRaisesRegex(ValueError, "needs a tf.keras.Model; got 3"):
+            TrainPipeline(3)
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+        with self.assertRaisesRegex(ValueError, "train_step='step' must be callable"):
+            TrainPipeline(model, "step")
+
+    def test_detach_gives_fit_back_to_keras(self):
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=4, world=hc.world_size(),
+                       seed=9)
+        mesh = tfhybrid.init(model_parallel=1)
+        model, _ = _model(case, mesh, lambda: tf.keras.optimizers.SGD(0.1))
+        keras_make = model.make_train_function
+        pipeline = TrainPipeline(model)
+        self.assertNotEqual(model.make_train_function, keras_make)
+        pipeline.detach()
+        self.assertEqual(model.make_train_function, keras_make)
+        ids, labels = case.local_data(mesh.rank)
+        history = model.fit(ids, labels, batch_size=2, shuffle=False, verbose=0)
+        self.assertLen(history.history["loss"], 1)
+
+
+if __name__ == "__main__":
+    tf.test.main()

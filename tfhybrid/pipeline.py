@@ -1,0 +1,313 @@
+"""TrainPipeline: the next batch's input and ids alltoall run while this step computes.
+
+A step of a hybrid model runs its phases one after another: read the batch, check its ids
+on every rank (one allgather), send them to their owners (one ``alltoall`` in the model
+group), look up, exchange rows, run the towers, sync and apply gradients. Only the look-up
+needs the tables as the previous step left them. ``TrainPipeline`` therefore reads batch
+t+1 and sends its ids (``DistributedEmbedding._route``) on a second thread while step t
+runs, and step t+1 then starts at the look-up with those routed ids. The look-up still
+waits for step t's update, so the results are those of the plain loop, bit for bit
+(TorchRec's ``TrainPipelineSparseDist`` makes the same promise).
+
+How the ids of a batch are found without running the model: the read-ahead calls the
+model on the batch's inputs (``training=False``) with every ``DistributedEmbedding`` in
+routing mode; each routes its ids, hands them over and returns zeros, and once the last
+layer has handed over the forward stops. So any model works whose embedding ids are
+computed from its inputs before the towers run, functional or subclassed.
+
+Both steps' collectives are in flight at once; Horovod matches them by name, and they
+have different names (the step no longer issues the validation and ids collectives).
+The read-ahead ends inside ``progress``, so nothing is in flight between two calls.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, Callable, Iterator
+
+import tensorflow as tf
+
+_STATE = threading.local()
+
+
+class _Routing:
+    """The read-ahead's forward: layers hand over their routed ids, then it stops."""
+    routing = True
+
+    def __init__(self, layers: list):
+        self._expected = {id(layer) for layer in layers}
+        self.routed: dict[int, list] = {}
+
+    @property
+    def complete(self) -> bool:
+        return self._expected <= set(self.routed)
+
+    def hand_over(self, layer: Any, routed: list) -> None:
+        if id(layer) in self.routed:
+            raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} was called "
+                             "twice in one forward pass; a pipelined model calls each "
+                             "DistributedEmbedding once per step")
+        self.routed[id(layer)] = routed
+        if self.complete:
+            raise _AllRouted("every DistributedEmbedding has its ids")
+
+
+class _AllRouted(Exception):
+    """Stops the read-ahead's forward once the last layer has routed its ids."""
+
+
+class _Stepping:
+    """The step's forward: each layer takes the ids routed for it a step earlier."""
+    routing = False
+
+    def __init__(self, layers: list, routed: list):
+        self._routed = {id(layer): list(ids) for layer, ids in zip(layers, routed)}
+        self._names = {id(layer): layer.name for layer in layers}
+        self._taken: set[int] = set()
+
+    def take(self, layer: Any) -> list:
+        key = id(layer)
+        if key not in self._routed:
+            raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} is not one "
+                             "of the model's layers the pipeline routes for; build the "
+                             "pipeline on the model that calls it")
+        if key in self._taken:
+            raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} was called "
+                             "twice in one step; a pipelined model calls each "
+                             "DistributedEmbedding once per step")
+        self._taken.add(key)
+        return self._routed[key]
+
+    def check_all_taken(self) -> None:
+        missing = sorted(name for key, name in self._names.items() if key not in self._taken)
+        if missing:
+            raise ValueError(
+                f"TrainPipeline: the train step did not call DistributedEmbedding layers "
+                f"{missing}, whose ids the pipeline routed; pass the Python train step (a "
+                "tf.function traced elsewhere keeps its own routing) and call the model in it")
+
+
+def phase_of(layer: Any) -> _Routing | _Stepping | None:
+    """What ``layer`` is called for: None (a plain call), a read-ahead or a step."""
+    return getattr(_STATE, "phase", None)
+
+
+class _PhaseScope:
+    def __init__(self, phase):
+        self.phase = phase
+
+    def __enter__(self):
+        self._outer = getattr(_STATE, "phase", None)
+        _STATE.phase = self.phase
+        return self.phase
+
+    def __exit__(self, *exc_info):
+        _STATE.phase = self._outer
+
+
+def _relaxed(spec: Any) -> Any:
+    """``spec`` with any batch size: the ids alltoall's output varies from step to step,
+    and a ragged or last batch may be shorter, but each function traces once."""
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return tf.RaggedTensorSpec([None] + spec.shape[1:], spec.dtype, spec.ragged_rank,
+                                   spec.row_splits_dtype, spec.flat_values_spec)
+    if isinstance(spec, tf.SparseTensorSpec):
+        return tf.SparseTensorSpec([None] + spec.shape[1:], spec.dtype)
+    if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+        return tf.TensorSpec([None] + spec.shape[1:], spec.dtype)
+    return spec
+
+
+def _signature_of(value: Any) -> Any:
+    try:
+        return tf.nest.map_structure(lambda v: _relaxed(tf.type_spec_from_value(v)), value)
+    except (TypeError, ValueError):
+        return None   # not all tensors: the function retraces as tf.function would
+
+
+def _end_of_input() -> tuple:
+    return (StopIteration, tf.errors.OutOfRangeError)
+
+
+class TrainPipeline:
+    """Runs training steps with the next batch's ids already sent to their owners.
+
+    While step t runs, a second thread reads batch t+1, checks its ids on every rank and
+    sends them through the model group's ``alltoall`` (``DistributedEmbedding``'s steps
+    1-2). Step t+1 then starts at the look-up, after step t's update, so the weights are
+    those of the plain loop bit for bit.
+
+    Args:
+      model: the Keras model holding one or more ``DistributedEmbedding`` layers.
+      train_step: ``train_step(batch)`` for a custom loop (the Python function; a
+        ``tf.function`` is unwrapped). ``None``: Keras' ``model.train_step``, and
+        ``model.fit`` / ``train_on_batch`` run through the pipeline until :meth:`detach`.
+      model_inputs: ``model_inputs(batch)`` gives what the model is called on; ``None``:
+        ``x`` of Keras' ``(x, y[, sample_weight])`` batches.
+      enabled: ``False`` runs the same steps one after another (for debugging).
+
+    ``progress(iterator)`` trains one batch and returns what the train step returned. It
+    reads one batch ahead of the step it runs; at the end of the input it trains the
+    last batch, and the call after raises ``StopIteration``.
+
+    Example (one process; under horovodrun the same code overlaps the alltoall)::
+
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.layers import DistributedEmbedding, Embedding
+        tfhybrid.init(model_parallel=1)
+        ids = tf.keras.Input([], dtype=tf.int64)
+        vectors = DistributedEmbedding([Embedding(100, 4)])([ids])[0]
+        model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(vectors))
+        model.compile(tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)), "mse")
+        tfhybrid.TrainPipeline(model)          # model.fit now reads ahead
+        model.fit(tf.data.Dataset.from_tensor_slices(
+            (tf.range(8, dtype=tf.int64), tf.ones([8, 1]))).batch(4), verbose=0)
+    """
+
+    def __init__(self, model: tf.keras.Model, train_step: Callable | None = None,
+                 model_inputs: Callable | None = None, enabled: bool = True):
+        if not isinstance(model, tf.keras.Model):
+            raise ValueError(f"TrainPipeline needs a tf.keras.Model; got {model!r}")
+        if train_step is not None and not callable(train_step):
+            raise ValueError(f"train_step={train_step!r} must be callable (batch -> outputs)")
+        if model_inputs is not None and not callable(model_inputs):
+            raise ValueError(f"model_inputs={model_inputs!r} must be callable "
+                             "(batch -> the model's inputs)")
+        self.model = model
+        self.enabled = bool(enabled)
+        self._keras = train_step is None
+        self._train_step = (self._keras_step if self._keras
+                            else getattr(train_step, "python_function", train_step))
+        self._model_inputs = model_inputs or (
+            lambda batch: tf.keras.utils.unpack_x_y_sample_weight(batch)[0])
+        self._layers = [m for m in model.submodules if hasattr(m, "_route")]
+        self._pending: tuple | None = None   # (iterator, batch, routed ids)
+        self._step_fn = self._route_fn = self._plain_fn = None
+        self._reader = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tfhybrid_pipeline")
+        if self._keras:
+            self._keras_make_train_function = model.make_train_function
+            model.make_train_function = self._make_train_function
+            model.train_function = None
+
+    # ------------------------------------------------------------ custom loops
+    def progress(self, iterator: Iterator) -> Any:
+        """Trains the next batch of ``iterator`` and returns the train step's outputs."""
+        if not self.enabled or not self._layers:
+            if self._plain_fn is None:
+                self._plain_fn = tf.function(self._train_step, reduce_retracing=True)
+            return self._plain_fn(next(iterator))
+        if self._pending is None or self._pending[0] is not iterator:
+            # a batch read ahead from another iterator is one the plain loop never reads
+            self._pending = self._read(iterator, first=True)
+            if self._pending is None:
+                raise StopIteration
+        _, batch, routed = self._pending
+        self._pending = None
+        ahead = self._reader.submit(self._read, iterator)
+        try:
+            outputs = self._step(batch, routed)
+        finally:
+            # the read-ahead's collectives end here, also when the step failed
+            pending = ahead.result()
+        self._pending = pending
+        return outputs
+
+    def detach(self) -> None:
+        """``model.fit`` runs Keras' own train function again (a read-ahead is dropped)."""
+        if self._keras and self.model.make_train_function == self._make_train_function:
+            self.model.make_train_function = self._keras_make_train_function
+            self.model.train_function = None
+        self._pending = None
+
+    # ------------------------------------------------------------ the phases
+    def _read(self, iterator: Iterator, first: bool = False) -> tuple | None:
+        """The next batch and its routed ids; None at the end of the input on every rank."""
+        try:
+            batch = next(iterator)
+        except _end_of_input():
+            batch = None
+        self._agree_on_more(batch is not None, first)
+        if batch is None:
+            return None
+        inputs = self._model_inputs(batch)
+        if self._route_fn is None:
+            self._route_fn = tf.function(self._route, input_signature=(
+                None if _signature_of(inputs) is None else [_signature_of(inputs)]),
+                reduce_retracing=True)
+        return iterator, batch, self._route_fn(inputs)
+
+    def _agree_on_more(self, more: bool, first: bool) -> None:
+        """Raises on every rank when some ranks' input ended and others' did not, rather
+        than leave those with a batch waiting in its collectives."""
+        from tfhybrid import collectives
+        mesh = self._layers[0]._mesh
+        if mesh.size == 1:
+            return
+        flags = collectives.allgather(tf.constant([[int(more)]], tf.int32), mesh.size,
+                                      "tfhybrid_pipeline_first" if first
+                                      else "tfhybrid_pipeline_more").numpy().reshape(-1)
+        if flags.min() != flags.max():
+            ended = [r for r, f in enumerate(flags) if not f]
+            raise ValueError(f"TrainPipeline: the input of ranks {ended} ended while the "
+                             f"other ranks had another batch; every rank must feed the "
+                             "same number of batches")
+
+    def _route(self, inputs: Any) -> list:
+        phase = _Routing(self._layers)
+        with _PhaseScope(phase):
+            try:
+                self.model(inputs, training=False)
+            except Exception:   # noqa: BLE001 (autograph may rewrap _AllRouted)
+                if not phase.complete:
+                    raise
+        missing = [layer.name for layer in self._layers if id(layer) not in phase.routed]
+        if missing:
+            raise ValueError(f"TrainPipeline: calling the model did not reach "
+                             f"DistributedEmbedding layers {missing}; a pipelined model "
+                             "calls every DistributedEmbedding in each forward pass")
+        return [phase.routed[id(layer)] for layer in self._layers]
+
+    def _step(self, batch: Any, routed: list) -> Any:
+        if self._step_fn is None:
+            signature = _signature_of((batch, routed))
+            self._step_fn = tf.function(self._stepped_train_step, input_signature=(
+                None if signature is None else list(signature)), reduce_retracing=True)
+        return self._step_fn(batch, routed)
+
+    def _stepped_train_step(self, batch: Any, routed: list) -> Any:
+        phase = _Stepping(self._layers, routed)
+        with _PhaseScope(phase):
+            outputs = self._train_step(batch)
+        phase.check_all_taken()
+        return outputs
+
+    # ------------------------------------------------------------ Keras
+    def _keras_step(self, batch: Any) -> Any:
+        """Keras' step as its own train function runs it (and counts it)."""
+        outputs = self.model.train_step(batch)
+        with tf.control_dependencies([t for t in tf.nest.flatten(outputs) if tf.is_tensor(t)]):
+            self.model._train_counter.assign_add(1)
+        return outputs
+
+    def _make_train_function(self, force: bool = False) -> Callable:
+        if not self.enabled:
+            return self._keras_make_train_function(force=force)
+
+        def train_function(iterator):
+            steps = self.model._steps_per_execution
+            steps = 1 if steps is None else int(steps.numpy())
+            outputs = None
+            for _ in range(steps):
+                try:
+                    outputs = self.progress(iterator)
+                except _end_of_input():
+                    if outputs is None:
+                        raise
+                    break
+            return outputs
+
+        self.model.train_function = train_function
+        return train_function
