@@ -101,15 +101,9 @@ def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
     if config.get("dct"):
         flags += _dct_flags()
     started = time.time()
-    result = cluster.horovodrun([PYTHON, "-m", "tfhybrid.train", "--model=dlrm",
-                                 "--dataset=synthetic", *flags],
-                                timeout=timeout, env=ENV, cwd=ROOT)
-    if result.returncode != 0 or not os.path.exists(metrics):
-        raise RuntimeError(f"{config['name']} failed ({result.returncode}):\n"
-                           f"{result.stdout[-4000:]}")
-    with open(metrics) as f:
-        measured = json.load(f)
-    os.remove(metrics)
+    measured = cluster.run_for_json(
+        [PYTHON, "-m", "tfhybrid.train", "--model=dlrm", "--dataset=synthetic", *flags],
+        metrics, timeout, config["name"], env=ENV, cwd=ROOT)
     return {**config, "wall_seconds": time.time() - started, **measured}
 
 

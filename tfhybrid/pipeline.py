@@ -1,28 +1,30 @@
-"""TrainPipeline: the next batch's input and ids alltoall run while this step computes.
+"""TrainPipeline: the next batch's ids alltoall runs beside this step's compute.
 
 A step of a hybrid model runs its phases one after another: read the batch, check its ids
 on every rank (one allgather), send them to their owners (one ``alltoall`` in the model
 group), look up, exchange rows, run the towers, sync and apply gradients. Only the look-up
-needs the tables as the previous step left them. ``TrainPipeline`` therefore reads batch
-t+1 and sends its ids (``DistributedEmbedding._route``) on a second thread while step t
-runs, and step t+1 then starts at the look-up with those routed ids. The look-up still
-waits for step t's update, so the results are those of the plain loop, bit for bit
-(TorchRec's ``TrainPipelineSparseDist`` makes the same promise).
+needs the tables as the previous step left them. ``TrainPipeline`` therefore runs step t
+and the route of batch t+1 (``DistributedEmbedding._route``) in one function: the two
+share no variable, so the runtime runs the route's collectives and ops beside the step's
+compute, and step t+1 then starts at the look-up with those routed ids. The look-up still
+follows step t's update, so the results are those of the plain loop, bit for bit
+(TorchRec's ``TrainPipelineSparseDist`` makes the same promise). Batches come from the
+input pipeline's own prefetch.
 
-How the ids of a batch are found without running the model: the read-ahead calls the
-model on the batch's inputs (``training=False``) with every ``DistributedEmbedding`` in
-routing mode; each routes its ids, hands them over and returns zeros, and once the last
-layer has handed over the forward stops. So any model works whose embedding ids are
-computed from its inputs before the towers run, functional or subclassed.
+How the ids of a batch are found without running the model: the route calls the model on
+the batch's inputs (``training=False``) with every ``DistributedEmbedding`` in routing
+mode; each routes its ids, hands them over and returns zeros, and once the last layer has
+handed over the forward stops. So any model works whose embedding ids are computed from
+its inputs before the towers run, functional or subclassed.
 
-Both steps' collectives are in flight at once; Horovod matches them by name, and they
-have different names (the step no longer issues the validation and ids collectives).
-The read-ahead ends inside ``progress``, so nothing is in flight between two calls.
+The route's checks (ids in range, equal batch sizes, and whether every rank has another
+batch) do not stop the function: they come back as a message that ``progress`` raises on
+every rank after the step has finished, so a bad batch read ahead cannot cut the update of
+the step beside it short.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 from typing import Any, Callable, Iterator
 
@@ -35,20 +37,27 @@ class _Routing:
     """The read-ahead's forward: layers hand over their routed ids, then it stops."""
     routing = True
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list, ended: tf.Tensor):
         self._expected = {id(layer) for layer in layers}
+        self.ended = ended             # this rank's input has ended: a stand-in batch
+        self.all_ended = None          # every rank's has (from the first layer's check)
+        self.failures: list = []       # each layer's failed check ("" if none)
         self.routed: dict[int, list] = {}
 
     @property
     def complete(self) -> bool:
         return self._expected <= set(self.routed)
 
-    def hand_over(self, layer: Any, routed: list) -> None:
+    def hand_over(self, layer: Any, routed: list, all_ended: tf.Tensor,
+                  failure: tf.Tensor) -> None:
         if id(layer) in self.routed:
             raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} was called "
                              "twice in one forward pass; a pipelined model calls each "
                              "DistributedEmbedding once per step")
         self.routed[id(layer)] = routed
+        if self.all_ended is None:
+            self.all_ended = all_ended
+        self.failures.append(failure)
         if self.complete:
             raise _AllRouted("every DistributedEmbedding has its ids")
 
@@ -126,6 +135,12 @@ def _signature_of(value: Any) -> Any:
         return None   # not all tensors: the function retraces as tf.function would
 
 
+def _raise_failure(failure: tf.Tensor) -> None:
+    message = failure.numpy().decode()
+    if message:
+        raise tf.errors.InvalidArgumentError(None, None, message)
+
+
 def _end_of_input() -> tuple:
     return (StopIteration, tf.errors.OutOfRangeError)
 
@@ -133,10 +148,10 @@ def _end_of_input() -> tuple:
 class TrainPipeline:
     """Runs training steps with the next batch's ids already sent to their owners.
 
-    While step t runs, a second thread reads batch t+1, checks its ids on every rank and
-    sends them through the model group's ``alltoall`` (``DistributedEmbedding``'s steps
-    1-2). Step t+1 then starts at the look-up, after step t's update, so the weights are
-    those of the plain loop bit for bit.
+    Beside step t, in the same function, batch t+1's ids are checked on every rank and
+    sent through the model group's ``alltoall`` (``DistributedEmbedding``'s steps 1-2).
+    Step t+1 then starts at the look-up, after step t's update, so the weights are those
+    of the plain loop bit for bit.
 
     Args:
       model: the Keras model holding one or more ``DistributedEmbedding`` layers.
@@ -184,9 +199,8 @@ class TrainPipeline:
             lambda batch: tf.keras.utils.unpack_x_y_sample_weight(batch)[0])
         self._layers = [m for m in model.submodules if hasattr(m, "_route")]
         self._pending: tuple | None = None   # (iterator, batch, routed ids)
-        self._step_fn = self._route_fn = self._plain_fn = None
-        self._reader = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="tfhybrid_pipeline")
+        self._last_batch = None   # stands in for a batch once this rank's input ended
+        self._fused_fn = self._route_fn = self._plain_fn = None
         if self._keras:
             self._keras_make_train_function = model.make_train_function
             model.make_train_function = self._make_train_function
@@ -206,13 +220,18 @@ class TrainPipeline:
                 raise StopIteration
         _, batch, routed = self._pending
         self._pending = None
-        ahead = self._reader.submit(self._read, iterator)
-        try:
-            outputs = self._step(batch, routed)
-        finally:
-            # the read-ahead's collectives end here, also when the step failed
-            pending = ahead.result()
-        self._pending = pending
+        following, ended = self._next_batch(iterator)
+        if self._fused_fn is None:
+            signature = _signature_of((batch, routed, self._model_inputs(following)))
+            self._fused_fn = tf.function(self._step_and_route, input_signature=(
+                None if signature is None else list(signature) + [tf.TensorSpec([], tf.bool)]),
+                reduce_retracing=True)
+        outputs, routed_next, all_ended, failure = self._fused_fn(
+            batch, routed, self._model_inputs(following), tf.constant(ended))
+        # the step has finished: a bad batch read ahead fails only now, on every rank
+        _raise_failure(failure)
+        if not bool(all_ended):
+            self._pending = (iterator, following, routed_next)
         return outputs
 
     def detach(self) -> None:
@@ -223,40 +242,56 @@ class TrainPipeline:
         self._pending = None
 
     # ------------------------------------------------------------ the phases
-    def _read(self, iterator: Iterator, first: bool = False) -> tuple | None:
-        """The next batch and its routed ids; None at the end of the input on every rank."""
+    def _next_batch(self, iterator: Iterator) -> tuple[Any, bool]:
+        """The next batch, or (once this rank's input has ended) the last one again as a
+        stand-in: whether every rank has another batch is agreed in the id check's
+        allgather, and the check fails on every rank if only some ranks' input ended."""
         try:
-            batch = next(iterator)
+            self._last_batch = next(iterator)
+            return self._last_batch, False
         except _end_of_input():
-            batch = None
-        self._agree_on_more(batch is not None, first)
-        if batch is None:
-            return None
-        inputs = self._model_inputs(batch)
-        if self._route_fn is None:
-            self._route_fn = tf.function(self._route, input_signature=(
-                None if _signature_of(inputs) is None else [_signature_of(inputs)]),
-                reduce_retracing=True)
-        return iterator, batch, self._route_fn(inputs)
+            return self._last_batch, True
 
-    def _agree_on_more(self, more: bool, first: bool) -> None:
-        """Raises on every rank when some ranks' input ended and others' did not, rather
+    def _read(self, iterator: Iterator, first: bool = False) -> tuple | None:
+        """The next batch and its routed ids, on their own (the first batch of an
+        iterator); None at the end of the input on every rank. Before the first batch
+        there is no stand-in, so the ranks agree in a collective of their own."""
+        batch, ended = self._next_batch(iterator)
+        if first:
+            self._agree_on_first(not ended)
+        if ended and (first or batch is None):
+            return None
+        if self._route_fn is None:
+            signature = _signature_of(self._model_inputs(batch))
+            self._route_fn = tf.function(self._route, input_signature=(
+                None if signature is None else [signature, tf.TensorSpec([], tf.bool)]),
+                reduce_retracing=True)
+        routed, all_ended, failure = self._route_fn(self._model_inputs(batch),
+                                                    tf.constant(ended))
+        _raise_failure(failure)
+        if bool(all_ended):
+            return None
+        return iterator, batch, routed
+
+    def _agree_on_first(self, present: bool) -> None:
+        """Raises on every rank when some ranks' input is empty and others' is not, rather
         than leave those with a batch waiting in its collectives."""
         from tfhybrid import collectives
         mesh = self._layers[0]._mesh
         if mesh.size == 1:
             return
-        flags = collectives.allgather(tf.constant([[int(more)]], tf.int32), mesh.size,
-                                      "tfhybrid_pipeline_first" if first
-                                      else "tfhybrid_pipeline_more").numpy().reshape(-1)
+        flags = collectives.allgather(tf.constant([[int(present)]], tf.int32), mesh.size,
+                                      "tfhybrid_pipeline_first").numpy().reshape(-1)
         if flags.min() != flags.max():
             ended = [r for r, f in enumerate(flags) if not f]
             raise ValueError(f"TrainPipeline: the input of ranks {ended} ended while the "
                              f"other ranks had another batch; every rank must feed the "
                              "same number of batches")
 
-    def _route(self, inputs: Any) -> list:
-        phase = _Routing(self._layers)
+    def _route(self, inputs: Any, ended: tf.Tensor) -> tuple[list, tf.Tensor, tf.Tensor]:
+        """Steps 1-2 of every DistributedEmbedding for ``inputs``: the routed ids, whether
+        every rank's input has ended, and the first failed check's message (or "")."""
+        phase = _Routing(self._layers, ended)
         with _PhaseScope(phase):
             try:
                 self.model(inputs, training=False)
@@ -268,21 +303,20 @@ class TrainPipeline:
             raise ValueError(f"TrainPipeline: calling the model did not reach "
                              f"DistributedEmbedding layers {missing}; a pipelined model "
                              "calls every DistributedEmbedding in each forward pass")
-        return [phase.routed[id(layer)] for layer in self._layers]
+        failures = tf.stack(phase.failures)
+        failure = tf.gather(failures, tf.argmax(tf.cast(failures != "", tf.int32)))
+        return ([phase.routed[id(layer)] for layer in self._layers], phase.all_ended,
+                failure)
 
-    def _step(self, batch: Any, routed: list) -> Any:
-        if self._step_fn is None:
-            signature = _signature_of((batch, routed))
-            self._step_fn = tf.function(self._stepped_train_step, input_signature=(
-                None if signature is None else list(signature)), reduce_retracing=True)
-        return self._step_fn(batch, routed)
-
-    def _stepped_train_step(self, batch: Any, routed: list) -> Any:
+    def _step_and_route(self, batch: Any, routed: list, following: Any, ended: tf.Tensor
+                        ) -> tuple:
+        """Step t on its routed ids and the route of batch t+1, in one function: the two
+        share no variable, so the runtime runs the route beside the step's compute."""
         phase = _Stepping(self._layers, routed)
         with _PhaseScope(phase):
             outputs = self._train_step(batch)
         phase.check_all_taken()
-        return outputs
+        return (outputs,) + self._route(following, ended)
 
     # ------------------------------------------------------------ Keras
     def _keras_step(self, batch: Any) -> Any:

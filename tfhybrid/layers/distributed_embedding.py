@@ -732,10 +732,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         phase = pipeline_lib.phase_of(self)
         if phase is None or phase.routing:
             # 1-2. validate on every rank together, then ids to their owners
-            bags, routed = self._route(bags, local_batch, invalid)
+            ended = None if phase is None else phase.ended
+            bags, routed, agreement = self._route(bags, local_batch, invalid, ended)
             if phase is not None:
                 # TrainPipeline reads this batch ahead: it keeps the ids and stops here
-                phase.hand_over(self, routed)
+                phase.hand_over(self, routed, *agreement)
                 return self._placeholders(bags)
         else:
             # TrainPipeline routed (and validated) this batch during the previous step
@@ -788,19 +789,30 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
         return bags, local_batch, invalid
 
-    def _route(self, bags: dict, batch, invalid: dict) -> tuple[dict, list]:
-        """Steps 1-2: the checked bags, and the ids of the routes this position owns.
+    def _route(self, bags: dict, batch, invalid: dict, ended=None) -> tuple[dict, list, Any]:
+        """Steps 1-2: the checked bags, the ids of the routes this position owns, and
+        (with ``ended``) whether every rank's input has ended and the failed check's
+        message ("" if none failed), for the caller to raise.
 
         The routed ids are ``[ids of each owned route] + [bag lengths of each]``, for the
         model group's samples in rank order: what ``_exchange`` looks up. Nothing here
-        reads a variable, so ``TrainPipeline`` may run it a step ahead.
+        reads a variable, so ``TrainPipeline`` may run it a step ahead. ``ended`` (a bool
+        tensor) says that this rank's input has ended and ``bags`` only stand in for a
+        batch: the ranks agree on it in the same allgather that checks the ids.
         """
-        checked = self._validate_everywhere(bags, batch, invalid)
-        with tf.control_dependencies(checked):
-            bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
-                    for f, b in bags.items()}
+        checks, all_ended = self._validate_everywhere(bags, batch, invalid, ended)
+        agreement = None
+        if ended is None:
+            asserts = [tf.debugging.Assert(holds, [message]) for holds, message in checks]
+            with tf.control_dependencies(asserts):
+                bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
+                        for f, b in bags.items()}
+        else:
+            # TrainPipeline raises after the step it runs beside has finished, so that a
+            # bad batch read ahead cannot cut that step's update short
+            agreement = (all_ended, _first_failure(checks))
         if not any(self._routes):
-            return bags, []
+            return bags, [], agreement
         if self.dp_input:
             route_ids, route_lengths = self._ids_through_group(bags, batch)
         else:
@@ -809,7 +821,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                          for r in self._routes[self._mesh.model_position]]
             route_ids = [ids for ids, _ in shard_ids]
             route_lengths = [lengths for _, lengths in shard_ids]
-        return bags, route_ids + route_lengths
+        return bags, route_ids + route_lengths, agreement
 
     def _placeholders(self, bags: dict) -> list:
         """Zeros shaped like the outputs: a read-ahead's forward stops at this layer, and
@@ -948,12 +960,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return self._Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                           table.combiner)
 
-    def _validate_everywhere(self, bags: dict, batch, invalid: dict) -> list:
-        """Asserts that every id is in range and every rank has the same batch size.
+    def _validate_everywhere(self, bags: dict, batch, invalid: dict, ended=None
+                             ) -> tuple[list, Any]:
+        """Checks that every id is in range and every rank has the same batch size.
 
         Each rank contributes [batch, (bad?, first bad id, bad input?) per feature] (zeros
-        for a feature it does not feed); after one allgather every rank raises the same
-        error, so none is left in a collective.
+        for a feature it does not feed); after one allgather every rank holds the same
+        ``(holds, message)`` checks, so all raise alike and none is left in a collective.
+        With ``ended`` (``TrainPipeline``'s read-ahead), each rank also says whether its
+        input has ended; the ranks must agree, and the second value is whether they all
+        have (else None).
         """
         num_features = len(self.input_table_map)
         report = [tf.reshape(tf.cast(batch, tf.int64), [1])]
@@ -972,11 +988,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             report += [tf.reshape(tf.cast(any_bad, tf.int64), [1]),
                        tf.reshape(tf.where(any_bad, first_bad, 0), [1]),
                        tf.constant([1 if invalid.get(f) else 0], tf.int64)]
+        if ended is not None:
+            report.append(tf.reshape(tf.cast(ended, tf.int64), [1]))
         report = tf.reshape(tf.concat(report, 0), [1, -1])
         everyone = collectives.allgather(report, self._mesh.size,
                                          f"tfhybrid_{self.name}_validate")
         sizes = everyone[:, 0]
-        flags = tf.reshape(everyone[:, 1:], [self._mesh.size, num_features, 3])
+        flags = tf.reshape(everyone[:, 1:1 + 3 * num_features],
+                           [self._mesh.size, num_features, 3])
         names = tf.constant([self._tables[t].name for t in self.input_table_map])
         rows = tf.constant([self._tables[t].rows for t in self.input_table_map], tf.int64)
 
@@ -1002,11 +1021,21 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             "DistributedEmbedding: {} batch sizes differ across ranks; batch size of "
             "rank 0..{}: {}", ["local" if self.dp_input else "model-group",
                                self._mesh.size - 1, sizes], summarize=-1)
-        return [
-            tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad_input)), [input_message]),
-            tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad_any)), [id_message]),
-            tf.debugging.Assert(tf.reduce_all(tf.equal(sizes, sizes[0])), [batch_message]),
-        ]
+        checks = [(tf.logical_not(tf.reduce_any(bad_input)), input_message),
+                  (tf.logical_not(tf.reduce_any(bad_any)), id_message),
+                  (tf.reduce_all(tf.equal(sizes, sizes[0])), batch_message)]
+        all_ended = None
+        if ended is not None:
+            ended_ranks = everyone[:, -1] > 0
+            checks.append((tf.equal(tf.reduce_any(ended_ranks), tf.reduce_all(ended_ranks)),
+                           tf.strings.format(
+                               "TrainPipeline: the input of ranks {} ended while the other "
+                               "ranks had another batch; every rank must feed the same "
+                               "number of batches",
+                               [tf.boolean_mask(tf.range(self._mesh.size), ended_ranks)],
+                               summarize=-1)))
+            all_ended = tf.reduce_all(ended_ranks)
+        return checks, all_ended
 
     def _shard_ids(self, bag: "_Bags", route: _Route) -> tuple[tf.Tensor, tf.Tensor]:
         """The route's ids (relative to its shard) and the number of them in each bag."""
@@ -1471,6 +1500,14 @@ def _slice_initializer(table: _Table, shard: planner.Shard) -> Any:
         return tf.concat(blocks, axis=0) if len(blocks) > 1 else blocks[0]
 
     return initial_value
+
+
+def _first_failure(checks: list) -> tf.Tensor:
+    """The message of the first ``(holds, message)`` check that fails, or ""."""
+    holds = tf.stack([h for h, _ in checks])
+    messages = tf.stack([m for _, m in checks])
+    return tf.where(tf.reduce_all(holds), tf.constant(""),
+                    tf.gather(messages, tf.argmin(tf.cast(holds, tf.int32))))
 
 
 @tf.custom_gradient

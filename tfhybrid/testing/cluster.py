@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -432,6 +433,19 @@ class EmulatedCluster:
             code = -9
         self._kill_jobs()
         return subprocess.CompletedProcess(full, code, out, "")
+
+    def run_for_json(self, command: list[str], result_path: str, timeout: float,
+                     label: str, env: dict | None = None, cwd: str | None = None) -> dict:
+        """Runs one job whose rank 0 writes ``result_path`` (JSON) and returns what it
+        wrote (removing the file); raises naming ``label`` and the output's tail if the
+        job failed or wrote nothing."""
+        ran = self.horovodrun(command, timeout=timeout, env=env, cwd=cwd)
+        if ran.returncode != 0 or not os.path.exists(result_path):
+            raise RuntimeError(f"{label} failed ({ran.returncode}):\n{ran.stdout[-4000:]}")
+        with open(result_path) as f:
+            result = json.load(f)
+        os.remove(result_path)
+        return result
 
     def _kill_jobs(self) -> None:
         """Kills every process in the nodes except their sshds."""
