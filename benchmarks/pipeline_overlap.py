@@ -89,7 +89,6 @@ def _dataset(rank: int, w: dict, batches: int):
 
 def worker(steps: int, repeats: int, warmup: int, out: str, towers: str) -> None:
     import numpy as np
-    import tensorflow as tf
     import tfhybrid
     from tfhybrid.pipeline import TrainPipeline
     import horovod.tensorflow as hvd

@@ -32,6 +32,11 @@ import tensorflow as tf
 
 _STATE = threading.local()
 
+# when some ranks' input ended and others' did not ({}: the ranks that ran out); a
+# template for str.format and tf.strings.format alike
+ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ranks had "
+                 "another batch; every rank must feed the same number of batches")
+
 
 class _Routing:
     """The read-ahead's forward: layers hand over their routed ids, then it stops."""
@@ -284,9 +289,7 @@ class TrainPipeline:
                                       "tfhybrid_pipeline_first").numpy().reshape(-1)
         if flags.min() != flags.max():
             ended = [r for r, f in enumerate(flags) if not f]
-            raise ValueError(f"TrainPipeline: the input of ranks {ended} ended while the "
-                             f"other ranks had another batch; every rank must feed the "
-                             "same number of batches")
+            raise ValueError(ENDED_MESSAGE.format(ended))
 
     def _route(self, inputs: Any, ended: tf.Tensor) -> tuple[list, tf.Tensor, tf.Tensor]:
         """Steps 1-2 of every DistributedEmbedding for ``inputs``: the routed ids, whether

@@ -747,7 +747,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
         outputs = []
         for f, t in enumerate(self.input_table_map):
-            table, placement = self._tables[t], self.plan.tables[t]
+            placement = self.plan.tables[t]
             if placement.kind == "data_parallel":
                 # 5. data-parallel tables: local lookup
                 outputs.append(self._finish(bags[f], self._lookup_sum(
@@ -1029,9 +1029,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             ended_ranks = everyone[:, -1] > 0
             checks.append((tf.equal(tf.reduce_any(ended_ranks), tf.reduce_all(ended_ranks)),
                            tf.strings.format(
-                               "TrainPipeline: the input of ranks {} ended while the other "
-                               "ranks had another batch; every rank must feed the same "
-                               "number of batches",
+                               pipeline_lib.ENDED_MESSAGE,
                                [tf.boolean_mask(tf.range(self._mesh.size), ended_ranks)],
                                summarize=-1)))
             all_ended = tf.reduce_all(ended_ranks)
