@@ -51,7 +51,9 @@ class Case:
     empty_rank: int | None = None   # this rank's ragged bags are all empty
     # FIITED: every table dims="adaptive" with one column per chunk, keeping this share
     adaptive_target: float | None = None
-
+    # tiers: {table name: cache_rows} of the tables kept in files under store_dir
+    cache_rows: dict | None = None
+    store_dir: str | None = None
 
     def __post_init__(self):
         rng = np.random.default_rng(self.seed)
@@ -122,14 +124,17 @@ class Case:
     def embedding_layers(self):
         fiited = ({} if self.adaptive_target is None else
                   dict(dims="adaptive", target_memory=self.adaptive_target))
+        cached = self.cache_rows or {}
         return [Embedding(t.rows, t.dim, combiner=t.combiner, name=t.name,
-                          **(dict(fiited, chunks=t.dim) if fiited else {}))
+                          **(dict(fiited, chunks=t.dim) if fiited else {}),
+                          **(dict(cache_rows=cached[t.name], store_dir=self.store_dir)
+                             if t.name in cached else {}))
                 for t in self.tables]
 
     def distributed_model(self, mesh, **layer_kwargs):
         inputs = self._inputs()
         layer = DistributedEmbedding(self.embedding_layers(), mesh=mesh,
-                                     **dict(PLANNERS[self.tables], **layer_kwargs))
+                                     **dict(PLANNERS.get(self.tables, {}), **layer_kwargs))
         model = tf.keras.Model(inputs, self._head(layer(inputs)))
         layer.set_weights(self.table_values)
         self._set_dense(model)

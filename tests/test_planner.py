@@ -10,8 +10,9 @@ import unittest
 from dataclasses import asdict
 
 from tfhybrid.planner import (DE_STRATEGIES, DEFAULT_STRATEGY, KINDS, STRATEGIES, ShardingPlan,
-                              TableConfig, input_ids_per_position, plan_sharding,
-                              table_ids_per_position)
+                              TableConfig, input_ids_per_position, optimizer_state_bytes,
+                              plan_sharding, shard_cache_rows, table_ids_per_position,
+                              tier_dram_bytes)
 
 MESHES = (1, 2, 3, 4, 8)
 # Thresholds (elements) that make all four kinds appear in _random_tables when M > 1.
@@ -670,3 +671,81 @@ class EstimateTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TierPlanTest(unittest.TestCase):
+    """memory_budget={"dram": bytes}: the largest tables move to the disk tier until
+    every position fits; explicit cache_rows keep a table there."""
+
+    TABLES = [TableConfig("huge", 400_000, 32), TableConfig("big", 200_000, 32),
+              TableConfig("mid", 30_000, 32), TableConfig("small", 500, 8)]
+
+    def _dram(self, plan) -> list[int]:
+        """Each position's DRAM, from the shards (the planner's own figures apart)."""
+        used = [0] * plan.model_parallel
+        for placement in plan.tables:
+            rows = max(s.row_end for s in placement.shards)
+            for s in placement.shards:
+                nrows, width = s.row_end - s.row_start, s.col_end - s.col_start
+                nbytes = (nrows * width * 4 + optimizer_state_bytes(nrows, width, plan.optimizer)
+                          if placement.cache_rows is None else
+                          tier_dram_bytes(nrows, width,
+                                          shard_cache_rows(placement.cache_rows, rows, nrows)))
+                for p in (range(plan.model_parallel) if s.owner is None else [s.owner]):
+                    used[p] += nbytes
+        return used
+
+    def test_the_budget_tiers_the_largest_tables_until_every_position_fits(self):
+        for m, budget in ((1, 20_000_000), (2, 20_000_000), (2, 8_000_000), (4, 3_000_000)):
+            with self.subTest(model_parallel=m, budget=budget):
+                plan = plan_sharding(self.TABLES, 2, m, memory_budget={"dram": budget},
+                                     optimizer="rowwise_adagrad", local_batch_size=64,
+                                     row_slice_threshold=10_000_000)
+                untiered = plan_sharding(self.TABLES, 2, m, optimizer="rowwise_adagrad",
+                                         local_batch_size=64, row_slice_threshold=10_000_000)
+                self.assertGreater(max(self._dram(untiered)), budget)   # tiers are needed
+                self.assertLessEqual(max(self._dram(plan)), budget)
+                tiered = [t.name for t in plan.tables if t.cache_rows is not None]
+                self.assertIn("huge", tiered)
+                self.assertNotIn("small", tiered)
+                # geometry is the planner's; tiers only add caches
+                self.assertEqual([t.shards for t in plan.tables],
+                                 [t.shards for t in untiered.tables])
+                for t in plan.tables:
+                    if t.cache_rows is not None:
+                        # a cache holds at least one step's ids of every rank
+                        self.assertGreaterEqual(t.cache_rows, 2 * m * 64)
+                        self.assertLess(t.cache_rows, max(s.row_end for s in t.shards))
+                self.assertEqual(ShardingPlan.from_json(plan.to_json()), plan)
+                self.assertIn("disk, ", plan.describe())
+
+    def test_a_table_with_cache_rows_stays_in_the_tier_and_is_never_replicated(self):
+        tables = [TableConfig("cached", 1000, 4, cache_rows=100), TableConfig("tiny", 10, 2)]
+        plan = plan_sharding(tables, 2, 2, data_parallel_threshold=10_000)
+        self.assertEqual([(t.kind, t.cache_rows) for t in plan.tables],
+                         [("table_wise", 100), ("data_parallel", None)])
+        # an old plan (no cache_rows in its JSON) reads as all in memory
+        old = json.loads(plan.to_json())
+        for t in old["tables"]:
+            del t["cache_rows"]
+        self.assertEqual([t.cache_rows for t in ShardingPlan.from_json(json.dumps(old)).tables],
+                         [None, None])
+
+    def test_budgets_that_cannot_work_name_the_value(self):
+        cases = [
+            (dict(memory_budget={"ssd": 10}), r"'ssd'"),
+            (dict(memory_budget=[1]), r"memory_budget=\[1\]"),
+            (dict(memory_budget={"dram": 0}), r"memory_budget\['dram'\] must be an int >= 1"),
+            (dict(memory_budget={"dram": 10**6}, memory_budget_bytes=10**6),
+             r"give one of them"),
+            (dict(memory_budget={"dram": 1_000_000}, optimizer="adam"), r"optimizer='adam'"),
+            (dict(memory_budget={"dram": 1000}), r"position 0 needs \d+ bytes"),
+        ]
+        for kwargs, message in cases:
+            with self.subTest(kwargs=kwargs):
+                with self.assertRaisesRegex(ValueError, message):
+                    plan_sharding(self.TABLES, 1, 1, **kwargs)
+        for bad, message in ((0, "cache_rows of table 't' must be an int >= 1"),
+                             (11, "cache_rows of table 't' is 11, more than its 10 rows")):
+            with self.assertRaisesRegex(ValueError, message):
+                TableConfig("t", 10, 2, cache_rows=bad)

@@ -10,8 +10,11 @@ import unittest
 import numpy as np
 import tensorflow as tf
 
+import tfhybrid
+from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
+from tfhybrid.planner import tier_dram_bytes
 from tfhybrid.tiers import CachedTable
 
 ROWS, DIM, CACHE, HOT, BATCH = 1000, 8, 100, 3, 32
@@ -144,6 +147,44 @@ class TieredTrainingTest(_TempDir):
                                       table.read_rows(0, ROWS))
 
 
+class DistributedTierTest(_TempDir):
+    """One process: DistributedEmbedding's tiered shard (the whole table) trains as in
+    memory; tests/test_tiers_distributed.py runs the 2x2 and 1x4 meshes."""
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def _model(self, store_dir=None):
+        # two batches' rows at once: the layer pins the batch before (a pipeline's step)
+        kwargs = {} if store_dir is None else dict(cache_rows=2 * CACHE, store_dir=store_dir)
+        ids = tf.keras.Input((HOT,), dtype=tf.int64)
+        layer = DistributedEmbedding([Embedding(
+            ROWS, DIM, combiner="sum", name="table",
+            embeddings_initializer=tf.keras.initializers.RandomUniform(seed=3), **kwargs)])
+        out = tf.keras.layers.Dense(1, kernel_initializer="ones", name="head")(layer([ids])[0])
+        model = tf.keras.Model(ids, out)
+        model.compile(tfhybrid.DistributedOptimizer(RowWiseAdagrad(0.1)), "mse")
+        return model, layer
+
+    def test_one_process_equals_the_table_in_memory(self):
+        tfhybrid.init(model_parallel=1)
+        tiered, tiered_layer = self._model(self.fresh_dir())
+        memory, memory_layer = self._model()
+        # a seeded table starts alike in the tier and in memory
+        np.testing.assert_array_equal(tiered_layer.get_weights()[0],
+                                      memory_layer.get_weights()[0])
+        ids, labels = _data()
+        got = tiered.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        want = memory.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        self.assertEqual(got.history["loss"], want.history["loss"])
+        np.testing.assert_array_equal(tiered_layer.get_weights()[0],
+                                      memory_layer.get_weights()[0])
+        stats = tiered_layer._cached(0, 0).stats()
+        self.assertGreater(stats["writebacks"], 0)
+        self.assertGreater(stats["misses"], 2 * CACHE)
+
+
 class CachedTableTest(_TempDir):
 
     def test_eviction_follows_the_policy(self):
@@ -160,6 +201,25 @@ class CachedTableTest(_TempDir):
                 self.assertEqual(table.stats()["misses"], 3)
                 table.slots(tf.constant([evicted]))
                 self.assertEqual(table.stats()["misses"], 4)
+
+    def test_pinned_calls_keep_the_batch_before_cached(self):
+        # a pipeline loads batch t+1's rows while step t runs on batch t's slots
+        for policy in ("lru", "lfu"):
+            with self.subTest(policy=policy):
+                table = CachedTable(10, 2, cache_rows=4, directory=self.fresh_dir(), seed=0,
+                                    policy=policy, pinned_calls=2)
+                table.slots(tf.constant([0, 1]))
+                table.slots(tf.constant([2, 3]))
+                table.slots(tf.constant([4, 5]))   # may evict only rows 0 and 1
+                misses = table.stats()["misses"]
+                table.slots(tf.constant([4, 5]))
+                table.slots(tf.constant([2, 3]))   # still cached: the call before held them
+                self.assertEqual(table.stats()["misses"], misses)
+                with self.assertRaisesRegex(
+                        tf.errors.InvalidArgumentError, r"one batch names 3 distinct ids and the call before "
+                                    r"holds 2 more rows \(pinned_calls=2\) but the cache "
+                                    r"holds cache_rows=4"):
+                    table.slots(tf.constant([6, 7, 8]))
 
     def test_rows_written_while_cached_are_read_from_the_cache(self):
         table = CachedTable(20, 3, cache_rows=4, directory=self.dir, seed=1)
@@ -192,6 +252,8 @@ class CachedTableTest(_TempDir):
         self.assertEqual(memory["store"], 1000 * 9 * 4)
         self.assertEqual(os.path.getsize(table.paths[0]), 1000 * 8 * 4)
         self.assertEqual(os.path.getsize(table.paths[1]), 1000 * 4)
+        # the planner's budget counts the same DRAM (tfhybrid.planner.place_in_tiers)
+        self.assertEqual(memory["cache"] + memory["index"], tier_dram_bytes(1000, 8, 100))
 
 
 class TieredErrorsTest(_TempDir):
@@ -211,9 +273,6 @@ class TieredErrorsTest(_TempDir):
             with self.subTest(kwargs=kwargs):
                 with self.assertRaisesRegex(ValueError, message):
                     Embedding(100, 4, **kwargs)
-        with self.assertRaisesRegex(ValueError, r"'big' has cache_rows=10.*not shard"):
-            DistributedEmbedding([Embedding(100, 4, cache_rows=10, store_dir=self.dir,
-                                            name="big")])
         with self.assertRaisesRegex(ValueError, r"cache_rows=200 exceeds rows=100"):
             CachedTable(100, 4, cache_rows=200, directory=self.dir)
         live = CachedTable(100, 4, cache_rows=20, directory=self.dir, name="twice")

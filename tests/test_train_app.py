@@ -176,6 +176,23 @@ class TrainAppTest(tf.test.TestCase):
         loaded = tf.saved_model.load(os.path.join(self.work, "fiited_export"))
         self.assertIn("serving_default", loaded.signatures)
 
+    def test_a_dram_budget_tiers_the_largest_tables_and_trains_exactly(self):
+        # one process, the "one" run's flags, with DRAM for a fraction of the tables: the
+        # planner moves the largest to the disk tier, and nothing else may change
+        out = os.path.join(self.work, "tiered")
+        budget = 1_500_000
+        done = _cli(COMMON_FLAGS + [f"--dram_budget={budget}", f"--store_dir={out}_store",
+                                    f"--metrics_json={out}.json"])
+        self.assertEqual(done.returncode, 0, done.stderr[-5000:])
+        with open(f"{out}.json") as f:
+            tiered = json.load(f)
+        one = self.runs["one"][0]
+        cached = [t["name"] for t in tiered["plan"]["tables"] if t["cache_rows"]]
+        self.assertTrue(cached)
+        self.assertFalse([t for t in one["plan"]["tables"] if t["cache_rows"]])
+        for key in ("train_loss", "auc", "logloss"):
+            self.assertEqual(tiered[key], one[key], key)
+
     def test_binary_input_trains_exactly_as_the_tsv_it_came_from(self):
         from tests.test_criteo_binary import _line
         from tfhybrid.train.preprocess import preprocess
@@ -238,7 +255,9 @@ class TrainConfigTest(tf.test.TestCase):
                                            "row-wise AdaGrad"),
                  (dict(fiited_target=0.5, optimizer="rowwise_adagrad",
                        replica_sync="weights"), "--replica_sync=gradients"),
-                 (dict(fiited_every=0), "--fiited_every=0")]
+                 (dict(fiited_every=0), "--fiited_every=0"),
+                 (dict(dram_budget=0, store_dir="/tmp"), "--dram_budget=0"),
+                 (dict(dram_budget=10**6), "--dram_budget=1000000 .* needs --store_dir")]
         for values, message in cases:
             with self.assertRaisesRegex(ValueError, message.replace("[", r"\[")):
                 TrainConfig(**values).validate()

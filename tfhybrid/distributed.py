@@ -89,6 +89,7 @@ from tfhybrid import collectives
 from tfhybrid import compression as compression_lib
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import planner
+from tfhybrid import tiers
 
 _LOG = logging.getLogger("tfhybrid")
 
@@ -1226,8 +1227,30 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
                 var.assign(collectives.broadcast(var, shard_root, "tfhybrid_broadcast_shard",
                                                  mesh.data_process_set))
 
+    tiered = [tiers.table_of(var) for var in shards if tiers.table_of(var) is not None]
     if tf.executing_eagerly():
         # one function, so Horovod negotiates (and fuses) the broadcasts together
         tf.function(assign_all)()
+    elif tiered and mesh.data_parallel > 1:
+        raise ValueError(
+            f"broadcast_variables inside a tf.function cannot send tiered tables "
+            f"{[t.name for t in tiered]} (cache_rows: most rows are in files); call it "
+            "eagerly, as tfhybrid.callbacks.BroadcastGlobalVariablesCallback does")
     else:
         assign_all()
+    if mesh.data_parallel > 1:
+        for table in tiered:
+            _broadcast_tier(table, shard_root, mesh)
+
+
+def _broadcast_tier(table: Any, root: int, mesh: mesh_lib.Mesh) -> None:
+    """A tiered shard's rows and row state, file and cache, from ``root`` (its data
+    group's member in the root replica), a block at a time."""
+    table.flush()
+    for start, stop in table.blocks():
+        values, state = (collectives.broadcast(
+            tf.constant(read(start, stop)), root, f"tfhybrid_broadcast_tier_{what}",
+            mesh.data_process_set).numpy()
+            for what, read in (("rows", table.read_rows),
+                               ("state", table.read_accumulator)))
+        table.write_rows(start, values, state)

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -129,6 +130,8 @@ class TableConfig:
     hotness: float = 1.0
     combiner: str | None = "sum"
     features: int = 1   # input features that read this table (input_table_map)
+    # rows kept in DRAM when the table lives in the disk tier (None: all in memory)
+    cache_rows: int | None = None
 
     def __post_init__(self) -> None:
         _check_int(f"features of table {getattr(self, 'name', '?')!r}", self.features, 1)
@@ -146,6 +149,11 @@ class TableConfig:
         if self.combiner not in COMBINERS:
             raise ValueError(f"combiner of table {self.name!r} must be one of {COMBINERS}, "
                              f"got {self.combiner!r}")
+        if self.cache_rows is not None:
+            _check_int(f"cache_rows of table {self.name!r}", self.cache_rows, 1)
+            if self.cache_rows > self.rows:
+                raise ValueError(f"cache_rows of table {self.name!r} is {self.cache_rows}, "
+                                 f"more than its {self.rows} rows")
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,9 @@ class TablePlacement:
     name: str
     kind: str
     shards: tuple[Shard, ...]
+    # the table lives in the disk tier with this many rows cached (each shard the same
+    # share of its rows: :func:`shard_cache_rows`); None: in memory
+    cache_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -298,7 +309,8 @@ class ShardingPlan:
         try:
             d = json.loads(s)
             tables = tuple(
-                TablePlacement(t["name"], t["kind"], tuple(Shard(**sh) for sh in t["shards"]))
+                TablePlacement(t["name"], t["kind"], tuple(Shard(**sh) for sh in t["shards"]),
+                               t.get("cache_rows"))
                 for t in d.pop("tables"))
             ranks = tuple(RankEstimate(**r) for r in d.pop("ranks"))
             order = tuple(tuple(int(t) for t in p) for p in d.pop("position_tables", ()))
@@ -327,9 +339,11 @@ class ShardingPlan:
             parts = ", ".join(
                 ("all" if s.owner is None else f"p{s.owner}")
                 + f" r{s.row_start}:{s.row_end} c{s.col_start}:{s.col_end}" for s in t.shards)
-            rows.append([t.name, str(nrows), str(dim), t.kind, parts])
-        lines += _aligned(["table", "rows", "dim", "kind", "shards (owner rows cols)"],
-                          rows, {1, 2})
+            tier = ("memory" if t.cache_rows is None else
+                    f"disk, {t.cache_rows} cached ({t.cache_rows / nrows:.0%})")
+            rows.append([t.name, str(nrows), str(dim), t.kind, tier, parts])
+        lines += _aligned(["table", "rows", "dim", "kind", "tier",
+                           "shards (owner rows cols)"], rows, {1, 2})
         lines.append("")
         rows = [[f"p{r.position}", str(len(self.shards_on(r.position))), _human(r.param_bytes),
                  _human(r.optimizer_bytes), _human(r.lookup_bytes_per_sample),
@@ -394,7 +408,7 @@ def _layout_bytes_balanced(tables: Sequence[TableConfig], m: int, col_thr: int |
     for t in tables:
         elements = t.rows * t.dim
         full = [(0, t.rows, 0, t.dim)]
-        if dp_thr is not None and elements <= dp_thr:
+        if dp_thr is not None and elements <= dp_thr and t.cache_rows is None:
             geometry.append(("data_parallel", full))
         elif m > 1 and row_thr is not None and elements > row_thr:
             geometry.append(("row_wise", [(r0, r1, 0, t.dim)
@@ -509,7 +523,7 @@ def _layout_de(strategy: str, tables: Sequence[TableConfig], m: int, col_thr: in
     elements = [t.rows * t.dim for t in tables]
     dp, tp, rw = [], [], []
     for ti, e in enumerate(elements):
-        if dp_thr is not None and e <= dp_thr:
+        if dp_thr is not None and e <= dp_thr and tables[ti].cache_rows is None:
             dp.append(ti)
         elif row_thr is not None and e >= row_thr:   # DE: >= (its docs say "more than")
             rw.append(ti)
@@ -564,6 +578,7 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
                   row_slice_threshold: int | None = None,
                   data_parallel_threshold: int | None = None,
                   memory_budget_bytes: int | None = None,
+                  memory_budget: dict[str, int] | None = None,
                   optimizer: str = "sgd",
                   local_batch_size: int = 1,
                   replica_sync: str = "gradients",
@@ -618,7 +633,10 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     also chooses M and the layout.
 
     Load = param + optimizer bytes.  With ``memory_budget_bytes`` a shard or position
-    over budget raises ValueError naming the table and the bytes. ``optimizer``,
+    over budget raises ValueError naming the table and the bytes. ``memory_budget``
+    (``{"dram": bytes}``, per rank) instead moves tables into the disk tier until every
+    position fits (:func:`place_in_tiers`); a table's ``cache_rows`` puts it there
+    explicitly, and a tiered table is never replicated. ``optimizer``,
     ``replica_sync``/``sync_every``, ``comm_dtype`` and ``unique_rows`` change the
     estimates (module docstring), and the plan records them.
 
@@ -641,11 +659,13 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     _check_threshold("row_slice_threshold", row_slice_threshold)
     _check_threshold("data_parallel_threshold", data_parallel_threshold)
     _check_threshold("memory_budget_bytes", memory_budget_bytes)
+    dram_budget = _dram_budget(memory_budget, memory_budget_bytes)
     tables = _check_tables(tables)
     if strategy == COST_STRATEGY:
         from tfhybrid import cost_model  # imported here: cost_model imports this module
-        return cost_model.plan_mesh(tables, data_parallel, model_parallel, layout, cluster,
+        plan = cost_model.plan_mesh(tables, data_parallel, model_parallel, layout, cluster,
                                     workload)
+        return plan if dram_budget is None else place_in_tiers(plan, dram_budget, tables)
     if cluster is not None or workload is not None:
         raise ValueError(f"cluster and workload are for strategy={COST_STRATEGY!r}, not "
                          f"{strategy!r}")
@@ -658,8 +678,139 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     else:
         layout, order = _layout_de(strategy, tables, m, *thresholds)
     settings = _Settings(optimizer, replica_sync, sync_every, comm_dtype, unique_rows)
-    return _finish_plan(tables, data_parallel, m, strategy, layout, order, thresholds,
+    plan = _finish_plan(tables, data_parallel, m, strategy, layout, order, thresholds,
                         memory_budget_bytes, local_batch_size, settings)
+    return plan if dram_budget is None else place_in_tiers(plan, dram_budget, tables)
+
+
+# the memory tiers a budget may name (the disk tier below them is unbounded)
+BUDGET_TIERS = ("dram",)
+# DRAM of a tiered shard besides its cached rows (tfhybrid.tiers.CachedTable): per row,
+# its cache slot or -1 (int32); per cache slot, its row (int64), the policy's and the
+# last lookup's step (2 x int64), two flags and the row's optimizer accumulator (float32)
+TIER_BYTES_PER_ROW = 4
+TIER_BYTES_PER_SLOT = 8 + 8 + 8 + 1 + 1 + 4
+# optimizers whose state a tier can keep: one value per row, which moves with the row
+TIER_OPTIMIZERS = ("sgd", "rowwise_adagrad")
+# steps whose rows a tiered shard's cache holds at once: the layer loads a batch's rows
+# when it routes its ids, which a pipeline does while the step before still runs
+TIER_PINNED_STEPS = 2
+
+
+def _dram_budget(memory_budget: Any, memory_budget_bytes: int | None) -> int | None:
+    if memory_budget is None:
+        return None
+    if not isinstance(memory_budget, dict) or set(memory_budget) - set(BUDGET_TIERS):
+        raise ValueError(f"memory_budget={memory_budget!r} must be a dict of bytes per rank "
+                         f"by tier, with keys from {BUDGET_TIERS}")
+    if memory_budget_bytes is not None:
+        raise ValueError(f"memory_budget={memory_budget!r} moves tables into the disk tier "
+                         f"to fit; memory_budget_bytes={memory_budget_bytes} refuses plans "
+                         "that do not fit in memory: give one of them")
+    if "dram" not in memory_budget:
+        return None
+    _check_int("memory_budget['dram']", memory_budget["dram"], 1)
+    return memory_budget["dram"]
+
+
+def shard_cache_rows(cache_rows: int, rows: int, shard_rows: int) -> int:
+    """The cache of one shard of a tiered table: the table's cached share of the shard's
+    rows, rounded up (at least 1 row, at most the shard).
+
+    >>> shard_cache_rows(250, 1000, 500)
+    125
+    """
+    return max(1, min(shard_rows, -(-cache_rows * shard_rows // rows)))
+
+
+def tier_dram_bytes(shard_rows: int, width: int, cache_rows: int) -> int:
+    """DRAM of a tiered shard: its cached rows, their row state and the host index.
+
+    >>> tier_dram_bytes(1000, 8, 100)
+    10200
+    """
+    return cache_rows * (width * 4 + TIER_BYTES_PER_SLOT) + shard_rows * TIER_BYTES_PER_ROW
+
+
+def place_in_tiers(plan: ShardingPlan, dram_budget: int,
+                   tables: Sequence[TableConfig]) -> ShardingPlan:
+    """``plan`` with tables moved into the disk tier until every position's DRAM (tables
+    in memory, optimizer state, tiered shards' caches and indexes) fits ``dram_budget``.
+
+    While a position is over budget, its largest table still in memory (by its bytes on
+    that position) moves to the disk tier, with the largest cache that lets that
+    position fit. A cache holds at least the ids that :data:`TIER_PINNED_STEPS` steps
+    may name (all N ranks' local batches: N * local_batch_size * hotness per step; ragged
+    inputs count their hotness as the layer is told it), and a table whose least cache and index would take as much DRAM
+    as its rows stays in memory. A tier keeps one optimizer value per row, so only :data:`TIER_OPTIMIZERS`
+    can tier. ValueError, naming the position and its bytes, when moving every table
+    that can move does not fit.
+
+    >>> plan = plan_sharding([TableConfig("big", 100_000, 16), TableConfig("small", 100, 16)],
+    ...                      1, 1, memory_budget={"dram": 1_000_000})
+    >>> [(t.name, t.cache_rows) for t in plan.tables]
+    [('big', 6314), ('small', None)]
+    """
+    _check_int("dram budget", dram_budget, 1)
+    placements = list(plan.tables)
+    rows_of = [max(s.row_end for s in p.shards) for p in placements]
+    ranks = plan.data_parallel * plan.model_parallel
+    # the fewest rows a tiered table may cache: the pinned steps' ids of every rank
+    least = [min(t.rows, math.ceil(TIER_PINNED_STEPS * ranks * plan.local_batch_size
+                                   * t.hotness)) for t in tables]
+
+    def dram_of(ti: int, shard: Shard, cache_rows: int | None) -> int:
+        nrows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
+        if cache_rows is None:
+            return nrows * width * 4 + optimizer_state_bytes(nrows, width, plan.optimizer)
+        return tier_dram_bytes(nrows, width, shard_cache_rows(cache_rows, rows_of[ti], nrows))
+
+    def loads() -> list[dict[int, int]]:
+        on_position: list[dict[int, int]] = [{} for _ in range(plan.model_parallel)]
+        for ti, placement in enumerate(placements):
+            for shard in placement.shards:
+                for p in (range(plan.model_parallel) if shard.owner is None
+                          else [shard.owner]):
+                    on_position[p][ti] = on_position[p].get(ti, 0) + dram_of(
+                        ti, shard, placement.cache_rows)
+        return on_position
+
+    while True:
+        over = [(sum(per_table.values()), p) for p, per_table in enumerate(loads())
+                if sum(per_table.values()) > dram_budget]
+        if not over:
+            return dataclasses.replace(plan, tables=tuple(placements))
+        load, p = max(over)
+        per_table = loads()[p]
+        mine_of = {ti: [s for s in placements[ti].shards if s.owner == p] for ti in per_table}
+        # a table moves if its least cache (and index) takes less DRAM than its rows
+        movable = [ti for ti in per_table if placements[ti].cache_rows is None
+                   and placements[ti].kind != "data_parallel" and least[ti] < rows_of[ti]
+                   and sum(dram_of(ti, s, least[ti]) for s in mine_of[ti]) < per_table[ti]]
+        if not movable:
+            raise ValueError(
+                f"position {p} needs {load} bytes of DRAM with every table on it that "
+                f"can move in the disk tier, over memory_budget['dram']={dram_budget}; use "
+                "more ranks per model group or a larger budget")
+        if plan.optimizer not in TIER_OPTIMIZERS:
+            raise ValueError(
+                f"position {p} needs {load} bytes, over memory_budget['dram']={dram_budget}, "
+                f"and the disk tier keeps one optimizer value per row: optimizer="
+                f"{plan.optimizer!r} keeps more (tiers take {TIER_OPTIMIZERS})")
+        ti = max(movable, key=lambda t: (per_table[t], -t))
+        room = dram_budget - (load - per_table[ti])
+        mine = mine_of[ti]
+        # the largest table-wide cache that fits on p (its shards there share it; the
+        # bytes grow with the cache, so a bisection finds it); the least cache if none
+        # fits, and the next round moves another table
+        low, high = least[ti], rows_of[ti] - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if sum(dram_of(ti, s, middle) for s in mine) <= room:
+                low = middle
+            else:
+                high = middle - 1
+        placements[ti] = dataclasses.replace(placements[ti], cache_rows=low)
 
 
 def _check_settings(optimizer: Any, replica_sync: Any, sync_every: Any,
@@ -717,7 +868,8 @@ def _finish_plan(tables: list[TableConfig], d: int, m: int, strategy: str, layou
     placements = tuple(
         TablePlacement(t.name, kind, tuple(Shard(t.name, r0, r1, c0, c1, owner) for
                                            r0, r1, c0, c1, owner in sorted(
-                                               shards, key=lambda s: (s[2], s[0]))))
+                                               shards, key=lambda s: (s[2], s[0]))),
+                       t.cache_rows)
         for t, (kind, shards) in zip(tables, layout))
 
     # Per-table bytes on each position (data_parallel tables count everywhere).

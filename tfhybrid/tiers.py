@@ -18,8 +18,9 @@ do the same. Here the slow tier is a file on disk, memory-mapped, and the fast t
   its last lookup and whether it was used since loaded.
 
 Before a lookup, :meth:`CachedTable.slots` maps the batch's ids to cache slots: rows not
-cached are loaded (value and accumulator) into slots that this batch does not use, chosen
-by the policy, and a slot's previous row is written back first if it was used since it
+cached are loaded (value and accumulator) into slots that this batch does not use (with
+``pinned_calls=2``, nor the batch of the call before, whose step a pipeline may still be
+running), chosen by the policy, and a slot's previous row is written back first if it was used since it
 was loaded (write-back). The lookup and the optimizer then work on the cache as on any
 table, so training equals training the whole table in memory bit for bit (a row's
 arithmetic does not depend on where it sits). The cache never holds stale rows: the
@@ -44,7 +45,7 @@ import tensorflow as tf
 
 from tfhybrid.fiited import _check_int  # one rule for a table's integer options
 
-__all__ = ["CachedTable", "POLICIES", "table_of"]
+__all__ = ["CachedTable", "POLICIES", "table_of", "accumulator_table_of"]
 
 POLICIES = ("lru", "lfu")
 # rows initialized (or written by write_rows) per block: bounds the memory a table of
@@ -59,6 +60,11 @@ _OPEN_STORES: "weakref.WeakValueDictionary[str, CachedTable]" = weakref.WeakValu
 def table_of(variable: Any) -> "CachedTable | None":
     """The CachedTable whose cache ``variable`` is, else None."""
     return getattr(variable, "_tfhybrid_cached_table", None)
+
+
+def accumulator_table_of(variable: Any) -> "CachedTable | None":
+    """The CachedTable whose ``cache_accumulator`` ``variable`` is, else None."""
+    return getattr(variable, "_tfhybrid_cached_state", None)
 
 
 def _momentum_free_sgd(optimizer: Any) -> bool:
@@ -121,8 +127,13 @@ class CachedTable(tf.Module):
 
     def __init__(self, rows: int, dim: int, cache_rows: int, directory: str, *,
                  initializer: Callable[[int, int], Any] | None = None,
-                 seed: int | None = None, policy: str = "lru", name: str | None = None):
+                 seed: int | None = None, policy: str = "lru", name: str | None = None,
+                 pinned_calls: int = 1):
         super().__init__(name=name)
+        # the calls of slots() whose rows are never evicted: 1, the call itself; 2, also
+        # the call before (a pipeline loads a batch's rows while the step of the batch
+        # before, loaded by the previous call, still runs on its slots)
+        self.pinned_calls = _check_int("pinned_calls", pinned_calls, 1)
         self.rows = _check_int("rows", rows, 1)
         self.dim = _check_int("dim", dim, 1)
         self.cache_rows = _check_int("cache_rows", cache_rows, 1)
@@ -151,11 +162,15 @@ class CachedTable(tf.Module):
                                shape=(self.rows, self.dim))
         self.store_accumulator = np.memmap(self.paths[1], np.dtype("<f4"), "w+",
                                            shape=(self.rows,))
-        self.cache = tf.Variable(tf.zeros([self.cache_rows, self.dim]), name="cache")
-        self.cache_accumulator = tf.Variable(tf.zeros([self.cache_rows]), trainable=False,
-                                             name="cache_accumulator")
-        # how an optimizer finds the table of a cache gradient (table_of)
+        # named after the table: gradient syncs name their collectives by variable name
+        with tf.name_scope(self.name):
+            self.cache = tf.Variable(tf.zeros([self.cache_rows, self.dim]), name="cache")
+            self.cache_accumulator = tf.Variable(tf.zeros([self.cache_rows]),
+                                                 trainable=False, name="cache_accumulator")
+        # how an optimizer finds the table of a cache gradient (table_of), and a
+        # checkpoint the table of an accumulator (accumulator_table_of)
         self.cache._tfhybrid_cached_table = self
+        self.cache_accumulator._tfhybrid_cached_state = self
         self._slot_of_row = np.full(self.rows, -1, np.int32)   # 4 bytes per row
         self._row_of_slot = np.full(self.cache_rows, -1, np.int64)
         self._stamp = np.zeros(self.cache_rows, np.int64)      # LFU: steps used since loaded
@@ -171,12 +186,13 @@ class CachedTable(tf.Module):
                 return tf.random.stateless_uniform(
                     [stop - start, self.dim], seed=[base, start], minval=-0.05,
                     maxval=0.05).numpy()
-        for start, stop in self._blocks():
+        for start, stop in self.blocks():
             self.write_rows(start, initializer(start, stop))
         self._step = 0
         self._hits = self._misses = self._writebacks = 0
 
-    def _blocks(self):
+    def blocks(self):
+        """(start, stop) row ranges of about 8 MiB: how whole tables move through memory."""
         step = max(1, _BLOCK_BYTES // (4 * self.dim))
         for start in range(0, self.rows, step):
             yield start, min(self.rows, start + step)
@@ -209,6 +225,7 @@ class CachedTable(tf.Module):
             raise ValueError(f"CachedTable {self.name!r} got id {bad}, expected ids in "
                              f"[0, {self.rows})")
         self._step += 1
+        self._pinned_since = self._step - self.pinned_calls + 1
         slots = self._slot_of_row[flat].astype(np.int64)
         missing = slots < 0
         hit_slots = slots[~missing]
@@ -218,11 +235,15 @@ class CachedTable(tf.Module):
         missing_ids = flat[missing]
         if missing_ids.size:
             rows = np.unique(missing_ids)   # ascending: the store is read in file order
-            if hits + rows.size > self.cache_rows:
+            held = int(np.count_nonzero(self._last_used[:self._filled]
+                                        >= self._pinned_since)) - hits
+            if hits + held + rows.size > self.cache_rows:
+                before = (f" and the call before holds {held} more rows (pinned_calls="
+                          f"{self.pinned_calls})" if self.pinned_calls > 1 else "")
                 raise ValueError(
                     f"CachedTable {self.name!r}: one batch names {hits + rows.size} "
-                    f"distinct ids but the cache holds cache_rows={self.cache_rows}; "
-                    "raise cache_rows or lower the batch")
+                    f"distinct ids{before} but the cache holds cache_rows="
+                    f"{self.cache_rows}; raise cache_rows or lower the batch")
             self._load(rows)
             self._misses += rows.size
             slots[missing] = self._slot_of_row[missing_ids]
@@ -268,7 +289,8 @@ class CachedTable(tf.Module):
         while need:
             window = (self._hand + np.arange(min(self.cache_rows, max(2 * need, 256)))) \
                 % self.cache_rows
-            takeable = ~self._referenced[window] & (self._last_used[window] != self._step)
+            takeable = ~self._referenced[window] & (self._last_used[window]
+                                                    < self._pinned_since)
             picks = np.flatnonzero(takeable)[:need]
             passed = picks[-1] + 1 if picks.size == need else window.size
             self._referenced[window[:passed]] = False   # their second chance is spent
@@ -281,7 +303,7 @@ class CachedTable(tf.Module):
     def _least_used(self, need: int) -> np.ndarray:
         """``need`` slots not used by this batch, the least frequently used (LFU)."""
         score = self._stamp.copy()
-        score[self._last_used == self._step] = np.iinfo(np.int64).max
+        score[self._last_used >= self._pinned_since] = np.iinfo(np.int64).max
         return np.argpartition(score, need - 1)[:need]
 
     def _write_back(self, slots: np.ndarray) -> None:
@@ -369,6 +391,43 @@ class CachedTable(tf.Module):
             if accumulator is not None:
                 self.cache_accumulator.scatter_update(
                     tf.IndexedSlices(accumulator[held], slots[held]))
+
+    def write_accumulator(self, start: int, accumulator: Any) -> None:
+        """Sets the row-wise optimizer state of rows ``start..start+len-1`` (store and
+        cache)."""
+        accumulator = np.asarray(accumulator, np.float32)
+        stop = start + accumulator.shape[0]
+        if accumulator.ndim != 1 or start < 0 or stop > self.rows:
+            raise ValueError(f"CachedTable {self.name!r}.write_accumulator({start}, shape "
+                             f"{accumulator.shape}): expected [n] values within "
+                             f"[0, {self.rows})")
+        self.store_accumulator[start:stop] = accumulator
+        slots = self._slot_of_row[start:stop]
+        held = np.nonzero(slots >= 0)[0]
+        if held.size:
+            self.cache_accumulator.scatter_update(
+                tf.IndexedSlices(accumulator[held], slots[held]))
+
+    def whole(self, accumulator: bool = False) -> tf.Tensor:
+        """The whole table (``[rows, dim]``) or its accumulator (``[rows]``) in row order,
+        as a tensor, eagerly or inside a ``tf.function`` (a checkpoint's read)."""
+        read = self.read_accumulator if accumulator else self.read_rows
+        value = tf.py_function(lambda: read(0, self.rows), [], tf.float32,
+                               name=f"{self.name}_whole")
+        value.set_shape([self.rows] if accumulator else [self.rows, self.dim])
+        return value
+
+    def assign_whole(self, value: tf.Tensor, accumulator: bool = False) -> tf.Tensor:
+        """Sets the whole table or its accumulator from ``value`` (a checkpoint's
+        restore); returns a tensor to wait on, eagerly or inside a ``tf.function``."""
+        def write(values):
+            if accumulator:
+                self.write_accumulator(0, values.numpy())
+            else:
+                self.write_rows(0, values.numpy())
+            return np.int32(0)
+        return tf.py_function(write, [tf.cast(value, tf.float32)], tf.int32,
+                              name=f"{self.name}_assign_whole")
 
     # ------------------------------------------------------------ checkpoints
     def _serialize_to_tensors(self):

@@ -57,6 +57,7 @@ from tfhybrid import _checkpoint_writer
 from tfhybrid import _resharding
 from tfhybrid import distributed
 from tfhybrid import fiited
+from tfhybrid import tiers
 
 # The layer's and the optimizer's checkpoint children (part of the checkpoint format).
 TABLES_CHILD = "tables"
@@ -116,25 +117,38 @@ def _write_rows(variable: tf.Variable, value: tf.Tensor) -> Any:
 
 
 def _variable_piece(rect: _resharding.Rect, variable: tf.Variable) -> _Piece:
+    cached = tiers.table_of(variable)
+    if cached is not None:
+        # a tiered shard's variable is its cache: the piece is the whole shard, in row
+        # order, from its file and cache
+        return _Piece(rect, tf.float32, "/cpu:0", cached.whole, cached.assign_whole)
     return _Piece(rect, variable.dtype, variable.device, variable.read_value,
                   lambda value: _write_rows(variable, value))
 
 
 def _slot_piece(rect: _resharding.Rect, slot: tf.Variable) -> _Piece:
     """A slot as a rectangle of its table: row-wise slots broadcast over the columns."""
-    if _resharding.slot_layout(slot.shape.as_list(), rect) == "full":
+    cached = tiers.accumulator_table_of(slot)
+    if cached is None and _resharding.slot_layout(slot.shape.as_list(), rect) == "full":
         return _variable_piece(rect, slot)
     rows, cols = rect.shape
+    if cached is not None:   # a tiered shard's row state, in row order
+        read_rows = lambda: cached.whole(accumulator=True)  # noqa: E731
+        write_rows = lambda value: cached.assign_whole(value, accumulator=True)  # noqa: E731
+    else:
+        read_rows = slot.read_value
+        write_rows = lambda value: _write_rows(slot, value)  # noqa: E731
 
     def read() -> tf.Tensor:
-        return tf.broadcast_to(slot.read_value()[:, None], [rows, cols])
+        return tf.broadcast_to(read_rows()[:, None], [rows, cols])
 
     def assign(value: tf.Tensor) -> Any:
         # the mean over this shard's columns: each saved column slice counts with the
         # columns it shares with this shard (see _resharding.rowwise_weights)
-        return _write_rows(slot, tf.reduce_mean(tf.cast(value, tf.float64), axis=1))
+        return write_rows(tf.reduce_mean(tf.cast(value, tf.float64), axis=1))
 
-    return _Piece(rect, slot.dtype, slot.device, read, assign)
+    return _Piece(rect, slot.dtype, "/cpu:0" if cached is not None else slot.device, read,
+                  assign)
 
 
 # ------------------------------------------------------------------ the layer
@@ -420,11 +434,13 @@ def _slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
     owner = _owner(optimizer, variable)
     if owner is None:
         return {}
-    chunked = fiited.table_of(variable)
-    if chunked is not None:
-        # a FIITED pool's only state is its rows' accumulator, which the table holds
-        return ({"accumulator": chunked.accumulator}
-                if any(v is chunked.accumulator for v in _variables_of(owner)) else {})
+    chunked, cached = fiited.table_of(variable), tiers.table_of(variable)
+    if chunked is not None or cached is not None:
+        # a FIITED pool's or tiered shard's only state is its rows' accumulator, which
+        # the table holds
+        state = chunked.accumulator if chunked is not None else cached.cache_accumulator
+        return ({"accumulator": state}
+                if any(v is state for v in _variables_of(owner)) else {})
     if hasattr(owner, "get_slot_names"):   # legacy Keras optimizers
         slots = {}
         for name in owner.get_slot_names():

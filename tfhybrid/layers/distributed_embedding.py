@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import re
 from typing import Any, Sequence
 
 import horovod.tensorflow as hvd
@@ -40,8 +41,10 @@ from tfhybrid import fiited
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import pipeline as pipeline_lib
 from tfhybrid import planner
+from tfhybrid import tiers
 from tfhybrid.fiited import ChunkedTable, plan_chunk_counts
 from tfhybrid.layers.embedding import Embedding
+from tfhybrid.tiers import CachedTable
 
 
 _LOG = logging.getLogger("tfhybrid")
@@ -66,6 +69,11 @@ class _Table:
     # them kept; None for a dense table
     chunks: int | None = None
     target_memory: float | None = None
+    # a table in the disk tier (``cache_rows``): each shard keeps the same share of its
+    # rows in a DRAM cache, its store in ``store_dir``
+    cache_rows: int | None = None
+    store_dir: str | None = None
+    cache_policy: str = "lru"
 
     @property
     def chunk_dim(self) -> int:
@@ -100,11 +108,6 @@ def _table_from_layer(layer: Any) -> _Table:
             "embeddings must hold tf.keras.layers.Embedding / tfhybrid.layers.Embedding "
             "layers, or Keras layers whose get_config() has input_dim and output_dim (a "
             f"custom embedding layer); got {layer!r}")
-    if config.get("cache_rows") is not None:
-        raise ValueError(
-            f"embedding layer {layer.name!r} has cache_rows={config['cache_rows']} (a table "
-            "on disk behind a DRAM cache), which DistributedEmbedding does not shard yet; "
-            "use it as a plain tfhybrid.layers.Embedding in one process")
     custom = type(layer).call not in _LOOKUP_CALLS
     initializer = getattr(layer, "embeddings_initializer", None)
     if initializer is not None:
@@ -126,7 +129,11 @@ def _table_from_layer(layer: Any) -> _Table:
                   custom_config=config if custom else None,
                   **({"chunks": int(config["chunks"]),
                       "target_memory": float(config["target_memory"])}
-                     if config.get("dims") == "adaptive" else {}))
+                     if config.get("dims") == "adaptive" else {}),
+                  **({"cache_rows": int(config["cache_rows"]),
+                      "store_dir": config["store_dir"],
+                      "cache_policy": config.get("cache_policy", "lru")}
+                     if config.get("cache_rows") is not None else {}))
 
 
 def _custom_shard_layer(table: _Table, rows: int, width: int, name: str) -> Any:
@@ -344,6 +351,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         returns rows (DCT-MP): per sample, each owner sends only the largest
         ``mp_keep`` share of its entries (plus their positions), and their gradients
         return at the same positions. ``None`` (default): everything is sent.
+      memory_budget: ``{"dram": bytes}`` per rank: the planner moves the largest tables
+        into the disk tier (a file per shard behind a DRAM cache, as a
+        ``tfhybrid.layers.Embedding`` with ``cache_rows``) until every rank fits
+        (``tfhybrid.planner.place_in_tiers``). A table layer with ``cache_rows`` is in
+        the tier whatever the budget. Tiered tables train as in memory, bit for bit, with
+        SGD (no momentum) or ``RowWiseAdagrad`` and ``replica_sync="gradients"``.
+      store_dir: the folder of the tiered shards' files for tables the budget tiers (each
+        rank writes in its own ``rank<r>`` subfolder).
 
     Inputs are a list with one entry per feature: int ids ``[batch]``, ``[batch, hotness]``
     or a ``tf.RaggedTensor`` ``[batch, None]``. Outputs are what the single-process layers
@@ -373,8 +388,17 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  use_custom_kernel: bool = True, row_slice: Any = None,
                  optimizer: str | None = None,
                  plan: planner.ShardingPlan | str | None = None,
-                 dct: compression.DCT | None = None, **kwargs: Any):
+                 dct: compression.DCT | None = None,
+                 memory_budget: dict[str, int] | None = None, store_dir: str | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
+        planner._dram_budget(memory_budget, None)   # ValueError naming a bad budget now
+        if memory_budget is not None and not (isinstance(store_dir, str) and store_dir):
+            raise ValueError(f"memory_budget={memory_budget!r} may move tables into the "
+                             "disk tier, which needs store_dir (the folder of their files); "
+                             f"got store_dir={store_dir!r}")
+        self.memory_budget = None if memory_budget is None else dict(memory_budget)
+        self.store_dir = store_dir
         self.dct = compression.as_dct(dct)
         # DCT-MP: the share of each sample's returned rows the alltoall carries
         self._mp_keep = None if self.dct is None else self.dct.mp_keep
@@ -430,6 +454,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             raise ValueError(f"tables {adaptive} have dims='adaptive' (FIITED), which needs "
                              "replica_sync='gradients' (every replica then sees the same "
                              f"utility and prunes alike); got replica_sync={replica_sync!r}")
+        tiered = [t.name for t in self._tables if t.cache_rows]
+        if tiered and replica_sync == "weights":
+            # a replica's evicted rows would wait in its own file, out of the average
+            raise ValueError(f"tables {tiered} have cache_rows (a disk tier), which needs "
+                             "replica_sync='gradients' for now (every replica then caches "
+                             f"and updates alike); got replica_sync={replica_sync!r}")
         if input_table_map is None:
             input_table_map = list(range(len(self._tables)))
         input_table_map = [int(t) for t in input_table_map]
@@ -479,6 +509,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self.plan = self._checked_plan(self._given_plan, mesh)
         else:
             self.plan = self._planned(mesh, hotness, local_batch, features)
+        self._tables = [self._in_tier(table, placement)
+                        for table, placement in zip(self._tables, self.plan.tables)]
         self._strategy = ShardingStrategy(self._strategy_name, self.plan, mesh,
                                           self.input_table_map)
         # the features this rank's inputs hold, in order
@@ -493,12 +525,29 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 "strategy='basic' or 'memory_balanced' (they slice tables so every position "
                 "holds one), or use fewer ranks per model group")
 
+    def _in_tier(self, table: _Table, placement: planner.TablePlacement) -> _Table:
+        """``table`` with the tier the plan gives it (a plan that names none keeps the
+        layer's own ``cache_rows``)."""
+        if placement.cache_rows is None or placement.cache_rows == table.cache_rows:
+            return table
+        if self.replica_sync == "weights":
+            raise ValueError(f"the plan puts table {table.name!r} in the disk tier "
+                             f"(cache_rows={placement.cache_rows}), which needs "
+                             "replica_sync='gradients' for now; got replica_sync='weights'")
+        store_dir = table.store_dir or self.store_dir
+        if not store_dir:
+            raise ValueError(f"the plan puts table {table.name!r} in the disk tier "
+                             f"(cache_rows={placement.cache_rows}); pass store_dir=, the "
+                             "folder of its files")
+        return dataclasses.replace(table, cache_rows=placement.cache_rows,
+                                   store_dir=store_dir)
+
     def _planned(self, mesh: mesh_lib.Mesh, hotness: Sequence[float], local_batch: int,
                  features: Sequence[int]) -> planner.ShardingPlan:
         compute = tf.as_dtype(self.compute_dtype)
         return planner.plan_sharding(
             [planner.TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
-                                 combiner=t.combiner, features=f)
+                                 combiner=t.combiner, features=f, cache_rows=t.cache_rows)
              for t, h, f in zip(self._tables, hotness, features)],
             mesh.data_parallel, mesh.model_parallel, strategy=self._strategy_name,
             column_slice_threshold=self.column_slice_threshold,
@@ -507,7 +556,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             local_batch_size=local_batch, optimizer=self.optimizer_name or "sgd",
             replica_sync=self.replica_sync, sync_every=self.sync_every,
             comm_dtype=(compute.name if compute in (tf.float16, tf.bfloat16) else None),
-            layout=mesh.layout)
+            layout=mesh.layout, memory_budget=self.memory_budget)
 
     def _checked_plan(self, plan: planner.ShardingPlan, mesh: mesh_lib.Mesh
                       ) -> planner.ShardingPlan:
@@ -582,6 +631,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # FIITED tables and shards, keyed "<table>_<shard>" (a tracked dict: their
         # variables are the layer's weights); the variable above is the table's pool
         self._chunked_tables: dict[str, ChunkedTable] = {}
+        # tiered shards (cache_rows), keyed alike; the variable above is the shard's cache
+        self._cached_tables: dict[str, CachedTable] = {}
         # per FIITED table, every row's chunk count as every rank planned it at the last
         # adjustment (or read it from a restored checkpoint): where a shard's chunks go
         # in the compact checkpoint depends on the rows other ranks hold (plain data:
@@ -591,6 +642,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             for t, table in enumerate(self._tables) if table.chunks})
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
             ids_per_step = local_batch * hotness[t]
+            if placement.kind == "data_parallel" and table.cache_rows:
+                raise ValueError(
+                    f"table {table.name!r} has cache_rows={table.cache_rows} (a disk tier) "
+                    "but the plan replicates it (data_parallel): raise its size above "
+                    f"data_parallel_threshold={self.data_parallel_threshold} or keep it in "
+                    "memory (a replicated table is small)")
             if placement.kind == "data_parallel":
                 self._table_vars[t] = self._add_table_weight(
                     t, 0, table.name, placement.shards[0], on_host[(t, 0)])
@@ -621,6 +678,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     # and checkpointed with the shard)
                     for state in (chunked.row_offsets, chunked.accumulator, chunked.utility):
                         distributed.mark_model_parallel(state, mesh)
+                cached = self._cached(t, s)
+                if cached is not None:
+                    distributed.mark_model_parallel(cached.cache_accumulator, mesh)
+                    # a cache's gradient rows are at slots, which the replicas share
+                    distributed.mark_sparse_sync(var, True)
                 self._shard_vars[(t, s)] = var
         # The backward alltoall must run on every rank of the model group, but the tape
         # skips it on a rank whose sent rows touch no trainable variable (a position that
@@ -696,6 +758,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     use_custom_op=None if self.use_custom_kernel else False)
                 self._chunked_tables[f"{table}_{index}"] = chunked
                 return chunked.pool
+            if self._tables[table].cache_rows:
+                return self._add_cached_shard(table, index, name, shard)
             if self._tables[table].custom_class is not None:
                 custom = _custom_shard_layer(self._tables[table], rows, width,
                                              name.replace("/", "_"))
@@ -711,6 +775,45 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 regularizer=getattr(layer, "embeddings_regularizer", None),
                 constraint=getattr(layer, "embeddings_constraint", None),
                 dtype=tf.float32, experimental_autocast=False)
+
+    def _add_cached_shard(self, table: int, index: int, name: str,
+                          shard: planner.Shard) -> tf.Variable:
+        """A tiered shard: its rows in a file of this rank's, a cache in front."""
+        spec = self._tables[table]
+        rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
+
+        def initializer(start, stop):
+            # a seeded table draws the shard's slice of the whole table's values
+            piece = dataclasses.replace(shard, row_start=shard.row_start + start,
+                                        row_end=shard.row_start + stop)
+            with tf.device("/CPU:0"):
+                return _slice_initializer(spec, piece)([stop - start, width],
+                                                       dtype=tf.float32).numpy()
+
+        # one folder per rank (the ranks may share store_dir); the table's name, which
+        # its variables and so their gradient syncs' collectives carry, is the same on
+        # every replica
+        directory = os.path.join(spec.store_dir, f"rank{self._mesh.rank}")
+        os.makedirs(directory, exist_ok=True)
+        with tf.init_scope():   # the host side works eagerly, also when built in a trace
+            cached = CachedTable(
+                rows, width, planner.shard_cache_rows(spec.cache_rows, spec.rows, rows),
+                directory,
+                initializer=initializer, policy=spec.cache_policy,
+                name=re.sub(r"\W", "_", f"{self.name}_{name}"),
+                pinned_calls=planner.TIER_PINNED_STEPS)
+        self._cached_tables[f"{table}_{index}"] = cached
+        return cached.cache
+
+    def _cached(self, table: int, shard: int) -> CachedTable | None:
+        """The tier of table ``table``'s shard ``shard`` if this rank holds it."""
+        return self._cached_tables.get(f"{table}_{shard}")
+
+    def _row_store(self, table: int, shard: int) -> ChunkedTable | CachedTable | None:
+        """The FIITED pool or the tier that keeps the shard's rows, if either does (their
+        ``read_rows`` / ``write_rows`` take the shard's rows in row order)."""
+        chunked = self._chunked(table, shard)
+        return chunked if chunked is not None else self._cached(table, shard)
 
     def _table_key(self, table: int) -> str:
         return f"{self.name}/{self._tables[table].name}"
@@ -795,8 +898,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         message ("" if none failed), for the caller to raise.
 
         The routed ids are ``[ids of each owned route] + [bag lengths of each]``, for the
-        model group's samples in rank order: what ``_exchange`` looks up. Nothing here
-        reads a variable, so ``TrainPipeline`` may run it a step ahead. ``ended`` (a bool
+        model group's samples in rank order: what ``_exchange`` looks up (a tiered
+        shard's ids as cache slots, its rows loaded). The only variables it touches are
+        tiered shards' caches, where it fills slots that neither this batch nor the one
+        before uses (``pinned_calls``), so ``TrainPipeline`` may run it a step ahead. ``ended`` (a bool
         tensor) says that this rank's input has ended and ``bags`` only stand in for a
         batch: the ranks agree on it in the same allgather that checks the ids.
         """
@@ -821,6 +926,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                          for r in self._routes[self._mesh.model_position]]
             route_ids = [ids for ids, _ in shard_ids]
             route_lengths = [lengths for _, lengths in shard_ids]
+        # a tiered shard's ids become cache slots, their rows loaded now: read ahead by
+        # a pipeline, the rows are in the cache before the step that looks them up
+        for i, r in enumerate(self._routes[self._mesh.model_position]):
+            cached = self._cached(r.table, r.shard)
+            if cached is not None:
+                route_ids[i] = self._cache_slots(cached, route_ids[i],
+                                                 f"{r.feature}_{r.shard}")
         return bags, route_ids + route_lengths, agreement
 
     def _placeholders(self, bags: dict) -> list:
@@ -1181,6 +1293,28 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                                                          tf.float32)
         return partials
 
+    def _cache_slots(self, cached: CachedTable, ids: tf.Tensor, route: str) -> tf.Tensor:
+        """The cache slots of a tiered shard's ``ids`` (its routed ids), their rows
+        loaded first.
+
+        Every replica of the shard (its data group) loads the ids of all of them, in
+        one call with the same set of ids: their caches then make the same choices and
+        stay alike, slot for slot, so the replicas' gradients (rows at slots) add up
+        as those of a table in memory. The cache must hold the group's distinct ids.
+        """
+        mesh = self._mesh
+        # Valid ids pass unchanged. A batch read ahead whose check failed is never looked
+        # up (TrainPipeline raises after the step beside it), and its bad ids must not
+        # fail the host step inside that step's function.
+        ids = tf.clip_by_value(ids, 0, cached.rows - 1)
+        if mesh.data_parallel == 1:
+            return cached.slots(ids)
+        everyone = collectives.allgather(ids, mesh.data_parallel,
+                                         f"tfhybrid_{self.name}_tier_ids_{route}",
+                                         mesh.data_process_set)
+        slots = cached.slots(tf.concat([everyone, ids], 0))
+        return slots[tf.size(everyone):]
+
     def _lookup_sum(self, key: tuple[int, int], var, ids, lengths):
         """The sum of each bag's rows of one table or shard (``key``: table, shard)."""
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
@@ -1229,8 +1363,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                         continue
                     # a gather reads only the chunk; a dense read of a variable that saw
                     # sparse updates copies the whole table first
-                    chunked = self._chunked(t, s) if var is not None else None
-                    local = (chunked.read_rows(start, stop) if chunked is not None
+                    # FIITED pools and tiered shards read their rows themselves
+                    held = self._row_store(t, s) if var is not None else None
+                    local = (tf.convert_to_tensor(held.read_rows(start, stop)) if held is not None
                              else tf.gather(var, tf.range(start, stop)) if var is not None
                              else tf.zeros([0, width], tf.float32))
                     if not replicated:
@@ -1279,14 +1414,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                         for (tt, s), v in self._shard_vars.items() if tt == t])
             for var, s, shard in targets:
                 width = shard.col_end - shard.col_start
-                chunked = self._chunked(t, s)
+                # a FIITED row keeps its width (pruned entries are dropped); a tiered
+                # shard writes its file and the rows it caches
+                held = self._row_store(t, s)
                 for start, stop in _chunks(shard.row_end - shard.row_start, width,
                                            None if chunk is None else 4 * chunk):
                     values = np.asarray(full[shard.row_start + start:shard.row_start + stop,
                                              shard.col_start:shard.col_end], np.float32)
-                    if chunked is not None:
-                        # a FIITED row keeps its width: pruned entries are dropped
-                        chunked.write_rows(start, values)
+                    if held is not None:
+                        held.write_rows(start, values)
                         continue
                     # scatter_update writes in place; a sliced assign may copy the table
                     var.scatter_update(tf.IndexedSlices(values, tf.range(start, stop)))
@@ -1388,14 +1524,21 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return counts
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of this rank's tables and shards: ``"embedding"`` (tables and FIITED
-        pools with their row index) and, for FIITED, ``"dense"``, what the same shards
-        take as dense tables."""
+        """Bytes of this rank's tables and shards in memory: ``"embedding"`` (tables,
+        FIITED pools with their row index, tiered shards' caches with theirs) and
+        ``"dense"``, what the same shards take as dense tables in memory; ``"store"``,
+        the tiered shards' files."""
         self._require_built("memory_bytes")
-        held = {"embedding": 0, "dense": 0}
+        held = {"embedding": 0, "dense": 0, "store": 0}
         for var in list(self._table_vars.values()) + list(self._shard_vars.values()):
             chunked = fiited.table_of(var)
-            if chunked is None:
+            cached = tiers.table_of(var)
+            if cached is not None:
+                memory = cached.memory_bytes()
+                held["embedding"] += memory["cache"] + memory["index"]
+                held["dense"] += cached.rows * cached.dim * 4
+                held["store"] += memory["store"]
+            elif chunked is None:
                 nbytes = int(np.prod(var.shape)) * var.dtype.size
                 held["embedding"] += nbytes
                 held["dense"] += nbytes
@@ -1420,7 +1563,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             sync_every=self.sync_every, gpu_embedding_size=self.gpu_embedding_size,
             use_custom_kernel=self.use_custom_kernel, optimizer=self.optimizer_name,
             plan=None if self._given_plan is None else self._given_plan.to_json(),
-            dct=None if self.dct is None else self.dct.get_config())
+            dct=None if self.dct is None else self.dct.get_config(),
+            memory_budget=self.memory_budget, store_dir=self.store_dir)
         return config
 
     @classmethod

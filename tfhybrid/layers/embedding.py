@@ -100,7 +100,8 @@ class Embedding(tf.keras.layers.Embedding):
     lookup the batch's rows are loaded into the cache and evicted rows written back, so a
     table larger than memory trains exactly as it would in memory (SGD without momentum,
     or ``RowWiseAdagrad``, whose per-row state moves with the rows). One batch may name at
-    most ``N`` distinct ids. Single process for now (``DistributedEmbedding`` rejects it).
+    most ``N`` distinct ids. In a ``DistributedEmbedding`` each shard keeps the same share
+    of its rows cached.
 
     Example::
 

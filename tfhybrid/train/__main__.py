@@ -95,6 +95,13 @@ flags.DEFINE_integer("column_slice_threshold", None, "Planner: column-slice tabl
                      "this many elements.")
 flags.DEFINE_integer("row_slice_threshold", None, "Planner: row-slice tables above this.")
 flags.DEFINE_integer("data_parallel_threshold", None, "Planner: replicate tables below this.")
+flags.DEFINE_integer("dram_budget", None, "Bytes of tables (and optimizer state) each rank "
+                     "may hold in DRAM: the planner moves the largest tables to the disk "
+                     "tier, a file per shard behind a DRAM cache, until every rank fits "
+                     "(exact; embedding optimizer sgd or rowwise_adagrad). Needs "
+                     "--store_dir. Default: every table in memory.")
+flags.DEFINE_string("store_dir", None, "Folder of the disk tier's files (--dram_budget); "
+                    "each rank writes its own subfolder.")
 flags.DEFINE_bool("skip_malformed", False, "criteo_tsv: count and skip malformed lines "
                   "instead of failing.")
 flags.DEFINE_string("checkpoint_dir", None, "Checkpoint folder (shared by all ranks).")

@@ -95,6 +95,10 @@ class TrainConfig:
     column_slice_threshold: int | None = None
     row_slice_threshold: int | None = None
     data_parallel_threshold: int | None = None
+    # tables larger than this many bytes of DRAM per rank go to the disk tier
+    # (tfhybrid.planner.place_in_tiers), their files in store_dir
+    dram_budget: int | None = None
+    store_dir: str | None = None
     skip_malformed: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0                  # steps; 0: only at the end
@@ -123,7 +127,7 @@ class TrainConfig:
         positive = ["sync_every", "batch_size", "epochs", "embedding_dim", "num_cross_layers",
                     "dct_refresh_every", "fiited_chunks", "fiited_every"]
         optional_positive = ["model_parallel", "eval_batches", "max_table_rows",
-                             "projection_dim", "threads"] + list(STALL_FLAGS)
+                             "projection_dim", "threads", "dram_budget"] + list(STALL_FLAGS)
         for name in positive + optional_positive:
             value = getattr(self, name)
             if value is None and name in optional_positive:
@@ -155,6 +159,9 @@ class TrainConfig:
             raise ValueError(f"--cardinality_scale={self.cardinality_scale!r} must be > 0")
         if self.fiited_target is not None:
             _check_fiited(self)
+        if self.dram_budget is not None and not self.store_dir:
+            raise ValueError(f"--dram_budget={self.dram_budget} may move tables to the disk "
+                             "tier, which needs --store_dir (the folder of their files)")
         if (self.restore or self.checkpoint_every) and not self.checkpoint_dir:
             raise ValueError("--restore and --checkpoint_every need --checkpoint_dir")
         if self.model == "dlrm" and list(self.bottom_mlp_dims)[-1:] != [self.embedding_dim]:
@@ -689,7 +696,10 @@ def run(config: TrainConfig) -> dict:
             data_parallel_threshold=config.data_parallel_threshold,
             replica_sync=config.replica_sync, sync_every=config.sync_every,
             optimizer=config.embedding_optimizer or config.optimizer,
-            dct=_dct_config(config)), fiited=_fiited(config))
+            dct=_dct_config(config),
+            **({} if config.dram_budget is None else dict(
+                memory_budget={"dram": config.dram_budget}, store_dir=config.store_dir))),
+        fiited=_fiited(config))
     if config.communication == "float16" and mixed_precision == "none":
         # the wire carries the layer's compute dtype; the towers stay float32
         model_options["embedding_options"]["dtype"] = "mixed_float16"

@@ -1,0 +1,252 @@
+"""Tiered tables (cache_rows) inside DistributedEmbedding: sharded, they train as in memory.
+
+Each shard a rank owns keeps its rows in a file with a DRAM cache in front. The replicas
+of a shard load the ids of all of them each step, so their caches stay alike slot for
+slot and the gradient sync adds rows at the same slots: training equals the same layer
+with every table in memory, bit for bit, on a 2x2 mesh (column-, row- and table-wise
+shards, a replicated table beside them), with SGD and row-wise AdaGrad, pipelined or
+not, while rows are evicted, written back and reloaded.
+"""
+
+import dataclasses
+import shutil
+import tempfile
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import mesh as mesh_lib
+from tfhybrid.optimizers import RowWiseAdagrad
+from tfhybrid.pipeline import TrainPipeline
+from tests import _hybrid_case as hc
+
+HOROVOD_NP = (4,)
+
+# Per step the global batch (4 samples) names up to 12 distinct ids of "wide" and "bag"
+# and 8 of "rows" (all may fall in one row shard); a cache holds the rows of two steps
+# (a pipeline loads a batch's rows while the step before runs on its own), about what
+# these caches hold, so rows keep moving.
+CACHE_ROWS = {"wide": 24, "rows": 32, "bag": 24}
+STEPS = 20
+
+
+def _case(world, seed, steps=STEPS, store_dir=None):
+    return hc.Case(hc.PLACEMENT_TABLES, local_batch=1, steps=steps, world=world, seed=seed,
+                   cache_rows=CACHE_ROWS if store_dir else None, store_dir=store_dir)
+
+
+def _trained(case, mesh, make_optimizer, pipeline=False, model=None):
+    if model is None:
+        model, layer = case.distributed_model(mesh)
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(make_optimizer()),
+                      loss=hc.loss_fn)
+    if pipeline:
+        TrainPipeline(model)
+    ids, labels = case.local_data(mesh.rank)
+    history = model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+def _layer(model):
+    return next(layer for layer in model.layers
+                if isinstance(layer, tfhybrid.layers.DistributedEmbedding))
+
+
+def _weights(model):
+    return hc.table_weights(_layer(model)) + hc.dense_weights(model)
+
+
+class _TierDir(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp(prefix="tfhybrid-tiers-")
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+
+    def tearDown(self):
+        mesh_lib._reset_for_tests()
+        super().tearDown()
+
+    def fresh_dir(self):
+        return tempfile.mkdtemp(dir=self.dir)
+
+    def assert_same(self, got, want):
+        self.assertEqual(len(got), len(want))
+        for g, w in zip(got, want):
+            self.assertAllEqual(g, w)
+
+
+class ShardedTierTest(_TierDir):
+
+    def test_sharded_tiers_train_as_tables_in_memory_bit_for_bit(self):
+        world = hc.world_size()
+        # (optimizer, model_parallel, the tiered runs: pipelined or not)
+        runs = [("sgd", lambda: tf.keras.optimizers.SGD(0.5), 2, (False,)),
+                ("rowwise_adagrad", lambda: RowWiseAdagrad(0.1), 2, (False, True)),
+                ("rowwise_adagrad", lambda: RowWiseAdagrad(0.1), world, (False,))]
+        for name, make, model_parallel, pipelines in runs:
+            mesh_lib._reset_for_tests()
+            mesh = tfhybrid.init(model_parallel=model_parallel)
+            memory, memory_loss = _trained(_case(world, seed=41), mesh, make)
+            for pipeline in pipelines:
+                with self.subTest(optimizer=name, model_parallel=model_parallel,
+                                  pipeline=pipeline):
+                    tiered_case = _case(world, seed=41, store_dir=self.fresh_dir())
+                    tiered, tiered_loss = _trained(tiered_case, mesh, make, pipeline)
+                    layer = _layer(tiered)
+                    kinds = {p.kind for p in layer.plan.tables}
+                    if model_parallel == 2:
+                        self.assertEqual(kinds, {"column_wise", "row_wise", "table_wise",
+                                                 "data_parallel"})
+                    self.assertEqual(tiered_loss, memory_loss)
+                    self.assert_same(_weights(tiered), _weights(memory))
+                    # the comparison means something only if rows were written back and
+                    # reloaded
+                    stats = [t.stats() for t in layer._cached_tables.values()]
+                    moved = hvd.allgather_object(sum(s["writebacks"] for s in stats))
+                    self.assertGreater(sum(moved), 0)
+                    self.assertGreater(sum(hvd.allgather_object(
+                        sum(s["misses"] for s in stats))), sum(CACHE_ROWS.values()))
+                    # memory: the files hold the tiered shards (and their row state); as
+                    # dense tables they would take what the layer in memory takes
+                    held = layer.memory_bytes()
+                    self.assertEqual(held["store"], sum(
+                        t.rows * (t.dim + 1) * 4 for t in layer._cached_tables.values()))
+                    self.assertEqual(held["dense"], _layer(memory).memory_bytes()["dense"])
+
+    def test_replicas_load_each_others_ids_and_keep_one_cache(self):
+        world = hc.world_size()
+        mesh = tfhybrid.init(model_parallel=2)
+        case = _case(world, seed=43, steps=5, store_dir=self.fresh_dir())
+        model, _ = _trained(case, mesh, lambda: RowWiseAdagrad(0.1))
+        layer = _layer(model)
+        # every replica of a shard (its data group) holds the same rows in the same
+        # slots, with the same values
+        for key, table in sorted(layer._cached_tables.items()):
+            mine = (table._row_of_slot.copy(), table.cache.numpy(),
+                    table.cache_accumulator.numpy())
+            everyone = hvd.allgather_object(mine, process_set=mesh.data_process_set)
+            for other in everyone[1:]:
+                for a, b in zip(other, everyone[0]):
+                    self.assertAllEqual(a, b)
+
+
+class MemoryBudgetTest(_TierDir):
+
+    def test_a_dram_budget_moves_the_large_table_to_disk_and_trains_as_in_memory(self):
+        world = hc.world_size()
+        tables = (hc.Table("big", 4000, 8, "sum", 2), hc.Table("small", 50, 4, "sum", 1))
+        budget = 25_000   # "big" takes 128,000 bytes in memory
+        mesh = tfhybrid.init(model_parallel=2)
+        case = hc.Case(tables, local_batch=2, steps=20, world=world, seed=67)
+        make = lambda: RowWiseAdagrad(0.1)  # noqa: E731
+        memory, memory_loss = _trained(case, mesh, make)
+        model, layer = case.distributed_model(mesh, memory_budget={"dram": budget},
+                                              store_dir=self.fresh_dir())
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(make()), loss=hc.loss_fn)
+        self.assertEqual([(t.name, t.cache_rows is not None) for t in layer.plan.tables],
+                         [("big", True), ("small", False)])
+        self.assertLessEqual(layer.memory_bytes()["embedding"], budget)
+        model, loss = _trained(case, mesh, make, model=model)
+        self.assertEqual(loss, memory_loss)
+        self.assert_same(_weights(model), _weights(memory))
+        moved = sum(hvd.allgather_object(
+            sum(t.stats()["writebacks"] for t in layer._cached_tables.values())))
+        self.assertGreater(moved, 0)
+        # the layer's config carries the budget and folder; a bad budget fails at once
+        config = layer.get_config()
+        self.assertEqual((config["memory_budget"], config["store_dir"]),
+                         ({"dram": budget}, layer.store_dir))
+        with self.assertRaisesRegex(ValueError, r"needs store_dir"):
+            tfhybrid.layers.DistributedEmbedding(case.embedding_layers(),
+                                                 memory_budget={"dram": budget})
+        with self.assertRaisesRegex(ValueError, r"'hbm'"):
+            tfhybrid.layers.DistributedEmbedding(case.embedding_layers(), store_dir=self.dir,
+                                                 memory_budget={"hbm": budget})
+
+
+class TierCheckpointTest(_TierDir):
+
+    def test_checkpoint_restores_onto_another_mesh_and_into_memory(self):
+        world = hc.world_size()
+        make = lambda: RowWiseAdagrad(0.1)  # noqa: E731
+        # the same directory on every rank: all ranks write one checkpoint together
+        path = hvd.broadcast_object(tempfile.mkdtemp(prefix="tfhybrid-tier-ckpt-")
+                                    if hvd.rank() == 0 else None)
+        self.addCleanup(lambda: hvd.rank() == 0 and shutil.rmtree(path, True))
+        first = _case(world, seed=47, steps=10, store_dir=self.fresh_dir())
+        then = _case(world, seed=53, steps=6)
+        mesh = tfhybrid.init(model_parallel=2)
+        model, _ = _trained(first, mesh, make)
+        saved = _weights(model)
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(f"{path}/ckpt")
+        # uninterrupted: the tiered model goes on
+        _trained(dataclasses.replace(then, cache_rows=CACHE_ROWS, store_dir=self.fresh_dir()),
+                 mesh, make, model=model)
+        want = _weights(model)
+        for model_parallel, tiered in ((2, True), (world, False), (world, True)):
+            mesh_lib._reset_for_tests()
+            with self.subTest(model_parallel=model_parallel, tiered=tiered):
+                mesh = tfhybrid.init(model_parallel=model_parallel)
+                case = (dataclasses.replace(first, store_dir=self.fresh_dir()) if tiered
+                        else dataclasses.replace(first, cache_rows=None, store_dir=None))
+                restored, _ = case.distributed_model(mesh)
+                restored.compile(optimizer=tfhybrid.DistributedOptimizer(make()),
+                                 loss=hc.loss_fn)
+                status = tf.train.Checkpoint(model=restored,
+                                             optimizer=restored.optimizer).read(
+                    f"{path}/ckpt")
+                status.assert_existing_objects_matched()
+                self.assert_same(_weights(restored), saved)
+                # the row-wise state came back too: training goes on as it would have
+                _trained(then, mesh, make, model=restored)
+                got = _weights(restored)
+                for g, w in zip(got, want):
+                    if model_parallel == 2:
+                        self.assertAllEqual(g, w)
+                    else:   # another mesh sums in another order
+                        self.assertAllClose(g, w, atol=1e-6, rtol=1e-6)
+
+
+class TierErrorsTest(_TierDir):
+
+    def test_what_cannot_work_is_refused_naming_the_table(self):
+        world = hc.world_size()
+        mesh = tfhybrid.init(model_parallel=2)
+        case = _case(world, seed=59, steps=1, store_dir=self.fresh_dir())
+        with self.assertRaisesRegex(ValueError, r"\['wide', 'rows', 'bag'\] have "
+                                                r"cache_rows.*replica_sync='weights'"):
+            case.distributed_model(mesh, replica_sync="weights", sync_every=2)
+        # the planner never replicates a tiered table; a plan made without the tier may
+        _, in_memory = dataclasses.replace(case, cache_rows=None).distributed_model(mesh)
+        self.assertEqual(in_memory.plan.table("tiny").kind, "data_parallel")
+        replicated = dataclasses.replace(case, cache_rows={"tiny": 5})
+        with self.assertRaisesRegex(ValueError, r"'tiny' has cache_rows=5.*replicates it"):
+            replicated.distributed_model(mesh, plan=in_memory.plan)
+
+    def test_broadcast_sends_the_files_of_the_root_replica(self):
+        world = hc.world_size()
+        mesh = tfhybrid.init(model_parallel=2)
+        case = _case(world, seed=61, steps=2, store_dir=self.fresh_dir())
+        model, _ = _trained(case, mesh, lambda: RowWiseAdagrad(0.1))
+        layer = _layer(model)
+        # make the replicas differ, in rows that are cached and rows that are not
+        for table in layer._cached_tables.values():
+            table.write_rows(0, np.full([table.rows, table.dim], float(mesh.rank),
+                                        np.float32),
+                             np.full([table.rows], float(mesh.rank), np.float32))
+        tfhybrid.broadcast_variables(model.variables + model.optimizer.variables,
+                                     root_rank=0)
+        root_replica = next(d for d, group in enumerate(mesh.model_groups) if 0 in group)
+        root = mesh.model_groups[root_replica][mesh.model_position]
+        for table in layer._cached_tables.values():
+            self.assertAllEqual(table.read_rows(0, table.rows),
+                                np.full([table.rows, table.dim], float(root)))
+            self.assertAllEqual(table.read_accumulator(0, table.rows),
+                                np.full([table.rows], float(root)))
+
+
+if __name__ == "__main__":
+    tf.test.main()
