@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import unittest
 
 from tests.runner import ROOT, TEST_ENV, read_reports

@@ -374,7 +374,7 @@ class AdaptiveLayerTest(unittest.TestCase):
         from tfhybrid import mesh as mesh_lib
         from tfhybrid.layers import Embedding
         try:
-            mesh = tfhybrid.init(model_parallel=1)
+            tfhybrid.init(model_parallel=1)
             with self.assertRaisesRegex(ValueError, r"tables \['t'\] have dims='adaptive' "
                                                     "\(FIITED\), which needs replica_sync="
                                                     "'gradients'"):

@@ -11,7 +11,6 @@ import shutil
 import tempfile
 
 import horovod.tensorflow as hvd
-import numpy as np
 import tensorflow as tf
 
 import tfhybrid

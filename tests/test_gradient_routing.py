@@ -2,7 +2,6 @@
 
 import numpy as np
 import tensorflow as tf
-import horovod.tensorflow as hvd
 
 import tfhybrid
 from tfhybrid import distributed

@@ -281,7 +281,6 @@ class MixedPrecisionTest(tf.test.TestCase):
 
     def _id_bytes(self, layer):
         # header + ids this rank sent: what the plan counts as (L + n) * 4 per remote route
-        plan = layer.plan
         mesh = layer._mesh
         total = 0
         for routes in layer._routes:

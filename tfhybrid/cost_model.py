@@ -54,8 +54,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
 
 from tfhybrid import planner
 from tfhybrid.mesh import LAYOUTS, mesh_groups

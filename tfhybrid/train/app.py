@@ -825,6 +825,13 @@ def run(config: TrainConfig) -> dict:
         results["dense_parameters"] = int(sum(
             v.shape.num_elements() for v in model.trainable_variables
             if not distributed_lib.is_embedding(v)))
+        # this rank's tables in DRAM and on disk, and its tiered shards' cache hits
+        results["embedding_memory"] = model.embedding.memory_bytes()
+        cached = list(model.embedding._cached_tables.values())
+        if cached:
+            looked = sum(t.stats()["hits"] + t.stats()["misses"] for t in cached)
+            results["tier_hit_rate"] = (sum(t.stats()["hits"] for t in cached) / looked
+                                        if looked else 0.0)
     if traffic is not None and steps > 0:
         # this rank's collectives over every training step (warm-up included)
         results["collective_bytes_per_step"] = {
