@@ -97,7 +97,8 @@ DEFAULT_SYNC_VALUE_BYTES = 4
 
 __all__ = ["TableConfig", "Shard", "TablePlacement", "RankEstimate", "PositionTraffic",
            "ShardingPlan", "plan_sharding", "plan_with_kinds", "position_traffic",
-           "positions_traffic",
+           "positions_traffic", "place_in_tiers", "shard_cache_rows", "tier_dram_bytes",
+           "BUDGET_TIERS", "TIER_OPTIMIZERS", "TIER_PINNED_STEPS",
            "sync_is_sparse", "sync_bytes", "weight_sync_bytes", "optimizer_state_bytes",
            "input_ids_per_position", "table_ids_per_position", "DTYPE_BYTES", "COMBINERS",
            "STRATEGIES", "ALL_STRATEGIES", "COST_STRATEGY", "DE_STRATEGIES",
