@@ -454,12 +454,6 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             raise ValueError(f"tables {adaptive} have dims='adaptive' (FIITED), which needs "
                              "replica_sync='gradients' (every replica then sees the same "
                              f"utility and prunes alike); got replica_sync={replica_sync!r}")
-        tiered = [t.name for t in self._tables if t.cache_rows]
-        if tiered and replica_sync == "weights":
-            # a replica's evicted rows would wait in its own file, out of the average
-            raise ValueError(f"tables {tiered} have cache_rows (a disk tier), which needs "
-                             "replica_sync='gradients' for now (every replica then caches "
-                             f"and updates alike); got replica_sync={replica_sync!r}")
         if input_table_map is None:
             input_table_map = list(range(len(self._tables)))
         input_table_map = [int(t) for t in input_table_map]
@@ -511,6 +505,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self.plan = self._planned(mesh, hotness, local_batch, features)
         self._tables = [self._in_tier(table, placement)
                         for table, placement in zip(self._tables, self.plan.tables)]
+        # one check for tables tiered by their layer or by the plan
+        tiered = [t.name for t in self._tables if t.cache_rows]
+        if tiered and self.replica_sync == "weights":
+            # a replica's evicted rows would wait in its own file, out of the average
+            raise ValueError(f"tables {tiered} have cache_rows (a disk tier), which needs "
+                             "replica_sync='gradients' for now (every replica then caches "
+                             f"and updates alike); got replica_sync={self.replica_sync!r}")
         self._strategy = ShardingStrategy(self._strategy_name, self.plan, mesh,
                                           self.input_table_map)
         # the features this rank's inputs hold, in order
@@ -530,10 +531,6 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         layer's own ``cache_rows``)."""
         if placement.cache_rows is None or placement.cache_rows == table.cache_rows:
             return table
-        if self.replica_sync == "weights":
-            raise ValueError(f"the plan puts table {table.name!r} in the disk tier "
-                             f"(cache_rows={placement.cache_rows}), which needs "
-                             "replica_sync='gradients' for now; got replica_sync='weights'")
         store_dir = table.store_dir or self.store_dir
         if not store_dir:
             raise ValueError(f"the plan puts table {table.name!r} in the disk tier "
