@@ -9,7 +9,9 @@ Every path computes the same output, one [batch, 8 * 64] tensor (the concat of t
 pooled bags, what FBGEMM's TBE returns), and the same optimizer, EXACT_ROWWISE_ADAGRAD
 (duplicate ids summed first, one accumulator per row: v += mean_j g_j^2,
 w -= lr * g / (sqrt(v) + eps)), on the same ids, initial tables and upstream gradient:
-  (a) tfhybrid: EmbeddingLookupCombine + its gradient kernel + RowwiseAdagradApply;
+  (a) tfhybrid: EmbeddingLookupCombine + its gradient kernel + RowwiseAdagradApply, the
+      tables moved to huge pages by the kernels (README, "Huge pages");
+  (n) the same with TFHYBRID_HUGE_PAGES=0: its tables stay in TF's small pages;
   (b) TF composite: tf.gather + tf.math.segment_sum, and the same row-wise AdaGrad written
       with TF ops (tf.unique + unsorted_segment_sum + gathers + scatter updates);
   (c) FBGEMM's CPU TBE (SplitTableBatchedEmbeddingBagsCodegen, EXACT_ROWWISE_ADAGRAD fused
@@ -66,8 +68,9 @@ QUICK_SCALE = 1 / 16
 # Differences of outputs relative to max(1, |reference|): float32 sums in another order
 # differ by ~1e-7 of the largest accumulated term; a wrong kernel differs by far more.
 AGREEMENT_TOLERANCE = 1e-4
-PATH_LABELS = {"a": "(a) tfhybrid kernels", "b": "(b) TF composite",
-               "c": "(c) FBGEMM CPU TBE"}
+PATH_LABELS = {"a": "(a) tfhybrid kernels", "n": "(n) (a), small pages",
+               "b": "(b) TF composite", "c": "(c) FBGEMM CPU TBE"}
+HUGE_PAGES_ENV = "TFHYBRID_HUGE_PAGES"
 KINDS = {"fwd": "forward", "step": "train step"}
 # (iters, rounds, warmup, ab_rounds) of a full run and of --quick
 FULL_REPEATS, QUICK_REPEATS = (15, 3, 3, 60), (6, 3, 1, 4)
@@ -99,7 +102,7 @@ def parse_args() -> argparse.Namespace:
                    f"rotating over the paths (default {FULL_REPEATS[1]})")
     p.add_argument("--warmup", type=int, help="untimed calls per path and kind first "
                    f"(default {FULL_REPEATS[2]}, --quick {QUICK_REPEATS[2]})")
-    p.add_argument("--paths", default="a,b,c", help="comma list of a,b,c")
+    p.add_argument("--paths", default="a,n,b,c", help="comma list of a, n, b, c")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON,
                    help="python with torch and fbgemm_gpu for path (c)")
@@ -219,7 +222,10 @@ def _import_tf(args: argparse.Namespace):
 
 
 class TfState:
-    """The tables, accumulators, batches and upstream gradient the TF paths share."""
+    """One TF path's tables and accumulators, with the batches and upstream gradient every
+    path sees. Each path gets its own tables: tfhybrid's kernels move the buffers they
+    touch to huge pages (TFHYBRID_HUGE_PAGES), which path (b), TF without tfhybrid, must
+    not inherit."""
 
     def __init__(self, tf, workload: workload_lib.Workload, ids: np.ndarray,
                  upstream: np.ndarray):
@@ -276,6 +282,25 @@ def make_composite_fns(tf, state: TfState) -> StepFunctions:
         table.scatter_update(tf.IndexedSlices(w, unique_ids))
 
     return _step_functions(tf, state, output, rowwise_adagrad)
+
+
+def _without_huge_pages(fns: StepFunctions) -> StepFunctions:
+    """Path (n): path (a) with TFHYBRID_HUGE_PAGES=0 during each of its calls (the kernels
+    read it per call), so its own tables stay in the small pages TF allocated them in:
+    what the huge pages are worth, measured in the same run."""
+    def wrapped(fn):
+        def call(ids):
+            before = os.environ.get(HUGE_PAGES_ENV)
+            os.environ[HUGE_PAGES_ENV] = "0"
+            try:
+                return fn(ids)
+            finally:
+                if before is None:
+                    del os.environ[HUGE_PAGES_ENV]
+                else:
+                    os.environ[HUGE_PAGES_ENV] = before
+        return call
+    return {kind: wrapped(fn) for kind, fn in fns.items()}
 
 
 def _step_functions(tf, state: TfState, output, apply) -> StepFunctions:
@@ -361,14 +386,16 @@ def _max_differences(value: np.ndarray, reference: np.ndarray) -> tuple[float, f
             float((difference / np.maximum(1.0, np.abs(reference))).max(initial=0.0)))
 
 
-def check_agreement(tf, state: TfState, tf_fns: dict[str, StepFunctions],
+def check_agreement(tf, states: dict[str, TfState], tf_fns: dict[str, StepFunctions],
                     fbgemm: Worker | None, inputs: Path, ids: np.ndarray) -> bool:
     """Compares every path's forward output, and its rows and accumulators after one step
     from the initial state, on batch 0; puts the touched rows back afterwards."""
     touched = workload_lib.unique_ids_per_table(ids[0])
-    initial_rows = [tf.gather(table, u).numpy() for table, u in zip(state.tables, touched)]
     results: dict[str, dict[str, np.ndarray]] = {}
+    state = None
     for name, fns in tf_fns.items():
+        state = states[name]
+        initial_rows = [tf.gather(table, u).numpy() for table, u in zip(state.tables, touched)]
         forward = fns["fwd"](state.batches[0]).numpy()
         fns["step"](state.batches[0])
         results[name] = {
@@ -404,7 +431,8 @@ def check_agreement(tf, state: TfState, tf_fns: dict[str, StepFunctions],
             agree &= relative <= AGREEMENT_TOLERANCE
             parts.append(f"{what} {absolute:.2e} ({relative:.2e})")
         print(f"  {PATH_LABELS[name]:22s} " + ", ".join(parts))
-    print(f"  (forward: the [{state.workload.batch}, {state.workload.tables * state.workload.dim}]"
+    workload = next(iter(states.values())).workload
+    print(f"  (forward: the [{workload.batch}, {workload.tables * workload.dim}]"
           f" output; rows, accumulators: the {reference['accumulators'].size:,} rows one "
           "step updates)")
     return agree
@@ -416,7 +444,7 @@ def compare_paths(args: argparse.Namespace) -> int:
     paths = [s.strip() for s in args.paths.split(",") if s.strip()]
     unknown = set(paths) - set(PATH_LABELS)
     if unknown:
-        raise SystemExit(f"--paths: unknown {sorted(unknown)}; expected a, b, c")
+        raise SystemExit(f"--paths: unknown {sorted(unknown)}; expected a, n, b, c")
     workload = workload_of(args)
     batch_count = args.warmup + args.iters
     ids = workload_lib.zipf_ids(workload, batch_count)
@@ -450,15 +478,20 @@ def compare_paths(args: argparse.Namespace) -> int:
             tf = _import_tf(args)
             from tfhybrid import custom_ops as co
 
-            state = TfState(tf, workload, ids, upstream)
+            states: dict[str, TfState] = {}
             tf_fns: dict[str, StepFunctions] = {}
             if "a" in paths:
                 if co.custom_ops_available():
-                    tf_fns["a"] = make_tfhybrid_fns(tf, co, state)
+                    states["a"] = TfState(tf, workload, ids, upstream)
+                    tf_fns["a"] = make_tfhybrid_fns(tf, co, states["a"])
                 else:
                     print(f"{PATH_LABELS['a']}: NOT MEASURED: custom ops unavailable")
+            if "n" in paths and co.custom_ops_available():
+                states["n"] = TfState(tf, workload, ids, upstream)
+                tf_fns["n"] = _without_huge_pages(make_tfhybrid_fns(tf, co, states["n"]))
             if "b" in paths:
-                tf_fns["b"] = make_composite_fns(tf, state)
+                states["b"] = TfState(tf, workload, ids, upstream)
+                tf_fns["b"] = make_composite_fns(tf, states["b"])
             print(f"TF {tf.__version__}; tfhybrid kernels "
                   f"{co.kernel_isa() if 'a' in tf_fns else 'not used'}; transparent huge "
                   f"pages in use: {_anon_huge_mb():,.0f} MB"
@@ -474,16 +507,17 @@ def compare_paths(args: argparse.Namespace) -> int:
                     print(f"{PATH_LABELS['c']}: NOT MEASURED: {error}")
                     fbgemm.close()
                     fbgemm = None
-            if not check_agreement(tf, state, tf_fns, fbgemm, inputs, ids):
+            if not check_agreement(tf, states, tf_fns, fbgemm, inputs, ids):
                 print("outputs DISAGREE beyond the tolerance: not timing")
                 return 1
-            return time_paths(args, state, tf_fns, fbgemm)
+            return time_paths(args, states, tf_fns, fbgemm)
         finally:
             if fbgemm is not None:
                 fbgemm.close()
 
 
-def time_paths(args: argparse.Namespace, state: TfState, tf_fns: dict[str, StepFunctions],
+def time_paths(args: argparse.Namespace, states: dict[str, TfState],
+               tf_fns: dict[str, StepFunctions],
                fbgemm: Worker | None) -> int:
     names = list(tf_fns) + (["c"] if fbgemm is not None else [])
     if not names:
@@ -492,7 +526,8 @@ def time_paths(args: argparse.Namespace, state: TfState, tf_fns: dict[str, StepF
     for name, fns in tf_fns.items():  # traces the tf.functions
         for kind, fn in fns.items():
             for batch in range(args.warmup):
-                fn(state.batches[batch])
+                fn(states[name].batches[batch])
+    print(f"transparent huge pages in use after the warm-up: {_anon_huge_mb():,.0f} MB")
     if fbgemm is not None:
         for kind in KINDS:
             fbgemm.run(kind, 0, list(range(args.warmup)))
@@ -510,11 +545,11 @@ def time_paths(args: argparse.Namespace, state: TfState, tf_fns: dict[str, StepF
                     seconds[(name, kind)].append(fbgemm.run(kind, 0, batches)["seconds"])
                     continue
                 fn = tf_fns[name][kind]
-                fn(state.batches[0])  # untimed: re-warm caches after the other paths ran
+                fn(states[name].batches[0])  # untimed: re-warm caches after the other paths ran
                 round_seconds = []
                 for batch in batches:
                     start = time.perf_counter()
-                    fn(state.batches[batch])  # returns once computed; no copy out
+                    fn(states[name].batches[batch])  # returns once computed; no copy out
                     round_seconds.append(time.perf_counter() - start)
                 seconds[(name, kind)].append(round_seconds)
     after = _cpu_snapshot()

@@ -2,7 +2,8 @@
 
 Modules are ``tests/test_*.py`` and ``tfhybrid/**/*_test.py``. A module that declares
 ``HOROVOD_NP = (2, 4)`` at top level runs once per listed size under
-``horovodrun -np N -H localhost:N --gloo``; others run in one plain process. A test
+``horovodrun -np N -H localhost:N --gloo``; others run in one plain process, two such
+modules at a time unless the module sets ``RUN_ALONE = True``. A test
 passes only if it passed on every rank; a rank that dies or a run that overruns its
 time limit fails the module. The last line is ``N passed, N failed``.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import glob
 import json
 import os
@@ -41,6 +43,7 @@ TEST_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 SINGLE_TIMEOUT_S = 480
+PAIRED_WORKERS = 2  # one-process modules run with one thread each: one per core
 MULTI_TIMEOUT_S = 480
 
 
@@ -75,6 +78,14 @@ def declared_timeout(path: str, size: int) -> int:
     if timeout is not None:
         return int(timeout)
     return SINGLE_TIMEOUT_S if size == 1 else MULTI_TIMEOUT_S
+
+
+def runs_alone(path: str, size: int) -> bool:
+    """Whether the module needs the machine to itself: every multi-rank run (its ranks
+    share the cores), and a one-process module that declares ``RUN_ALONE = True``
+    (it starts jobs of its own). Other one-process modules use one thread each, so two
+    of them run side by side on the machine's cores."""
+    return size > 1 or bool(_declared(path, "RUN_ALONE"))
 
 
 def read_reports(report_dir: str, size: int) -> tuple[dict[str, dict], list[int]]:
@@ -159,12 +170,18 @@ def main() -> int:
     passed = failed = skipped = 0
     failures = []
     started = time.time()
-    for path, size in plan:
+
+    def run(path: str, size: int) -> tuple[str, str, dict, str, float]:
         name = f"{os.path.relpath(path, ROOT)} [np={size}]"
-        print(f"==> {name}", flush=True)
         t0 = time.time()
         log_path = os.path.join(args.logs, f"{os.path.basename(path)[:-3]}.np{size}.log")
         outcomes, crash = run_module(path, size, python, log_path)
+        return name, log_path, outcomes, crash, time.time() - t0
+
+    def record(name: str, log_path: str, outcomes: dict, crash: str, seconds: float,
+               size: int) -> None:
+        nonlocal passed, failed, skipped
+        print(f"==> {name}", flush=True)
         for test_id, outcome in sorted(outcomes.items()):
             label = f"{test_id} [np={size}]"
             if outcome["status"] == "pass":
@@ -179,8 +196,19 @@ def main() -> int:
             failed += 1
             tail = open(log_path, errors="replace").read()[-6000:]
             failures.append((name, f"the run failed: {crash}\n... last output ({log_path}):\n{tail}"))
-        print(f"    {len(outcomes)} tests in {time.time() - t0:.1f} s"
+        print(f"    {len(outcomes)} tests in {seconds:.1f} s"
               + (f"; RUN FAILED: {crash}" if crash else ""), flush=True)
+
+    # one-process modules that may share the machine first, two at a time; then the
+    # rest one after another
+    paired = [(path, size) for path, size in plan if not runs_alone(path, size)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=PAIRED_WORKERS) as pool:
+        futures = {pool.submit(run, path, size): size for path, size in paired}
+        for future in concurrent.futures.as_completed(futures):
+            record(*future.result(), futures[future])
+    for path, size in plan:
+        if runs_alone(path, size):
+            record(*run(path, size), size)
     for label, detail in failures:
         print(f"\nFAIL {label}\n{detail}")
     print(f"\ntotal {time.time() - started:.0f} s")

@@ -27,6 +27,9 @@ from tfhybrid import mesh as mesh_lib
 from tfhybrid.train import app as train_app
 from tfhybrid.train import checkpoint
 
+# it starts multi-process jobs of its own: tests/runner.py runs it with the machine to itself
+RUN_ALONE = True
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")

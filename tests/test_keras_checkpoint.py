@@ -37,6 +37,9 @@ import tensorflow as tf
 
 from tests.runner import TEST_ENV
 
+# it starts multi-process jobs of its own: tests/runner.py runs it with the machine to itself
+RUN_ALONE = True
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 RANKS = 4

@@ -86,6 +86,7 @@ class ChunkedEmbeddingLookupOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
     float* out = out_t->flat<float>().data();
     const float* pool = pool_t.flat<float>().data();
+    AdviseHugePages(pool, pool_t.TotalBytes());
     const int32* off = ctx->input(1).flat<int32>().data();
     const int64 dim = dim_;
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
@@ -148,6 +149,7 @@ class ChunkedEmbeddingLookupCombineOp : public OpKernel {
     float* out = out_t->flat<float>().data();
     if (bags == 0) return;
     const float* pool = pool_t.flat<float>().data();
+    AdviseHugePages(pool, pool_t.TotalBytes());
     const int32* off = ctx->input(1).flat<int32>().data();
     const int64 dim = dim_;
     auto run = [&](int64 p) {  // the present run of id p's row
@@ -252,6 +254,7 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
     if (u_count == 0) return;
     const float* grad = grad_t.flat<float>().data();
     float* pool = pool_t.flat<float>().data();
+    AdviseHugePages(pool, pool_t.TotalBytes());
     float* accum = accum_t.flat<float>().data();
     const int32* off = ctx->input(2).flat<int32>().data();
     const float decay = wd > 0.0f ? lr * wd : 0.0f;

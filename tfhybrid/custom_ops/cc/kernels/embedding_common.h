@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "huge_pages.h"
 #include "isa_kernels.h"
 #include "tensorflow/core/framework/bfloat16.h"
 #include "tensorflow/core/framework/numeric_types.h"

@@ -66,6 +66,7 @@ void LookupCombineCompute(OpKernelContext* ctx, const Tensor& params, const std:
 
   const int64 bad = FirstOutOfRange(ids, nnz, R);
   OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name, ids, bad, R));
+  AdviseHugePages(table, static_cast<size_t>(R * D) * sizeof(T));
 
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   // Per-row cost in "cycles": D adds plus a likely cache miss on a random row.

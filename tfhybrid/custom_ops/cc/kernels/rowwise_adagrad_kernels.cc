@@ -96,6 +96,8 @@ class RowwiseAdagradApplyOp : public OpKernel {
                                         ", expected indices in [0, ", R, ") (at position ", bad,
                                         ")"));
     if (N == 0 || D == 0) return;
+    AdviseHugePages(var_t.flat<float>().data(), var_t.TotalBytes());
+    AdviseHugePages(accum_t.flat<float>().data(), accum_t.TotalBytes());
 
     ScratchHandle scratch;
     GroupById(indices, N, R, &*scratch);
