@@ -19,8 +19,14 @@ of medians to the baseline case of this run. NVIDIA's own TF2 DLRM is not run he
 code is not installed on this machine), so nothing is compared with it: published figures
 belong in the README, with their source.
 
+``--profile`` traces the timed steps with the TF profiler and prints, per case, where the
+op time goes (MLP GEMMs, interaction, embeddings, updates, the rest). A case may name
+another checkout after ``@`` (``1x1:fp32@/tmp/before``): it imports that tree's tfhybrid,
+so one run compares a change with the code before it.
+
 Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--quick] [--steps 30] [--warmup 5]
            [--cases keras:fp32,1x1:fp32,1x2:bf16:xla,...] [--max_table_rows 1000000]
+           [--profile]
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class Case:
     model_parallel: int
     precision: str
     xla: bool
+    tree: str = ""   # another checkout whose tfhybrid the case imports ("" = this one)
 
     @property
     def processes(self) -> int:
@@ -67,7 +74,10 @@ class Case:
 
     @staticmethod
     def parse(name: str) -> "Case":
-        parts = name.split(":")
+        spec, _, tree = name.partition("@")
+        if tree and not os.path.isdir(os.path.join(tree, "tfhybrid")):
+            raise ValueError(f"case {name!r}: {tree!r} holds no tfhybrid package")
+        parts = spec.split(":")
         if len(parts) < 2 or parts[1] not in ("fp32", "bf16") or \
                 any(p != "xla" for p in parts[2:]):
             raise ValueError(f"case {name!r}: expected <DxM|{BASELINE_MESH}>:<fp32|bf16>[:xla]")
@@ -76,7 +86,7 @@ class Case:
         else:
             data_parallel, model_parallel = (int(x) for x in parts[0].split("x"))
         return Case(name, parts[0] == BASELINE_MESH, data_parallel, model_parallel, parts[1],
-                    "xla" in parts[2:])
+                    "xla" in parts[2:], tree)
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -121,18 +131,72 @@ def _child(args: argparse.Namespace) -> None:
     data = tf.data.Dataset.from_tensor_slices(
         tf.nest.map_structure(lambda *x: np.stack(x), *batches)).repeat().prefetch(2)
     step_ends: list[float] = []
+    profile_dir = os.path.join(os.path.dirname(args.out), "profile") if args.profile else ""
 
     class StepEnds(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step_ends.append(float(tf.timestamp().numpy()))
+            if profile_dir and batch == args.warmup - 1:   # the timed steps, traced
+                tf.profiler.experimental.start(profile_dir)
+
+        def on_train_end(self, logs=None):
+            if profile_dir:
+                tf.profiler.experimental.stop()
 
     model.fit(data, steps_per_epoch=args.warmup + args.steps, verbose=0,
               callbacks=callbacks + [StepEnds()])
     if rank == 0:
         timed = step_ends[args.warmup - 1:]  # the end of the last warm-up step starts step 1
+        result = {"step_seconds": [b - a for a, b in zip(timed, timed[1:])],
+                  "threads": threads}
+        if profile_dir:
+            result["profile_ms"] = {category: seconds * 1e3 / args.steps for category, seconds
+                                    in _op_seconds_by_category(profile_dir).items()}
         with open(args.out, "w") as f:
-            json.dump({"step_seconds": [b - a for a, b in zip(timed, timed[1:])],
-                       "threads": threads}, f)
+            json.dump(result, f)
+
+
+# Where a step's op time goes: the first category whose test matches an op's name scope
+# and type (TF profiler events "scope/name:Type"); ops the same in every case fall alike.
+MATMULS = ("MatMul", "_MklMatMul", "_FusedMatMul", "_MklNativeFusedMatMul", "_MklFusedMatMul")
+SPARSE_UPDATES = ("ResourceScatterAdd", "ResourceScatterSub", "Neg", "RowwiseAdagradApply",
+                  "ResourceSparseApplyAdagradV2", "ResourceScatterUpdate")
+PROFILE_CATEGORIES = (
+    ("embedding updates", lambda scope, op: op in SPARSE_UPDATES),
+    ("dense updates", lambda scope, op: op.startswith("ResourceApply")),
+    ("embeddings: lookup, backward, exchange", lambda scope, op: "embedding" in scope),
+    ("interaction: forward, backward", lambda scope, op: "interaction" in scope),
+    ("MLP GEMMs", lambda scope, op: op in MATMULS and "mlp" in scope),
+    ("MLP other: bias, relu, backward", lambda scope, op: "mlp" in scope),
+    ("other: loss, casts, Keras", lambda scope, op: True),
+)
+
+
+def _op_seconds_by_category(profile_dir: str) -> dict[str, float]:
+    """Seconds of TF op time in a profile, per PROFILE_CATEGORIES entry, summed over the
+    threads that ran them (two ops at once both count)."""
+    import glob
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    totals = {name: 0.0 for name, _ in PROFILE_CATEGORIES}
+    for path in glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            names = {key: meta.name for key, meta in plane.event_metadata.items()}
+            for line in plane.lines:
+                if not line.name.startswith("tf_Compute"):
+                    continue
+                for event in line.events:
+                    scope, colon, op = names.get(event.metadata_id, "").rpartition(":")
+                    if not colon or scope.endswith(":"):   # the executor's own events
+                        continue                              # ("ExecutorState::Process")
+                    category = next(name for name, test in PROFILE_CATEGORIES
+                                    if test(scope.lower(), op))
+                    totals[category] += event.duration_ps * 1e-12
+    return totals
 
 
 def _run_case(case: Case, args: argparse.Namespace) -> dict:
@@ -141,12 +205,13 @@ def _run_case(case: Case, args: argparse.Namespace) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "--child", "--out", out,
                    "--case", case.name, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--batch", str(args.batch),
-                   "--max_table_rows", str(args.max_table_rows)]
+                   "--max_table_rows", str(args.max_table_rows)] + (
+                       ["--profile"] if args.profile else [])
         if case.processes > 1:
             command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np",
                        str(case.processes), "-H", f"localhost:{case.processes}",
                        "--gloo"] + command
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=case.tree or ROOT)
         done = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
         if done.returncode != 0 or not os.path.exists(out):
@@ -172,6 +237,10 @@ def main() -> None:
     parser.add_argument("--max_table_rows", type=int,
                         help=f"default {FULL['max_table_rows']:,}")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace the timed steps with the TF profiler and print where "
+                        "each case's op time goes (the step times then include the "
+                        "profiler's overhead)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -208,15 +277,44 @@ def main() -> None:
         summary = results[case.name]
         ratio = (f"{results[baseline].median / summary.median:.2f}x"
                  if baseline in results else "-")
-        print(f"{case.name:<16}{case.processes:>12} x {result['threads']:<2}  "
+        print(f"{_label(case.name):<16}{case.processes:>12} x {result['threads']:<2}  "
               f"{summary.format(1e3, 1):<38}{args.batch / summary.median:>10,.0f}{ratio:>8}",
               flush=True)
 
     # The baseline runs first, so every row can print its ratio as soon as it is measured.
+    profiles: dict[str, dict[str, float]] = {}
     for case in sorted(cases, key=lambda c: c.name != baseline):
         result = _run_case(case, args)
         results[case.name] = _stats.summarize(result["step_seconds"])
         report(case, result)
+        if "profile_ms" in result:
+            profiles[case.name] = result["profile_ms"]
+    if profiles:
+        print_profiles(profiles, results)
+
+
+def _label(case_name: str) -> str:
+    """A case's name with another tree shown by its last folder name."""
+    spec, _, tree = case_name.partition("@")
+    return f"{spec}@{os.path.basename(os.path.normpath(tree))}" if tree else spec
+
+
+def print_profiles(profiles: dict[str, dict[str, float]],
+                   results: dict[str, _stats.Summary]) -> None:
+    """Per category, each case's op time per step (ms, summed over compute threads:
+    ops that overlap both count, so a column can exceed the step's wall time)."""
+    names = list(profiles)
+    width = max(14, *(len(_label(n)) + 2 for n in names))
+    print("\nwhere the op time goes, ms per step summed over TF's compute threads "
+          "(TF profiler, rank 0):")
+    print(f"{'':<40}" + "".join(f"{_label(n):>{width}}" for n in names))
+    for category, _ in PROFILE_CATEGORIES:
+        print(f"{category:<40}" + "".join(f"{profiles[n][category]:>{width}.1f}"
+                                          for n in names))
+    print(f"{'total op time':<40}" + "".join(f"{sum(profiles[n].values()):>{width}.1f}"
+                                             for n in names))
+    print(f"{'wall time per step (median)':<40}" + "".join(
+        f"{results[n].median * 1e3:>{width}.1f}" for n in names))
 
 
 if __name__ == "__main__":

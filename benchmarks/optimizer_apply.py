@@ -71,6 +71,7 @@ AGREEMENT_TOLERANCE = 1e-4
 PATH_LABELS = {"a": "(a) tfhybrid kernels", "n": "(n) (a), small pages",
                "b": "(b) TF composite", "c": "(c) FBGEMM CPU TBE"}
 HUGE_PAGES_ENV = "TFHYBRID_HUGE_PAGES"
+BANDWIDTH_BUFFER_MIB = 512  # per buffer (source and target): far beyond the caches
 KINDS = {"fwd": "forward", "step": "train step"}
 # (iters, rounds, warmup, ab_rounds) of a full run and of --quick
 FULL_REPEATS, QUICK_REPEATS = (15, 3, 3, 60), (6, 3, 1, 4)
@@ -510,15 +511,69 @@ def compare_paths(args: argparse.Namespace) -> int:
             if not check_agreement(tf, states, tf_fns, fbgemm, inputs, ids):
                 print("outputs DISAGREE beyond the tolerance: not timing")
                 return 1
-            return time_paths(args, states, tf_fns, fbgemm)
+            return time_paths(args, states, tf_fns, fbgemm, float(np.median(unique_rows)))
         finally:
             if fbgemm is not None:
                 fbgemm.close()
 
 
+class CopyBandwidth:
+    """The machine's memory bandwidth as `threads` threads copying disjoint parts of a
+    buffer far larger than the caches (numpy copies release the GIL): bytes read plus
+    bytes written per second, one sample per `measure()`."""
+
+    def __init__(self, threads: int, mib: int = BANDWIDTH_BUFFER_MIB):
+        self.source = np.ones(mib << 18, np.float32)
+        self.target = np.zeros_like(self.source)
+        self.threads = threads
+        self.samples: list[float] = []
+
+    def measure(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        parts = np.array_split(np.arange(self.source.size), self.threads)
+        bounds = [(int(part[0]), int(part[-1]) + 1) for part in parts if part.size]
+
+        def copy(bound):
+            np.copyto(self.target[bound[0]:bound[1]], self.source[bound[0]:bound[1]])
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(copy, bounds))   # first touch of the target's pages: untimed
+            start = time.perf_counter()
+            list(pool.map(copy, bounds))
+            seconds = time.perf_counter() - start
+        self.samples.append(2 * self.source.nbytes / seconds)
+
+
+def bytes_moved(workload: workload_lib.Workload, unique_rows: float) -> dict[str, float]:
+    """The least memory traffic of each kind, per step (all tables): every unique row read
+    once (repeated ids hit the caches), the output written; a train step also reads the
+    upstream gradient, writes the unique rows back and reads and writes their accumulators."""
+    row_bytes = workload.dim * 4
+    output = workload.batch * workload.tables * row_bytes
+    forward = unique_rows * row_bytes + output
+    return {"fwd": forward,
+            "step": forward + output + unique_rows * row_bytes + 2 * unique_rows * 4}
+
+
+def print_bandwidth_limit(args: argparse.Namespace, bandwidth: CopyBandwidth,
+                          workload: workload_lib.Workload, unique_rows: float,
+                          summaries: dict, names: list[str]) -> None:
+    rate = _stats.summarize(bandwidth.samples)
+    print(f"memory-bandwidth limit: {args.threads} threads copy "
+          f"{rate.format(1e-9)} GB/s (read + write, one sample per round); the least "
+          f"traffic per step at the median unique rows ({unique_rows:,.0f}):")
+    moved = bytes_moved(workload, unique_rows)
+    for kind in KINDS:
+        floor = moved[kind] / rate.median
+        shares = ", ".join(f"{PATH_LABELS[name]} {floor / summaries[(name, kind)].median:.0%}"
+                           for name in names)
+        print(f"  {KINDS[kind]}: {moved[kind] / 1e6:.1f} MB, {floor * 1e3:.2f} ms at that "
+              f"rate; each path's median runs at this share of the limit: {shares}")
+
+
 def time_paths(args: argparse.Namespace, states: dict[str, TfState],
                tf_fns: dict[str, StepFunctions],
-               fbgemm: Worker | None) -> int:
+               fbgemm: Worker | None, unique_rows: float) -> int:
     names = list(tf_fns) + (["c"] if fbgemm is not None else [])
     if not names:
         print("no path to time")
@@ -535,9 +590,11 @@ def time_paths(args: argparse.Namespace, states: dict[str, TfState],
     per_round = max(1, args.iters // args.rounds)
     seconds: dict[tuple[str, str], list[list[float]]] = {
         (name, kind): [] for name in names for kind in KINDS}  # per round, its calls
+    bandwidth = CopyBandwidth(args.threads)
     before = _cpu_snapshot()
     worker_cpu_before = fbgemm.cpu_seconds() if fbgemm is not None else 0.0
     for r in range(args.rounds):
+        bandwidth.measure()
         batches = [args.warmup + (r * per_round + j) % args.iters for j in range(per_round)]
         for name in names:
             for kind in KINDS:
@@ -577,6 +634,8 @@ def time_paths(args: argparse.Namespace, states: dict[str, TfState],
                 parts.append(f"{KINDS[kind]} {ratio:.2f}x [{min(per_round_ratios):.2f}, "
                              f"{max(per_round_ratios):.2f}]")
             print(f"  {PATH_LABELS[name]:22s} " + "   ".join(parts))
+    workload = next(iter(states.values())).workload if states else workload_of(args)
+    print_bandwidth_limit(args, bandwidth, workload, unique_rows, summaries, names)
     return 0
 
 
