@@ -26,7 +26,7 @@ so one run compares a change with the code before it.
 
 Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--quick] [--steps 30] [--warmup 5]
            [--cases keras:fp32,1x1:fp32,1x2:bf16:xla,...] [--max_table_rows 1000000]
-           [--profile]
+           [--profile] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -236,6 +236,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help=f"global batch (default {FULL['batch']})")
     parser.add_argument("--max_table_rows", type=int,
                         help=f"default {FULL['max_table_rows']:,}")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole case list this many times, interleaved, so a "
+                        "drifting machine load hits every case alike; a case's figures pool "
+                        "its timed steps of every round, and each ratio also shows its range "
+                        "over the rounds (default 1)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
     parser.add_argument("--profile", action="store_true",
                         help="trace the timed steps with the TF profiler and print where "
@@ -248,8 +253,9 @@ def main() -> None:
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.warmup < 1 or args.steps < 1:
-        parser.error(f"--warmup={args.warmup} and --steps={args.steps} must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
+        parser.error(f"--warmup={args.warmup}, --steps={args.steps} and "
+                     f"--rounds={args.rounds} must be >= 1")
     if args.child:
         _child(args)
         return
@@ -269,26 +275,48 @@ def main() -> None:
     print(f"keras = plain Keras in one process (no Horovod, no tfhybrid); DxM = tfhybrid "
           f"on D x M processes; ratios: median step time of {baseline} / the case's "
           f"(> 1: faster than {baseline}). Step time in ms, {_stats.SPREAD_LEGEND}.")
-    print(f"{'case':<16}{'procs x threads':>16}  {'step ms':<38}{'samples/s':>10}"
-          f"{'ratio':>8}")
+    header = (f"{'case':<16}{'procs x threads':>16}  {'step ms':<38}{'samples/s':>10}"
+              f"{'ratio':>8}")
+    print(header + ("  ratio per round" if args.rounds > 1 else ""))
     results: dict[str, _stats.Summary] = {}
+    steps: dict[str, list[float]] = {}          # every round's timed steps, per case
+    round_medians: dict[str, list[float]] = {}  # per case, each round's median step
 
     def report(case: Case, result: dict) -> None:
         summary = results[case.name]
         ratio = (f"{results[baseline].median / summary.median:.2f}x"
                  if baseline in results else "-")
+        per_round = ""
+        if args.rounds > 1:
+            ratios = [b / c for b, c in zip(round_medians[baseline], round_medians[case.name])]
+            per_round = f"  [{min(ratios):.2f}, {max(ratios):.2f}]"
         print(f"{_label(case.name):<16}{case.processes:>12} x {result['threads']:<2}  "
-              f"{summary.format(1e3, 1):<38}{args.batch / summary.median:>10,.0f}{ratio:>8}",
-              flush=True)
+              f"{summary.format(1e3, 1):<38}{args.batch / summary.median:>10,.0f}{ratio:>8}"
+              f"{per_round}", flush=True)
 
-    # The baseline runs first, so every row can print its ratio as soon as it is measured.
+    # The baseline runs first in every round, so with one round every row can print its
+    # ratio as soon as it is measured; with more, the rows print after the last round.
     profiles: dict[str, dict[str, float]] = {}
-    for case in sorted(cases, key=lambda c: c.name != baseline):
-        result = _run_case(case, args)
-        results[case.name] = _stats.summarize(result["step_seconds"])
-        report(case, result)
-        if "profile_ms" in result:
-            profiles[case.name] = result["profile_ms"]
+    ordered = sorted(cases, key=lambda c: c.name != baseline)
+    threads: dict[str, dict] = {}
+    for round_index in range(args.rounds):
+        for case in ordered:
+            result = _run_case(case, args)
+            steps.setdefault(case.name, []).extend(result["step_seconds"])
+            round_medians.setdefault(case.name, []).append(
+                _stats.summarize(result["step_seconds"]).median)
+            results[case.name] = _stats.summarize(steps[case.name])
+            threads[case.name] = result
+            if args.rounds == 1:
+                report(case, result)
+            if "profile_ms" in result:
+                profiles[case.name] = result["profile_ms"]
+        if args.rounds > 1:
+            print(f"  round {round_index + 1} of {args.rounds} done", flush=True)
+    if args.rounds > 1:
+        print(header + "  ratio per round")
+        for case in ordered:
+            report(case, threads[case.name])
     if profiles:
         print_profiles(profiles, results)
 

@@ -9,8 +9,13 @@ Every path computes the same output, one [batch, 8 * 64] tensor (the concat of t
 pooled bags, what FBGEMM's TBE returns), and the same optimizer, EXACT_ROWWISE_ADAGRAD
 (duplicate ids summed first, one accumulator per row: v += mean_j g_j^2,
 w -= lr * g / (sqrt(v) + eps)), on the same ids, initial tables and upstream gradient:
-  (a) tfhybrid: EmbeddingLookupCombine + its gradient kernel + RowwiseAdagradApply, the
-      tables moved to huge pages by the kernels (README, "Huge pages");
+  (a) tfhybrid: EmbeddingLookupCombine, then its backward fused with the row-wise
+      AdaGrad (EmbeddingLookupCombineGradRowwiseAdagrad: the update takes exactly the
+      lookup's gradient), the tables moved to huge pages by the kernels (README, "Huge
+      pages");
+  (u) the same with the gradient passed through tf.identity, so the update cannot see
+      where it came from: the backward kernel writes the [unique, 64] gradient rows and
+      RowwiseAdagradApply reads them (the route before the fused kernel);
   (n) the same with TFHYBRID_HUGE_PAGES=0: its tables stay in TF's small pages;
   (b) TF composite: tf.gather + tf.math.segment_sum, and the same row-wise AdaGrad written
       with TF ops (tf.unique + unsorted_segment_sum + gathers + scatter updates);
@@ -68,7 +73,8 @@ QUICK_SCALE = 1 / 16
 # Differences of outputs relative to max(1, |reference|): float32 sums in another order
 # differ by ~1e-7 of the largest accumulated term; a wrong kernel differs by far more.
 AGREEMENT_TOLERANCE = 1e-4
-PATH_LABELS = {"a": "(a) tfhybrid kernels", "n": "(n) (a), small pages",
+PATH_LABELS = {"a": "(a) tfhybrid kernels", "u": "(u) (a), two kernels",
+               "n": "(n) (a), small pages",
                "b": "(b) TF composite", "c": "(c) FBGEMM CPU TBE"}
 HUGE_PAGES_ENV = "TFHYBRID_HUGE_PAGES"
 BANDWIDTH_BUFFER_MIB = 512  # per buffer (source and target): far beyond the caches
@@ -103,7 +109,7 @@ def parse_args() -> argparse.Namespace:
                    f"rotating over the paths (default {FULL_REPEATS[1]})")
     p.add_argument("--warmup", type=int, help="untimed calls per path and kind first "
                    f"(default {FULL_REPEATS[2]}, --quick {QUICK_REPEATS[2]})")
-    p.add_argument("--paths", default="a,n,b,c", help="comma list of a, n, b, c")
+    p.add_argument("--paths", default="a,u,n,b,c", help="comma list of a, u, n, b, c")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON,
                    help="python with torch and fbgemm_gpu for path (c)")
@@ -247,16 +253,17 @@ def _loss(tf, output, upstream):
     return tf.reduce_sum(output * upstream)
 
 
-def make_tfhybrid_fns(tf, co, state: TfState) -> StepFunctions:
-    """Path (a): tfhybrid's lookup-combine kernel, its gradient kernel and its row-wise
-    AdaGrad kernel."""
+def make_tfhybrid_fns(tf, co, state: TfState, fused: bool = True) -> StepFunctions:
+    """Path (a): tfhybrid's lookup-combine kernel and its backward fused with the row-wise
+    AdaGrad; with fused=False, path (u): the backward kernel, then the AdaGrad kernel."""
     def output(ids):
         return tf.concat([co.embedding_lookup_combine(table, table_ids, "sum",
                                                       use_custom_op=True)
                           for table, table_ids in zip(state.tables, ids)], axis=1)
 
     def apply(table, accumulator, grad):
-        co.rowwise_adagrad_apply(table, accumulator, grad.indices, grad.values,
+        values = grad.values if fused else tf.identity(grad.values)
+        co.rowwise_adagrad_apply(table, accumulator, grad.indices, values,
                                  workload_lib.LEARNING_RATE, workload_lib.EPSILON,
                                  use_custom_op=True)
     return _step_functions(tf, state, output, apply)
@@ -445,7 +452,7 @@ def compare_paths(args: argparse.Namespace) -> int:
     paths = [s.strip() for s in args.paths.split(",") if s.strip()]
     unknown = set(paths) - set(PATH_LABELS)
     if unknown:
-        raise SystemExit(f"--paths: unknown {sorted(unknown)}; expected a, n, b, c")
+        raise SystemExit(f"--paths: unknown {sorted(unknown)}; expected a, u, n, b, c")
     workload = workload_of(args)
     batch_count = args.warmup + args.iters
     ids = workload_lib.zipf_ids(workload, batch_count)
@@ -487,6 +494,9 @@ def compare_paths(args: argparse.Namespace) -> int:
                     tf_fns["a"] = make_tfhybrid_fns(tf, co, states["a"])
                 else:
                     print(f"{PATH_LABELS['a']}: NOT MEASURED: custom ops unavailable")
+            if "u" in paths and co.custom_ops_available():
+                states["u"] = TfState(tf, workload, ids, upstream)
+                tf_fns["u"] = make_tfhybrid_fns(tf, co, states["u"], fused=False)
             if "n" in paths and co.custom_ops_available():
                 states["n"] = TfState(tf, workload, ids, upstream)
                 tf_fns["n"] = _without_huge_pages(make_tfhybrid_fns(tf, co, states["n"]))

@@ -414,6 +414,10 @@ def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, wei
       lr, epsilon, scale, weight_decay: scalars (float32).
       use_custom_op: None (auto), True or False; see the module docstring.
 
+    In a tf.function, when (indices, grad) are exactly the gradient of the custom-op
+    lookup (:func:`embedding_lookup_combine`) of ``var``, float32, the backward and this
+    update run as one kernel with the same result (``_lookup_grad_op``).
+
     Returns:
       The update `tf.Operation` in graph mode (tf.function), None in eager mode.
     """
@@ -432,9 +436,32 @@ def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, wei
                              f"float32/float16/bfloat16 grad; got {var.dtype}, {accum.dtype}, "
                              f"{grad.dtype}")
         if op_ok and _use_op(use_custom_op, var, accum):
+            lookup_grad = _lookup_grad_op(indices, grad)
+            if lookup_grad is not None:
+                return _require_lib().embedding_lookup_combine_grad_rowwise_adagrad(
+                    var.handle, accum.handle, *lookup_grad.inputs[:3], *scalars,
+                    combiner=lookup_grad.get_attr("combiner"),
+                    table_name=lookup_grad.get_attr("table_name"))
             return _require_lib().rowwise_adagrad_apply(var.handle, accum.handle, indices, grad,
                                                         *scalars)
         return _rowwise_adagrad_pure_tf(var, accum, indices, grad, *scalars)
+
+
+def _lookup_grad_op(indices, grad) -> tf.Operation | None:
+    """The EmbeddingLookupCombineGrad op whose outputs are exactly (indices, grad), when
+    the update can take that op's inputs instead: in a graph (tf.function), for a float32
+    gradient. The update then runs as one fused kernel, bitwise equal to the two, and the
+    [U, D] gradient rows between them are never written (the unused backward op is pruned
+    from the function). A gradient changed on its way (clipped, unscaled, summed across
+    replicas) comes from another op and takes the two-kernel route."""
+    if tf.executing_eagerly():
+        return None
+    op = getattr(grad, "op", None)
+    if (op is None or op.type != "EmbeddingLookupCombineGrad" or grad.value_index != 1
+            or getattr(indices, "op", None) is not op or indices.value_index != 0
+            or grad.dtype != tf.float32):
+        return None
+    return op
 
 
 def chunked_lookup(pool, row_offsets, ids, dim: int, use_custom_op=None):

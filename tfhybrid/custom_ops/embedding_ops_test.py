@@ -381,6 +381,114 @@ class RowwiseAdagradOddWidthTest(RowwiseAdagradTest):
     DIM = 37  # 2 x 16 + 5 = 4 x 8 + 5: full vectors and a tail at every dispatch level
 
 
+def _flat_ids(ids):
+    return (ids.flat_values if isinstance(ids, tf.RaggedTensor) else tf.reshape(ids, [-1])).numpy()
+
+
+class FusedBackwardAdagradTest(tf.test.TestCase):
+    """Row-wise AdaGrad on exactly the custom-op lookup's gradient, in a tf.function, runs
+    as one kernel (EmbeddingLookupCombineGradRowwiseAdagrad) with bitwise the result of
+    the lookup's backward kernel followed by the AdaGrad kernel."""
+    FUSED = "EmbeddingLookupCombineGradRowwiseAdagrad"
+
+    def _train(self, fuse, combiner, ids_list, dim, steps=3):
+        """(outputs, table, accumulator, op types of the step's graph) after training on
+        ids_list; fuse=False passes the gradient through tf.identity, so the update cannot
+        see where it came from and takes the two-kernel route."""
+        rng = np.random.default_rng(11)
+        rows = 50
+        table = tf.Variable(rng.normal(0, 1, (rows, dim)).astype(np.float32))
+        accum = tf.Variable(rng.uniform(0, 0.5, rows).astype(np.float32))
+        out_shape = co.embedding_lookup_combine(table, ids_list[0], combiner,
+                                                use_custom_op=True).shape
+        upstream = tf.constant(rng.normal(0, 1, out_shape).astype(np.float32))
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                out = co.embedding_lookup_combine(table, ids, combiner, use_custom_op=True)
+                loss = tf.reduce_sum(out * upstream)
+            grad = tape.gradient(loss, table)
+            values = grad.values if fuse else tf.identity(grad.values)
+            co.rowwise_adagrad_apply(table, accum, grad.indices, values, 0.05, 1e-3,
+                                     scale=2.0, weight_decay=0.01, use_custom_op=True)
+            return out
+
+        outputs = [step(ids).numpy() for ids in ids_list[:steps]]
+        graph = step.get_concrete_function(ids_list[0]).graph
+        return outputs, table.numpy(), accum.numpy(), {op.type for op in graph.get_operations()}
+
+    def _check(self, combiner, ids_list, dim):
+        fused = self._train(True, combiner, ids_list, dim)
+        plain = self._train(False, combiner, ids_list, dim)
+        self.assertIn(self.FUSED, fused[3])
+        self.assertNotIn("RowwiseAdagradApply", fused[3])
+        self.assertNotIn(self.FUSED, plain[3])
+        self.assertIn("RowwiseAdagradApply", plain[3])
+        for a, b in zip(fused[0], plain[0]):
+            self.assertAllEqual(a, b)
+        self.assertAllEqual(fused[1], plain[1])
+        self.assertAllEqual(fused[2], plain[2])
+        # and the update happened: every row looked up moved, the others did not
+        initial = np.random.default_rng(11).normal(0, 1, (50, dim)).astype(np.float32)
+        looked_up = np.unique(np.concatenate([_flat_ids(ids) for ids in ids_list]))
+        moved = np.any(fused[1] != initial, axis=1)
+        self.assertAllEqual(np.flatnonzero(moved), looked_up)
+
+    def test_dense_bags_sum_and_mean(self):
+        _require_op(self)
+        rng = np.random.default_rng(0)
+        for combiner in ("sum", "mean"):
+            for idx_dtype in (tf.int32, tf.int64):
+                for dim in (64, 37):  # streaming stores on the two-kernel route; a tail
+                    ids_list = [tf.constant(rng.integers(0, 20, (33, 6)), idx_dtype)
+                                for _ in range(3)]
+                    with self.subTest(combiner=combiner, ids=idx_dtype.name, dim=dim):
+                        self._check(combiner, ids_list, dim)
+
+    def test_ragged_bags_with_empty_ones(self):
+        _require_op(self)
+        rng = np.random.default_rng(1)
+        ids_list = []
+        for _ in range(3):
+            lengths = rng.integers(0, 7, 40)
+            lengths[::9] = 0
+            ids_list.append(tf.RaggedTensor.from_row_lengths(
+                tf.constant(rng.integers(0, 25, lengths.sum()), tf.int64), lengths))
+        for combiner in ("sum", "mean"):
+            with self.subTest(combiner=combiner):
+                self._check(combiner, ids_list, 16)
+
+    def test_rows_without_combiner(self):
+        _require_op(self)
+        rng = np.random.default_rng(2)
+        self._check(None, [tf.constant(rng.integers(0, 20, (17, 3))) for _ in range(3)], 24)
+
+    def test_bad_input_is_refused_before_any_update(self):
+        _require_op(self)
+        lib = co._require_lib()  # pylint: disable=protected-access
+        table = tf.Variable(tf.ones([5, 4]))
+        accum = tf.Variable(tf.zeros([5]))
+        scalars = [tf.constant(x, tf.float32) for x in (0.1, 1e-8, 1.0, 0.0)]
+        cases = [  # (grad, ids, row_splits, what the error must name)
+            (tf.ones([2, 4]), tf.constant([0, 7], tf.int64), tf.constant([0, 1, 2], tf.int64),
+             "embedding table 'clicks' got id 7, expected ids in [0, 5)"),
+            (tf.ones([2, 4]), tf.constant([0, 1], tf.int64), tf.constant([0, 2], tf.int64),
+             "grad has 2 rows, expected 1 (one per bag)"),
+            (tf.ones([2, 3]), tf.constant([0, 1], tf.int64), tf.constant([0, 1, 2], tf.int64),
+             "with 4 columns"),
+        ]
+        for grad, ids, splits, expected in cases:
+            with self.subTest(expected=expected):
+                with self.assertRaises(tf.errors.InvalidArgumentError) as cm:
+                    lib.embedding_lookup_combine_grad_rowwise_adagrad(
+                        table.handle, accum.handle, grad, ids, splits, *scalars,
+                        combiner="sum", table_name="clicks")
+                self.assertIn(expected, str(cm.exception))
+                self.assertAllEqual(table.numpy(), np.ones([5, 4]))
+                self.assertAllEqual(accum.numpy(), np.zeros([5]))
+
+
 # ------------------------------------------------------------------ determinism
 
 _DETERMINISM_SCRIPT = textwrap.dedent("""
@@ -398,30 +506,40 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
             h.update(x.numpy().tobytes())
 
     # 1. float32 table, D = 64 (gradient rows written with streaming stores), mean of
-    #    Zipf ids; row-wise AdaGrad with duplicate indices (one copy rounded to float16),
-    #    scale and weight decay.
+    #    Zipf ids; row-wise AdaGrad with scale and weight decay, on duplicated gradient
+    #    rows (the two kernels) and on exactly the lookup's gradient (the fused kernel).
     rng = np.random.default_rng(0)
     R, D, B, H = 5000, 64, 4096, 8
     ids = np.minimum(rng.zipf(1.05, (B, H)) - 1, R - 1) % R
-    table = tf.Variable(rng.normal(0, 1, (R, D)).astype(np.float32))
-    accum = tf.Variable(tf.zeros([R]))
     up = tf.constant(rng.normal(0, 1, (B, D)).astype(np.float32))
 
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            out = co.embedding_lookup_combine(table, ids, "mean", use_custom_op=True)
-            loss = tf.reduce_sum(out * up)
-        g = tape.gradient(loss, table)
-        dup_idx = tf.concat([g.indices, g.indices[::-1]], 0)
-        dup_val = tf.concat([g.values, tf.cast(tf.cast(g.values, tf.float16), tf.float32)], 0)
-        co.rowwise_adagrad_apply(table, accum, dup_idx, dup_val, 0.01, 1e-3, 4.0, 0.01,
-                                 use_custom_op=True)
-        return out, g.indices, g.values
+    def train(duplicate):
+        # duplicate: the update gets every gradient row twice (the copy rounded to
+        # float16), so it takes the two-kernel route; else it gets exactly the lookup's
+        # gradient and runs fused with the backward.
+        table = tf.Variable(rng.normal(0, 1, (R, D)).astype(np.float32))
+        accum = tf.Variable(tf.zeros([R]))
 
-    for s in range(3):
-        digest(*step(tf.constant(np.roll(ids, s, axis=0), tf.int64)))
-    digest(table, accum)
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                out = co.embedding_lookup_combine(table, ids, "mean", use_custom_op=True)
+                loss = tf.reduce_sum(out * up)
+            g = tape.gradient(loss, table)
+            idx, val = g.indices, g.values
+            if duplicate:
+                idx = tf.concat([idx, idx[::-1]], 0)
+                val = tf.concat([val, tf.cast(tf.cast(val, tf.float16), tf.float32)], 0)
+            co.rowwise_adagrad_apply(table, accum, idx, val, 0.01, 1e-3, 4.0, 0.01,
+                                     use_custom_op=True)
+            return out, g.indices, g.values
+
+        for s in range(3):
+            digest(*step(tf.constant(np.roll(ids, s, axis=0), tf.int64)))
+        digest(table, accum)
+
+    train(duplicate=True)
+    train(duplicate=False)
 
     # 2. D = 37 (full vectors and tails at every level), ragged bags with empty ones, sum;
     #    bfloat16 and float16 gradients into AdaGrad.

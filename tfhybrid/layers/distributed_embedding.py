@@ -1297,9 +1297,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
         The alltoall would be the identity, but packing the rows into its one flat buffer
         and splitting them out again copies every row twice per step, and its gradient
-        twice more (measured: a fifth of the embedding layer's time at M = 1). The values
-        are those of the exchange: rows still round through the wire's 16 bits under
-        mixed precision, so that every mesh computes alike.
+        twice more (a profile of a 1x1 DLRM step: 9 ms of SplitV and 7 ms of ConcatV2
+        per step). The values are those of the exchange: rows still round through the
+        wire's 16 bits under mixed precision, so that every mesh computes alike.
         """
         partials = {}
         for r, summed in zip(mine, sums):

@@ -50,6 +50,24 @@ inline bool StreamableRows(const void* base, int64 row_bytes) {
          reinterpret_cast<uintptr_t>(base) % 64 == 0;
 }
 
+// The combiner and table_name attrs of the ops that take a lookup's ids and bags
+// (TFHYBRID_LOOKUP_ATTRS in embedding_ops.cc).
+inline Status ReadLookupAttrs(OpKernelConstruction* ctx, Combiner* combiner,
+                              std::string* table_name) {
+  std::string name;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("combiner", &name));
+  if (name == "none") {
+    *combiner = Combiner::kNone;
+  } else if (name == "sum") {
+    *combiner = Combiner::kSum;
+  } else if (name == "mean") {
+    *combiner = Combiner::kMean;
+  } else {
+    return errors::InvalidArgument("unknown combiner '", name, "'");
+  }
+  return ctx->GetAttr("table_name", table_name);
+}
+
 // Returns the position of the first id outside [0, num_rows), or -1.
 template <typename Tidx>
 inline int64 FirstOutOfRange(const Tidx* ids, int64 n, int64 num_rows) {
@@ -306,6 +324,46 @@ inline Status ValidateRowSplits(const Tsplits* splits, int64 num_splits, int64 n
       return errors::InvalidArgument("embedding table '", table_name,
                                      "': row_splits must be non-decreasing");
     }
+  }
+  return OkStatus();
+}
+
+// The upstream gradient row each of nnz positions reads, for a backward of
+// EmbeddingLookupCombine: for sum / mean, checks row_splits (B = grad_rows bags) and
+// fills s->sample_of[p] (the bag of position p) and, for mean, s->inv_count[b]
+// (1 / bag size; 0 for an empty bag); for none, checks one gradient row per id.
+template <typename Tsplits>
+inline Status MapPositionsToGradRows(Combiner combiner, const Tensor& splits_t, int64 nnz,
+                                     int64 grad_rows, const std::string& table_name, Scratch* s) {
+  if (combiner == Combiner::kNone) {
+    if (grad_rows != nnz) {
+      return errors::InvalidArgument("grad has ", grad_rows, " rows, expected ", nnz,
+                                     " (one per id) for combiner 'none'");
+    }
+    return OkStatus();
+  }
+  if (!TensorShapeUtils::IsVector(splits_t.shape())) {
+    return errors::InvalidArgument("row_splits must be 1-D, got ",
+                                   splits_t.shape().DebugString());
+  }
+  const int64 num_splits = splits_t.NumElements();
+  const Tsplits* splits = splits_t.flat<Tsplits>().data();
+  TF_RETURN_IF_ERROR(ValidateRowSplits(splits, num_splits, nnz, table_name));
+  const int64 B = num_splits - 1;
+  if (grad_rows != B) {
+    return errors::InvalidArgument("grad has ", grad_rows, " rows, expected ", B,
+                                   " (one per bag)");
+  }
+  if (B >= (int64{1} << 31)) return errors::InvalidArgument("too many bags: ", B);
+  if (static_cast<int64>(s->sample_of.size()) < nnz) s->sample_of.resize(nnz);
+  if (combiner == Combiner::kMean && static_cast<int64>(s->inv_count.size()) < B)
+    s->inv_count.resize(B);
+  for (int64 b = 0; b < B; ++b) {
+    const int64 start = static_cast<int64>(splits[b]);
+    const int64 end = static_cast<int64>(splits[b + 1]);
+    for (int64 p = start; p < end; ++p) s->sample_of[p] = static_cast<int32_t>(b);
+    if (combiner == Combiner::kMean)
+      s->inv_count[b] = end > start ? 1.0f / static_cast<float>(end - start) : 0.0f;
   }
   return OkStatus();
 }

@@ -27,19 +27,6 @@ namespace tfhybrid {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-inline Status ParseCombiner(const std::string& s, Combiner* c) {
-  if (s == "none") {
-    *c = Combiner::kNone;
-  } else if (s == "sum") {
-    *c = Combiner::kSum;
-  } else if (s == "mean") {
-    *c = Combiner::kMean;
-  } else {
-    return errors::InvalidArgument("unknown combiner '", s, "'");
-  }
-  return OkStatus();
-}
-
 template <typename T, typename Tidx, typename Tsplits>
 void LookupCombineCompute(OpKernelContext* ctx, const Tensor& params, const std::string& table_name,
                           Combiner combiner) {
@@ -113,10 +100,7 @@ template <typename T, typename Tidx, typename Tsplits>
 class EmbeddingLookupCombineOp : public OpKernel {
  public:
   explicit EmbeddingLookupCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string combiner;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
-    OP_REQUIRES_OK(ctx, ParseCombiner(combiner, &combiner_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+    OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &combiner_, &table_name_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -132,10 +116,7 @@ template <typename T, typename Tidx, typename Tsplits>
 class ResourceEmbeddingLookupCombineOp : public OpKernel {
  public:
   explicit ResourceEmbeddingLookupCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string combiner;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
-    OP_REQUIRES_OK(ctx, ParseCombiner(combiner, &combiner_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+    OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &combiner_, &table_name_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -169,10 +150,7 @@ template <typename T, typename Tidx, typename Tsplits>
 class EmbeddingLookupCombineGradOp : public OpKernel {
  public:
   explicit EmbeddingLookupCombineGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string combiner;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
-    OP_REQUIRES_OK(ctx, ParseCombiner(combiner, &combiner_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+    OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &combiner_, &table_name_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -186,8 +164,6 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
                 errors::InvalidArgument("grad must be 2-D, got ", grad_t.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids_t.shape()),
                 errors::InvalidArgument("ids must be 1-D"));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(splits_t.shape()),
-                errors::InvalidArgument("row_splits must be 1-D"));
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_rows_t.shape()),
                 errors::InvalidArgument("num_rows must be a scalar"));
     const int64 R = num_rows_t.scalar<int64_t>()();
@@ -202,33 +178,9 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
     OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name_, ids, bad, R));
 
     ScratchHandle scratch;
-    // sample_of[p]: row of `grad` that position p reads; inv_count[b]: 1/|bag| (mean).
-    std::vector<int32_t>& sample_of = scratch->sample_of;
-    std::vector<float>& inv_count = scratch->inv_count;
-    if (combiner_ == Combiner::kNone) {
-      OP_REQUIRES(ctx, grad_t.dim_size(0) == nnz,
-                  errors::InvalidArgument("grad has ", grad_t.dim_size(0), " rows, expected ",
-                                          nnz, " (one per id) for combiner 'none'"));
-    } else {
-      const int64 num_splits = splits_t.NumElements();
-      const Tsplits* splits = splits_t.flat<Tsplits>().data();
-      OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_splits, nnz, table_name_));
-      const int64 B = num_splits - 1;
-      OP_REQUIRES(ctx, grad_t.dim_size(0) == B,
-                  errors::InvalidArgument("grad has ", grad_t.dim_size(0), " rows, expected ", B,
-                                          " (one per bag)"));
-      OP_REQUIRES(ctx, B < (int64{1} << 31), errors::InvalidArgument("too many bags: ", B));
-      if (static_cast<int64>(sample_of.size()) < nnz) sample_of.resize(nnz);
-      if (combiner_ == Combiner::kMean && static_cast<int64>(inv_count.size()) < B)
-        inv_count.resize(B);
-      for (int64 b = 0; b < B; ++b) {
-        const int64 s = static_cast<int64>(splits[b]);
-        const int64 e = static_cast<int64>(splits[b + 1]);
-        for (int64 p = s; p < e; ++p) sample_of[p] = static_cast<int32_t>(b);
-        if (combiner_ == Combiner::kMean) inv_count[b] = e > s ? 1.0f / static_cast<float>(e - s) : 0.0f;
-      }
-    }
-
+    OP_REQUIRES_OK(ctx, MapPositionsToGradRows<Tsplits>(combiner_, splits_t, nnz,
+                                                        grad_t.dim_size(0), table_name_,
+                                                        &*scratch));
     GroupById(ids, nnz, R, &*scratch);
     const Grouping& g = scratch->g;
     const int64 U = g.num_unique();
@@ -251,7 +203,7 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
     // the optimizer, so write-allocating it into the cache costs an extra memory read.
     const GradSegmentsArgs<T> args{
         combiner_, g.perm.empty() ? nullptr : g.perm.data(), g.seg_start.data(),
-        sample_of.data(), inv_count.data(), grad, D, rows,
+        scratch->sample_of.data(), scratch->inv_count.data(), grad, D, rows,
         std::is_same<T, float>::value && StreamableRows(rows, D * sizeof(float))};
     const auto kernel = GradSegmentsKernel<T>(isa);
     workers->ParallelFor(U, cost, [&](int64 begin, int64 end) {

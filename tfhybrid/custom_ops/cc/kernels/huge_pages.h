@@ -2,8 +2,9 @@
 //
 // A lookup or an optimizer step touches rows scattered over a table of hundreds of MB:
 // with 4 KiB pages nearly every row costs a TLB miss and a page walk, which is most of
-// a lookup's time once tables outgrow the TLB's reach (measured: 8 tables of 256 MB,
-// forward 8.6 -> 4.7 ms, train step 20.6 -> 12.9 ms on 2 cores with 2 MiB pages).
+// a lookup's time once tables outgrow the TLB's reach (measured in one run of
+// benchmarks/optimizer_apply.py, 8 tables of 256 MB on 2 cores: 4 KiB pages made the
+// forward 1.63x and the train step 1.13x slower than 2 MiB pages).
 // TensorFlow's CPU allocator hands out memory with the kernel's default policy, which on
 // most distributions ("madvise") means 4 KiB pages, and the table is already written by
 // its initializer when a kernel first sees it. So the first kernel to touch a buffer of

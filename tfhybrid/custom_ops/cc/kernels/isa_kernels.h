@@ -111,15 +111,21 @@ GradSegmentsFn<T> GradSegmentsKernel(KernelIsa isa);
 // ---------------------------------------------------------------- row-wise AdaGrad
 
 // For each distinct row u (id unique_ids[u]) with g = float32 sum over k in
-// [seg_start[u], seg_start[u + 1]) of grad[perm[k]]:
+// [seg_start[u], seg_start[u + 1]), in k order, of the gradient row that position
+// perm[k] reads (exactly GradSegments' rows[u]; for combiner kNone, grad[perm[k]]):
 //   v[id] += sum(g^2) * inv_d;  w[id] -= lr / (sqrt(v[id] / scale) + eps) * g;
 //   then, if decay != 0, w[id] -= decay * w[id].
+// With combiner kSum / kMean, grad holds one row per bag (the lookup's upstream
+// gradient): the backward and the update in one pass, without the [U, D] rows between.
 template <typename Tgrad>
 struct RowwiseAdagradArgs {
   const int64_t* unique_ids;  // [U]
   const int64_t* seg_start;   // [U + 1]
   const uint32_t* perm;       // nullptr: the identity
-  const Tgrad* grad;          // [N, D]
+  Combiner combiner;          // how a position finds its gradient row, as in GradSegments
+  const int32_t* sample_of;   // [N] bag of each position (sum / mean)
+  const float* inv_count;     // [B] 1 / bag size (mean)
+  const Tgrad* grad;          // [N, D] (none) or [B, D] (sum / mean)
   int64_t D;
   float* w;                   // [R, D]
   float* v;                   // [R]

@@ -152,20 +152,62 @@ void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t be
 
 // ---------------------------------------------------------------- backward
 
+// Calls fn(std::integral_constant<Combiner, c>()): one loop body compiled per combiner.
+template <typename Fn>
+inline void WithCombiner(Combiner c, Fn fn) {
+  switch (c) {
+    case Combiner::kNone:
+      fn(std::integral_constant<Combiner, Combiner::kNone>());
+      break;
+    case Combiner::kSum:
+      fn(std::integral_constant<Combiner, Combiner::kSum>());
+      break;
+    case Combiner::kMean:
+      fn(std::integral_constant<Combiner, Combiner::kMean>());
+      break;
+  }
+}
+
+// The gradient row that sorted position k reads: the position itself (kNone) or its bag.
+template <Combiner C>
+inline int64_t SourceRow(const uint32_t* perm, const int32_t* sample_of, int64_t k) {
+  const int64_t p = perm ? static_cast<int64_t>(perm[k]) : k;
+  return C == Combiner::kNone ? p : static_cast<int64_t>(sample_of[p]);
+}
+
+// acc[0, D) = sum over k in [ks, ke), in k order, of the gradient row k reads (scaled by
+// its bag's inv_count for kMean): the one summation of GradSegments and of the fused
+// AdaGrad, so both give bitwise the same row. With ahead > 0 it also prefetches the row
+// of position k + ahead while below prefetch_end.
+template <typename T, Combiner C>
+inline void SumSegment(const T* grad, int64_t D, const uint32_t* perm, const int32_t* sample_of,
+                       const float* inv_count, int64_t ks, int64_t ke, int64_t ahead,
+                       int64_t prefetch_end, float* __restrict acc) {
+  for (int64_t k = ks; k < ke; ++k) {
+    if (ahead > 0 && k + ahead < prefetch_end)
+      PrefetchRow(grad + SourceRow<C>(perm, sample_of, k + ahead) * D, D * sizeof(T));
+    const int64_t r = SourceRow<C>(perm, sample_of, k);
+    const T* __restrict src = grad + r * D;
+    if (C == Combiner::kMean) {
+      if (k == ks) {
+        RowInto<RowOp::kSetScaled>(src, inv_count[r], acc, D);
+      } else {
+        RowInto<RowOp::kAddScaled>(src, inv_count[r], acc, D);
+      }
+    } else if (k == ks) {
+      RowInto<RowOp::kSet>(src, 1.0f, acc, D);
+    } else {
+      RowInto<RowOp::kAdd>(src, 1.0f, acc, D);
+    }
+  }
+}
+
 template <typename T, Combiner C>
 void GradSegmentsRangeFor(const GradSegmentsArgs<T>& a, int64_t begin, int64_t end,
                           float* scratch) {
   constexpr int64_t kAhead = 4;  // positions ahead to prefetch gradient rows
-  const uint32_t* perm = a.perm;
-  const int64_t* seg = a.seg_start;
-  const int32_t* sample_of = a.sample_of;
-  const T* grad = a.grad;
   const int64_t D = a.D;
-  const int64_t k_end = seg[end];
-  auto src_row = [&](int64_t k) -> int64_t {
-    const int64_t p = perm ? static_cast<int64_t>(perm[k]) : k;
-    return C == Combiner::kNone ? p : static_cast<int64_t>(sample_of[p]);
-  };
+  const int64_t k_end = a.seg_start[end];
 #if defined(TFHYBRID_X86)
   const bool stream = std::is_same<T, float>::value && a.stream;
 #else
@@ -176,25 +218,8 @@ void GradSegmentsRangeFor(const GradSegmentsArgs<T>& a, int64_t begin, int64_t e
     if constexpr (std::is_same<T, float>::value) {
       if (!stream) acc = a.rows + u * D;
     }
-    const int64_t ks = seg[u];
-    const int64_t ke = seg[u + 1];
-    for (int64_t k = ks; k < ke; ++k) {
-      if (k + kAhead < k_end) PrefetchRow(grad + src_row(k + kAhead) * D, D * sizeof(T));
-      const int64_t r = src_row(k);
-      const T* __restrict src = grad + r * D;
-      if (C == Combiner::kMean) {
-        const float sc = a.inv_count[r];
-        if (k == ks) {
-          RowInto<RowOp::kSetScaled>(src, sc, acc, D);
-        } else {
-          RowInto<RowOp::kAddScaled>(src, sc, acc, D);
-        }
-      } else if (k == ks) {
-        RowInto<RowOp::kSet>(src, 1.0f, acc, D);
-      } else {
-        RowInto<RowOp::kAdd>(src, 1.0f, acc, D);
-      }
-    }
+    SumSegment<T, C>(a.grad, D, a.perm, a.sample_of, a.inv_count, a.seg_start[u],
+                     a.seg_start[u + 1], kAhead, k_end, acc);
     if constexpr (std::is_same<T, float>::value) {
       if (stream) StreamRow(a.rows + u * D, acc, D);
     } else {
@@ -207,17 +232,9 @@ void GradSegmentsRangeFor(const GradSegmentsArgs<T>& a, int64_t begin, int64_t e
 template <typename T>
 void GradSegmentsRange(const GradSegmentsArgs<T>& a, int64_t begin, int64_t end,
                        float* scratch) {
-  switch (a.combiner) {
-    case Combiner::kNone:
-      GradSegmentsRangeFor<T, Combiner::kNone>(a, begin, end, scratch);
-      break;
-    case Combiner::kSum:
-      GradSegmentsRangeFor<T, Combiner::kSum>(a, begin, end, scratch);
-      break;
-    case Combiner::kMean:
-      GradSegmentsRangeFor<T, Combiner::kMean>(a, begin, end, scratch);
-      break;
-  }
+  WithCombiner(a.combiner, [&](auto c) {
+    GradSegmentsRangeFor<T, decltype(c)::value>(a, begin, end, scratch);
+  });
 }
 
 // ---------------------------------------------------------------- row-wise AdaGrad
@@ -238,20 +255,18 @@ inline float SumSquares(const float* __restrict g, int64_t D) {
   return lanes[0];
 }
 
-template <typename Tgrad>
-void RowwiseAdagradRange(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int64_t end,
-                         float* scratch) {
+template <typename Tgrad, Combiner C>
+void RowwiseAdagradRangeFor(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int64_t end,
+                            float* scratch) {
   constexpr int64_t kPrefetch = 8;      // unique rows ahead (var / accum)
   constexpr int64_t kGradPrefetch = 4;  // segments ahead (gradient rows)
   const int64_t* uniq = a.unique_ids;
   const int64_t* seg = a.seg_start;
-  const uint32_t* perm = a.perm;
   const Tgrad* grad = a.grad;
   const int64_t D = a.D;
   float* w = a.w;
   float* v = a.v;
   float* __restrict acc = scratch;
-  auto pos = [&](int64_t k) -> int64_t { return perm ? static_cast<int64_t>(perm[k]) : k; };
   for (int64_t u = begin; u < std::min(begin + kPrefetch, end); ++u) {
     PrefetchRowForWrite(w + uniq[u] * D, D * sizeof(float));
     __builtin_prefetch(v + uniq[u], 1, 3);
@@ -265,12 +280,11 @@ void RowwiseAdagradRange(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int6
     if (u + kGradPrefetch < end) {  // gradient rows of an upcoming segment
       const int64_t ks2 = seg[u + kGradPrefetch];
       const int64_t ke2 = std::min(seg[u + kGradPrefetch + 1], ks2 + 2);
-      for (int64_t k = ks2; k < ke2; ++k) PrefetchRow(grad + pos(k) * D, D * sizeof(Tgrad));
+      for (int64_t k = ks2; k < ke2; ++k)
+        PrefetchRow(grad + SourceRow<C>(a.perm, a.sample_of, k) * D, D * sizeof(Tgrad));
     }
-    const int64_t ks = seg[u];
-    const int64_t ke = seg[u + 1];
-    RowInto<RowOp::kSet>(grad + pos(ks) * D, 1.0f, acc, D);
-    for (int64_t k = ks + 1; k < ke; ++k) RowInto<RowOp::kAdd>(grad + pos(k) * D, 1.0f, acc, D);
+    SumSegment<Tgrad, C>(grad, D, a.perm, a.sample_of, a.inv_count, seg[u], seg[u + 1],
+                         /*ahead=*/0, 0, acc);
     const int64_t row = uniq[u];
     const float vi = v[row] + SumSquares(acc, D) * a.inv_d;
     v[row] = vi;
@@ -286,4 +300,12 @@ void RowwiseAdagradRange(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int6
       for (int64_t d = 0; d < D; ++d) wr[d] -= mult * acc[d];
     }
   }
+}
+
+template <typename Tgrad>
+void RowwiseAdagradRange(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int64_t end,
+                         float* scratch) {
+  WithCombiner(a.combiner, [&](auto c) {
+    RowwiseAdagradRangeFor<Tgrad, decltype(c)::value>(a, begin, end, scratch);
+  });
 }

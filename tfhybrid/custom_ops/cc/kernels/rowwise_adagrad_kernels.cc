@@ -1,4 +1,5 @@
-// CPU kernel: RowwiseAdagradApply (FBGEMM EXACT_ROWWISE_ADAGRAD semantics).
+// CPU kernels: RowwiseAdagradApply and EmbeddingLookupCombineGradRowwiseAdagrad (FBGEMM
+// EXACT_ROWWISE_ADAGRAD semantics).
 //
 // Duplicate indices are grouped with a stable radix sort (positions in input order
 // within each row); every unique row is then finished by a single thread:
@@ -10,6 +11,12 @@
 // (same protocol as TF's ResourceSparseApply* kernels). Results are bitwise
 // independent of the number of threads and of the dispatch level of the row loop
 // (isa_kernels.h).
+//
+// EmbeddingLookupCombineGradRowwiseAdagrad is EmbeddingLookupCombineGrad followed by
+// RowwiseAdagradApply in one pass: each unique row's gradient is summed from the bags'
+// upstream gradient straight into the update, bitwise as the two ops give it, without
+// writing the [U, D] gradient rows out and reading them back, and with the summation's
+// work overlapping the misses on the table's random rows.
 
 #define EIGEN_USE_THREADS
 
@@ -28,116 +35,205 @@ namespace tfhybrid {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
 
+// What a row-wise AdaGrad kernel updates: var (input 0) and accum (input 1), and the
+// scalars lr, epsilon, scale, weight_decay (inputs first_scalar .. first_scalar + 3).
+struct RowwiseState {
+  Tensor var, accum;
+  float lr, eps, scale, weight_decay;
+};
+
+// Checks var / accum / the scalars and runs update(state) under the variables'
+// exclusive locks (address order), in sparse access mode on the buffers themselves (no
+// copy unless a concurrent reader holds the buffer).
+template <typename Update>
+void UpdateLockedRowwiseState(OpKernelContext* ctx, const char* op, int first_scalar,
+                              Update update) {
+  // Check dtypes first: the locking helpers below are instantiated for float.
+  for (int i = 0; i < 2; ++i) {
+    core::RefCountPtr<Var> v;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &v));
+    tf_shared_lock ml(*v->mu());
+    OP_REQUIRES(ctx, v->tensor()->dtype() == DT_FLOAT,
+                errors::InvalidArgument(op, ": ", i == 0 ? "var" : "accum",
+                                        " must be float32, got ",
+                                        DataTypeString(v->tensor()->dtype())));
+  }
+  for (int i = first_scalar; i < first_scalar + 4; ++i) {
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(i).shape()),
+                errors::InvalidArgument(op, ": input ", i, " must be a scalar"));
+  }
+  auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+      ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1});
+  RowwiseState state;
+  OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(
+                          ctx, 0, /*lock_held=*/true, /*sparse=*/true, &state.var));
+  OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(
+                          ctx, 1, /*lock_held=*/true, /*sparse=*/true, &state.accum));
+  OP_REQUIRES(ctx, state.var.IsInitialized() && state.accum.IsInitialized(),
+              errors::FailedPrecondition(op, ": var or accum is not initialized"));
+  OP_REQUIRES(ctx, state.var.dtype() == DT_FLOAT && state.accum.dtype() == DT_FLOAT,
+              errors::InvalidArgument(op, ": var and accum must be float32"));
+  OP_REQUIRES(ctx, state.var.dims() == 2,
+              errors::InvalidArgument(op, ": var must be 2-D, got ",
+                                      state.var.shape().DebugString()));
+  const int64 R = state.var.dim_size(0);
+  OP_REQUIRES(ctx, state.accum.NumElements() == R && state.accum.dims() >= 1 &&
+                       state.accum.dim_size(0) == R,
+              errors::InvalidArgument(op, ": accum must have shape [", R, "], got ",
+                                      state.accum.shape().DebugString()));
+  state.lr = ctx->input(first_scalar).scalar<float>()();
+  state.eps = ctx->input(first_scalar + 1).scalar<float>()();
+  state.scale = ctx->input(first_scalar + 2).scalar<float>()();
+  state.weight_decay = ctx->input(first_scalar + 3).scalar<float>()();
+  update(state);
+}
+
+// The update itself, on the rows grouped in g: each unique row's gradient is the sum
+// of the rows of `grad` that its positions read (by `combiner`, as in GradSegments).
+template <typename Tgrad>
+void ApplyRowwiseAdagrad(OpKernelContext* ctx, KernelIsa isa, RowwiseState* state,
+                         const Grouping& g, int64 num_positions, Combiner combiner,
+                         const int32_t* sample_of, const float* inv_count, const Tgrad* grad) {
+  const int64 D = state->var.dim_size(1);
+  const int64 U = g.num_unique();
+  if (U == 0 || D == 0) return;
+  AdviseHugePages(state->var.flat<float>().data(), state->var.TotalBytes());
+  AdviseHugePages(state->accum.flat<float>().data(), state->accum.TotalBytes());
+  const float lr = state->lr;
+  const float wd = state->weight_decay;
+  const RowwiseAdagradArgs<Tgrad> args{g.unique_ids.data(),
+                                       g.seg_start.data(),
+                                       g.perm.empty() ? nullptr : g.perm.data(),
+                                       combiner,
+                                       sample_of,
+                                       inv_count,
+                                       grad,
+                                       D,
+                                       state->var.flat<float>().data(),
+                                       state->accum.flat<float>().data(),
+                                       lr,
+                                       state->eps,
+                                       state->scale,
+                                       wd > 0.0f ? lr * wd : 0.0f,
+                                       1.0f / static_cast<float>(D)};
+  const auto kernel = RowwiseAdagradKernel<Tgrad>(isa);
+  const int64 avg_seg = std::max<int64>(1, num_positions / U);
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  workers->ParallelFor(U, avg_seg * 3 * D + 8 * D + 300, [&](int64 begin, int64 end) {
+    std::vector<float> row_buf(D);
+    kernel(args, begin, end, row_buf.data());
+  });
+}
+
+template <typename Tidx>
+Status IndexOutOfRange(const char* op, const Tidx* indices, int64 pos, int64 num_rows) {
+  return errors::InvalidArgument(op, " got index ", static_cast<int64>(indices[pos]),
+                                 ", expected indices in [0, ", num_rows, ") (at position ",
+                                 pos, ")");
+}
+
 template <typename Tidx, typename Tgrad>
 class RowwiseAdagradApplyOp : public OpKernel {
  public:
   explicit RowwiseAdagradApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
+    constexpr const char* kOp = "RowwiseAdagradApply";
     KernelIsa isa;
     OP_REQUIRES_OK(ctx, GetKernelIsa(&isa));
-    // Check dtypes first: the locking helpers below are instantiated for float.
-    for (int i = 0; i < 2; ++i) {
-      core::RefCountPtr<Var> v;
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &v));
-      tf_shared_lock ml(*v->mu());
-      OP_REQUIRES(ctx, v->tensor()->dtype() == DT_FLOAT,
-                  errors::InvalidArgument("RowwiseAdagradApply: ", i == 0 ? "var" : "accum",
-                                          " must be float32, got ",
-                                          DataTypeString(v->tensor()->dtype())));
-    }
-    // Exclusive locks on var and accum (address order), sparse access mode, and the
-    // buffers themselves (no copy unless a concurrent reader holds the buffer).
-    auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
-        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1});
-    Tensor var_t, accum_t;
-    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(
-                            ctx, 0, /*lock_held=*/true, /*sparse=*/true, &var_t));
-    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(
-                            ctx, 1, /*lock_held=*/true, /*sparse=*/true, &accum_t));
-    OP_REQUIRES(ctx, var_t.IsInitialized() && accum_t.IsInitialized(),
-                errors::FailedPrecondition("RowwiseAdagradApply: var or accum is not initialized"));
-    OP_REQUIRES(ctx, var_t.dtype() == DT_FLOAT && accum_t.dtype() == DT_FLOAT,
-                errors::InvalidArgument("RowwiseAdagradApply: var and accum must be float32"));
-    OP_REQUIRES(ctx, var_t.dims() == 2,
-                errors::InvalidArgument("RowwiseAdagradApply: var must be 2-D, got ",
-                                        var_t.shape().DebugString()));
-    const int64 R = var_t.dim_size(0);
-    const int64 D = var_t.dim_size(1);
-    OP_REQUIRES(ctx, accum_t.NumElements() == R && accum_t.dims() >= 1 && accum_t.dim_size(0) == R,
-                errors::InvalidArgument("RowwiseAdagradApply: accum must have shape [", R,
-                                        "], got ", accum_t.shape().DebugString()));
-
-    const Tensor& indices_t = ctx->input(2);
-    const Tensor& grad_t = ctx->input(3);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices_t.shape()),
-                errors::InvalidArgument("RowwiseAdagradApply: indices must be 1-D, got ",
-                                        indices_t.shape().DebugString()));
-    const int64 N = indices_t.NumElements();
-    OP_REQUIRES(ctx, grad_t.dims() == 2 && grad_t.dim_size(0) == N && grad_t.dim_size(1) == D,
-                errors::InvalidArgument("RowwiseAdagradApply: grad must have shape [", N, ", ",
-                                        D, "], got ", grad_t.shape().DebugString()));
-    for (int i = 4; i < 8; ++i) {
-      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(i).shape()),
-                  errors::InvalidArgument("RowwiseAdagradApply: input ", i, " must be a scalar"));
-    }
-    const float lr = ctx->input(4).scalar<float>()();
-    const float eps = ctx->input(5).scalar<float>()();
-    const float scale = ctx->input(6).scalar<float>()();
-    const float wd = ctx->input(7).scalar<float>()();
-    OP_REQUIRES(ctx, N < (int64{1} << 32),
-                errors::InvalidArgument("RowwiseAdagradApply: too many indices: ", N));
-
-    const Tidx* indices = indices_t.flat<Tidx>().data();
-    const int64 bad = FirstOutOfRange(indices, N, R);
-    OP_REQUIRES(ctx, bad < 0,
-                errors::InvalidArgument("RowwiseAdagradApply got index ",
-                                        static_cast<int64>(indices[bad]),
-                                        ", expected indices in [0, ", R, ") (at position ", bad,
-                                        ")"));
-    if (N == 0 || D == 0) return;
-    AdviseHugePages(var_t.flat<float>().data(), var_t.TotalBytes());
-    AdviseHugePages(accum_t.flat<float>().data(), accum_t.TotalBytes());
-
-    ScratchHandle scratch;
-    GroupById(indices, N, R, &*scratch);
-    const Grouping& g = scratch->g;
-    const int64 U = g.num_unique();
-
-    const float inv_d = 1.0f / static_cast<float>(D);
-    const float decay = wd > 0.0f ? lr * wd : 0.0f;
-    const RowwiseAdagradArgs<Tgrad> args{g.unique_ids.data(),
-                                         g.seg_start.data(),
-                                         g.perm.empty() ? nullptr : g.perm.data(),
-                                         grad_t.flat<Tgrad>().data(),
-                                         D,
-                                         var_t.flat<float>().data(),
-                                         accum_t.flat<float>().data(),
-                                         lr,
-                                         eps,
-                                         scale,
-                                         decay,
-                                         inv_d};
-    const auto kernel = RowwiseAdagradKernel<Tgrad>(isa);
-    const int64 avg_seg = std::max<int64>(1, N / U);
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    workers->ParallelFor(U, avg_seg * 3 * D + 8 * D + 300, [&](int64 begin, int64 end) {
-      std::vector<float> row_buf(D);
-      kernel(args, begin, end, row_buf.data());
+    UpdateLockedRowwiseState(ctx, kOp, /*first_scalar=*/4, [&](RowwiseState& state) {
+      const int64 R = state.var.dim_size(0);
+      const int64 D = state.var.dim_size(1);
+      const Tensor& indices_t = ctx->input(2);
+      const Tensor& grad_t = ctx->input(3);
+      OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices_t.shape()),
+                  errors::InvalidArgument(kOp, ": indices must be 1-D, got ",
+                                          indices_t.shape().DebugString()));
+      const int64 N = indices_t.NumElements();
+      OP_REQUIRES(ctx, grad_t.dims() == 2 && grad_t.dim_size(0) == N && grad_t.dim_size(1) == D,
+                  errors::InvalidArgument(kOp, ": grad must have shape [", N, ", ", D,
+                                          "], got ", grad_t.shape().DebugString()));
+      OP_REQUIRES(ctx, N < (int64{1} << 32),
+                  errors::InvalidArgument(kOp, ": too many indices: ", N));
+      const Tidx* indices = indices_t.flat<Tidx>().data();
+      const int64 bad = FirstOutOfRange(indices, N, R);
+      OP_REQUIRES(ctx, bad < 0, IndexOutOfRange(kOp, indices, bad, R));
+      if (N == 0) return;
+      ScratchHandle scratch;
+      GroupById(indices, N, R, &*scratch);
+      ApplyRowwiseAdagrad<Tgrad>(ctx, isa, &state, scratch->g, N, Combiner::kNone, nullptr,
+                                 nullptr, grad_t.flat<Tgrad>().data());
     });
   }
 };
 
-#define TFHYBRID_REGISTER_ADAGRAD(Tidx, Tgrad)                   \
-  REGISTER_KERNEL_BUILDER(Name("RowwiseAdagradApply")            \
-                              .Device(DEVICE_CPU)                \
-                              .HostMemory("lr")                  \
-                              .HostMemory("epsilon")             \
-                              .HostMemory("scale")               \
-                              .HostMemory("weight_decay")        \
-                              .TypeConstraint<Tidx>("Tindices")  \
-                              .TypeConstraint<Tgrad>("Tgrad"),   \
+template <typename Tidx, typename Tsplits>
+class EmbeddingLookupCombineGradRowwiseAdagradOp : public OpKernel {
+ public:
+  explicit EmbeddingLookupCombineGradRowwiseAdagradOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &combiner_, &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    constexpr const char* kOp = "EmbeddingLookupCombineGradRowwiseAdagrad";
+    KernelIsa isa;
+    OP_REQUIRES_OK(ctx, GetKernelIsa(&isa));
+    UpdateLockedRowwiseState(ctx, kOp, /*first_scalar=*/5, [&](RowwiseState& state) {
+      const int64 R = state.var.dim_size(0);
+      const int64 D = state.var.dim_size(1);
+      const Tensor& grad_t = ctx->input(2);
+      const Tensor& ids_t = ctx->input(3);
+      OP_REQUIRES(ctx, grad_t.dims() == 2 && grad_t.dim_size(1) == D,
+                  errors::InvalidArgument(kOp, ": grad must be 2-D with ", D,
+                                          " columns (the table's), got ",
+                                          grad_t.shape().DebugString()));
+      OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids_t.shape()),
+                  errors::InvalidArgument(kOp, ": ids must be 1-D, got ",
+                                          ids_t.shape().DebugString()));
+      const int64 nnz = ids_t.NumElements();
+      OP_REQUIRES(ctx, nnz < (int64{1} << 32),
+                  errors::InvalidArgument(kOp, ": too many ids in one call: ", nnz));
+      const Tidx* ids = ids_t.flat<Tidx>().data();
+      const int64 bad = FirstOutOfRange(ids, nnz, R);
+      OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name_, ids, bad, R));
+      ScratchHandle scratch;
+      OP_REQUIRES_OK(ctx, MapPositionsToGradRows<Tsplits>(combiner_, ctx->input(4), nnz,
+                                                          grad_t.dim_size(0), table_name_,
+                                                          &*scratch));
+      if (nnz == 0) return;
+      GroupById(ids, nnz, R, &*scratch);
+      ApplyRowwiseAdagrad<float>(ctx, isa, &state, scratch->g, nnz, combiner_,
+                                 scratch->sample_of.data(), scratch->inv_count.data(),
+                                 grad_t.flat<float>().data());
+    });
+  }
+
+ private:
+  Combiner combiner_;
+  std::string table_name_;
+};
+
+// Both kernels read their four scalars (lr, epsilon, scale, weight_decay) on the host.
+#define TFHYBRID_ADAGRAD_KERNEL(op_name)    \
+  Name(op_name)                             \
+      .Device(DEVICE_CPU)                   \
+      .HostMemory("lr")                     \
+      .HostMemory("epsilon")                \
+      .HostMemory("scale")                  \
+      .HostMemory("weight_decay")
+
+#define TFHYBRID_REGISTER_ADAGRAD(Tidx, Tgrad)                                             \
+  REGISTER_KERNEL_BUILDER(TFHYBRID_ADAGRAD_KERNEL("RowwiseAdagradApply")                  \
+                              .TypeConstraint<Tidx>("Tindices")                            \
+                              .TypeConstraint<Tgrad>("Tgrad"),                             \
                           RowwiseAdagradApplyOp<Tidx, Tgrad>);
+
+#define TFHYBRID_REGISTER_FUSED(Tidx, Tsplits)                                             \
+  REGISTER_KERNEL_BUILDER(TFHYBRID_ADAGRAD_KERNEL("EmbeddingLookupCombineGradRowwiseAdagrad") \
+                              .TypeConstraint<Tidx>("Tindices")                            \
+                              .TypeConstraint<Tsplits>("Tsplits"),                         \
+                          EmbeddingLookupCombineGradRowwiseAdagradOp<Tidx, Tsplits>);
 
 TFHYBRID_REGISTER_ADAGRAD(int32, float)
 TFHYBRID_REGISTER_ADAGRAD(int32, Eigen::half)
@@ -145,8 +241,14 @@ TFHYBRID_REGISTER_ADAGRAD(int32, bfloat16)
 TFHYBRID_REGISTER_ADAGRAD(int64_t, float)
 TFHYBRID_REGISTER_ADAGRAD(int64_t, Eigen::half)
 TFHYBRID_REGISTER_ADAGRAD(int64_t, bfloat16)
+TFHYBRID_REGISTER_FUSED(int32, int32)
+TFHYBRID_REGISTER_FUSED(int32, int64_t)
+TFHYBRID_REGISTER_FUSED(int64_t, int32)
+TFHYBRID_REGISTER_FUSED(int64_t, int64_t)
 
+#undef TFHYBRID_REGISTER_FUSED
 #undef TFHYBRID_REGISTER_ADAGRAD
+#undef TFHYBRID_ADAGRAD_KERNEL
 
 }  // namespace tfhybrid
 }  // namespace tensorflow

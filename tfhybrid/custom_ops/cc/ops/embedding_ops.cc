@@ -4,6 +4,8 @@
 //   ResourceEmbeddingLookupCombine  same, params read in place from a resource variable
 //   EmbeddingLookupCombineGrad      backward: unique sorted ids + coalesced gradient rows
 //   RowwiseAdagradApply             sparse exact row-wise Adagrad (FBGEMM semantics)
+//   EmbeddingLookupCombineGradRowwiseAdagrad
+//                                   the backward and RowwiseAdagradApply in one kernel
 //   TfhybridKernelIsa               which instruction-set level the kernels above use
 //   ChunkedEmbeddingLookup          FIITED: rows of a chunk pool (row offsets), zeros past
 //                                   each row's chunks
@@ -16,6 +18,14 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+
+// The attrs of every op that takes a lookup's ids and bags (the lookups, their backward
+// and the fused backward + AdaGrad), so that they agree on the types and combiners.
+#define TFHYBRID_LOOKUP_ATTRS                               \
+  .Attr("Tindices: {int32, int64}")                         \
+      .Attr("Tsplits: {int32, int64}")                      \
+      .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")    \
+      .Attr("table_name: string = 'embedding'")
 
 namespace tensorflow {
 
@@ -55,10 +65,7 @@ REGISTER_OP("EmbeddingLookupCombine")
     .Input("row_splits: Tsplits")
     .Output("output: T")
     .Attr("T: {float, half, bfloat16}")
-    .Attr("Tindices: {int32, int64}")
-    .Attr("Tsplits: {int32, int64}")
-    .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")
-    .Attr("table_name: string = 'embedding'")
+    TFHYBRID_LOOKUP_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       return LookupCombineOutputShape(c, c->input(0));
     })
@@ -79,10 +86,7 @@ REGISTER_OP("ResourceEmbeddingLookupCombine")
     .Input("row_splits: Tsplits")
     .Output("output: dtype")
     .Attr("dtype: {float, half, bfloat16}")
-    .Attr("Tindices: {int32, int64}")
-    .Attr("Tsplits: {int32, int64}")
-    .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")
-    .Attr("table_name: string = 'embedding'")
+    TFHYBRID_LOOKUP_ATTRS
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle params = c->UnknownShapeOfRank(2);
@@ -105,10 +109,7 @@ REGISTER_OP("EmbeddingLookupCombineGrad")
     .Output("unique_ids: Tindices")
     .Output("grad_rows: T")
     .Attr("T: {float, half, bfloat16}")
-    .Attr("Tindices: {int32, int64}")
-    .Attr("Tsplits: {int32, int64}")
-    .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")
-    .Attr("table_name: string = 'embedding'")
+    TFHYBRID_LOOKUP_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle grad, unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
@@ -169,6 +170,38 @@ For each distinct row i with summed gradient g (float32):
   accum[i] += mean_j(g_j^2)
   var[i] -= lr * g / (sqrt(accum[i] / scale) + epsilon)
   if weight_decay > 0: var[i] -= lr * weight_decay * var[i]   (after the step)
+)doc");
+
+REGISTER_OP("EmbeddingLookupCombineGradRowwiseAdagrad")
+    .Input("var: resource")
+    .Input("accum: resource")
+    .Input("grad: float")
+    .Input("ids: Tindices")
+    .Input("row_splits: Tsplits")
+    .Input("lr: float")
+    .Input("epsilon: float")
+    .Input("scale: float")
+    .Input("weight_decay: float")
+    TFHYBRID_LOOKUP_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &unused));
+      for (int i = 5; i < 9; ++i) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      }
+      return OkStatus();
+    })
+    .Doc(R"doc(
+EmbeddingLookupCombineGrad(grad, ids, row_splits) followed by RowwiseAdagradApply on its
+(unique_ids, grad_rows), in one pass and bitwise equal to the two: the gradient rows
+are summed straight into the update instead of being written out and read back.
+
+var: float32 [R, D] resource (the looked-up table); accum: float32 [R] resource.
+grad: float32 [B, D] for 'sum'/'mean' (the lookup's upstream gradient), [nnz, D] for
+  'none'.
 )doc");
 
 REGISTER_OP("ChunkedEmbeddingLookup")
