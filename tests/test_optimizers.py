@@ -413,5 +413,44 @@ class KerasFitTest(tf.test.TestCase, parameterized.TestCase):
                             atol=1e-6, rtol=1e-6)
 
 
+    def test_fit_fuses_the_lookup_backward_with_the_update(self):
+        # In fit, a DistributedEmbedding table's gradient reaches the optimizer untouched,
+        # so its backward and the row-wise AdaGrad run as one kernel; the result matches
+        # the pure-TF path (bitwise equality with the two-kernel route is tested beside
+        # the kernels, in tfhybrid/custom_ops/embedding_ops_test.py).
+        _require_path(self, True)
+        import tfhybrid
+        from tfhybrid.layers import DistributedEmbedding, Embedding
+
+        tfhybrid.init(model_parallel=1)
+        rng = np.random.default_rng(5)
+        x = [rng.integers(0, 500, (64, 4)), rng.integers(0, 300, (64, 3))]
+        y = rng.normal(size=(64, 1)).astype(np.float32)
+        trained = {}
+        for use_op in (True, False):
+            tf.keras.utils.set_random_seed(3)
+            layer = DistributedEmbedding([Embedding(500, 8, combiner="sum", name="clicks"),
+                                          Embedding(300, 8, combiner="mean", name="views")])
+            inputs = [tf.keras.Input([4], dtype=tf.int64), tf.keras.Input([3], dtype=tf.int64)]
+            out = tf.keras.layers.Dense(1)(tf.keras.layers.Concatenate()(layer(inputs)))
+            model = tf.keras.Model(inputs, out)
+            model.compile(optimizer=tfhybrid.DistributedOptimizer(
+                RowWiseAdagrad(0.05, use_custom_op=use_op)), loss="mse")
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+            trained[use_op] = [w.numpy() for w in model.weights]
+            if use_op:
+                op_types = []
+                for function in model.train_function._list_all_concrete_functions():
+                    op_types += [op.type for op in function.graph.get_operations()]
+                    op_types += [node.op for f in function.graph._functions.values()
+                                 for node in f.definition.node_def]
+                # every table lookup's update is fused (a graph may be listed twice)
+                lookups = op_types.count("ResourceEmbeddingLookupCombine")
+                self.assertGreaterEqual(lookups, 2, sorted(set(op_types)))
+                self.assertEqual(op_types.count("EmbeddingLookupCombineGradRowwiseAdagrad"),
+                                 lookups, sorted(set(op_types)))
+        for fused, pure_tf in zip(trained[True], trained[False]):
+            self.assertAllClose(fused, pure_tf, atol=1e-6, rtol=1e-6)
+
 if __name__ == "__main__":
     tf.test.main()
