@@ -166,6 +166,9 @@ class ClusterJobsTest(unittest.TestCase):
 _LIFECYCLE = textwrap.dedent("""
     import os, signal, sys, time
     from tfhybrid.testing import cluster as cluster_lib
+    # Ctrl-C as in a terminal: a test run started in the background (nohup, `cmd &`)
+    # hands its children SIGINT ignored, and Python then raises no KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     how = sys.argv[1]
     c = cluster_lib.EmulatedCluster(2, 1, bandwidth_mbit=100)
     if how == "context-error":
