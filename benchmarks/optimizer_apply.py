@@ -521,9 +521,7 @@ def compare_paths(args: argparse.Namespace) -> int:
             if not check_agreement(tf, states, tf_fns, fbgemm, inputs, ids):
                 print("outputs DISAGREE beyond the tolerance: not timing")
                 return 1
-            row_reads = RandomRowReads(tf, states["a"], ids) if "a" in states else None
-            return time_paths(args, states, tf_fns, fbgemm, float(np.median(unique_rows)),
-                              row_reads)
+            return time_paths(args, states, tf_fns, fbgemm, float(np.median(unique_rows)))
         finally:
             if fbgemm is not None:
                 fbgemm.close()
@@ -556,34 +554,6 @@ class CopyBandwidth:
         self.samples.append(2 * self.source.nbytes / seconds)
 
 
-class RandomRowReads:
-    """How fast this machine reads scattered rows: each round, the time to gather every
-    unique row of a step once, in a random order, from path (a)'s tables (in huge pages)
-    with tf.gather, TF's own kernel on the same threads. A forward must at least read
-    those rows, so this bounds it from below more tightly than the copy bandwidth, which
-    streams."""
-
-    def __init__(self, tf, state: TfState, ids: np.ndarray, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        self.batches = [[tf.constant(rng.permutation(unique))
-                         for unique in workload_lib.unique_ids_per_table(batch_ids)]
-                        for batch_ids in ids]
-
-        @tf.function
-        def gather(unique_ids):
-            return [tf.gather(table, table_ids)
-                    for table, table_ids in zip(state.tables, unique_ids)]
-        self.gather = gather
-        self.samples: list[float] = []
-
-    def measure(self, batches: list[int]) -> None:
-        self.gather(self.batches[0])  # untimed: traces, and re-warms after the other paths
-        for batch in batches:
-            start = time.perf_counter()
-            self.gather(self.batches[batch])  # returns once computed
-            self.samples.append(time.perf_counter() - start)
-
-
 def bytes_moved(workload: workload_lib.Workload, unique_rows: float) -> dict[str, float]:
     """The least memory traffic of each kind, per step (all tables): every unique row read
     once (repeated ids hit the caches), the output written; a train step also reads the
@@ -597,8 +567,7 @@ def bytes_moved(workload: workload_lib.Workload, unique_rows: float) -> dict[str
 
 def print_bandwidth_limit(args: argparse.Namespace, bandwidth: CopyBandwidth,
                           workload: workload_lib.Workload, unique_rows: float,
-                          summaries: dict, names: list[str],
-                          row_reads: RandomRowReads | None) -> None:
+                          summaries: dict, names: list[str]) -> None:
     rate = _stats.summarize(bandwidth.samples)
     print(f"memory-bandwidth limit: {args.threads} threads copy "
           f"{rate.format(1e-9)} GB/s (read + write, one sample per round); the least "
@@ -610,21 +579,11 @@ def print_bandwidth_limit(args: argparse.Namespace, bandwidth: CopyBandwidth,
                            for name in names)
         print(f"  {KINDS[kind]}: {moved[kind] / 1e6:.1f} MB, {floor * 1e3:.2f} ms at that "
               f"rate; each path's median runs at this share of the limit: {shares}")
-    if row_reads is not None:
-        reads = _stats.summarize(row_reads.samples)
-        rows_rate = unique_rows * workload.dim * 4 / reads.median
-        shares = ", ".join(
-            f"{PATH_LABELS[name]} {reads.median / summaries[(name, 'fwd')].median:.0%}"
-            for name in names)
-        print(f"random-row reads: tf.gather of each step's unique rows once, in a random "
-              f"order, from (a)'s tables: {reads.format(1e3)} ms ({rows_rate / 1e9:.1f} GB/s "
-              f"of rows); each path's forward median runs at this share of it: {shares}")
 
 
 def time_paths(args: argparse.Namespace, states: dict[str, TfState],
                tf_fns: dict[str, StepFunctions],
-               fbgemm: Worker | None, unique_rows: float,
-               row_reads: "RandomRowReads | None") -> int:
+               fbgemm: Worker | None, unique_rows: float) -> int:
     names = list(tf_fns) + (["c"] if fbgemm is not None else [])
     if not names:
         print("no path to time")
@@ -647,8 +606,6 @@ def time_paths(args: argparse.Namespace, states: dict[str, TfState],
     for r in range(args.rounds):
         bandwidth.measure()
         batches = [args.warmup + (r * per_round + j) % args.iters for j in range(per_round)]
-        if row_reads is not None:
-            row_reads.measure(batches)
         for name in names:
             for kind in KINDS:
                 if name == "c":
@@ -688,8 +645,7 @@ def time_paths(args: argparse.Namespace, states: dict[str, TfState],
                              f"{max(per_round_ratios):.2f}]")
             print(f"  {PATH_LABELS[name]:22s} " + "   ".join(parts))
     workload = next(iter(states.values())).workload if states else workload_of(args)
-    print_bandwidth_limit(args, bandwidth, workload, unique_rows, summaries, names,
-                          row_reads)
+    print_bandwidth_limit(args, bandwidth, workload, unique_rows, summaries, names)
     return 0
 
 
