@@ -20,9 +20,18 @@ class _RecordingResult(unittest.TextTestResult):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.outcomes: dict[str, dict] = {}
+        self._started: dict[str, float] = {}
+
+    def startTest(self, test):
+        self._started[test.id()] = time.time()
+        super().startTest(test)
 
     def _record(self, test, status, detail=""):
-        self.outcomes[test.id()] = {"status": status, "detail": detail}
+        # a subtest's id is not a started test's: it is timed with its test
+        started = self._started.get(test.id())
+        self.outcomes[test.id()] = {
+            "status": status, "detail": detail,
+            "seconds": round(time.time() - started, 1) if started else 0.0}
 
     def addSuccess(self, test):
         super().addSuccess(test)

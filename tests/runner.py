@@ -45,6 +45,7 @@ TEST_ENV = {
 SINGLE_TIMEOUT_S = 480
 PAIRED_WORKERS = 2  # one-process modules run with one thread each: one per core
 MULTI_TIMEOUT_S = 480
+SLOWEST_SHOWN = 15
 
 
 def discover() -> list[str]:
@@ -102,7 +103,9 @@ def read_reports(report_dir: str, size: int) -> tuple[dict[str, dict], list[int]
     merged: dict[str, dict] = {}
     for rank, tests in sorted(reports.items()):
         for test_id, outcome in tests.items():
-            seen = merged.setdefault(test_id, {"status": "pass", "detail": ""})
+            seen = merged.setdefault(test_id, {"status": "pass", "detail": "", "seconds": 0.0})
+            # the slowest rank's time is the test's time: the others wait for it
+            seen["seconds"] = max(seen["seconds"], outcome.get("seconds", 0.0))
             if outcome["status"] == "fail":
                 seen["status"] = "fail"
                 seen["detail"] += f"--- rank {rank} ---\n{outcome['detail']}\n"
@@ -169,6 +172,7 @@ def main() -> int:
     os.makedirs(args.logs, exist_ok=True)
     passed = failed = skipped = 0
     failures = []
+    timings: list[tuple[float, str]] = []
     started = time.time()
 
     def run(path: str, size: int) -> tuple[str, str, dict, str, float]:
@@ -184,6 +188,7 @@ def main() -> int:
         print(f"==> {name}", flush=True)
         for test_id, outcome in sorted(outcomes.items()):
             label = f"{test_id} [np={size}]"
+            timings.append((outcome["seconds"], label))
             if outcome["status"] == "pass":
                 passed += 1
             elif outcome["status"] == "skip":
@@ -211,6 +216,10 @@ def main() -> int:
             record(*run(path, size), size)
     for label, detail in failures:
         print(f"\nFAIL {label}\n{detail}")
+    # where the suite's time goes, so the slowest tests are the first ones trimmed
+    print("\nslowest tests:")
+    for seconds, label in sorted(timings, reverse=True)[:SLOWEST_SHOWN]:
+        print(f"  {seconds:7.1f} s  {label}")
     print(f"\ntotal {time.time() - started:.0f} s")
     tail = f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
     print(tail)

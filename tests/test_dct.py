@@ -99,8 +99,10 @@ class KeepOneTest(tf.test.TestCase):
         super().tearDown()
 
     def test_keep_one_trains_bit_for_bit_like_no_dct(self):
-        for m in _meshes():
-            for dtype in (None, "mixed_float16"):
+        meshes = _meshes()
+        for m in meshes:
+            # fp16 changes what travels, not where: on the last mesh (2 x 2) only
+            for dtype in (None, "mixed_float16") if m == meshes[-1] else (None,):
                 with self.subTest(model_parallel=m, dtype=dtype):
                     mesh = tfhybrid.init(model_parallel=m)
                     tables, batches = _data(100 + m, mesh.size, 4)

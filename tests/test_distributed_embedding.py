@@ -17,7 +17,9 @@ from tfhybrid import cost_model
 from tfhybrid import planner
 from tfhybrid.layers import DistributedEmbedding, Embedding
 
-HOROVOD_NP = (1, 2, 4)
+# four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
+# two ranks would only repeat them at a smaller size
+HOROVOD_NP = (1, 4)
 
 LOCAL_BATCH = 4
 STEPS = 5

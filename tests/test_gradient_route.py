@@ -23,8 +23,9 @@ OVERFLOW_STEP, OVERFLOW_RANK = 3, 1
 
 
 def _configs():
+    # plain SGD takes a subset of global_clipnorm's route (the clip aside), so it is
+    # not run on its own
     return {
-        "sgd": dict(make=lambda: tf.keras.optimizers.SGD(0.5)),
         "rowwise_adagrad": dict(make=lambda: optimizers.RowWiseAdagrad(0.1)),
         "ms_rowwise_adagrad_weight_sync": dict(
             make=lambda: optimizers.MomentumScaledRowWiseAdagrad(0.1),
@@ -93,7 +94,8 @@ class TapeEqualsOptimizerTest(tf.test.TestCase):
     def test_fit_with_the_optimizer_equals_a_tape_loop(self):
         world = hc.world_size()
         model_parallel = 2   # 2x2 on four ranks, 1x2 on two
-        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=20, world=world, seed=11)
+        # past the poisoned step, and four weight syncs at sync_every=2
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=8, world=world, seed=11)
         for name, config in _configs().items():
             with self.subTest(config=name):
                 tf.keras.mixed_precision.set_global_policy(config.get("policy", "float32"))
@@ -167,11 +169,14 @@ class SingleProcessParityTest(tf.test.TestCase):
     def test_rowwise_optimizers_equal_one_process(self):
         world = hc.world_size()
         case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=10, world=world, seed=13)
-        for name, make in (("rowwise", lambda: optimizers.RowWiseAdagrad(0.1)),
-                           ("ms_rowwise", lambda: optimizers.MomentumScaledRowWiseAdagrad(
-                               0.1))):
+        # row-wise AdaGrad on every mesh; the momentum-scaled one differs in its update
+        # only (tests/test_optimizers.py), so on the mesh with both halves of the route
+        for name, make, meshes in (
+                ("rowwise", lambda: optimizers.RowWiseAdagrad(0.1), _meshes(world)),
+                ("ms_rowwise", lambda: optimizers.MomentumScaledRowWiseAdagrad(0.1),
+                 _meshes(world)[1:2] or _meshes(world))):
             reference = _train_reference(case, make)
-            for model_parallel in _meshes(world):
+            for model_parallel in meshes:
                 with self.subTest(optimizer=name, model_parallel=model_parallel):
                     self._check(case, tfhybrid.init(model_parallel=model_parallel),
                                 reference, make, layer_kwargs=_NO_COLUMN_SLICES)
@@ -180,15 +185,18 @@ class SingleProcessParityTest(tf.test.TestCase):
     def test_clipping_equals_one_process_clipping_of_the_global_gradient(self):
         world = hc.world_size()
         case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=6, world=world, seed=17)
-        for name, kwargs in (("global_clipnorm", dict(global_clipnorm=0.05)),
-                             ("clipnorm", dict(clipnorm=0.02)),
-                             ("clipvalue", dict(clipvalue=0.01))):
+        meshes = _meshes(world)
+        unclipped = _train_reference(case, lambda: tf.keras.optimizers.SGD(0.5))
+        # the global norm spans every shard, so it runs on every mesh; a per-variable
+        # norm or value sees one shard's own gradient, so one mesh each suffices
+        for name, kwargs, on in (("global_clipnorm", dict(global_clipnorm=0.05), meshes),
+                                 ("clipnorm", dict(clipnorm=0.02), meshes[-1:]),
+                                 ("clipvalue", dict(clipvalue=0.01), meshes[1:2] or meshes)):
             make = lambda: tf.keras.optimizers.SGD(0.5, **kwargs)  # noqa: E731
             reference = _train_reference(case, make, dense_gradients=True)
-            unclipped = _train_reference(case, lambda: tf.keras.optimizers.SGD(0.5))
             # the limit really bites, or the test would prove nothing
             self.assertNotAllClose(hc.dense_weights(reference), hc.dense_weights(unclipped))
-            for model_parallel in _meshes(world):
+            for model_parallel in on:
                 with self.subTest(clip=name, model_parallel=model_parallel):
                     self._check(case, tfhybrid.init(model_parallel=model_parallel),
                                 reference, make)
