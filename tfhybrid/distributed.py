@@ -600,13 +600,29 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
     if mesh.data_parallel == 1 or not shards:
         return
     state = [s for v in shards for s in [v] + _optimizer_state_of(optimizer, v)]
+    tiered = [tiers.table_of(v) for v in shards if tiers.table_of(v) is not None]
+    # a tiered shard's cache holds its rows' row state, whatever the optimizer
+    state += [t.cache_accumulator for t in tiered
+              if not any(s is t.cache_accumulator for s in state)]
     averaged = collectives.grouped_allreduce([tf.convert_to_tensor(v) for v in state],
                                              op=hvd.Average, name="tfhybrid_weight_sync",
                                              process_set=mesh.data_process_set)
     collectives.count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state),
                       "tfhybrid_weight_sync", mesh.data_process_set)
-    for var, value in zip(state, averaged):
-        var.assign(value)
+    assigned = [var.assign(value, read_value=False) for var, value in zip(state, averaged)]
+    for table in tiered:
+        # the rest of a tiered shard: the rows its replicas wrote back since the last
+        # sync, read once the cache is averaged (a row the cache then gives up carries
+        # the average)
+        name = f"tfhybrid_weight_sync_{table.name}"
+
+        def average(tensors, name=name):
+            collectives.count("allreduce", sum(tf.size(t, tf.int64) * 4 for t in tensors),
+                              name, mesh.data_process_set)
+            return collectives.grouped_allreduce(tensors, op=hvd.Average, name=name,
+                                                 process_set=mesh.data_process_set)
+        with tf.control_dependencies([op for op in assigned if op is not None]):
+            table.sync_replicas(average)
 
 
 def _sync_if_due(optimizer: Any, variables: Sequence[tf.Variable],
@@ -1241,6 +1257,7 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     if mesh.data_parallel > 1:
         for table in tiered:
             _broadcast_tier(table, shard_root, mesh)
+            table.mark_replicas_alike()
 
 
 def _broadcast_tier(table: Any, root: int, mesh: mesh_lib.Mesh) -> None:

@@ -27,6 +27,11 @@ arithmetic does not depend on where it sits). The cache never holds stale rows: 
 store is only read for rows not in the cache, and :meth:`flush` (run by every checkpoint
 save) writes every used slot back.
 
+In weight-sync mode (``replica_sync="weights"``) the replicas of a shard make the same
+cache choices (they load the same ids), so their tables differ only in the cache and in
+the rows written back since the last sync; :meth:`sync_replicas` averages those rows of
+the store (the cache is averaged with the other weights) and no other row moves.
+
 ``tfhybrid.layers.Embedding(..., cache_rows=N, store_dir=path)`` is the Keras layer on it.
 Train it with SGD without momentum or :class:`tfhybrid.optimizers.RowWiseAdagrad`, whose
 per-row state the table keeps: any other Keras optimizer would keep a slot shaped like the
@@ -179,6 +184,8 @@ class CachedTable(tf.Module):
         self._last_used = np.zeros(self.cache_rows, np.int64)  # step of the last lookup
         self._used = np.zeros(self.cache_rows, bool)   # may differ from the store
         self._filled = 0                               # slots [filled, cache_rows) free
+        # weight-sync mode: the rows written back since the replicas were last averaged
+        self._written_since_sync: list[np.ndarray] = []
         if initializer is None:
             base = 0 if seed is None else int(seed)
 
@@ -189,7 +196,7 @@ class CachedTable(tf.Module):
         for start, stop in self.blocks():
             self.write_rows(start, initializer(start, stop))
         self._step = 0
-        self._hits = self._misses = self._writebacks = 0
+        self._hits = self._misses = self._writebacks = self._synced_rows = 0
 
     def blocks(self):
         """(start, stop) row ranges of about 8 MiB: how whole tables move through memory."""
@@ -318,6 +325,7 @@ class CachedTable(tf.Module):
         self.store_accumulator[rows] = tf.gather(self.cache_accumulator, slots).numpy()
         self._used[slots] = False
         self._writebacks += slots.size
+        self._written_since_sync.append(rows)
 
     def flush(self) -> None:
         """Writes every cached row that was used since loaded back to the store (the
@@ -336,13 +344,57 @@ class CachedTable(tf.Module):
         self._last_used[:] = 0
         self._used[:] = False
         self._filled = 0
+        self._written_since_sync = []
+
+    # ------------------------------------------------------------ weight sync
+    def sync_replicas(self, average: Callable[[list], list]) -> tf.Tensor:
+        """Averages the store rows the replicas may disagree on: those written back since
+        the last call (the cache is averaged with the other weights; a row written back
+        and cached again is averaged in both places, as its store copy is what remains
+        if it leaves the cache unused, after a checkpoint's flush). ``average`` maps ``[values [n, dim],
+        accumulators [n]]`` to their means over the shard's data group. Every replica
+        wrote back the same rows (their caches choose alike), so all send the same n.
+        Returns the rows' count, once they are written; eagerly or inside a
+        ``tf.function`` (run it after the step's update)."""
+        rows = tf.py_function(self._take_rows_to_sync, [], tf.int64,
+                              name=f"{self.name}_rows_to_sync")
+        rows.set_shape([None])
+        values, accumulator = tf.py_function(
+            lambda r: (self.store[r.numpy()], self.store_accumulator[r.numpy()]), [rows],
+            [tf.float32, tf.float32], name=f"{self.name}_read_rows_to_sync")
+        values.set_shape([None, self.dim])
+        accumulator.set_shape([None])
+        values, accumulator = average([values, accumulator])
+
+        def write(r, v, a):
+            r = r.numpy()
+            self.store[r] = v.numpy()
+            self.store_accumulator[r] = a.numpy()
+            return np.int64(r.size)
+        written = tf.py_function(write, [rows, values, accumulator], tf.int64,
+                                 name=f"{self.name}_write_synced_rows")
+        written.set_shape([])
+        return written
+
+    def _take_rows_to_sync(self) -> np.ndarray:
+        rows = (np.unique(np.concatenate(self._written_since_sync))
+                if self._written_since_sync else np.zeros([0], np.int64))
+        self._written_since_sync = []
+        self._synced_rows += rows.size
+        return rows.astype(np.int64)
+
+    def mark_replicas_alike(self) -> None:
+        """Every replica holds the same table now (after a broadcast): no row to sync."""
+        self._written_since_sync = []
 
     def stats(self) -> dict:
         """Distinct ids per call that found their row cached (``hits``) or loaded it
-        (``misses``), rows written back, slots holding a row, and the hit rate."""
+        (``misses``), rows written back, store rows averaged by weight syncs
+        (``synced_rows``), slots holding a row, and the hit rate."""
         looked = self._hits + self._misses
         return {"hits": self._hits, "misses": self._misses,
-                "writebacks": self._writebacks, "cached_rows": self._filled,
+                "writebacks": self._writebacks, "synced_rows": self._synced_rows,
+                "cached_rows": self._filled,
                 "hit_rate": self._hits / looked if looked else 0.0}
 
     def memory_bytes(self) -> dict:

@@ -505,13 +505,6 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self.plan = self._planned(mesh, hotness, local_batch, features)
         self._tables = [self._in_tier(table, placement)
                         for table, placement in zip(self._tables, self.plan.tables)]
-        # one check for tables tiered by their layer or by the plan
-        tiered = [t.name for t in self._tables if t.cache_rows]
-        if tiered and self.replica_sync == "weights":
-            # a replica's evicted rows would wait in its own file, out of the average
-            raise ValueError(f"tables {tiered} have cache_rows (a disk tier), which needs "
-                             "replica_sync='gradients' for now (every replica then caches "
-                             f"and updates alike); got replica_sync={self.replica_sync!r}")
         self._strategy = ShardingStrategy(self._strategy_name, self.plan, mesh,
                                           self.input_table_map)
         # the features this rank's inputs hold, in order
@@ -1331,7 +1324,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         everyone = collectives.allgather(ids, mesh.data_parallel,
                                          f"tfhybrid_{self.name}_tier_ids_{route}",
                                          mesh.data_process_set)
-        slots = cached.slots(tf.concat([everyone, ids], 0))
+        after = []
+        if self.replica_sync == "weights":
+            # A weight sync rewrites every slot, so rows must not move in or out while it
+            # runs: a pipeline reads batch t+1's rows in step t's function, and reading
+            # the cache here orders that after the step's last write to it (its sync).
+            after = [cached.cache.read_value()]
+        with tf.control_dependencies(after):
+            slots = cached.slots(tf.concat([everyone, ids], 0))
         return slots[tf.size(everyone):]
 
     def _lookup_sum(self, key: tuple[int, int], var, ids, lengths):
