@@ -4,6 +4,8 @@ Every comparison is exact (``assertAllEqual``): the pipelined step looks up afte
 previous step's update, with the same ids, so nothing may differ in the last bit.
 """
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 
@@ -91,14 +93,16 @@ class PipelineEqualsPlainLoopTest(tf.test.TestCase):
     def test_fit_and_custom_loop_equal_the_plain_loop_bit_for_bit(self):
         world = hc.world_size()
         mesh_shapes = sorted({min(2, world), world})   # 2x2 and 1x4 (one process: 1x1)
-        # (optimizer, layer options, model_parallel, steps, also a custom loop); the
-        # custom loop runs on the 2x2 mesh only, where both halves of the route work
+        # (optimizer, layer options, model_parallel, steps of fit, steps of a custom
+        # loop): fit for the 50 steps of the issue on 2x2, the custom loop there too
+        # (both halves of the route), shorter (its steps are fit's; test_gradient_route
+        # holds the tape's route to the optimizer's)
         runs = [("rowwise_adagrad", lambda: optimizers.RowWiseAdagrad(0.1), {},
-                 mesh_shapes[0], STEPS, True),
+                 mesh_shapes[0], STEPS, 20),
                 ("weight_sync", lambda: optimizers.MomentumScaledRowWiseAdagrad(0.1),
-                 dict(replica_sync="weights", sync_every=3), mesh_shapes[0], 12, False),
-                ("sgd", lambda: tf.keras.optimizers.SGD(0.5), {}, mesh_shapes[-1], 12, False)]
-        for name, make, layer_kwargs, model_parallel, steps, loop in runs:
+                 dict(replica_sync="weights", sync_every=3), mesh_shapes[0], 12, 0),
+                ("sgd", lambda: tf.keras.optimizers.SGD(0.5), {}, mesh_shapes[-1], 12, 0)]
+        for name, make, layer_kwargs, model_parallel, steps, loop_steps in runs:
             case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=steps, world=world,
                            seed=5)
             with self.subTest(optimizer=name, model_parallel=model_parallel, steps=steps):
@@ -107,15 +111,14 @@ class PipelineEqualsPlainLoopTest(tf.test.TestCase):
                 piped, piped_loss = _fit(case, mesh, make, True, **layer_kwargs)
                 self._assert_same(piped, plain)
                 self.assertEqual(piped_loss, plain_loss)
-                if loop:
+                if loop_steps:
+                    case = dataclasses.replace(case, steps=loop_steps)
                     looped, losses = _custom_loop(case, mesh, make, True, **layer_kwargs)
                     unpiped, unpiped_losses = _custom_loop(case, mesh, make, False,
                                                            **layer_kwargs)
                     self._assert_same(looped, unpiped)
                     self.assertEqual(losses, unpiped_losses)
-                    # the tape loop and fit take the same route (test_gradient_route)
-                    for g, w in zip(looped, plain):
-                        self.assertAllClose(g, w, atol=1e-6, rtol=1e-6)
+                    self.assertLen(losses, loop_steps)
                 mesh_lib._reset_for_tests()
 
     def test_epochs_and_steps_per_execution(self):

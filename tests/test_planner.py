@@ -11,8 +11,8 @@ from dataclasses import asdict
 
 from tfhybrid.planner import (DE_STRATEGIES, DEFAULT_STRATEGY, KINDS, STRATEGIES, ShardingPlan,
                               TableConfig, input_ids_per_position, optimizer_state_bytes,
-                              plan_sharding, shard_cache_rows, table_ids_per_position,
-                              tier_dram_bytes)
+                              plan_sharding, position_traffic, shard_cache_rows,
+                              table_ids_per_position, tier_dram_bytes, weight_sync_bytes)
 
 MESHES = (1, 2, 3, 4, 8)
 # Thresholds (elements) that make all four kinds appear in _random_tables when M > 1.
@@ -730,6 +730,23 @@ class TierPlanTest(unittest.TestCase):
             del t["cache_rows"]
         self.assertEqual([t.cache_rows for t in ShardingPlan.from_json(json.dumps(old)).tables],
                          [None, None])
+
+    def test_a_tiered_shard_syncs_its_cache_and_written_rows_in_weight_sync_mode(self):
+        # weight sync averages a tier's cache and the rows its store took back (at most
+        # the group's distinct ids of K steps), not the whole shard as in memory
+        tables = [TableConfig("cached", 100_000, 16, cache_rows=5_000),
+                  TableConfig("memory", 100_000, 16)]
+        plan = plan_sharding(tables, 2, 2, replica_sync="weights", sync_every=4,
+                             optimizer="rowwise_adagrad", local_batch_size=64)
+        owner = {t.name: t.shards[0].owner for t in plan.tables}
+        sync = {name: position_traffic(plan, tables, p).shard_weight_sync_bytes
+                for name, p in owner.items()}
+        self.assertEqual(sync["memory"], weight_sync_bytes(100_000, 16, 4,
+                                                           "rowwise_adagrad", 2))
+        cache = 5_000 * 17 * 4   # rows and their accumulators, float32
+        self.assertGreater(sync["cached"], cache)
+        self.assertLessEqual(sync["cached"], cache + 4 * 2 * 64 * 17 * 4)
+        self.assertLess(sync["cached"], sync["memory"] / 10)
 
     def test_budgets_that_cannot_work_name_the_value(self):
         cases = [

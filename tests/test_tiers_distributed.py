@@ -37,7 +37,8 @@ def _case(world, seed, steps=STEPS, store_dir=None):
                    cache_rows=CACHE_ROWS if store_dir else None, store_dir=store_dir)
 
 
-def _trained(case, mesh, make_optimizer, pipeline=False, model=None, **layer_kwargs):
+def _trained(case, mesh, make_optimizer, pipeline=False, model=None, callbacks=None,
+             **layer_kwargs):
     if model is None:
         model, layer = case.distributed_model(mesh, **layer_kwargs)
         model.compile(optimizer=tfhybrid.DistributedOptimizer(make_optimizer()),
@@ -45,8 +46,24 @@ def _trained(case, mesh, make_optimizer, pipeline=False, model=None, **layer_kwa
     if pipeline:
         TrainPipeline(model)
     ids, labels = case.local_data(mesh.rank)
-    history = model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0)
+    history = model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0,
+                        callbacks=callbacks)
     return model, history.history["loss"]
+
+
+class _SaveAfterBatches(tf.keras.callbacks.Callback):
+    """Saves a checkpoint after each of ``batches`` (its flush writes every used cached
+    row back) and keeps the weights each one holds."""
+
+    def __init__(self, batches, directory):
+        super().__init__()
+        self.batches, self.directory = batches, directory
+        self.saved = {}   # checkpoint path -> the weights saved
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch in self.batches:
+            path = tf.train.Checkpoint(model=self.model).save(f"{self.directory}/ckpt")
+            self.saved[path] = _weights(self.model)
 
 
 def _layer(model):
@@ -71,6 +88,13 @@ class _TierDir(tf.test.TestCase):
 
     def fresh_dir(self):
         return tempfile.mkdtemp(dir=self.dir)
+
+    def shared_dir(self):
+        """One directory for every rank: all ranks write one checkpoint together."""
+        path = hvd.broadcast_object(tempfile.mkdtemp(prefix="tfhybrid-tier-ckpt-")
+                                    if hvd.rank() == 0 else None)
+        self.addCleanup(lambda: hvd.rank() == 0 and shutil.rmtree(path, True))
+        return path
 
     def assert_same(self, got, want):
         self.assertEqual(len(got), len(want))
@@ -150,9 +174,13 @@ class WeightSyncTierTest(_TierDir):
                                            **sync)
             for pipeline in pipelines:
                 with self.subTest(optimizer=name, pipeline=pipeline):
-                    tiered, tiered_loss = _trained(
-                        _case(world, seed=71, steps=12, store_dir=self.fresh_dir()), mesh,
-                        make, pipeline, **sync)
+                    # a checkpoint between two syncs (after step 5; K = 3) writes
+                    # cached rows back, which must reach the next sync's average; one
+                    # after a sync (step 6) holds what every replica holds
+                    saving = _SaveAfterBatches((4, 5), self.shared_dir())
+                    case = _case(world, seed=71, steps=12, store_dir=self.fresh_dir())
+                    tiered, tiered_loss = _trained(case, mesh, make, pipeline,
+                                                   callbacks=[saving], **sync)
                     self.assertEqual(tiered_loss, memory_loss)
                     self.assert_same(_weights(tiered), _weights(memory))
                     # rows left the caches between syncs, and the syncs averaged them in
@@ -161,6 +189,15 @@ class WeightSyncTierTest(_TierDir):
                     for key in ("writebacks", "synced_rows"):
                         self.assertGreater(sum(hvd.allgather_object(
                             sum(s[key] for s in stats))), 0, key)
+                    # the synced checkpoint restores into the tables in memory
+                    path, weights = list(saving.saved.items())[-1]
+                    restored, _ = dataclasses.replace(
+                        case, cache_rows=None, store_dir=None).distributed_model(mesh, **sync)
+                    restored.compile(optimizer=tfhybrid.DistributedOptimizer(make()),
+                                     loss=hc.loss_fn)
+                    tf.train.Checkpoint(model=restored).read(
+                        path).assert_existing_objects_matched()
+                    self.assert_same(_weights(restored), weights)
 
 
 class MemoryBudgetTest(_TierDir):
@@ -202,10 +239,7 @@ class TierCheckpointTest(_TierDir):
     def test_checkpoint_restores_onto_another_mesh_and_into_memory(self):
         world = hc.world_size()
         make = lambda: RowWiseAdagrad(0.1)  # noqa: E731
-        # the same directory on every rank: all ranks write one checkpoint together
-        path = hvd.broadcast_object(tempfile.mkdtemp(prefix="tfhybrid-tier-ckpt-")
-                                    if hvd.rank() == 0 else None)
-        self.addCleanup(lambda: hvd.rank() == 0 and shutil.rmtree(path, True))
+        path = self.shared_dir()
         first = _case(world, seed=47, steps=10, store_dir=self.fresh_dir())
         then = _case(world, seed=53, steps=6)
         mesh = tfhybrid.init(model_parallel=2)

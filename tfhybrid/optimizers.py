@@ -27,6 +27,10 @@ from tfhybrid import fiited
 from tfhybrid import tiers
 from tfhybrid.custom_ops import custom_ops_available, rowwise_adagrad_apply
 
+# the slot name of the row-wise optimizers' per-row state ("<var>/accumulator"), also
+# the one slot a FIITED pool or a tiered table holds (their checkpoints use it)
+ROW_STATE_SLOT = "accumulator"
+
 __all__ = ["RowWiseAdagrad", "MomentumScaledRowWiseAdagrad"]
 
 _LOG = logging.getLogger(__name__)
@@ -180,7 +184,7 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
         # optimizer.variables and be checkpointed with the optimizer.
         strategy = tf.distribute.get_strategy()
         with strategy.extended.colocate_vars_with(var):
-            acc = tf.Variable(initial, name=f"{var._shared_name}/accumulator",
+            acc = tf.Variable(initial, name=f"{var._shared_name}/{ROW_STATE_SLOT}",
                               dtype=dtype, trainable=False)
         self._variables.append(acc)
         return acc

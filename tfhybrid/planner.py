@@ -51,7 +51,8 @@ traffic figures (their gradients go through the allreduce).
 * replica sync of a shard over its data group (D copies), per step: ``"gradients"`` moves
   :func:`sync_bytes` (sparse allgather of the touched rows or dense allreduce, whichever is
   smaller); ``"weights"`` moves :func:`weight_sync_bytes` (the whole shard and its optimizer
-  state) every K = sync_every steps, so 1/K of it per step. Data-parallel tables always
+  state; a tiered shard's cache and the rows its store took back) every K = sync_every
+  steps, so 1/K of it per step. Data-parallel tables always
   sync gradients over all N ranks.
 * comm_dtype (None = each table's dtype) is the dtype of the activations, their gradients
   and the gradient sync values on the wire; a weight sync moves the variables' own bytes.
@@ -1028,17 +1029,24 @@ def sync_bytes(rows: int, width: int, ids_per_step: float, group_size: int,
 
 
 def weight_sync_bytes(rows: int, width: int, value_bytes: int, optimizer: str,
-                      group_size: int) -> float:
+                      group_size: int, cache_rows: int | None = None,
+                      written_rows: float = 0.0) -> float:
     """Bytes one weight sync averages per rank: the variable and its optimizer state.
 
     Dense over the group (every row may have moved); 0 for a group of one. Amortized over
-    K steps by the callers (``sync_every``).
+    K steps by the callers (``sync_every``). A tiered shard (``cache_rows``) averages its
+    cache and the ``written_rows`` its store took back since the sync before, each a
+    float32 row and its float32 row state (``tfhybrid.tiers``), whatever the optimizer.
 
     >>> weight_sync_bytes(100, 8, 4, "rowwise_adagrad", 2)
     3600.0
+    >>> weight_sync_bytes(100, 8, 4, "rowwise_adagrad", 2, cache_rows=10, written_rows=5)
+    540.0
     """
     if group_size == 1:
         return 0.0
+    if cache_rows is not None:
+        return float((cache_rows + written_rows) * (width + 1) * 4)
     return float(rows * width * value_bytes + optimizer_state_bytes(rows, width, optimizer))
 
 
@@ -1212,7 +1220,15 @@ def _traffic(p: int, tables: Sequence[TableConfig], placements: Sequence[TablePl
             if s.owner == p:
                 group_rows = touched(t, m * ids, nrows, share)
                 if weights_mode:
-                    one_sync = weight_sync_bytes(nrows, w, act, optimizer, d)
+                    if pl.cache_rows:
+                        # a tier's store takes back at most one row per row it loads: at
+                        # most the group's distinct ids of K steps, never a cached row
+                        cached = shard_cache_rows(pl.cache_rows, t.rows, nrows)
+                        one_sync = weight_sync_bytes(
+                            nrows, w, act, optimizer, d, cached,
+                            min(float(nrows - cached), settings.sync_every * group_rows))
+                    else:
+                        one_sync = weight_sync_bytes(nrows, w, act, optimizer, d)
                     sync += one_sync / settings.sync_every
                     shard_ws += one_sync
                     applied = group_rows

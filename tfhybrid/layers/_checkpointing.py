@@ -58,6 +58,7 @@ from tfhybrid import _resharding
 from tfhybrid import distributed
 from tfhybrid import fiited
 from tfhybrid import tiers
+from tfhybrid.optimizers import ROW_STATE_SLOT
 
 # The layer's and the optimizer's checkpoint children (part of the checkpoint format).
 TABLES_CHILD = "tables"
@@ -439,7 +440,7 @@ def _slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
         # a FIITED pool's or tiered shard's only state is its rows' accumulator, which
         # the table holds
         state = chunked.accumulator if chunked is not None else cached.cache_accumulator
-        return ({"accumulator": state}
+        return ({ROW_STATE_SLOT: state}
                 if any(v is state for v in _variables_of(owner)) else {})
     if hasattr(owner, "get_slot_names"):   # legacy Keras optimizers
         slots = {}
@@ -488,7 +489,12 @@ class _LayerSlots(trackable_base.Trackable):
         names = sorted(_slots_of(optimizer, layer._anchor))
         factories = {}
         for t, (table, pieces) in enumerate(zip(layer._tables, _held(layer))):
-            per_slot: dict[str, list[_Piece]] = {name: [] for name in names}
+            # a FIITED pool's or tiered table's only state is its rows' accumulator
+            # (_slots_of): a momentum-free SGD's "m", which carries nothing from step to
+            # step, has no place there. Every rank knows which tables these are.
+            table_names = ([n for n in names if n == ROW_STATE_SLOT]
+                           if table.chunks or table.cache_rows else names)
+            per_slot: dict[str, list[_Piece]] = {name: [] for name in table_names}
             # a FIITED table's row-wise slot is saved per chunk column (its column
             # slices hold whole chunks), not broadcast over every column
             full_shape = (table.rows, table.chunks) if table.chunks else (table.rows,
@@ -497,11 +503,11 @@ class _LayerSlots(trackable_base.Trackable):
                 if table.chunks:
                     rect = _in_chunks(table, rect)
                 slots = _slots_of(optimizer, var)
-                if sorted(slots) != names:
+                if sorted(slots) != table_names:
                     raise ValueError(
                         f"the optimizer gives table {table.name!r} of layer "
-                        f"{layer.name!r} the slots {sorted(slots)} but the layer's anchor "
-                        f"{names}; tfhybrid saves the same slots for every table")
+                        f"{layer.name!r} the slots {sorted(slots)} but tfhybrid saves "
+                        f"{table_names} for it (the layer's anchor has {names})")
                 for name, slot in slots.items():
                     per_slot[name].append(_slot_piece(rect, slot))
             for name, slot_pieces in per_slot.items():
