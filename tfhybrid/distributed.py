@@ -617,8 +617,8 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
         name = f"tfhybrid_weight_sync_{table.name}"
 
         def average(tensors, name=name):
-            collectives.count("allreduce", sum(tf.size(t, tf.int64) * 4 for t in tensors),
-                              name, mesh.data_process_set)
+            collectives.count("allreduce", sum(tf.size(t, tf.int64) * t.dtype.size
+                                               for t in tensors), name, mesh.data_process_set)
             return collectives.grouped_allreduce(tensors, op=hvd.Average, name=name,
                                                  process_set=mesh.data_process_set)
         with tf.control_dependencies([op for op in assigned if op is not None]):

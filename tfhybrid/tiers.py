@@ -349,19 +349,18 @@ class CachedTable(tf.Module):
     # ------------------------------------------------------------ weight sync
     def sync_replicas(self, average: Callable[[list], list]) -> tf.Tensor:
         """Averages the store rows the replicas may disagree on: those written back since
-        the last call (the cache is averaged with the other weights; a row written back
+        the last call. The cache is averaged with the other weights; a row written back
         and cached again is averaged in both places, as its store copy is what remains
-        if it leaves the cache unused, after a checkpoint's flush). ``average`` maps ``[values [n, dim],
-        accumulators [n]]`` to their means over the shard's data group. Every replica
-        wrote back the same rows (their caches choose alike), so all send the same n.
-        Returns the rows' count, once they are written; eagerly or inside a
-        ``tf.function`` (run it after the step's update)."""
-        rows = tf.py_function(self._take_rows_to_sync, [], tf.int64,
-                              name=f"{self.name}_rows_to_sync")
+        if it leaves the cache unused (after a checkpoint's flush).
+
+        ``average`` maps ``[values [n, dim], accumulators [n]]`` to their means over the
+        shard's data group. Every replica wrote back the same rows (their caches choose
+        alike), so all send the same n. Returns the rows' count, once they are written;
+        eagerly or inside a ``tf.function`` (run it after the step's update)."""
+        rows, values, accumulator = tf.py_function(
+            self._take_rows_to_sync, [], [tf.int64, tf.float32, tf.float32],
+            name=f"{self.name}_read_rows_to_sync")
         rows.set_shape([None])
-        values, accumulator = tf.py_function(
-            lambda r: (self.store[r.numpy()], self.store_accumulator[r.numpy()]), [rows],
-            [tf.float32, tf.float32], name=f"{self.name}_read_rows_to_sync")
         values.set_shape([None, self.dim])
         accumulator.set_shape([None])
         values, accumulator = average([values, accumulator])
@@ -376,12 +375,14 @@ class CachedTable(tf.Module):
         written.set_shape([])
         return written
 
-    def _take_rows_to_sync(self) -> np.ndarray:
+    def _take_rows_to_sync(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows written back since the last sync (ascending), their values and
+        accumulators in the store; the next sync starts a new list."""
         rows = (np.unique(np.concatenate(self._written_since_sync))
-                if self._written_since_sync else np.zeros([0], np.int64))
+                if self._written_since_sync else np.zeros([0], np.int64)).astype(np.int64)
         self._written_since_sync = []
         self._synced_rows += rows.size
-        return rows.astype(np.int64)
+        return rows, np.asarray(self.store[rows]), np.asarray(self.store_accumulator[rows])
 
     def mark_replicas_alike(self) -> None:
         """Every replica holds the same table now (after a broadcast): no row to sync."""
