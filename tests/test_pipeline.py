@@ -34,14 +34,30 @@ def _weights(model, layer):
 
 
 def _fit(case, mesh, make_optimizer, pipeline, epochs=1, steps_per_execution=1,
-         **layer_kwargs):
+         check=None, **layer_kwargs):
+    """Weights and losses after ``model.fit``; ``check(pipeline)`` runs on the pipeline
+    after training."""
     model, layer = _model(case, mesh, make_optimizer, steps_per_execution, **layer_kwargs)
     if pipeline:
-        TrainPipeline(model)
+        pipeline = TrainPipeline(model)
     ids, labels = case.local_data(mesh.rank)
     history = model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0,
                         epochs=epochs)
+    if check is not None:
+        check(pipeline)
     return _weights(model, layer), history.history["loss"]
+
+
+def _ancestors(op) -> set:
+    """Every op ``op`` waits for, through data and control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
 
 
 def _custom_loop(case, mesh, make_optimizer, enabled, **layer_kwargs):
@@ -65,6 +81,19 @@ def _custom_loop(case, mesh, make_optimizer, enabled, **layer_kwargs):
     with self_raises_stop_iteration():
         pipeline.progress(iterator)
     return _weights(model, layer), losses
+
+
+def _assert_route_follows_rows(test, pipeline) -> None:
+    """In the pipelined step, the read-ahead's collectives (id check, ids alltoall) wait
+    for the step's rows alltoall: issued with it, Horovod ran them first."""
+    graph = pipeline._fused_fn.get_concrete_function().graph
+    collectives = [op for op in graph.get_operations() if op.type.startswith("Horovod")]
+    rows = [op for op in collectives if op.name.endswith("_rows")]
+    route = [op for op in collectives if op.name.endswith(("_validate", "_ids"))]
+    test.assertNotEmpty(rows)
+    test.assertNotEmpty(route)
+    for op in route:
+        test.assertContainsSubset(rows, _ancestors(op), msg=op.name)
 
 
 class self_raises_stop_iteration:
@@ -108,7 +137,9 @@ class PipelineEqualsPlainLoopTest(tf.test.TestCase):
             with self.subTest(optimizer=name, model_parallel=model_parallel, steps=steps):
                 mesh = tfhybrid.init(model_parallel=model_parallel)
                 plain, plain_loss = _fit(case, mesh, make, False, **layer_kwargs)
-                piped, piped_loss = _fit(case, mesh, make, True, **layer_kwargs)
+                piped, piped_loss = _fit(
+                    case, mesh, make, True, check=lambda pipeline: _assert_route_follows_rows(
+                        self, pipeline), **layer_kwargs)
                 self._assert_same(piped, plain)
                 self.assertEqual(piped_loss, plain_loss)
                 if loop_steps:

@@ -826,7 +826,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         if phase is None or phase.routing:
             # 1-2. validate on every rank together, then ids to their owners
             ended = None if phase is None else phase.ended
-            bags, routed, agreement = self._route(bags, local_batch, invalid, ended)
+            hold = None if phase is None else phase.hold
+            bags, routed, agreement = self._route(bags, local_batch, invalid, ended, hold)
             if phase is not None:
                 # TrainPipeline reads this batch ahead: it keeps the ids and stops here
                 phase.hand_over(self, routed, *agreement)
@@ -836,7 +837,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             routed = phase.take(self)
 
         # 3-4. model-parallel features through the model group
-        partials = self._exchange(bags, local_batch, routed) if any(self._routes) else {}
+        sending = phase.sending if phase is not None else None
+        partials = (self._exchange(bags, local_batch, routed, sending)
+                    if any(self._routes) else {})
 
         outputs = []
         for f, t in enumerate(self.input_table_map):
@@ -882,7 +885,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
         return bags, local_batch, invalid
 
-    def _route(self, bags: dict, batch, invalid: dict, ended=None) -> tuple[dict, list, Any]:
+    def _route(self, bags: dict, batch, invalid: dict, ended=None, hold=None
+               ) -> tuple[dict, list, Any]:
         """Steps 1-2: the checked bags, the ids of the routes this position owns, and
         (with ``ended``) whether every rank's input has ended and the failed check's
         message ("" if none failed), for the caller to raise.
@@ -893,9 +897,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         tiered shards' caches, where it fills slots that neither this batch nor the one
         before uses (``pinned_calls``), so ``TrainPipeline`` may run it a step ahead. ``ended`` (a bool
         tensor) says that this rank's input has ended and ``bags`` only stand in for a
-        batch: the ranks agree on it in the same allgather that checks the ids.
+        batch: the ranks agree on it in the same allgather that checks the ids. ``hold``
+        (``TrainPipeline``'s) maps what goes into each of the route's collectives to the
+        same tensor issued later.
         """
-        checks, all_ended = self._validate_everywhere(bags, batch, invalid, ended)
+        checks, all_ended = self._validate_everywhere(bags, batch, invalid, ended, hold)
         agreement = None
         if ended is None:
             asserts = [tf.debugging.Assert(holds, [message]) for holds, message in checks]
@@ -909,7 +915,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         if not any(self._routes):
             return bags, [], agreement
         if self.dp_input:
-            route_ids, route_lengths = self._ids_through_group(bags, batch)
+            route_ids, route_lengths = self._ids_through_group(bags, batch, hold)
         else:
             # the input already holds the model group's batch of this position's features
             shard_ids = [self._shard_ids(bags[r.feature], r)
@@ -1062,8 +1068,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return self._Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                           table.combiner)
 
-    def _validate_everywhere(self, bags: dict, batch, invalid: dict, ended=None
-                             ) -> tuple[list, Any]:
+    def _validate_everywhere(self, bags: dict, batch, invalid: dict, ended=None,
+                             hold=None) -> tuple[list, Any]:
         """Checks that every id is in range and every rank has the same batch size.
 
         Each rank contributes [batch, (bad?, first bad id, bad input?) per feature] (zeros
@@ -1093,6 +1099,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         if ended is not None:
             report.append(tf.reshape(tf.cast(ended, tf.int64), [1]))
         report = tf.reshape(tf.concat(report, 0), [1, -1])
+        if hold is not None:
+            report = hold(report)
         everyone = collectives.allgather(report, self._mesh.size,
                                          f"tfhybrid_{self.name}_validate")
         sizes = everyone[:, 0]
@@ -1147,7 +1155,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 tf.math.unsorted_segment_sum(tf.cast(inside, tf.int64), bag_index,
                                              tf.size(bag.lengths)))
 
-    def _ids_through_group(self, bags: dict, batch) -> tuple[list, list]:
+    def _ids_through_group(self, bags: dict, batch, hold=None) -> tuple[list, list]:
         """dp_input=True, step 2: every rank sends each owner the ids of its routes.
 
         Returns, for each route this position owns, the ids and bag lengths of all M
@@ -1167,8 +1175,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             payload = tf.concat(lengths + values, 0) if routes else tf.zeros([0], wire)
             payloads.append(payload)
             sizes.append(tf.size(payload, out_type=tf.int32))
+        payload = tf.concat(payloads, 0)
+        if hold is not None:
+            payload = hold(payload)
         received, received_sizes = collectives.alltoall(
-            tf.concat(payloads, 0), tf.stack(sizes), mesh.model_process_set, group,
+            payload, tf.stack(sizes), mesh.model_process_set, group,
             f"tfhybrid_{self.name}_ids")
         mine = self._routes[mesh.model_position]
         bags_per_route = [bags[r.feature].per_sample for r in mine]
@@ -1187,10 +1198,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return ([tf.cast(tf.concat(x, 0), tf.int64) for x in route_ids],
                 [tf.concat(x, 0) for x in route_lengths])
 
-    def _exchange(self, bags: dict, batch, routed: list) -> dict:
+    def _exchange(self, bags: dict, batch, routed: list, sending=None) -> dict:
         """Steps 3-4: owner lookups of the routed ids (``_route``), embeddings back.
 
-        Returns each (feature, shard)'s rows for this rank's samples.
+        Returns each (feature, shard)'s rows for this rank's samples. ``sending`` (a
+        ``TrainPipeline`` step's) is handed the rows alltoall's input and output.
         """
         mesh = self._mesh
         group = mesh.model_parallel
@@ -1258,6 +1270,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         returned, returned_sizes = collectives.alltoall(
             back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
             differentiable=True)
+        if sending is not None:
+            sending(back, returned)
         partials = {}
         if thresholded:
             position_chunks = tf.split(returned_positions, returned_sizes, num=group)
