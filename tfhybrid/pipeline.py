@@ -5,11 +5,11 @@ on every rank (one allgather), send them to their owners (one ``alltoall`` in th
 group), look up, exchange rows, run the towers, sync and apply gradients. Only the look-up
 needs the tables as the previous step left them. ``TrainPipeline`` therefore runs step t
 and the route of batch t+1 (``DistributedEmbedding._route``) in one function: the two
-share no variable, so the runtime runs the route's collectives and ops beside the step's
-compute, and step t+1 then starts at the look-up with those routed ids. The look-up still
-follows step t's update, so the results are those of the plain loop, bit for bit
-(TorchRec's ``TrainPipelineSparseDist`` makes the same promise). Batches come from the
-input pipeline's own prefetch.
+share no variable, so the route's ops run while the step waits for its rows alltoall and
+its collectives cross while the towers compute, and step t+1 then starts at the look-up
+with those routed ids. The look-up still follows step t's update, so the results are
+those of the plain loop, bit for bit (TorchRec's ``TrainPipelineSparseDist`` makes the
+same promise). Batches come from the input pipeline's own prefetch.
 
 How the ids of a batch are found without running the model: the route calls the model on
 the batch's inputs (``training=False``) with every ``DistributedEmbedding`` in routing
@@ -355,7 +355,7 @@ class TrainPipeline:
     def _step_and_route(self, batch: Any, routed: list, following: Any, ended: tf.Tensor
                         ) -> tuple:
         """Step t on its routed ids and the route of batch t+1, in one function: the two
-        share no variable, so the runtime runs the route beside the step's compute."""
+        share no variable, so the route runs inside the step's waits (below)."""
         phase = _Stepping(self._layers, routed)
         with _PhaseScope(phase):
             outputs = self._train_step(batch)
