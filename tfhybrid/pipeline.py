@@ -3,11 +3,12 @@
 A step of a hybrid model runs its phases one after another: read the batch, check its ids
 on every rank (one allgather), send them to their owners (one ``alltoall`` in the model
 group), look up, exchange rows, run the towers, sync and apply gradients. Only the look-up
-needs the tables as the previous step left them. ``TrainPipeline`` therefore runs step t
-and the route of batch t+1 (``DistributedEmbedding._route``) in one function: the two
-share no variable, so the route's ops run while the step waits for its rows alltoall and
-its collectives cross while the towers compute, and step t+1 then starts at the look-up
-with those routed ids. The look-up still follows step t's update, so the results are
+needs the tables as the previous step left them. ``TrainPipeline`` splits the route
+(``DistributedEmbedding._route_prepare`` / ``_route_exchange``) and runs, in one
+function, step t, the route's collectives for batch t+1 on what the call before
+prepared, and the preparation of batch t+2; they share no variable, so the collectives
+cross while the step looks up its rows and the preparation runs while the step waits
+for them, and step t+1 then starts at the look-up with those routed ids. The look-up still follows step t's update, so the results are
 those of the plain loop, bit for bit (TorchRec's ``TrainPipelineSparseDist`` makes the
 same promise). Batches come from the input pipeline's own prefetch.
 
@@ -39,38 +40,25 @@ ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ran
 
 
 class _Routing:
-    """The read-ahead's forward: layers hand over their routed ids, then it stops."""
+    """The read-ahead's forward: layers hand over what their routes will send (their
+    first half, ``DistributedEmbedding._route_prepare``), then it stops."""
     routing = True
 
-    def __init__(self, layers: list, ended: tf.Tensor, after: list = ()):
+    def __init__(self, layers: list, ended: tf.Tensor):
         self._expected = {id(layer) for layer in layers}
         self.ended = ended             # this rank's input has ended: a stand-in batch
-        self._after = list(after)      # what the route's collectives wait for
-        self.all_ended = None          # every rank's has (from the first layer's check)
-        self.failures: list = []       # each layer's failed check ("" if none)
-        self.routed: dict[int, list] = {}
-
-    def hold(self, tensor: tf.Tensor) -> tf.Tensor:
-        """``tensor``, available once everything in ``after`` is."""
-        if not self._after:
-            return tensor
-        with tf.control_dependencies(self._after):
-            return tf.identity(tensor)
+        self.prepared: dict[int, tuple] = {}   # per layer: (tensors to send, facts)
 
     @property
     def complete(self) -> bool:
-        return self._expected <= set(self.routed)
+        return self._expected <= set(self.prepared)
 
-    def hand_over(self, layer: Any, routed: list, all_ended: tf.Tensor,
-                  failure: tf.Tensor) -> None:
-        if id(layer) in self.routed:
+    def hand_over(self, layer: Any, sending: list, facts: tuple) -> None:
+        if id(layer) in self.prepared:
             raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} was called "
                              "twice in one forward pass; a pipelined model calls each "
                              "DistributedEmbedding once per step")
-        self.routed[id(layer)] = routed
-        if self.all_ended is None:
-            self.all_ended = all_ended
-        self.failures.append(failure)
+        self.prepared[id(layer)] = (sending, facts)
         if self.complete:
             raise _AllRouted("every DistributedEmbedding has its ids")
 
@@ -88,11 +76,9 @@ class _Stepping:
         self._names = {id(layer): layer.name for layer in layers}
         self._taken: set[int] = set()
         self.sent: list = []       # each layer's rows as they enter its alltoall
-        self.received: list = []   # and as they come out of it
 
-    def sending(self, rows: tf.Tensor, received: tf.Tensor) -> None:
+    def sending(self, rows: tf.Tensor) -> None:
         self.sent.append(rows)
-        self.received.append(received)
 
     def take(self, layer: Any) -> list:
         key = id(layer)
@@ -168,9 +154,10 @@ class TrainPipeline:
     """Runs training steps with the next batch's ids already sent to their owners.
 
     Beside step t, in the same function, batch t+1's ids are checked on every rank and
-    sent through the model group's ``alltoall`` (``DistributedEmbedding``'s steps 1-2).
-    Step t+1 then starts at the look-up, after step t's update, so the weights are those
-    of the plain loop bit for bit.
+    sent through the model group's ``alltoall`` (``DistributedEmbedding``'s steps 1-2,
+    their payload prepared in the call before), and batch t+2's are prepared. Step t+1
+    then starts at the look-up, after step t's update, so the weights are those of the
+    plain loop bit for bit.
 
     Args:
       model: the Keras model holding one or more ``DistributedEmbedding`` layers.
@@ -182,7 +169,7 @@ class TrainPipeline:
       enabled: ``False`` runs the same steps one after another (for debugging).
 
     ``progress(iterator)`` trains one batch and returns what the train step returned. It
-    reads one batch ahead of the step it runs; at the end of the input it trains the
+    reads two batches ahead of the step it runs; at the end of the input it trains the
     last batch, and the call after raises ``StopIteration``.
 
     Example (one process; under horovodrun the same code overlaps the alltoall)::
@@ -217,9 +204,10 @@ class TrainPipeline:
         self._model_inputs = model_inputs or (
             lambda batch: tf.keras.utils.unpack_x_y_sample_weight(batch)[0])
         self._layers = [m for m in model.submodules if hasattr(m, "_route")]
-        self._pending: tuple | None = None   # (iterator, batch, routed ids)
+        # (iterator, batch t and its routed ids, batch t+1 and what its route sends)
+        self._pending: tuple | None = None
         self._last_batch = None   # stands in for a batch once this rank's input ended
-        self._fused_fn = self._route_fn = self._plain_fn = None
+        self._fused_fn = self._route_fn = self._prepare_fn = self._plain_fn = None
         self._fused_flat = None   # (concrete function, flat input specs): _call_fused
         if self._keras:
             self._keras_make_train_function = model.make_train_function
@@ -235,18 +223,18 @@ class TrainPipeline:
             return self._plain_fn(next(iterator))
         if self._pending is None or self._pending[0] is not iterator:
             # a batch read ahead from another iterator is one the plain loop never reads
-            self._pending = self._read(iterator, first=True)
+            self._pending = self._start(iterator)
             if self._pending is None:
                 raise StopIteration
-        _, batch, routed = self._pending
+        _, batch, routed, following, sending = self._pending
         self._pending = None
-        following, ended = self._next_batch(iterator)
-        outputs, routed_next, all_ended, failure = self._call_fused(
-            (batch, routed, self._model_inputs(following), tf.constant(ended)))
+        after, ended = self._next_batch(iterator)
+        outputs, routed_next, all_ended, failure, sending_next = self._call_fused(
+            (batch, routed, sending, self._model_inputs(after), tf.constant(ended)))
         # the step has finished: a bad batch read ahead fails only now, on every rank
         _raise_failure(failure)
         if not bool(all_ended):
-            self._pending = (iterator, following, routed_next)
+            self._pending = (iterator, following, routed_next, after, sending_next)
         return outputs
 
     def _call_fused(self, args: tuple) -> tuple:
@@ -261,7 +249,7 @@ class TrainPipeline:
         tensor's dtype and shape, which are checked here; anything else takes the
         checked path (which retraces or raises)."""
         if self._fused_fn is None:
-            signature = _signature_of(args[:3])
+            signature = _signature_of(args[:-1])
             self._fused_fn = tf.function(self._step_and_route, input_signature=(
                 None if signature is None else list(signature) + [tf.TensorSpec([], tf.bool)]),
                 reduce_retracing=True)
@@ -295,6 +283,22 @@ class TrainPipeline:
             return self._last_batch, False
         except _end_of_input():
             return self._last_batch, True
+
+    def _start(self, iterator: Iterator) -> tuple | None:
+        """What the first step of ``iterator`` needs (``_pending``): its first batch,
+        routed on its own, and the second, prepared; None if the input is empty."""
+        first = self._read(iterator, first=True)
+        if first is None:
+            return None
+        following, ended = self._next_batch(iterator)
+        inputs = self._model_inputs(following)
+        if self._prepare_fn is None:
+            signature = _signature_of(inputs)
+            self._prepare_fn = tf.function(
+                lambda inputs, ended: self._prepare(inputs, ended)[0], input_signature=(
+                    None if signature is None else [signature, tf.TensorSpec([], tf.bool)]),
+                reduce_retracing=True)
+        return first + (following, self._prepare_fn(inputs, tf.constant(ended)))
 
     def _read(self, iterator: Iterator, first: bool = False) -> tuple | None:
         """The next batch and its routed ids, on their own (the first batch of an
@@ -330,44 +334,70 @@ class TrainPipeline:
             ended = [r for r, f in enumerate(flags) if not f]
             raise ValueError(ENDED_MESSAGE.format(ended))
 
-    def _route(self, inputs: Any, ended: tf.Tensor, after: list = ()
-               ) -> tuple[list, tf.Tensor, tf.Tensor]:
+    def _route(self, inputs: Any, ended: tf.Tensor) -> tuple[list, tf.Tensor, tf.Tensor]:
         """Steps 1-2 of every DistributedEmbedding for ``inputs``: the routed ids, whether
-        every rank's input has ended, and the first failed check's message (or "").
-        Its collectives are issued once ``after`` is done."""
-        phase = _Routing(self._layers, ended, after)
+        every rank's input has ended, and the first failed check's message (or "")."""
+        return self._exchange(*self._prepare(inputs, ended))
+
+    def _prepare(self, inputs: Any, ended: tf.Tensor) -> tuple[list, list]:
+        """The first half of every DistributedEmbedding's route for ``inputs``: per
+        layer, the tensors its collectives will send and the facts to read them by
+        (``DistributedEmbedding._route_prepare``)."""
+        phase = _Routing(self._layers, ended)
         with _PhaseScope(phase):
             try:
                 self.model(inputs, training=False)
             except Exception:   # noqa: BLE001 (autograph may rewrap _AllRouted)
                 if not phase.complete:
                     raise
-        missing = [layer.name for layer in self._layers if id(layer) not in phase.routed]
+        missing = [layer.name for layer in self._layers if id(layer) not in phase.prepared]
         if missing:
             raise ValueError(f"TrainPipeline: calling the model did not reach "
                              f"DistributedEmbedding layers {missing}; a pipelined model "
                              "calls every DistributedEmbedding in each forward pass")
-        failures = tf.stack(phase.failures)
-        failure = tf.gather(failures, tf.argmax(tf.cast(failures != "", tf.int32)))
-        return ([phase.routed[id(layer)] for layer in self._layers], phase.all_ended,
-                failure)
+        prepared = [phase.prepared[id(layer)] for layer in self._layers]
+        return [sending for sending, _ in prepared], [facts for _, facts in prepared]
 
-    def _step_and_route(self, batch: Any, routed: list, following: Any, ended: tf.Tensor
-                        ) -> tuple:
-        """Step t on its routed ids and the route of batch t+1, in one function: the two
-        share no variable, so the route runs inside the step's waits (below)."""
+    def _exchange(self, sending: list, facts: list) -> tuple[list, tf.Tensor, tf.Tensor]:
+        """The second half: every layer's collectives on what ``_prepare`` made; the
+        routed ids, whether every rank's input has ended, and the first failed check's
+        message (or "")."""
+        routed, failures, all_ended = [], [], None
+        for layer, sent, layer_facts in zip(self._layers, sending, facts):
+            ids, ended, failure, _ = layer._route_exchange(list(sent), layer_facts)
+            routed.append(ids)
+            failures.append(failure)
+            all_ended = ended if all_ended is None else all_ended
+        failures = tf.stack(failures)
+        failure = tf.gather(failures, tf.argmax(tf.cast(failures != "", tf.int32)))
+        return routed, all_ended, failure
+
+    def _step_and_route(self, batch: Any, routed: list, sending: list, after: Any,
+                        ended: tf.Tensor) -> tuple:
+        """Step t on its routed ids, the collectives of batch t+1's route on what the
+        call before prepared (``sending``), and the preparation of batch t+2 (``after``),
+        in one function. Returns the step's outputs, batch t+1's routed ids, whether
+        every rank's input ended there and its failed check's message, and what batch
+        t+2's route will send.
+
+        The three share no variable. Batch t+1's collectives have their inputs when the
+        function starts, so they cross while the step looks up its rows, with the link
+        idle. Batch t+2's preparation (its id check and its ids' payload, on this rank
+        alone) starts once the step's rows go into their alltoall, so its CPU work runs
+        while the rank waits for them, not beside the look-ups. A route in one piece did
+        neither: Horovod's timeline showed its collectives issued with the rows alltoall
+        and run before it, and its CPU beside the look-ups.
+        """
         phase = _Stepping(self._layers, routed)
         with _PhaseScope(phase):
             outputs = self._train_step(batch)
         phase.check_all_taken()
-        # The route starts once the step's rows are on their way, and its collectives
-        # once they have arrived. Its CPU work then runs while this rank waits for the
-        # rows alltoall, not beside the look-ups that the whole step waits for; and its
-        # collectives cross while the towers compute. Started with the step, Horovod's
-        # timeline showed the route's collectives negotiated in the same round as the
-        # rows alltoall and run before it, delaying the rows by their transfer.
         with tf.control_dependencies(phase.sent):
-            return (outputs,) + self._route(following, ended, phase.received)
+            sending_next, facts = self._prepare(after, ended)
+        # the facts are trace-time values of a layer and a batch structure, alike for
+        # every batch of the function's signature
+        routed_next, all_ended, failure = self._exchange(sending, facts)
+        return outputs, routed_next, all_ended, failure, sending_next
 
     # ------------------------------------------------------------ Keras
     def _keras_step(self, batch: Any) -> Any:

@@ -823,15 +823,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 "tfhybrid.layers.XlaCompiled(...) to run them under XLA.")
         bags, local_batch, invalid = self._bags_of(inputs)
         phase = pipeline_lib.phase_of(self)
-        if phase is None or phase.routing:
+        if phase is not None and phase.routing:
+            # TrainPipeline reads this batch ahead: it keeps what the route will send (its
+            # collectives run in the next step's function) and stops here
+            phase.hand_over(self, *self._route_prepare(bags, local_batch, invalid,
+                                                       phase.ended))
+            return self._placeholders(bags)
+        if phase is None:
             # 1-2. validate on every rank together, then ids to their owners
-            ended = None if phase is None else phase.ended
-            hold = None if phase is None else phase.hold
-            bags, routed, agreement = self._route(bags, local_batch, invalid, ended, hold)
-            if phase is not None:
-                # TrainPipeline reads this batch ahead: it keeps the ids and stops here
-                phase.hand_over(self, routed, *agreement)
-                return self._placeholders(bags)
+            bags, routed = self._route(bags, local_batch, invalid)
         else:
             # TrainPipeline routed (and validated) this batch during the previous step
             routed = phase.take(self)
@@ -885,43 +885,81 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
         return bags, local_batch, invalid
 
-    def _route(self, bags: dict, batch, invalid: dict, ended=None, hold=None
-               ) -> tuple[dict, list, Any]:
-        """Steps 1-2: the checked bags, the ids of the routes this position owns, and
-        (with ``ended``) whether every rank's input has ended and the failed check's
-        message ("" if none failed), for the caller to raise.
+    def _route(self, bags: dict, batch, invalid: dict) -> tuple[dict, list]:
+        """Steps 1-2: the checked bags and the ids of the routes this position owns.
 
         The routed ids are ``[ids of each owned route] + [bag lengths of each]``, for the
         model group's samples in rank order: what ``_exchange`` looks up (a tiered
-        shard's ids as cache slots, its rows loaded). The only variables it touches are
-        tiered shards' caches, where it fills slots that neither this batch nor the one
-        before uses (``pinned_calls``), so ``TrainPipeline`` may run it a step ahead. ``ended`` (a bool
-        tensor) says that this rank's input has ended and ``bags`` only stand in for a
-        batch: the ranks agree on it in the same allgather that checks the ids. ``hold``
-        (``TrainPipeline``'s) maps what goes into each of the route's collectives to the
-        same tensor issued later.
+        shard's ids as cache slots, its rows loaded). A failed check raises on every
+        rank before any id leaves this one.
         """
-        checks, all_ended = self._validate_everywhere(bags, batch, invalid, ended, hold)
-        agreement = None
-        if ended is None:
-            asserts = [tf.debugging.Assert(holds, [message]) for holds, message in checks]
-            with tf.control_dependencies(asserts):
-                bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
-                        for f, b in bags.items()}
-        else:
+        sending, facts = self._route_prepare(bags, batch, invalid)
+        routed, _, _, asserts = self._route_exchange(sending, facts)
+        with tf.control_dependencies(asserts):
+            bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
+                    for f, b in bags.items()}
+        return bags, routed
+
+    def _route_prepare(self, bags: dict, batch, invalid: dict, ended=None
+                       ) -> tuple[list, tuple]:
+        """The route's first half, on this rank alone: what its collectives will send,
+        as a list of tensors (the id check's report, the batch, and the ids for their
+        owners, or with ``dp_input=False`` this position's own route ids), and the
+        trace-time facts that :meth:`_route_exchange` reads them by.
+
+        ``ended`` (a bool tensor, ``TrainPipeline``'s) says that this rank's input has
+        ended and ``bags`` only stand in for a batch; the ranks agree on it in the same
+        allgather that checks the ids. A pipeline prepares batch t+2 during step t and
+        sends it during step t+1, so nothing here may touch a variable.
+        """
+        report = self._id_report(bags, batch, invalid, ended)
+        mine = self._routes[self._mesh.model_position]
+        parts = []
+        if any(self._routes):
+            if self.dp_input:
+                parts = list(self._ids_payload(bags))
+            else:
+                # the input already holds the model group's batch of this position's
+                # features
+                shard_ids = [self._shard_ids(bags[r.feature], r) for r in mine]
+                parts = [ids for ids, _ in shard_ids] + [n for _, n in shard_ids]
+        facts = (tuple(reason for reason in invalid.values() if reason)[:1],
+                 tuple(bags[r.feature].per_sample for r in mine) if self.dp_input else (),
+                 ended is not None)
+        return [report, tf.cast(batch, tf.int64)] + parts, facts
+
+    def _route_exchange(self, sending: list, facts: tuple) -> tuple[list, Any, Any, list]:
+        """The route's second half: its collectives on what :meth:`_route_prepare` made,
+        and what follows them. Returns the routed ids (see :meth:`_route`), whether every
+        rank's input has ended and the first failed check's message ("" if none), both
+        only for a prepared read-ahead (else None), and otherwise the checks as asserts
+        that every id waits for.
+
+        The only variables it touches are tiered shards' caches, where it fills slots
+        that neither this batch nor the one before uses (``pinned_calls``), so
+        ``TrainPipeline`` may run it a step ahead.
+        """
+        reasons, bags_per_route, read_ahead = facts
+        report, batch, parts = sending[0], sending[1], list(sending[2:])
+        checks, all_ended = self._id_checks(report, reasons, read_ahead)
+        if read_ahead:
             # TrainPipeline raises after the step it runs beside has finished, so that a
             # bad batch read ahead cannot cut that step's update short
-            agreement = (all_ended, _first_failure(checks))
-        if not any(self._routes):
-            return bags, [], agreement
-        if self.dp_input:
-            route_ids, route_lengths = self._ids_through_group(bags, batch, hold)
+            failure, asserts = _first_failure(checks), []
         else:
-            # the input already holds the model group's batch of this position's features
-            shard_ids = [self._shard_ids(bags[r.feature], r)
-                         for r in self._routes[self._mesh.model_position]]
-            route_ids = [ids for ids, _ in shard_ids]
-            route_lengths = [lengths for _, lengths in shard_ids]
+            failure = None
+            asserts = [tf.debugging.Assert(holds, [message]) for holds, message in checks]
+        if not any(self._routes):
+            return [], all_ended, failure, asserts
+        if asserts:
+            with tf.control_dependencies(asserts):
+                parts = [tf.identity(part) for part in parts]
+        if self.dp_input:
+            route_ids, route_lengths = self._ids_received(parts[0], parts[1], batch,
+                                                          bags_per_route)
+        else:
+            half = len(parts) // 2
+            route_ids, route_lengths = parts[:half], parts[half:]
         # a tiered shard's ids become cache slots, their rows loaded now: read ahead by
         # a pipeline, the rows are in the cache before the step that looks them up
         for i, r in enumerate(self._routes[self._mesh.model_position]):
@@ -929,7 +967,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             if cached is not None:
                 route_ids[i] = self._cache_slots(cached, route_ids[i],
                                                  f"{r.feature}_{r.shard}")
-        return bags, route_ids + route_lengths, agreement
+        return route_ids + route_lengths, all_ended, failure, asserts
 
     def _placeholders(self, bags: dict) -> list:
         """Zeros shaped like the outputs: a read-ahead's forward stops at this layer, and
@@ -1068,17 +1106,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return self._Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                           table.combiner)
 
-    def _validate_everywhere(self, bags: dict, batch, invalid: dict, ended=None,
-                             hold=None) -> tuple[list, Any]:
-        """Checks that every id is in range and every rank has the same batch size.
-
-        Each rank contributes [batch, (bad?, first bad id, bad input?) per feature] (zeros
-        for a feature it does not feed); after one allgather every rank holds the same
-        ``(holds, message)`` checks, so all raise alike and none is left in a collective.
-        With ``ended`` (``TrainPipeline``'s read-ahead), each rank also says whether its
-        input has ended; the ranks must agree, and the second value is whether they all
-        have (else None).
-        """
+    def _id_report(self, bags: dict, batch, invalid: dict, ended=None) -> tf.Tensor:
+        """This rank's row of the id check (:meth:`_id_checks`): [batch, (bad?, first
+        bad id, bad input?) per feature] (zeros for a feature it does not feed), and with
+        ``ended`` (``TrainPipeline``'s read-ahead) whether its input has ended."""
         num_features = len(self.input_table_map)
         report = [tf.reshape(tf.cast(batch, tf.int64), [1])]
         for f in range(num_features):
@@ -1098,9 +1129,19 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                        tf.constant([1 if invalid.get(f) else 0], tf.int64)]
         if ended is not None:
             report.append(tf.reshape(tf.cast(ended, tf.int64), [1]))
-        report = tf.reshape(tf.concat(report, 0), [1, -1])
-        if hold is not None:
-            report = hold(report)
+        return tf.reshape(tf.concat(report, 0), [1, -1])
+
+    def _id_checks(self, report: tf.Tensor, reasons: tuple, read_ahead: bool
+                   ) -> tuple[list, Any]:
+        """Checks that every id is in range and every rank has the same batch size.
+
+        After one allgather of every rank's :meth:`_id_report` every rank holds the same
+        ``(holds, message)`` checks, so all raise alike and none is left in a collective.
+        ``reasons``: why this rank's input is not supported, if it is not. For a
+        read-ahead the ranks must also agree on whether their input has ended, and the
+        second value is whether they all have (else None).
+        """
+        num_features = len(self.input_table_map)
         everyone = collectives.allgather(report, self._mesh.size,
                                          f"tfhybrid_{self.name}_validate")
         sizes = everyone[:, 0]
@@ -1126,7 +1167,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             "DistributedEmbedding: feature ", tf.strings.as_string(input_feature),
             " (table '", tf.gather(names, input_feature), "') on rank ",
             tf.strings.as_string(input_rank), " is not a supported input; that rank's log "
-            "says why"] + [f" (here: {reason})" for reason in invalid.values() if reason][:1])
+            "says why"] + [f" (here: {reason})" for reason in reasons])
         batch_message = tf.strings.format(
             "DistributedEmbedding: {} batch sizes differ across ranks; batch size of "
             "rank 0..{}: {}", ["local" if self.dp_input else "model-group",
@@ -1135,7 +1176,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                   (tf.logical_not(tf.reduce_any(bad_any)), id_message),
                   (tf.reduce_all(tf.equal(sizes, sizes[0])), batch_message)]
         all_ended = None
-        if ended is not None:
+        if read_ahead:
             ended_ranks = everyone[:, -1] > 0
             checks.append((tf.equal(tf.reduce_any(ended_ranks), tf.reduce_all(ended_ranks)),
                            tf.strings.format(
@@ -1155,14 +1196,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 tf.math.unsorted_segment_sum(tf.cast(inside, tf.int64), bag_index,
                                              tf.size(bag.lengths)))
 
-    def _ids_through_group(self, bags: dict, batch, hold=None) -> tuple[list, list]:
-        """dp_input=True, step 2: every rank sends each owner the ids of its routes.
-
-        Returns, for each route this position owns, the ids and bag lengths of all M
-        ranks' samples, in rank order.
-        """
-        mesh = self._mesh
-        group = mesh.model_parallel
+    def _ids_payload(self, bags: dict) -> tuple[tf.Tensor, tf.Tensor]:
+        """dp_input=True, step 2's input: to each position of the model group, the bag
+        lengths and then the ids of its routes, in one buffer, and each one's size."""
         wire = self._wire_id_dtype
         # to each position, [lengths of its routes | ids of its routes]
         payloads, sizes = [], []
@@ -1175,14 +1211,19 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             payload = tf.concat(lengths + values, 0) if routes else tf.zeros([0], wire)
             payloads.append(payload)
             sizes.append(tf.size(payload, out_type=tf.int32))
-        payload = tf.concat(payloads, 0)
-        if hold is not None:
-            payload = hold(payload)
+        return tf.concat(payloads, 0), tf.stack(sizes)
+
+    def _ids_received(self, payload: tf.Tensor, sizes: tf.Tensor, batch,
+                      bags_per_route: tuple) -> tuple[list, list]:
+        """dp_input=True, step 2: every rank sends each owner the ids of its routes
+        (:meth:`_ids_payload`). Returns, for each route this position owns (of
+        ``bags_per_route`` bags per sample), the ids and bag lengths of all M ranks'
+        samples, in rank order."""
+        mesh = self._mesh
+        group = mesh.model_parallel
         received, received_sizes = collectives.alltoall(
-            payload, tf.stack(sizes), mesh.model_process_set, group,
-            f"tfhybrid_{self.name}_ids")
+            payload, sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_ids")
         mine = self._routes[mesh.model_position]
-        bags_per_route = [bags[r.feature].per_sample for r in mine]
         header = batch * int(sum(bags_per_route))
         route_lengths = [[] for _ in mine]
         route_ids = [[] for _ in mine]
@@ -1202,7 +1243,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         """Steps 3-4: owner lookups of the routed ids (``_route``), embeddings back.
 
         Returns each (feature, shard)'s rows for this rank's samples. ``sending`` (a
-        ``TrainPipeline`` step's) is handed the rows alltoall's input and output.
+        ``TrainPipeline`` step's) is handed the rows as they go into the alltoall.
         """
         mesh = self._mesh
         group = mesh.model_parallel
@@ -1267,11 +1308,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # under mixed precision, rows and their gradients cross in 16 bits
         back = tf.concat([tf.cast(back, self._wire_float),
                           tf.cast(self._anchor, self._wire_float)], 0)
+        if sending is not None:
+            sending(back)
         returned, returned_sizes = collectives.alltoall(
             back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
             differentiable=True)
-        if sending is not None:
-            sending(back, returned)
         partials = {}
         if thresholded:
             position_chunks = tf.split(returned_positions, returned_sizes, num=group)
