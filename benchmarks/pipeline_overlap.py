@@ -9,14 +9,16 @@ three modes, interleaved in repeats, on the same data:
 - **route**: the route of a batch on its own (read it, check its ids on every rank,
   send them to their owners): the part of the plain step that pipelining can take off
   the step's path;
-- **pipelined**: ``TrainPipeline.progress``: batch t+1's route runs in the same
-  function as step t, beside its compute.
+- **pipelined**: ``TrainPipeline.progress``: in step t's function, batch t+1's route
+  collectives and batch t+2's preparation run beside the step.
 
 Hidden share of the route = (plain - pipelined) / route, per repeat, from the medians
 of the same job. The input yields whole batches (as the app's readers do): a
 per-sample slice-and-batch pipeline cost more CPU per batch (6.5 ms) than the route, so
-"route alone" measured the input producer rather than the route. The CPU column is rank 0's process CPU time per step (all its threads), which
-says whether the two cores had room for the route beside the step. Every figure is measured; ranks step together (collectives), rank 0 reports.
+"route alone" measured the input producer rather than the route. The CPU column is
+rank 0's process CPU time per step (all its threads), which says whether the two cores
+had room for the route beside the step. Every figure is measured; ranks step together
+(collectives), rank 0 reports.
 
 Usage: .venv/bin/python benchmarks/pipeline_overlap.py [--links loopback,1000] [--quick]
 Runs as root (network namespaces); about 8 minutes at the defaults.

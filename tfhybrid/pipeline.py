@@ -8,9 +8,10 @@ needs the tables as the previous step left them. ``TrainPipeline`` splits the ro
 function, step t, the route's collectives for batch t+1 on what the call before
 prepared, and the preparation of batch t+2; they share no variable, so the collectives
 cross while the step looks up its rows and the preparation runs while the step waits
-for them, and step t+1 then starts at the look-up with those routed ids. The look-up still follows step t's update, so the results are
-those of the plain loop, bit for bit (TorchRec's ``TrainPipelineSparseDist`` makes the
-same promise). Batches come from the input pipeline's own prefetch.
+for them, and step t+1 then starts at the look-up with those routed ids. The look-up
+still follows step t's update, so the results are those of the plain loop, bit for bit
+(TorchRec's ``TrainPipelineSparseDist`` makes the same promise). Batches come from the
+input pipeline's own prefetch.
 
 How the ids of a batch are found without running the model: the route calls the model on
 the batch's inputs (``training=False``) with every ``DistributedEmbedding`` in routing
@@ -140,6 +141,16 @@ def _signature_of(value: Any) -> Any:
         return None   # not all tensors: the function retraces as tf.function would
 
 
+def _traced(fn: Callable, example: tuple) -> tuple[Callable, list | None]:
+    """``fn`` traced once for arguments like ``example`` (any batch size) followed by a
+    bool (this rank's input has ended), and that input signature; None when the
+    arguments are not all tensors (then it retraces as ``tf.function`` would)."""
+    signature = _signature_of(example)
+    if signature is not None:
+        signature = list(signature) + [tf.TensorSpec([], tf.bool)]
+    return tf.function(fn, input_signature=signature, reduce_retracing=True), signature
+
+
 def _raise_failure(failure: tf.Tensor) -> None:
     message = failure.numpy().decode()
     if message:
@@ -249,15 +260,12 @@ class TrainPipeline:
         tensor's dtype and shape, which are checked here; anything else takes the
         checked path (which retraces or raises)."""
         if self._fused_fn is None:
-            signature = _signature_of(args[:-1])
-            self._fused_fn = tf.function(self._step_and_route, input_signature=(
-                None if signature is None else list(signature) + [tf.TensorSpec([], tf.bool)]),
-                reduce_retracing=True)
+            self._fused_fn, signature = _traced(self._step_and_route, args[:-1])
             if signature is not None:
                 concrete = self._fused_fn.get_concrete_function(*args)
                 if hasattr(concrete, "_call_flat"):   # TF's flat call (2.x internals)
                     self._fused_flat = (concrete, tf.nest.flatten(
-                        signature, expand_composites=True) + [tf.TensorSpec([], tf.bool)])
+                        signature, expand_composites=True))
         flat = tf.nest.flatten(args, expand_composites=True)
         if self._fused_flat is not None and len(flat) == len(self._fused_flat[1]) and all(
                 t.dtype == spec.dtype and spec.shape.is_compatible_with(t.shape)
@@ -293,11 +301,8 @@ class TrainPipeline:
         following, ended = self._next_batch(iterator)
         inputs = self._model_inputs(following)
         if self._prepare_fn is None:
-            signature = _signature_of(inputs)
-            self._prepare_fn = tf.function(
-                lambda inputs, ended: self._prepare(inputs, ended)[0], input_signature=(
-                    None if signature is None else [signature, tf.TensorSpec([], tf.bool)]),
-                reduce_retracing=True)
+            self._prepare_fn, _ = _traced(
+                lambda inputs, ended: self._prepare(inputs, ended)[0], (inputs,))
         return first + (following, self._prepare_fn(inputs, tf.constant(ended)))
 
     def _read(self, iterator: Iterator, first: bool = False) -> tuple | None:
@@ -310,10 +315,7 @@ class TrainPipeline:
         if ended and (first or batch is None):
             return None
         if self._route_fn is None:
-            signature = _signature_of(self._model_inputs(batch))
-            self._route_fn = tf.function(self._route, input_signature=(
-                None if signature is None else [signature, tf.TensorSpec([], tf.bool)]),
-                reduce_retracing=True)
+            self._route_fn, _ = _traced(self._route, (self._model_inputs(batch),))
         routed, all_ended, failure = self._route_fn(self._model_inputs(batch),
                                                     tf.constant(ended))
         _raise_failure(failure)
