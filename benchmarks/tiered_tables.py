@@ -26,6 +26,10 @@ memory is run under the same limit to show that it does not fit (the kernel kill
 Printed: table and limit sizes, steps, samples/s, the hit rate, peak RSS (VmHWM) and the
 group's peak usage.
 
+**FIITED in the tier** (``--adaptive 0.35``): the tables have FIITED's per-row widths
+(``dims="adaptive"``) in memory (a chunk pool) and in the tier, pruned to that share of
+their chunks after the warm-up; the DRAM column shows what each holds.
+
 Usage: .venv/bin/python benchmarks/tiered_tables.py [--out benchmarks/results/tiered_tables.txt]
 """
 
@@ -70,6 +74,8 @@ def _model(args, share: float | None, store_dir: str, rows: int, tables: int):
 
     tier = {} if share is None else dict(cache_rows=max(1, int(rows * share)),
                                          store_dir=store_dir)
+    if args.adaptive is not None:   # FIITED: per-row widths, in memory and in the tier
+        tier.update(dims="adaptive", chunks=args.chunks, target_memory=args.adaptive)
     embeddings = [Embedding(rows, args.dim, combiner="sum", name=f"table_{t}",
                             embeddings_initializer=tf.keras.initializers.RandomUniform(
                                 -0.05, 0.05, seed=t + 1), **tier)
@@ -151,7 +157,8 @@ def throughput(args) -> dict:
     # the same start for every configuration: the in-memory tables' initial rows
     for config in configs[1:]:
         for mine, reference in zip(config.embeddings, configs[0].embeddings):
-            mine.table.write_rows(0, reference.embeddings.numpy())
+            mine.table.write_rows(0, reference.embeddings.numpy() if args.adaptive is None
+                                  else reference.table.to_dense().numpy())
     losses = {}
     cursor = {id(c): 0 for c in configs}
 
@@ -176,6 +183,17 @@ def throughput(args) -> dict:
     for step, values in losses.items():
         if len(set(values)) != 1:
             raise RuntimeError(f"step {step}: the configurations' losses differ: {values}")
+    if args.adaptive is not None:
+        # FIITED prunes to its target (from the same utilities: the same widths
+        # everywhere, checked), so the timed steps run on rows of mixed widths
+        widths = []
+        for config in configs:
+            for embedding in config.embeddings:
+                embedding.adjust()
+            widths.append([e.table.chunks_per_row() for e in config.embeddings])
+        for other in widths[1:]:
+            if any((a != b).any() for a, b in zip(other, widths[0])):
+                raise RuntimeError("the configurations pruned different chunks")
     rates = {c.share: [] for c in configs}
     counts = {c.share: c.cache_counts() for c in configs}
     for _ in range(args.repeats):
@@ -195,8 +213,21 @@ def throughput(args) -> dict:
             "hit_rate": None if config.share is None else hits / max(1, hits + misses),
             "cache_rows": None if config.share is None else max(1, int(args.rows *
                                                                         config.share)),
-            "warmup_steps": warmup[config.share][0], "cache_full": warmup[config.share][1]}
+            "warmup_steps": warmup[config.share][0], "cache_full": warmup[config.share][1],
+            "dram_bytes": sum(_dram_bytes(e) for e in config.embeddings)}
     return result
+
+
+def _dram_bytes(embedding) -> int:
+    """What one table holds in memory: a dense table and its accumulator; a FIITED pool
+    with its row index and row state; a tier's cache with its index."""
+    table = getattr(embedding, "table", None)
+    if table is None:
+        return int(np.prod(embedding.embeddings.shape)) * 4 + embedding.input_dim * 4
+    memory = table.memory_bytes()
+    if "cache" in memory:
+        return memory["cache"] + memory["index"]
+    return memory["total"]
 
 
 # ---------------------------------------------------------------- scale, under a limit
@@ -335,12 +366,19 @@ def _report(args, tput: dict | None, big: dict | None, started: float) -> str:
             f"samples/s, {SPREAD_LEGEND}; the first {CHECK_STEPS} losses are equal in every "
             "configuration (checked)",
             f"{'tables':<22}{'cache rows':>12}  {'k samples/s':<34}{'x memory':>9}"
-            f"{'hit rate':>10}{'warm-up':>14}"]
+            f"{'hit rate':>10}{'warm-up':>14}{'DRAM MiB':>10}"]
+        if args.adaptive is not None:
+            lines.insert(-1, f"FIITED tables (dims='adaptive', {args.chunks} chunks per "
+                         f"row), pruned to {args.adaptive:.0%} of their chunks after the "
+                         "warm-up (the same widths in every configuration, checked); "
+                         "DRAM: pools and their row index and state, or caches and "
+                         "their index")
         for label, row in tput.items():
             lines.append(f"{label:<22}{row['cache_rows'] or '-':>12}  {row['summary']:<34}"
                          f"{row['vs_memory']:>8.2f}x"
                          f"{'' if row['hit_rate'] is None else format(row['hit_rate'], '.1%'):>10}"
-                         f"{row['warmup_steps']:>8} {'full' if row['cache_full'] else 'NOT full':>5}")
+                         f"{row['warmup_steps']:>8} {'full' if row['cache_full'] else 'NOT full':>5}"
+                         f"{row['dram_bytes'] / mib:>10.1f}")
     if big is not None:
         lines += [
             "",
@@ -421,6 +459,11 @@ def main() -> int:
     parser.add_argument("--scale_steps", type=int, default=60)
     parser.add_argument("--scale_timeout", type=int, default=1200)
     parser.add_argument("--skip_throughput", action="store_true")
+    parser.add_argument("--adaptive", type=float, default=None,
+                        help="FIITED tables (dims='adaptive') pruned to this share of their "
+                        "chunks after the warm-up, in memory and in the tier")
+    parser.add_argument("--chunks", type=int, default=4, help="with --adaptive: chunks "
+                        "per row")
     parser.add_argument("--out", default=None, help="also write the table here (+ .json, "
                         "and a .png of the throughput)")
     parser.add_argument("--child_share", type=float, default=None, help=argparse.SUPPRESS)

@@ -15,7 +15,8 @@ from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
 from tfhybrid.planner import tier_dram_bytes
-from tfhybrid.tiers import CachedTable
+from tfhybrid.fiited import ChunkedTable
+from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
 ROWS, DIM, CACHE, HOT, BATCH = 1000, 8, 100, 3, 32
 
@@ -147,6 +148,138 @@ class TieredTrainingTest(_TempDir):
                                       table.read_rows(0, ROWS))
 
 
+CHUNKS = 4
+
+
+def _adaptive_model(store_dir=None, combiner="sum", custom=True):
+    kwargs = {} if store_dir is None else dict(cache_rows=CACHE, store_dir=store_dir)
+    ids = tf.keras.Input((HOT,), dtype=tf.int64)
+    rows = Embedding(ROWS, DIM, combiner=combiner, name="table", dims="adaptive",
+                     chunks=CHUNKS, target_memory=0.4, use_custom_kernel=custom,
+                     **kwargs)(ids)
+    out = tf.keras.layers.Dense(1, kernel_initializer="ones", name="head")(rows)
+    model = tf.keras.Model(ids, out)
+    model.compile(RowWiseAdagrad(0.1, use_custom_op=custom), "mse")
+    return model
+
+
+class AdaptiveTierTest(_TempDir):
+    """FIITED's per-row widths (dims="adaptive") on a table in the tier."""
+
+    def _pair(self, **kwargs):
+        tiered, memory = _adaptive_model(self.fresh_dir(), **kwargs), _adaptive_model(**kwargs)
+        table = tiered.get_layer("table").table
+        memory.get_layer("table").table.write_rows(0, table.read_rows(0, ROWS))
+        memory.get_layer("head").set_weights(tiered.get_layer("head").get_weights())
+        return tiered, memory, table, memory.get_layer("table").table
+
+    def _assert_same_tables(self, table, pool):
+        np.testing.assert_array_equal(table.read_rows(0, ROWS), pool.to_dense().numpy())
+        np.testing.assert_array_equal(table.read_accumulator(0, ROWS),
+                                      pool.accumulator.numpy())
+        np.testing.assert_array_equal(table.utility.numpy(), pool.utility.numpy())
+        np.testing.assert_array_equal(table.chunks_per_row(), pool.chunks_per_row())
+
+    def test_fit_with_adjustments_equals_the_adaptive_table_in_memory(self):
+        from tfhybrid.callbacks import FiitedAdjust
+        for combiner, custom in (("sum", True), ("mean", True), ("sum", False)):
+            with self.subTest(combiner=combiner, custom_kernels=custom):
+                tiered, memory, table, pool = self._pair(combiner=combiner, custom=custom)
+                self.assertIsInstance(table, ChunkedCachedTable)
+                self.assertIsInstance(pool, ChunkedTable)
+                ids, labels = _data()
+                histories = [model.fit(ids, labels, batch_size=BATCH, epochs=2,
+                                       shuffle=False, verbose=0,
+                                       callbacks=[FiitedAdjust(every_n_batches=7,
+                                                               ramp_batches=20)])
+                             for model in (tiered, memory)]
+                self.assertEqual(histories[0].history["loss"],
+                                 histories[1].history["loss"])
+                self._assert_same_tables(table, pool)
+                # it means something only if rows were pruned, evicted and reloaded
+                self.assertEqual(table.present_chunks(), int(0.4 * ROWS * CHUNKS))
+                self.assertGreater(len(set(table.chunks_per_row().tolist())), 2)
+                stats = table.stats()
+                self.assertGreater(stats["writebacks"], 0)
+                self.assertGreater(stats["misses"], CACHE)
+                # a pruned chunk reads zeros from the cache and from the store
+                rows = table.read_rows(0, ROWS)
+                held = table.chunks_per_row()[:, None] * (DIM // CHUNKS)
+                self.assertTrue((rows[np.arange(DIM)[None, :] >= held] == 0).all())
+                np.testing.assert_array_equal(tiered.predict(ids[:64], verbose=0),
+                                              memory.predict(ids[:64], verbose=0))
+
+    def test_the_table_equals_a_pool_step_by_step(self):
+        # the table's own API, with weight decay and resizes between steps, both paths
+        rng = np.random.default_rng(1)
+        init = rng.uniform(-1, 1, (50, DIM)).astype(np.float32)
+        for custom in (True, False):
+            with self.subTest(custom_kernels=custom):
+                table = ChunkedCachedTable(50, DIM, 12, self.fresh_dir(), chunks=CHUNKS,
+                                           initializer=lambda a, b: init[a:b],
+                                           use_custom_op=custom)
+                pool = ChunkedTable(50, DIM, CHUNKS, initial_value=init,
+                                    use_custom_op=custom)
+                for step in range(40):
+                    ids = tf.constant(rng.integers(0, 50, (6,)))
+                    grad = rng.normal(size=(6, DIM)).astype(np.float32)
+                    decay = 0.01 if step % 2 else 0.0
+                    table.apply(table.slots(ids), grad, 0.1, weight_decay=decay)
+                    pool.apply(ids, grad, 0.1, weight_decay=decay)
+                    bags = tf.reshape(ids, [3, 2])
+                    np.testing.assert_array_equal(
+                        table.lookup_combine(table.slots(bags), "mean").numpy(),
+                        pool.lookup_combine(bags, "mean").numpy())
+                    if step % 10 == 9:
+                        self.assertEqual(table.adjust(0.5), pool.adjust(0.5))
+                np.testing.assert_array_equal(table.read_rows(0, 50), pool.to_dense().numpy())
+                np.testing.assert_array_equal(table.utility.numpy(), pool.utility.numpy())
+                np.testing.assert_array_equal(table.read_accumulator(0, 50),
+                                              pool.accumulator.numpy())
+                self.assertEqual(table.present_chunks(), 100)
+
+    def test_a_checkpoint_keeps_the_widths_and_continues_exactly(self):
+        from tfhybrid.callbacks import FiitedAdjust
+        tiered, _, table, _ = self._pair()
+        ids, labels = _data()
+        tiered.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0,
+                   callbacks=[FiitedAdjust(every_n_batches=5, ramp_batches=10)])
+        path = os.path.join(self.dir, "ckpt", "weights")
+        tiered.save_weights(path)
+        restored = _adaptive_model(self.fresh_dir())
+        restored.fit(ids[:BATCH], labels[:BATCH], verbose=0)   # builds the optimizer
+        restored.load_weights(path)
+        restored_table = restored.get_layer("table").table
+        np.testing.assert_array_equal(restored_table.chunks_per_row(), table.chunks_per_row())
+        np.testing.assert_array_equal(restored_table.read_rows(0, ROWS),
+                                      table.read_rows(0, ROWS))
+        np.testing.assert_array_equal(restored_table.utility.numpy(), table.utility.numpy())
+        a = tiered.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        b = restored.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        self.assertEqual(a.history["loss"], b.history["loss"])
+        np.testing.assert_array_equal(restored_table.read_rows(0, ROWS),
+                                      table.read_rows(0, ROWS))
+
+    def test_sgd_and_bad_values_are_refused_by_name(self):
+        model = _adaptive_model(self.fresh_dir())
+        model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+        ids, labels = _data(steps=1)
+        with self.assertRaisesRegex(ValueError, r"SGD would update every entry of table "
+                                                r"'table'.*RowWiseAdagrad"):
+            model.fit(ids, labels, batch_size=BATCH, verbose=0)
+        with self.assertRaisesRegex(ValueError, r"chunks=3 must divide dim=8"):
+            ChunkedCachedTable(50, 8, 10, self.fresh_dir(), chunks=3)
+        table = ChunkedCachedTable(50, 8, 10, self.fresh_dir(), chunks=4)
+        with self.assertRaisesRegex(ValueError, r"chunks_per_row must lie in \[0, 4\]"):
+            table.resize(np.full(50, 5))
+        memory = table.memory_bytes()
+        self.assertEqual(memory["cache"], 10 * 9 * 4)
+        self.assertEqual(memory["store"], 50 * 9 * 4)
+        # what the planner counts for a tiered FIITED shard is what it holds
+        self.assertEqual(memory["cache"] + memory["index"],
+                         tier_dram_bytes(50, 8, 10, adaptive=True))
+
+
 class DistributedTierTest(_TempDir):
     """One process: DistributedEmbedding's tiered shard (the whole table) trains as in
     memory; tests/test_tiers_distributed.py runs the 2x2 and 1x4 meshes."""
@@ -264,8 +397,8 @@ class TieredErrorsTest(_TempDir):
             (dict(cache_rows=True, store_dir=self.dir), r"cache_rows=True"),
             (dict(cache_rows=10), r"store_dir=None"),
             (dict(cache_rows=10, store_dir=self.dir, cache_policy="fifo"), r"'fifo'"),
-            (dict(cache_rows=10, store_dir=self.dir, dims="adaptive", chunks=2),
-             r"dims='adaptive'"),
+            (dict(cache_rows=10, store_dir=self.dir, dims="adaptive", chunks=3),
+             r"chunks=3 must be an int >= 1 that divides output_dim=4"),
             (dict(cache_rows=10, store_dir=self.dir, mask_zero=True, combiner=None),
              r"mask_zero"),
         ]

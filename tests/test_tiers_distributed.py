@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.callbacks import FiitedAdjust
 from tfhybrid.optimizers import RowWiseAdagrad
 from tfhybrid.pipeline import TrainPipeline
 from tests import _hybrid_case as hc
@@ -268,6 +269,80 @@ class TierCheckpointTest(_TierDir):
                 _trained(then, mesh, make, model=restored)
                 got = _weights(restored)
                 for g, w in zip(got, want):
+                    if model_parallel == 2:
+                        self.assertAllEqual(g, w)
+                    else:   # another mesh sums in another order
+                        self.assertAllClose(g, w, atol=1e-6, rtol=1e-6)
+
+
+class AdaptiveTierTest(_TierDir):
+    """FIITED tables (dims="adaptive") in the tier: the same pruning and training as the
+    adaptive tables in memory, on the same mesh, bit for bit; checkpoints move between
+    the two and onto another mesh."""
+
+    TARGET = 0.6
+    ADJUST = dict(every_n_batches=4, ramp_batches=8)
+
+    def _case(self, world, seed, steps=STEPS, tiered=True):
+        return hc.Case(hc.PLACEMENT_TABLES, local_batch=1, steps=steps, world=world,
+                       seed=seed, adaptive_target=self.TARGET,
+                       cache_rows=CACHE_ROWS if tiered else None,
+                       store_dir=self.fresh_dir() if tiered else None)
+
+    def _trained(self, case, mesh, pipeline=False, model=None):
+        return _trained(case, mesh, lambda: RowWiseAdagrad(0.1), pipeline, model=model,
+                        callbacks=[FiitedAdjust(**self.ADJUST)])
+
+    def test_tiered_fiited_tables_train_and_prune_as_in_memory_bit_for_bit(self):
+        world = hc.world_size()
+        mesh = tfhybrid.init(model_parallel=2)
+        memory, memory_loss = self._trained(self._case(world, 67, tiered=False), mesh)
+        want_counts = _layer(memory).chunks_per_row()
+        for pipeline in (False, True):
+            with self.subTest(pipeline=pipeline):
+                tiered, tiered_loss = self._trained(self._case(world, 67), mesh, pipeline)
+                layer = _layer(tiered)
+                self.assertEqual({p.kind for p in layer.plan.tables},
+                                 {"column_wise", "row_wise", "table_wise", "data_parallel"})
+                self.assertEqual(tiered_loss, memory_loss)
+                self.assert_same(_weights(tiered), _weights(memory))
+                counts = layer.chunks_per_row()
+                for got, want, table in zip(counts, want_counts, layer._tables):
+                    self.assertAllEqual(got, want)
+                    # pruning happened, and unevenly
+                    self.assertEqual(got.sum(), int(self.TARGET * table.rows * table.dim))
+                    self.assertGreater(len(set(got.tolist())), 1)
+                tiered_shards = [t for t in layer._cached_tables.values()]
+                self.assertTrue(all(t is layer._chunked_tables[k]
+                                    for k, t in layer._cached_tables.items()))
+                self.assertGreater(sum(hvd.allgather_object(
+                    sum(t.stats()["writebacks"] for t in tiered_shards))), 0)
+
+    def test_checkpoint_moves_between_the_tier_and_memory_and_meshes(self):
+        world = hc.world_size()
+        path = self.shared_dir()
+        mesh = tfhybrid.init(model_parallel=2)
+        model, _ = self._trained(self._case(world, 73, steps=12), mesh)
+        saved, saved_counts = _weights(model), _layer(model).chunks_per_row()
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(f"{path}/ckpt")
+        then = self._case(world, 79, steps=4, tiered=False)
+        _trained(then, mesh, lambda: RowWiseAdagrad(0.1), model=model)
+        want = _weights(model)
+        for model_parallel, tiered in ((world, False), (world, True), (2, True)):
+            mesh_lib._reset_for_tests()
+            with self.subTest(model_parallel=model_parallel, tiered=tiered):
+                mesh = tfhybrid.init(model_parallel=model_parallel)
+                restored, layer = self._case(world, 73, tiered=tiered).distributed_model(mesh)
+                restored.compile(optimizer=tfhybrid.DistributedOptimizer(RowWiseAdagrad(0.1)),
+                                 loss=hc.loss_fn)
+                tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(
+                    f"{path}/ckpt").assert_existing_objects_matched()
+                self.assert_same(_weights(restored), saved)
+                for got, want_counts in zip(layer.chunks_per_row(), saved_counts):
+                    self.assertAllEqual(got, want_counts)
+                # the row state came back too: training goes on as it would have
+                _trained(then, mesh, lambda: RowWiseAdagrad(0.1), model=restored)
+                for g, w in zip(_weights(restored), want):
                     if model_parallel == 2:
                         self.assertAllEqual(g, w)
                     else:   # another mesh sums in another order

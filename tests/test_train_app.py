@@ -198,6 +198,26 @@ class TrainAppTest(tf.test.TestCase):
         for key in ("train_loss", "auc", "logloss"):
             self.assertEqual(tiered[key], one[key], key)
 
+    def test_fiited_tables_in_the_tier_train_exactly_as_in_memory(self):
+        # the "fiited" run's flags (2x2, FIITED adjusting every 10 batches) with DRAM for
+        # about half of a position's tables: the planner tiers the largest, whose rows
+        # keep their FIITED widths in the tier, and nothing else may change
+        out = os.path.join(self.work, "fiited_tiered")
+        done = _cli(COMMON_FLAGS + ["--model_parallel=2"] + FIITED_FLAGS + [
+            "--dram_budget=900000", f"--store_dir={out}_store",
+            f"--metrics_json={out}.json"], np_=4)
+        self.assertEqual(done.returncode, 0, done.stderr[-5000:])
+        with open(f"{out}.json") as f:
+            tiered = json.load(f)
+        fiited = self.runs["fiited"][0]
+        self.assertTrue([t for t in tiered["plan"]["tables"] if t["cache_rows"]])
+        self.assertGreater(tiered["embedding_memory"]["store"], 0)
+        self.assertLess(tiered["embedding_memory"]["embedding"],
+                        fiited["embedding_memory"]["embedding"])
+        self.assertEqual(tiered["fiited"]["chunks_kept"], fiited["fiited"]["chunks_kept"])
+        for key in ("train_loss", "auc", "logloss"):
+            self.assertEqual(tiered[key], fiited[key], key)
+
     def test_binary_input_trains_exactly_as_the_tsv_it_came_from(self):
         from tests.test_criteo_binary import _line
         from tfhybrid.train.preprocess import preprocess

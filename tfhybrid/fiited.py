@@ -48,7 +48,7 @@ import tensorflow as tf
 from tfhybrid import custom_ops
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 
-__all__ = ["ChunkedTable", "plan_chunk_counts", "table_of"]
+__all__ = ["ChunkedTable", "ChunkOptions", "plan_chunk_counts", "table_of"]
 
 # The adjustment's defaults: chunks every row keeps, and how fast a row's later chunks lose
 # score (see plan_chunk_counts).
@@ -127,7 +127,119 @@ def _combine_rows(lookup, ids, combiner: str):
     return out
 
 
-class ChunkedTable(tf.Module):
+def combine_bags(ids, combiner: str, lookup, fused_sums) -> tf.Tensor:
+    """FIITED's bags: ``[B, H]`` dense or ``[B, None]`` ragged ``ids`` -> ``[B, dim]`` sums
+    (``"mean"``: divided by max(bag size, 1)). ``fused_sums(flat ids, int64 row splits)``
+    gives the bags' sums from one C++ kernel; None takes ``lookup`` ([N] -> [N, dim])
+    and a segment sum. The mean's division is outside the kernel, so its gradient is the
+    same for every storage of the rows."""
+    if combiner not in ("sum", "mean"):
+        raise ValueError(f"combiner must be 'sum' or 'mean', got {combiner!r}")
+    if isinstance(ids, tf.RaggedTensor):
+        flat, splits = ids.values, ids.row_splits
+    else:
+        ids = tf.convert_to_tensor(ids)
+        if ids.shape.rank != 2:
+            raise ValueError(f"dense ids must be [B, H], got shape {ids.shape}")
+        flat = tf.reshape(ids, [-1])
+        shape = tf.shape(ids, out_type=tf.int64)
+        splits = tf.range(shape[0] + 1) * shape[1]
+    if flat.dtype not in (tf.int32, tf.int64):
+        raise ValueError(f"ids must be int32 or int64, got {flat.dtype}")
+    if fused_sums is None:
+        return _combine_rows(lookup, ids, combiner)
+    out = fused_sums(flat, tf.cast(splits, tf.int64))
+    if combiner == "mean":
+        sizes = tf.cast(tf.maximum(splits[1:] - splits[:-1], 1), out.dtype)
+        out = out / sizes[:, None]
+    out.set_shape([ids.shape[0], out.shape[1]])
+    return out
+
+
+def chunked_rowwise_rows(rows, accum_rows, g, chunk_present, learning_rate, epsilon, scale,
+                         weight_decay) -> tuple[tf.Tensor, tf.Tensor]:
+    """Row-wise AdaGrad (pure TF) of distinct rows ``rows`` ([U, dim]) with summed gradient
+    rows ``g``, each holding the chunks ``chunk_present`` ([U, chunks] bool): (new rows,
+    new accumulators). A row's ``mean(g**2)`` is over the entries it holds; the new rows'
+    entries of absent chunks are meaningless (the caller writes the present ones). Shared
+    by a pool (:class:`ChunkedTable`) and a tiered table's cache
+    (``tfhybrid.tiers.ChunkedCachedTable``), so a row updates alike in both."""
+    dim = g.shape[1]
+    chunk_dim = dim // chunk_present.shape[1]
+    present = tf.repeat(tf.cast(chunk_present, tf.float32), chunk_dim, axis=1)
+    held = tf.reduce_sum(present, axis=1)
+    square = tf.square(g)
+    mean_square = tf.where(held == dim, tf.reduce_mean(square, axis=1),
+                           tf.reduce_sum(square * present, axis=1) / tf.maximum(held, 1.0))
+    scalars = [tf.cast(x, tf.float32) for x in (learning_rate, epsilon, scale, weight_decay)]
+    return rowwise_adagrad_rows(rows, accum_rows, g, mean_square, *scalars)
+
+
+def update_utility(utility: tf.Variable, decay: float, rows, g) -> None:
+    """FIITED's utility update (pure TF): every row's times ``decay``, then the distinct
+    looked-up ``rows`` gain ``(1 - decay)`` times their summed gradient's squared norm (its
+    access frequency times its gradient's size; squared, so that the utilities of a row's
+    column slices add up to the row's). The C++ ops do the same."""
+    utility.assign(utility * decay)
+    utility.scatter_nd_add(tf.cast(rows, tf.int32)[:, None],
+                           (1.0 - decay) * tf.reduce_sum(tf.square(g), axis=1))
+
+
+class ChunkOptions:
+    """FIITED's options and its adjustment's plan, for any storage of chunked rows: a
+    pool (:class:`ChunkedTable`) or a tiered table's cache
+    (``tfhybrid.tiers.ChunkedCachedTable``). The storage has ``rows``, a ``utility``
+    variable and :meth:`resize`."""
+
+    def _set_chunk_options(self, dim, chunks, utility_decay, min_chunks, position_power,
+                           use_custom_op) -> None:
+        self.dim = _check_int("dim", dim, 1)
+        self.chunks = _check_int("chunks", chunks, 1)
+        if self.dim % self.chunks:
+            raise ValueError(f"chunks={chunks} must divide dim={dim}")
+        self.chunk_dim = self.dim // self.chunks
+        self.utility_decay = _check_fraction("utility_decay", utility_decay, low_open=False)
+        self.min_chunks = _check_int("min_chunks", min_chunks, 0)
+        if self.min_chunks > self.chunks:
+            raise ValueError(f"min_chunks={min_chunks} exceeds chunks={chunks}")
+        if (isinstance(position_power, bool) or not isinstance(position_power, (int, float))
+                or not 0.0 <= position_power < math.inf):
+            raise ValueError(f"position_power must be a finite number >= 0, got "
+                             f"{position_power!r}")
+        self.position_power = float(position_power)
+        if use_custom_op not in (None, True, False):
+            raise ValueError(f"use_custom_op must be None, True or False, got "
+                             f"{use_custom_op!r}")
+        self.use_custom_op = use_custom_op
+
+    @staticmethod
+    def check_target(target_memory: Any) -> float:
+        """``target_memory`` as a float in (0, 1], else ValueError naming it."""
+        return _check_fraction("target_memory", target_memory)
+
+    def plan_chunks(self, target_memory: float) -> np.ndarray:
+        """Chunks per row under a budget of ``target_memory`` x (rows x chunks) chunks:
+        :func:`plan_chunk_counts` of this table's utility."""
+        return plan_chunk_counts(self.utility.numpy(), self.chunks, target_memory,
+                                 self.min_chunks, self.position_power)
+
+    def adjust(self, target_memory: float) -> dict:
+        """Re-divides the chunks by utility: :meth:`resize` to :meth:`plan_chunks`."""
+        return self.resize(self.plan_chunks(target_memory))
+
+    def _checked_counts(self, chunks_per_row: Any) -> np.ndarray:
+        """``chunks_per_row`` as int64 [rows] in [0, chunks], else ValueError naming it."""
+        new_counts = np.asarray(chunks_per_row)
+        if new_counts.shape != (self.rows,) or not np.issubdtype(new_counts.dtype, np.integer):
+            raise ValueError(f"chunks_per_row must be {self.rows} integers, got shape "
+                             f"{new_counts.shape} of {new_counts.dtype}")
+        if new_counts.min() < 0 or new_counts.max() > self.chunks:
+            raise ValueError(f"chunks_per_row must lie in [0, {self.chunks}], got values in "
+                             f"[{new_counts.min()}, {new_counts.max()}]")
+        return new_counts.astype(np.int64)
+
+
+class ChunkedTable(ChunkOptions, tf.Module):
     """An embedding table whose rows keep a prefix of their chunks (FIITED storage).
 
     ``rows`` x ``dim`` float32, split into ``chunks`` chunks of ``dim // chunks`` (``dim``
@@ -153,24 +265,8 @@ class ChunkedTable(tf.Module):
                  name: str | None = None):
         super().__init__(name=name)
         self.rows = _check_int("rows", rows, 1)
-        self.dim = _check_int("dim", dim, 1)
-        self.chunks = _check_int("chunks", chunks, 1)
-        if self.dim % self.chunks:
-            raise ValueError(f"chunks={chunks} must divide dim={dim}")
-        self.chunk_dim = self.dim // self.chunks
-        self.utility_decay = _check_fraction("utility_decay", utility_decay, low_open=False)
-        self.min_chunks = _check_int("min_chunks", min_chunks, 0)
-        if self.min_chunks > self.chunks:
-            raise ValueError(f"min_chunks={min_chunks} exceeds chunks={chunks}")
-        if (isinstance(position_power, bool) or not isinstance(position_power, (int, float))
-                or not 0.0 <= position_power < math.inf):
-            raise ValueError(f"position_power must be a finite number >= 0, got "
-                             f"{position_power!r}")
-        self.position_power = float(position_power)
-        if use_custom_op not in (None, True, False):
-            raise ValueError(f"use_custom_op must be None, True or False, got "
-                             f"{use_custom_op!r}")
-        self.use_custom_op = use_custom_op
+        self._set_chunk_options(dim, chunks, utility_decay, min_chunks, position_power,
+                                use_custom_op)
         if initial_value is None:
             initial_value = tf.random.stateless_uniform(
                 [self.rows, self.dim], seed=[0 if seed is None else int(seed), 0],
@@ -194,10 +290,16 @@ class ChunkedTable(tf.Module):
         # how an optimizer finds the table of a pool gradient (table_of)
         self.pool._tfhybrid_chunked_table = self
 
-    @staticmethod
-    def check_target(target_memory: Any) -> float:
-        """``target_memory`` as a float in (0, 1], else ValueError naming it."""
-        return _check_fraction("target_memory", target_memory)
+    @property
+    def storage(self) -> tf.Variable:
+        """The variable the lookups read and the optimizer updates: the pool."""
+        return self.pool
+
+    @property
+    def row_state(self) -> tuple:
+        """The variables besides the pool that hold the rows' state (they live where
+        the pool does, and are broadcast and checkpointed with it)."""
+        return (self.row_offsets, self.accumulator, self.utility)
 
     # ------------------------------------------------------------------ reading
     def _gather_rows(self, ids: tf.Tensor, pool: tf.Tensor | None = None
@@ -255,28 +357,13 @@ class ChunkedTable(tf.Module):
         the pool's gradient arrives coalesced (each looked-up row once, duplicates summed
         in input order: ``tf.IndexedSlices`` at ascending logical ids); otherwise
         :meth:`lookup` and a segment sum."""
-        if combiner not in ("sum", "mean"):
-            raise ValueError(f"combiner must be 'sum' or 'mean', got {combiner!r}")
-        if isinstance(ids, tf.RaggedTensor):
-            flat, splits = ids.values, ids.row_splits
-        else:
-            ids = tf.convert_to_tensor(ids)
-            if ids.shape.rank != 2:
-                raise ValueError(f"dense ids must be [B, H], got shape {ids.shape}")
-            flat = tf.reshape(ids, [-1])
-            shape = tf.shape(ids, out_type=tf.int64)
-            splits = tf.range(shape[0] + 1) * shape[1]
-        if flat.dtype not in (tf.int32, tf.int64):
-            raise ValueError(f"ids must be int32 or int64, got {flat.dtype}")
-        if not custom_ops.custom_op_used(self.use_custom_op, self.pool):
-            return _combine_rows(self.lookup, ids, combiner)
-        out = custom_ops.chunked_lookup_combine(self.pool, self.row_offsets, flat, splits,
-                                                self.dim, self.name)
-        if combiner == "mean":
-            sizes = tf.cast(tf.maximum(splits[1:] - splits[:-1], 1), out.dtype)
-            out = out / sizes[:, None]
-        out.set_shape([ids.shape[0], self.dim])
-        return out
+        fused = custom_ops.custom_op_used(self.use_custom_op, self.pool)
+        return combine_bags(ids, combiner, self.lookup,
+                            self._fused_sums if fused else None)
+
+    def _fused_sums(self, flat: tf.Tensor, splits: tf.Tensor) -> tf.Tensor:
+        return custom_ops.chunked_lookup_combine(self.pool, self.row_offsets, flat, splits,
+                                                 self.dim, self.name)
 
     def to_dense(self) -> tf.Tensor:
         """The [rows, dim] table this pool represents (pruned chunks as zeros)."""
@@ -325,13 +412,7 @@ class ChunkedTable(tf.Module):
             return
         unique_ids, g = coalesce_rows(ids, grad)
         self._apply_rows(unique_ids, g, learning_rate, epsilon, scale, weight_decay)
-        # utility: decay everywhere, then add each looked-up row's squared summed gradient
-        # norm (its access frequency times its gradient's size; squared, so that the
-        # utilities of a row's column slices add up to the row's); the C++ op does the same
-        decay = self.utility_decay
-        self.utility.assign(self.utility * decay)
-        self.utility.scatter_nd_add(tf.cast(unique_ids, tf.int32)[:, None],
-                                    (1.0 - decay) * tf.reduce_sum(tf.square(g), axis=1))
+        update_utility(self.utility, self.utility_decay, unique_ids, g)
 
     def apply_pool_gradient(self, grad: Any, learning_rate: float, epsilon: float = 1e-8,
                             scale: float = 1.0, weight_decay: float = 0.0) -> None:
@@ -346,15 +427,9 @@ class ChunkedTable(tf.Module):
     def _apply_rows(self, unique_ids, g, learning_rate, epsilon, scale, weight_decay) -> None:
         """The update of distinct rows ``unique_ids`` with summed gradient rows ``g``."""
         rows, slots, chunk_present = self._gather_rows(unique_ids)
-        present = tf.repeat(tf.cast(chunk_present, tf.float32), self.chunk_dim, axis=1)
-        held = tf.reduce_sum(present, axis=1)
-        square = tf.square(g)
-        mean_square = tf.where(held == self.dim, tf.reduce_mean(square, axis=1),
-                               tf.reduce_sum(square * present, axis=1) / tf.maximum(held, 1.0))
-        scalars = [tf.cast(x, tf.float32) for x in (learning_rate, epsilon, scale,
-                                                   weight_decay)]
-        new_rows, new_accum = rowwise_adagrad_rows(
-            rows, tf.gather(self.accumulator, unique_ids), g, mean_square, *scalars)
+        new_rows, new_accum = chunked_rowwise_rows(
+            rows, tf.gather(self.accumulator, unique_ids), g, chunk_present, learning_rate,
+            epsilon, scale, weight_decay)
         self._write_present(slots, chunk_present, new_rows)
         self.accumulator.scatter_nd_update(unique_ids[:, None], new_accum)
 
@@ -405,30 +480,13 @@ class ChunkedTable(tf.Module):
         self.pool.scatter_nd_update(slots[:, None], values)
 
     # ------------------------------------------------------------------ adjusting
-    def plan_chunks(self, target_memory: float) -> np.ndarray:
-        """Chunks per row under a budget of ``target_memory`` x (rows x chunks) chunks:
-        :func:`plan_chunk_counts` of this table's utility."""
-        return plan_chunk_counts(self.utility.numpy(), self.chunks, target_memory,
-                                 self.min_chunks, self.position_power)
-
-    def adjust(self, target_memory: float) -> dict:
-        """Re-divides the chunks by utility: :meth:`resize` to :meth:`plan_chunks`."""
-        return self.resize(self.plan_chunks(target_memory))
-
     def resize(self, chunks_per_row: Any) -> dict:
         """Gives row i its first ``chunks_per_row[i]`` chunks and rebuilds the pool at
         exactly that size.
 
         Returns counts: ``freed`` and ``grown`` chunks (a grown chunk starts at zero, in
         memory a freed one gave back) and ``present`` after."""
-        new_counts = np.asarray(chunks_per_row)
-        if new_counts.shape != (self.rows,) or not np.issubdtype(new_counts.dtype, np.integer):
-            raise ValueError(f"chunks_per_row must be {self.rows} integers, got shape "
-                             f"{new_counts.shape} of {new_counts.dtype}")
-        if new_counts.min() < 0 or new_counts.max() > self.chunks:
-            raise ValueError(f"chunks_per_row must lie in [0, {self.chunks}], got values in "
-                             f"[{new_counts.min()}, {new_counts.max()}]")
-        new_counts = new_counts.astype(np.int64)
+        new_counts = self._checked_counts(chunks_per_row)
         old_offsets = self.row_offsets.numpy().astype(np.int64)
         old_counts = np.diff(old_offsets)
         new_offsets = np.concatenate([[0], np.cumsum(new_counts)])

@@ -134,6 +134,8 @@ class TableConfig:
     features: int = 1   # input features that read this table (input_table_map)
     # rows kept in DRAM when the table lives in the disk tier (None: all in memory)
     cache_rows: int | None = None
+    # FIITED's per-row widths (dims="adaptive"): in the tier, more DRAM per row and slot
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         _check_int(f"features of table {getattr(self, 'name', '?')!r}", self.features, 1)
@@ -692,6 +694,10 @@ BUDGET_TIERS = ("dram",)
 # last lookup's step (2 x int64), two flags and the row's optimizer accumulator (float32)
 TIER_BYTES_PER_ROW = 4
 TIER_BYTES_PER_SLOT = 8 + 8 + 8 + 1 + 1 + 4
+# and with FIITED's per-row widths (tfhybrid.tiers.ChunkedCachedTable): per row, its chunk
+# count (uint8) and utility (float32); per slot, its row (int64) and chunk count (int32)
+TIER_FIITED_BYTES_PER_ROW = 1 + 4
+TIER_FIITED_BYTES_PER_SLOT = 8 + 4
 # optimizers whose state a tier can keep: one value per row, which moves with the row
 TIER_OPTIMIZERS = ("sgd", "rowwise_adagrad")
 # steps whose rows a tiered shard's cache holds at once: the layer loads a batch's rows
@@ -725,13 +731,17 @@ def shard_cache_rows(cache_rows: int, rows: int, shard_rows: int) -> int:
     return max(1, min(shard_rows, -(-cache_rows * shard_rows // rows)))
 
 
-def tier_dram_bytes(shard_rows: int, width: int, cache_rows: int) -> int:
-    """DRAM of a tiered shard: its cached rows, their row state and the host index.
+def tier_dram_bytes(shard_rows: int, width: int, cache_rows: int,
+                    adaptive: bool = False) -> int:
+    """DRAM of a tiered shard: its cached rows, their row state and the host index (with
+    FIITED's per-row widths, ``adaptive``: each row's chunk count and utility too).
 
     >>> tier_dram_bytes(1000, 8, 100)
     10200
     """
-    return cache_rows * (width * 4 + TIER_BYTES_PER_SLOT) + shard_rows * TIER_BYTES_PER_ROW
+    per_row = TIER_BYTES_PER_ROW + (TIER_FIITED_BYTES_PER_ROW if adaptive else 0)
+    per_slot = TIER_BYTES_PER_SLOT + (TIER_FIITED_BYTES_PER_SLOT if adaptive else 0)
+    return cache_rows * (width * 4 + per_slot) + shard_rows * per_row
 
 
 def place_in_tiers(plan: ShardingPlan, dram_budget: int,
@@ -765,7 +775,8 @@ def place_in_tiers(plan: ShardingPlan, dram_budget: int,
         nrows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
         if cache_rows is None:
             return nrows * width * 4 + optimizer_state_bytes(nrows, width, plan.optimizer)
-        return tier_dram_bytes(nrows, width, shard_cache_rows(cache_rows, rows_of[ti], nrows))
+        return tier_dram_bytes(nrows, width, shard_cache_rows(cache_rows, rows_of[ti], nrows),
+                               tables[ti].adaptive)
 
     def loads() -> list[dict[int, int]]:
         on_position: list[dict[int, int]] = [{} for _ in range(plan.model_parallel)]

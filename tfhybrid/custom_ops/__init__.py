@@ -38,6 +38,7 @@ import tensorflow as tf
 
 __all__ = ["embedding_lookup_combine", "rowwise_adagrad_apply", "custom_ops_available",
            "chunked_lookup", "chunked_rowwise_adagrad_apply",
+           "cached_chunked_rowwise_adagrad_apply",
            "kernel_isa", "supported_kernel_isas", "load_library", "library_path"]
 
 _LOG = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ def _disabled() -> bool:
     return os.environ.get("TFHYBRID_DISABLE_CUSTOM_OPS", "").strip().lower() in ("1", "true", "yes")
 
 
+# host-side Python (a lock, a file load): AutoGraph must not convert it inside a traced step
+@tf.autograph.experimental.do_not_convert
 def load_library():
     """Returns the loaded op module, or None (warning logged once) if unavailable.
 
@@ -504,6 +507,21 @@ def chunked_rowwise_adagrad_apply(pool, accum, row_offsets, indices, grad, lr, e
         pool.handle, accum.handle, row_offsets, indices, tf.cast(grad, tf.float32), *scalars,
         utility.handle, tf.constant(utility_decay, tf.float32),
         tf.constant(1.0 - utility_decay, tf.float32))
+
+
+def cached_chunked_rowwise_adagrad_apply(cache, accum, slot_chunks, slot_rows, chunk_dim: int,
+                                         indices, grad, lr, epsilon, scale, weight_decay,
+                                         utility, utility_decay):
+    """:func:`chunked_rowwise_adagrad_apply` on a tiered FIITED table's cache
+    (``tfhybrid.tiers.CachedTable`` with ``chunks``): ``indices`` are cache slots, slot i
+    holds row ``slot_rows[i]`` with its first ``slot_chunks[i]`` chunks; ``utility`` has
+    one entry per row of the table. The caller chooses the path (:func:`custom_op_used`)."""
+    scalars = [tf.cast(x, tf.float32) for x in (lr, epsilon, scale, weight_decay)]
+    return _require_lib().cached_chunked_rowwise_adagrad_apply(
+        cache.handle, accum.handle, slot_chunks, slot_rows, indices,
+        tf.cast(grad, tf.float32), *scalars, utility.handle,
+        tf.constant(utility_decay, tf.float32), tf.constant(1.0 - utility_decay, tf.float32),
+        chunk_dim=chunk_dim)
 
 
 def coalesce_rows(indices, grad):

@@ -298,18 +298,18 @@ class _ChunkedTableSaveable(saveable_object.SaveableObject):
             for j, start, rows in runs:
                 spec(self._column_reader(chunked, j - first, rows), values_shape,
                      _resharding.Rect(start, start + rows, 0, table.chunk_dim), "",
-                     tf.float32, chunked.pool.device)
+                     tf.float32, chunked.storage.device)
         for rect, chunked in held:
             if rect.col_start == 0:      # every row once: the first column slice's rows
                 counts = self._layout.counts[rect.row_start:rect.row_end].astype(np.int32)
                 spec(lambda counts=counts: tf.constant(counts), (table.rows,), rect,
-                     COUNTS_SUFFIX, tf.int32, chunked.pool.device)
+                     COUNTS_SUFFIX, tf.int32, chunked.storage.device)
         for rect, chunked in held:
             spec(lambda chunked=chunked: tf.tile(
                      chunked.utility.read_value()[:, None] / chunked.chunks,
                      [1, chunked.chunks]),
                  by_chunk, self._chunk_rect(rect), UTILITY_SUFFIX, tf.float32,
-                 chunked.pool.device)
+                 chunked.storage.device)
         super().__init__(None, specs, name)
 
     def _chunk_rect(self, rect: _resharding.Rect) -> _resharding.Rect:

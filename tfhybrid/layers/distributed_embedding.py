@@ -44,7 +44,7 @@ from tfhybrid import planner
 from tfhybrid import tiers
 from tfhybrid.fiited import ChunkedTable, plan_chunk_counts
 from tfhybrid.layers.embedding import Embedding
-from tfhybrid.tiers import CachedTable
+from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
 
 _LOG = logging.getLogger("tfhybrid")
@@ -537,7 +537,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         compute = tf.as_dtype(self.compute_dtype)
         return planner.plan_sharding(
             [planner.TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
-                                 combiner=t.combiner, features=f, cache_rows=t.cache_rows)
+                                 combiner=t.combiner, features=f, cache_rows=t.cache_rows,
+                                 adaptive=bool(t.chunks))
              for t, h, f in zip(self._tables, hotness, features)],
             mesh.data_parallel, mesh.model_parallel, strategy=self._strategy_name,
             column_slice_threshold=self.column_slice_threshold,
@@ -620,7 +621,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         self._shard_vars: dict[tuple[int, int], tf.Variable] = {}
         # FIITED tables and shards, keyed "<table>_<shard>" (a tracked dict: their
         # variables are the layer's weights); the variable above is the table's pool
-        self._chunked_tables: dict[str, ChunkedTable] = {}
+        self._chunked_tables: dict[str, ChunkedTable | ChunkedCachedTable] = {}
         # tiered shards (cache_rows), keyed alike; the variable above is the shard's cache
         self._cached_tables: dict[str, CachedTable] = {}
         # per FIITED table, every row's chunk count as every rank planned it at the last
@@ -666,7 +667,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 if chunked is not None:
                     # the pool's row state lives on the shard's position too (broadcast
                     # and checkpointed with the shard)
-                    for state in (chunked.row_offsets, chunked.accumulator, chunked.utility):
+                    for state in chunked.row_state:
                         distributed.mark_model_parallel(state, mesh)
                 cached = self._cached(t, s)
                 if cached is not None:
@@ -738,6 +739,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         layer = self._embedding_layers[table]
         rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
         with tf.device("/CPU:0") if on_host else contextlib.nullcontext():
+            if self._tables[table].cache_rows:
+                return self._add_cached_shard(table, index, name, shard)
             if self._tables[table].chunks:
                 with tf.init_scope():
                     initial = _slice_initializer(self._tables[table], shard)(
@@ -748,8 +751,6 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                     use_custom_op=None if self.use_custom_kernel else False)
                 self._chunked_tables[f"{table}_{index}"] = chunked
                 return chunked.pool
-            if self._tables[table].cache_rows:
-                return self._add_cached_shard(table, index, name, shard)
             if self._tables[table].custom_class is not None:
                 custom = _custom_shard_layer(self._tables[table], rows, width,
                                              name.replace("/", "_"))
@@ -768,7 +769,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     def _add_cached_shard(self, table: int, index: int, name: str,
                           shard: planner.Shard) -> tf.Variable:
-        """A tiered shard: its rows in a file of this rank's, a cache in front."""
+        """A tiered shard: its rows in a file of this rank's, a cache in front (with
+        FIITED's per-row widths for an adaptive table)."""
         spec = self._tables[table]
         rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
 
@@ -785,13 +787,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # every replica
         directory = os.path.join(spec.store_dir, f"rank{self._mesh.rank}")
         os.makedirs(directory, exist_ok=True)
+        tier = dict(initializer=initializer, policy=spec.cache_policy,
+                    name=re.sub(r"\W", "_", f"{self.name}_{name}"),
+                    pinned_calls=planner.TIER_PINNED_STEPS)
+        cache_rows = planner.shard_cache_rows(spec.cache_rows, spec.rows, rows)
         with tf.init_scope():   # the host side works eagerly, also when built in a trace
-            cached = CachedTable(
-                rows, width, planner.shard_cache_rows(spec.cache_rows, spec.rows, rows),
-                directory,
-                initializer=initializer, policy=spec.cache_policy,
-                name=re.sub(r"\W", "_", f"{self.name}_{name}"),
-                pinned_calls=planner.TIER_PINNED_STEPS)
+            if spec.chunks:
+                cached = ChunkedCachedTable(
+                    rows, width, cache_rows, directory, chunks=width // spec.chunk_dim,
+                    use_custom_op=None if self.use_custom_kernel else False, **tier)
+                self._chunked_tables[f"{table}_{index}"] = cached
+            else:
+                cached = CachedTable(rows, width, cache_rows, directory, **tier)
         self._cached_tables[f"{table}_{index}"] = cached
         return cached.cache
 
@@ -808,9 +815,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     def _table_key(self, table: int) -> str:
         return f"{self.name}/{self._tables[table].name}"
 
-    def _chunked(self, table: int, shard: int) -> ChunkedTable | None:
-        """The FIITED pool of table ``table``'s shard ``shard`` (0 for a replicated table)
-        if this rank holds it and the table is adaptive."""
+    def _chunked(self, table: int, shard: int) -> ChunkedTable | ChunkedCachedTable | None:
+        """The FIITED pool (or tiered FIITED table) of table ``table``'s shard ``shard``
+        (0 for a replicated table) if this rank holds it and the table is adaptive."""
         return self._chunked_tables.get(f"{table}_{shard}")
 
     # ------------------------------------------------------------------ call

@@ -16,7 +16,7 @@ from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-
 
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
-from tfhybrid.tiers import POLICIES, CachedTable
+from tfhybrid.tiers import POLICIES, CachedTable, ChunkedCachedTable
 # Re-exported so that `tfhybrid.layers.embedding.X` resolves every X that
 # distributed-embeddings' embedding module has; each lives in its own module.
 from tfhybrid.layers.concat_one_hot import ConcatEmbedding, ConcatOneHotEmbedding  # noqa: F401
@@ -91,8 +91,8 @@ class Embedding(tf.keras.layers.Embedding):
     callback, every N steps in ``fit``) re-divides ``target_memory`` of the chunks by each
     row's utility. Train it with :class:`tfhybrid.optimizers.RowWiseAdagrad` (its state is
     one accumulator per logical row, kept by the table): Keras' optimizers keep state shaped
-    like the pool, which changes size. Single process for now (``DistributedEmbedding``
-    rejects it).
+    like the pool, which changes size. Inside a ``DistributedEmbedding`` each shard is a
+    pool, and every mesh prunes as one process does.
 
     ``cache_rows=N`` (with ``store_dir``) keeps the table in a slower tier, a
     memory-mapped file in ``store_dir``, with an ``N``-row DRAM cache in front
@@ -101,7 +101,9 @@ class Embedding(tf.keras.layers.Embedding):
     table larger than memory trains exactly as it would in memory (SGD without momentum,
     or ``RowWiseAdagrad``, whose per-row state moves with the rows). One batch may name at
     most ``N`` distinct ids. In a ``DistributedEmbedding`` each shard keeps the same share
-    of its rows cached.
+    of its rows cached. With ``dims="adaptive"`` too, the tier's rows keep FIITED's
+    per-row widths (:class:`tfhybrid.tiers.ChunkedCachedTable`) and train exactly as the
+    adaptive table in memory.
 
     Example::
 
@@ -148,7 +150,7 @@ class Embedding(tf.keras.layers.Embedding):
                 raise ValueError(f"chunks={chunks!r} must be an int >= 1 that divides "
                                  f"output_dim={output_dim!r}")
         if cache_rows is not None:
-            _check_tier(cache_rows, store_dir, cache_policy, dims, kwargs)
+            _check_tier(cache_rows, store_dir, cache_policy, kwargs)
         super().__init__(input_dim, output_dim, **kwargs)
         self.cache_rows = cache_rows
         self.store_dir = store_dir
@@ -163,11 +165,16 @@ class Embedding(tf.keras.layers.Embedding):
     # -------------------------------------------------------------------- build
     def build(self, input_shape=None):
         if self.cache_rows is not None:
-            self.table = CachedTable(self.input_dim, self.output_dim, self.cache_rows,
-                                     self.store_dir, policy=self.cache_policy,
-                                     initializer=_block_initializer(
-                                         self.embeddings_initializer, self.output_dim),
-                                     name=self.name)
+            tier = dict(policy=self.cache_policy, name=self.name,
+                        initializer=_block_initializer(self.embeddings_initializer,
+                                                       self.output_dim))
+            if self.dims == "adaptive":
+                self.table = ChunkedCachedTable(
+                    self.input_dim, self.output_dim, self.cache_rows, self.store_dir,
+                    chunks=self.chunks, use_custom_op=self._lookup_option(), **tier)
+            else:
+                self.table = CachedTable(self.input_dim, self.output_dim, self.cache_rows,
+                                         self.store_dir, **tier)
             self.built = True
             return None
         if self.dims != "adaptive":
@@ -355,7 +362,7 @@ class Embedding(tf.keras.layers.Embedding):
         return config
 
 
-def _check_tier(cache_rows, store_dir, cache_policy, dims, kwargs) -> None:
+def _check_tier(cache_rows, store_dir, cache_policy, kwargs) -> None:
     """ValueError naming the value for a tiered table's options that cannot work."""
     if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 1:
         raise ValueError(f"cache_rows={cache_rows!r} must be None (all rows in memory) or "
@@ -366,9 +373,6 @@ def _check_tier(cache_rows, store_dir, cache_policy, dims, kwargs) -> None:
     if cache_policy not in POLICIES:
         raise ValueError(f"cache_policy={cache_policy!r} is unknown; expected one of "
                          f"{POLICIES}")
-    if dims is not None:
-        raise ValueError(f"cache_rows with dims={dims!r} is not supported yet: a tiered "
-                         "table is dense")
     unsupported = [k for k in ("sparse", "mask_zero", "embeddings_regularizer",
                                "embeddings_constraint") if kwargs.get(k)]
     if unsupported:

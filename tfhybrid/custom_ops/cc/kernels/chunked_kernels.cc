@@ -1,5 +1,6 @@
 // CPU kernels for FIITED's chunk pool (tfhybrid/fiited.py): ChunkedEmbeddingLookup,
-// ChunkedEmbeddingLookupCombine and ChunkedRowwiseAdagradApply.
+// ChunkedEmbeddingLookupCombine and ChunkedRowwiseAdagradApply; and the same update on a
+// tiered FIITED table's cache (tfhybrid/tiers.py), CachedChunkedRowwiseAdagradApply.
 //
 // Row r's chunks are pool rows [row_offsets[r], row_offsets[r + 1]), side by side, so a
 // row's present entries are one contiguous run of the flat pool: a lookup is one copy per
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -186,6 +188,122 @@ class ChunkedEmbeddingLookupCombineOp : public OpKernel {
   std::string table_name_;
 };
 
+// FIITED's row-wise AdaGrad, whatever holds the rows. Each distinct index i of
+// [0, num_ids) gets its gradient rows summed in input order (g, [dim]); with h =
+// layout.held(i) entries at layout.weights(i): accum[i] += mean over the h entries of g^2,
+// those entries step by -lr * g / (sqrt(accum[i] / scale) + eps), then weight decay.
+// utility (utility_rows entries) decays everywhere, then utility[layout.utility_row(i)] +=
+// utility_weight * |g|^2. A pool (ChunkedRowwiseAdagradApply) and a tiered table's cache
+// (CachedChunkedRowwiseAdagradApply) differ only in the layout, so a row updates alike in
+// both, bit for bit.
+struct ChunkedApplyScalars {
+  float lr, eps, scale, wd, utility_decay, utility_weight;
+};
+
+inline Status ReadChunkedApplyScalars(OpKernelContext* ctx, std::initializer_list<int> lr_eps_scale_wd,
+                                      int utility_decay, int utility_weight,
+                                      ChunkedApplyScalars* s) {
+  std::vector<int> at(lr_eps_scale_wd);
+  at.push_back(utility_decay);
+  at.push_back(utility_weight);
+  for (int i : at) {
+    if (!TensorShapeUtils::IsScalar(ctx->input(i).shape())) {
+      return errors::InvalidArgument("input ", i, " must be a scalar");
+    }
+  }
+  s->lr = ctx->input(at[0]).scalar<float>()();
+  s->eps = ctx->input(at[1]).scalar<float>()();
+  s->scale = ctx->input(at[2]).scalar<float>()();
+  s->wd = ctx->input(at[3]).scalar<float>()();
+  s->utility_decay = ctx->input(utility_decay).scalar<float>()();
+  s->utility_weight = ctx->input(utility_weight).scalar<float>()();
+  return OkStatus();
+}
+
+template <typename Tidx, typename Layout>
+void ApplyChunkedRowwise(OpKernelContext* ctx, const Tidx* indices, int64 n, int64 num_ids,
+                         const float* grad, int64 dim, float* accum, float* utility,
+                         int64 utility_rows, const Layout& layout,
+                         const ChunkedApplyScalars& s) {
+  ScratchHandle scratch;
+  if (n > 0) GroupById(indices, n, num_ids, &*scratch);
+  const Grouping& g = scratch->g;
+  const int64 u_count = n > 0 ? g.num_unique() : 0;
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  // the utility's decay touches every row, in the same pass as nothing else: one
+  // multiply per row (a rows-long TF op would read and write it three times)
+  workers->ParallelFor(utility_rows, 2, [&](int64 begin, int64 end) {
+    for (int64 r = begin; r < end; ++r) utility[r] *= s.utility_decay;
+  });
+  if (u_count == 0) return;
+  const float decay = s.wd > 0.0f ? s.lr * s.wd : 0.0f;
+  auto pos = [&](int64 k) -> int64 { return g.perm.empty() ? k : static_cast<int64>(g.perm[k]); };
+  const int64 avg_seg = std::max<int64>(1, n / u_count);
+  workers->ParallelFor(u_count, avg_seg * 3 * dim + 8 * dim + 300, [&](int64 begin, int64 end) {
+    std::vector<float> acc(dim);
+    for (int64 u = begin; u < end; ++u) {
+      const int64 ks = g.seg_start[u], ke = g.seg_start[u + 1];
+      std::memcpy(acc.data(), grad + pos(ks) * dim, dim * sizeof(float));
+      for (int64 k = ks + 1; k < ke; ++k) {
+        const float* row = grad + pos(k) * dim;
+        for (int64 d = 0; d < dim; ++d) acc[d] += row[d];
+      }
+      const int64 i = g.unique_ids[u];
+      const int64 held = layout.held(i);
+      float squares = 0.0f, held_squares = 0.0f;
+      for (int64 d = 0; d < dim; ++d) {
+        squares += acc[d] * acc[d];
+        if (d + 1 == held) held_squares = squares;
+      }
+      if (held == 0) held_squares = 0.0f;
+      // utility: the row's squared summed gradient, weighted (after the decay above)
+      utility[layout.utility_row(i)] += s.utility_weight * squares;
+      const float v = accum[i] + (held > 0 ? held_squares / static_cast<float>(held) : 0.0f);
+      accum[i] = v;
+      const float mult = s.lr / (std::sqrt(v / s.scale) + s.eps);
+      float* w = layout.weights(i);
+      for (int64 d = 0; d < held; ++d) {
+        const float stepped = w[d] - mult * acc[d];
+        w[d] = decay != 0.0f ? stepped - decay * stepped : stepped;
+      }
+    }
+  });
+}
+
+// The update's variables, which must be float32: the rows' storage (input 0), their
+// accumulators (input 1) and the table's utility (input `utility`).
+inline Status CheckChunkedState(OpKernelContext* ctx, int utility) {
+  for (int i : {0, 1, utility}) {
+    core::RefCountPtr<Var> v;
+    TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, i), &v));
+    tf_shared_lock ml(*v->mu());
+    if (v->tensor()->dtype() != DT_FLOAT) {
+      return errors::InvalidArgument("input ", i, " (rows, accumulators, utility) must be a "
+                                     "float32 variable");
+    }
+  }
+  return OkStatus();
+}
+
+// Reads them, once the caller holds their locks (MaybeLockVariableInputMutexesInOrder).
+inline Status ReadChunkedState(OpKernelContext* ctx, int utility, Tensor* rows_t,
+                               Tensor* accum_t, Tensor* utility_t) {
+  TF_RETURN_IF_ERROR(GetInputTensorFromVariable<CPUDevice, float>(ctx, 0, true, true, rows_t));
+  TF_RETURN_IF_ERROR(
+      GetInputTensorFromVariable<CPUDevice, float>(ctx, utility, true, true, utility_t));
+  return GetInputTensorFromVariable<CPUDevice, float>(ctx, 1, true, true, accum_t);
+}
+
+// A pool: row r's entries are the flat pool from off[r] * cd, off[r + 1] - off[r] chunks.
+struct PoolLayout {
+  float* pool;
+  const int32* off;
+  int64 cd;
+  float* weights(int64 r) const { return pool + static_cast<int64>(off[r]) * cd; }
+  int64 held(int64 r) const { return (static_cast<int64>(off[r + 1]) - off[r]) * cd; }
+  int64 utility_row(int64 r) const { return r; }
+};
+
 template <typename Tidx>
 class ChunkedRowwiseAdagradApplyOp : public OpKernel {
  public:
@@ -194,21 +312,11 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     // the variables: pool, accum and utility
     const int kUtility = 9;
-    for (int i : {0, 1, kUtility}) {
-      core::RefCountPtr<Var> v;
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &v));
-      tf_shared_lock ml(*v->mu());
-      OP_REQUIRES(ctx, v->tensor()->dtype() == DT_FLOAT,
-                  errors::InvalidArgument("ChunkedRowwiseAdagradApply: input ", i,
-                                          " (pool, accum, utility) must be float32"));
-    }
+    OP_REQUIRES_OK(ctx, CheckChunkedState(ctx, kUtility));
     auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
         ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1, kUtility});
     Tensor pool_t, accum_t, utility_t;
-    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, 0, true, true, &pool_t));
-    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, kUtility, true, true,
-                                                                     &utility_t));
-    OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(ctx, 1, true, true, &accum_t));
+    OP_REQUIRES_OK(ctx, ReadChunkedState(ctx, kUtility, &pool_t, &accum_t, &utility_t));
     OP_REQUIRES(ctx, pool_t.dims() == 2,
                 errors::InvalidArgument("pool must be 2-D, got ", pool_t.shape().DebugString()));
     const Tensor& grad_t = ctx->input(4);
@@ -224,72 +332,92 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
                 errors::InvalidArgument("accum and utility must have ", rows, " entries, got ",
                                         accum_t.NumElements(), " and ",
                                         utility_t.NumElements()));
-    for (int i : {5, 6, 7, 8, 10, 11}) {
-      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(ctx->input(i).shape()),
-                  errors::InvalidArgument("input ", i, " must be a scalar"));
-    }
-    const float lr = ctx->input(5).scalar<float>()();
-    const float eps = ctx->input(6).scalar<float>()();
-    const float scale = ctx->input(7).scalar<float>()();
-    const float wd = ctx->input(8).scalar<float>()();
-    const float utility_decay = ctx->input(10).scalar<float>()();
-    const float utility_weight = ctx->input(11).scalar<float>()();
+    ChunkedApplyScalars s;
+    OP_REQUIRES_OK(ctx, ReadChunkedApplyScalars(ctx, {5, 6, 7, 8}, 10, 11, &s));
     const int64 n = indices_t.NumElements();
     OP_REQUIRES(ctx, n < (int64{1} << 32), errors::InvalidArgument("too many indices: ", n));
     const Tidx* indices = indices_t.flat<Tidx>().data();
     const int64 bad = FirstOutOfRange(indices, n, rows);
     OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError("chunked", indices, bad, rows));
-
-    ScratchHandle scratch;
-    if (n > 0) GroupById(indices, n, rows, &*scratch);
-    const Grouping& g = scratch->g;
-    const int64 u_count = n > 0 ? g.num_unique() : 0;
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    // the utility's decay touches every row, in the same pass as nothing else: one
-    // multiply per row (a rows-long TF op would read and write it three times)
-    float* utility = utility_t.flat<float>().data();
-    workers->ParallelFor(rows, 2, [&](int64 begin, int64 end) {
-      for (int64 r = begin; r < end; ++r) utility[r] *= utility_decay;
-    });
-    if (u_count == 0) return;
-    const float* grad = grad_t.flat<float>().data();
     float* pool = pool_t.flat<float>().data();
     AdviseHugePages(pool, pool_t.TotalBytes());
-    float* accum = accum_t.flat<float>().data();
-    const int32* off = ctx->input(2).flat<int32>().data();
-    const float decay = wd > 0.0f ? lr * wd : 0.0f;
-    auto pos = [&](int64 k) -> int64 { return g.perm.empty() ? k : static_cast<int64>(g.perm[k]); };
-    const int64 avg_seg = std::max<int64>(1, n / u_count);
-    workers->ParallelFor(u_count, avg_seg * 3 * dim + 8 * dim + 300, [&](int64 begin, int64 end) {
-      std::vector<float> acc(dim);
-      for (int64 u = begin; u < end; ++u) {
-        const int64 ks = g.seg_start[u], ke = g.seg_start[u + 1];
-        std::memcpy(acc.data(), grad + pos(ks) * dim, dim * sizeof(float));
-        for (int64 k = ks + 1; k < ke; ++k) {
-          const float* row = grad + pos(k) * dim;
-          for (int64 d = 0; d < dim; ++d) acc[d] += row[d];
-        }
-        const int64 r = g.unique_ids[u];
-        const int64 held = (static_cast<int64>(off[r + 1]) - off[r]) * cd;
-        float squares = 0.0f, held_squares = 0.0f;
-        for (int64 d = 0; d < dim; ++d) {
-          squares += acc[d] * acc[d];
-          if (d + 1 == held) held_squares = squares;
-        }
-        if (held == 0) held_squares = 0.0f;
-        // utility: the row's squared summed gradient, weighted (after the decay above)
-        utility[r] += utility_weight * squares;
-        const float v = accum[r] + (held > 0 ? held_squares / static_cast<float>(held) : 0.0f);
-        accum[r] = v;
-        const float mult = lr / (std::sqrt(v / scale) + eps);
-        float* w = pool + static_cast<int64>(off[r]) * cd;
-        for (int64 d = 0; d < held; ++d) {
-          const float stepped = w[d] - mult * acc[d];
-          w[d] = decay != 0.0f ? stepped - decay * stepped : stepped;
-        }
-      }
-    });
+    const PoolLayout layout{pool, ctx->input(2).flat<int32>().data(), cd};
+    ApplyChunkedRowwise(ctx, indices, n, rows, grad_t.flat<float>().data(), dim,
+                        accum_t.flat<float>().data(), utility_t.flat<float>().data(), rows,
+                        layout, s);
   }
+};
+
+// A tiered table's cache ([slots, dim]): slot i holds row slot_rows[i] with
+// slot_chunks[i] chunks of cd entries; the entries past them are zeros that stay zeros.
+struct CacheLayout {
+  float* cache;
+  const int32* slot_chunks;
+  const int64* slot_rows;
+  int64 dim, cd;
+  float* weights(int64 i) const { return cache + i * dim; }
+  int64 held(int64 i) const { return static_cast<int64>(slot_chunks[i]) * cd; }
+  int64 utility_row(int64 i) const { return slot_rows[i]; }
+};
+
+template <typename Tidx>
+class CachedChunkedRowwiseAdagradApplyOp : public OpKernel {
+ public:
+  explicit CachedChunkedRowwiseAdagradApplyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("chunk_dim", &cd_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    // the variables: cache, its accumulator and the table's utility
+    const int kUtility = 10;
+    OP_REQUIRES_OK(ctx, CheckChunkedState(ctx, kUtility));
+    auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1, kUtility});
+    Tensor cache_t, accum_t, utility_t;
+    OP_REQUIRES_OK(ctx, ReadChunkedState(ctx, kUtility, &cache_t, &accum_t, &utility_t));
+    const Tensor& chunks_t = ctx->input(2);
+    const Tensor& rows_t = ctx->input(3);
+    const Tensor& indices_t = ctx->input(4);
+    const Tensor& grad_t = ctx->input(5);
+    OP_REQUIRES(ctx, cache_t.dims() == 2 && grad_t.dims() == 2 &&
+                         grad_t.dim_size(1) == cache_t.dim_size(1) &&
+                         grad_t.dim_size(0) == indices_t.NumElements(),
+                errors::InvalidArgument("cache must be [slots, dim] and grad [N, dim] for N "
+                                        "indices, got ", cache_t.shape().DebugString(), " and ",
+                                        grad_t.shape().DebugString()));
+    const int64 slots = cache_t.dim_size(0), dim = cache_t.dim_size(1);
+    OP_REQUIRES(ctx, cd_ > 0 && dim % cd_ == 0,
+                errors::InvalidArgument("dim ", dim, " is not a multiple of chunk_dim ", cd_));
+    OP_REQUIRES(ctx, accum_t.NumElements() == slots && chunks_t.NumElements() == slots &&
+                         rows_t.NumElements() == slots,
+                errors::InvalidArgument("accum, slot_chunks and slot_rows must have one entry "
+                                        "per cache slot (", slots, ")"));
+    const int32* slot_chunks = chunks_t.flat<int32>().data();
+    const int64* slot_rows = rows_t.flat<int64>().data();
+    const int64 utility_rows = utility_t.NumElements();
+    const int64 n = indices_t.NumElements();
+    OP_REQUIRES(ctx, n < (int64{1} << 32), errors::InvalidArgument("too many indices: ", n));
+    const Tidx* indices = indices_t.flat<Tidx>().data();
+    const int64 bad = FirstOutOfRange(indices, n, slots);
+    OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError("cache", indices, bad, slots));
+    for (int64 p = 0; p < n; ++p) {   // only the slots named: the others may be unfilled
+      const int64 i = static_cast<int64>(indices[p]);
+      OP_REQUIRES(ctx, slot_rows[i] >= 0 && slot_rows[i] < utility_rows &&
+                           slot_chunks[i] >= 0 && slot_chunks[i] * cd_ <= dim,
+                  errors::InvalidArgument("cache slot ", i, " holds row ", slot_rows[i], " with ",
+                                          slot_chunks[i], " chunks; expected a row in [0, ",
+                                          utility_rows, ") and at most ", dim / cd_, " chunks"));
+    }
+    ChunkedApplyScalars s;
+    OP_REQUIRES_OK(ctx, ReadChunkedApplyScalars(ctx, {6, 7, 8, 9}, 11, 12, &s));
+    const CacheLayout layout{cache_t.flat<float>().data(), slot_chunks, slot_rows, dim, cd_};
+    ApplyChunkedRowwise(ctx, indices, n, slots, grad_t.flat<float>().data(), dim,
+                        accum_t.flat<float>().data(), utility_t.flat<float>().data(),
+                        utility_rows, layout, s);
+  }
+
+ private:
+  int64 cd_;
 };
 
 #define TFHYBRID_REGISTER_CHUNKED(Tidx)                                                \
@@ -309,7 +437,19 @@ class ChunkedRowwiseAdagradApplyOp : public OpKernel {
                               .HostMemory("utility_decay")                             \
                               .HostMemory("utility_weight")                            \
                               .TypeConstraint<Tidx>("Tindices"),                       \
-                          ChunkedRowwiseAdagradApplyOp<Tidx>);
+                          ChunkedRowwiseAdagradApplyOp<Tidx>);                        \
+  REGISTER_KERNEL_BUILDER(Name("CachedChunkedRowwiseAdagradApply")                     \
+                              .Device(DEVICE_CPU)                                      \
+                              .HostMemory("slot_chunks")                               \
+                              .HostMemory("slot_rows")                                 \
+                              .HostMemory("lr")                                        \
+                              .HostMemory("epsilon")                                   \
+                              .HostMemory("scale")                                     \
+                              .HostMemory("weight_decay")                              \
+                              .HostMemory("utility_decay")                             \
+                              .HostMemory("utility_weight")                            \
+                              .TypeConstraint<Tidx>("Tindices"),                       \
+                          CachedChunkedRowwiseAdagradApplyOp<Tidx>);
 
 TFHYBRID_REGISTER_CHUNKED(int32)
 TFHYBRID_REGISTER_CHUNKED(int64_t)

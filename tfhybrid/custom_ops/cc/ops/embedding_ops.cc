@@ -11,6 +11,7 @@
 //                                   each row's chunks
 //   ChunkedEmbeddingLookupCombine   FIITED: bags of those rows summed
 //   ChunkedRowwiseAdagradApply      FIITED: row-wise Adagrad on the chunks rows hold
+//   CachedChunkedRowwiseAdagradApply  the same on a tiered FIITED table's cache
 //
 // Kernels live in ../kernels/. The Python wrappers and gradients are in
 // tfhybrid/custom_ops/__init__.py.
@@ -289,6 +290,39 @@ float32 gradient g ([dim]) and h = the entries its chunks hold:
   its h entries -= lr * g / (sqrt(accum[i] / scale) + epsilon), then weight decay
 utility (FIITED's per-row signal, float32 [rows]): every entry *= utility_decay, then each
 distinct row's += utility_weight * |g|^2 (all dim entries).
+)doc");
+
+REGISTER_OP("CachedChunkedRowwiseAdagradApply")
+    .Input("cache: resource")
+    .Input("accum: resource")
+    .Input("slot_chunks: int32")
+    .Input("slot_rows: int64")
+    .Input("indices: Tindices")
+    .Input("grad: float")
+    .Input("lr: float")
+    .Input("epsilon: float")
+    .Input("scale: float")
+    .Input("weight_decay: float")
+    .Input("utility: resource")
+    .Input("utility_decay: float")
+    .Input("utility_weight: float")
+    .Attr("chunk_dim: int >= 1")
+    .Attr("Tindices: {int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      for (int i : {2, 3, 4}) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 2, &unused));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+ChunkedRowwiseAdagradApply on a tiered FIITED table's cache, in place.
+
+cache: float32 [slots, dim]; slot i holds row slot_rows[i] of the table, whose first
+slot_chunks[i] * chunk_dim entries it keeps (the rest are zeros and stay zeros). indices
+are cache slots; accum has one entry per slot; utility one per row of the table (it
+decays everywhere, and slot i's row gains as in ChunkedRowwiseAdagradApply). A row
+updates here exactly as it would in a pool.
 )doc");
 
 REGISTER_OP("TfhybridKernelIsa")
