@@ -184,8 +184,12 @@ def throughput(args) -> dict:
         if len(set(values)) != 1:
             raise RuntimeError(f"step {step}: the configurations' losses differ: {values}")
     if args.adaptive is not None:
-        # FIITED prunes to its target (from the same utilities: the same widths
-        # everywhere, checked), so the timed steps run on rows of mixed widths
+        # FIITED prunes to its target, after the same steps everywhere (so from the same
+        # utilities: the same widths, checked), and the timed steps run on rows of mixed
+        # widths
+        trained = max(cursor.values())
+        for config in configs:
+            steps(config, trained - cursor[id(config)])
         widths = []
         for config in configs:
             for embedding in config.embeddings:
