@@ -440,6 +440,28 @@ class TieredErrorsTest(_TempDir):
         model.compile(tf.keras.optimizers.Adam(0.1), "mse")
         model.fit(ids, labels, batch_size=BATCH, verbose=0)
 
+    def test_a_saved_model_is_refused_with_the_way_to_serve(self):
+        for kwargs in ({}, dict(dims="adaptive", chunks=2)):
+            with self.subTest(**kwargs):
+                ids = tf.keras.Input((2,), dtype=tf.int64)
+                layer = Embedding(100, 4, combiner="sum", cache_rows=5,
+                                  store_dir=self.fresh_dir(), name="on_disk", **kwargs)
+                model = tf.keras.Model(ids, layer(ids))
+                model(tf.constant([[0, 1]]))
+                with self.assertRaisesRegex(ValueError, r"'on_disk' lives in the disk tier"
+                                                        r".*cannot be part of a SavedModel"
+                                                        r".*set_weights"):
+                    model.save(os.path.join(self.fresh_dir(), "saved"))
+                # the way it names: the table in memory, with this layer's weights
+                memory = Embedding(100, 4, combiner="sum", **kwargs)
+                memory.build(None)
+                if kwargs:
+                    memory.table.write_rows(0, layer.get_weights()[0])
+                else:
+                    memory.set_weights(layer.get_weights())
+                np.testing.assert_array_equal(memory(tf.constant([[0, 1]])).numpy(),
+                                              model(tf.constant([[0, 1]])).numpy())
+
     def test_xla_is_refused_naming_the_table(self):
         layer = Embedding(100, 4, combiner="sum", cache_rows=5, store_dir=self.dir,
                           name="on_disk")

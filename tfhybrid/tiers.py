@@ -494,6 +494,16 @@ class CachedTable(tf.Module):
 
     # ------------------------------------------------------------ checkpoints
     def _serialize_to_tensors(self):
+        if not tf.executing_eagerly():
+            # traced: a SavedModel's save function. Its graph could only reach the file
+            # through a Python callback, which a SavedModel loaded elsewhere lacks (and
+            # so do the lookups, whose rows come through the host)
+            raise ValueError(
+                f"table {self.name!r} lives in the disk tier (cache_rows) and cannot be "
+                "part of a SavedModel: its rows are in a file and its lookups run on the "
+                "host. Save its training state with model.save_weights or "
+                "tf.train.Checkpoint; to serve, build the model with the table in memory "
+                "(no cache_rows) and set_weights from this layer's get_weights()")
         # the cache is slot-ordered and meaningless without the host index, so a
         # checkpoint holds the table in row order: the store, flushed first
         self.flush()
