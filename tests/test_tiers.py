@@ -157,6 +157,8 @@ def _adaptive_model(store_dir=None, combiner="sum", custom=True):
     rows = Embedding(ROWS, DIM, combiner=combiner, name="table", dims="adaptive",
                      chunks=CHUNKS, target_memory=0.4, use_custom_kernel=custom,
                      **kwargs)(ids)
+    if combiner is None:
+        rows = tf.keras.layers.Flatten()(rows)
     out = tf.keras.layers.Dense(1, kernel_initializer="ones", name="head")(rows)
     model = tf.keras.Model(ids, out)
     model.compile(RowWiseAdagrad(0.1, use_custom_op=custom), "mse")
@@ -182,7 +184,8 @@ class AdaptiveTierTest(_TempDir):
 
     def test_fit_with_adjustments_equals_the_adaptive_table_in_memory(self):
         from tfhybrid.callbacks import FiitedAdjust
-        for combiner, custom in (("sum", True), ("mean", True), ("sum", False)):
+        for combiner, custom in (("sum", True), ("mean", True), (None, True),
+                                 ("sum", False), (None, False)):
             with self.subTest(combiner=combiner, custom_kernels=custom):
                 tiered, memory, table, pool = self._pair(combiner=combiner, custom=custom)
                 self.assertIsInstance(table, ChunkedCachedTable)
