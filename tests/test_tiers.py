@@ -465,6 +465,14 @@ class TieredErrorsTest(_TempDir):
                 np.testing.assert_array_equal(memory(tf.constant([[0, 1]])).numpy(),
                                               model(tf.constant([[0, 1]])).numpy())
 
+    def test_docstring_examples_run(self):
+        import inspect
+        import textwrap
+        for cls in (CachedTable, ChunkedCachedTable):
+            doc = inspect.getdoc(cls)
+            self.assertIn("Example::", doc, cls.__name__)
+            exec(textwrap.dedent(doc.split("Example::", 1)[1]), {})  # pylint: disable=exec-used
+
     def test_xla_is_refused_naming_the_table(self):
         layer = Embedding(100, 4, combiner="sum", cache_rows=5, store_dir=self.dir,
                           name="on_disk")
