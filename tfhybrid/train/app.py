@@ -309,7 +309,9 @@ def _fiited(config: TrainConfig) -> dict | None:
 
 def _fiited_figures(model) -> dict | None:
     """The run's FIITED figures: chunks kept and embedding bytes (the tables' pools and
-    row offsets, one replica) against dense tables. Every rank must call it."""
+    row offsets, one replica) against dense tables. Every rank must call it. A table the
+    planner put in the disk tier keeps the same widths but holds a cache of full-width
+    rows instead of its pool: the metrics' ``embedding_memory`` is what a rank holds."""
     tables = model.embedding._embedding_layers
     counts = model.embedding.chunks_per_row()
     kept = sum(int(c.sum()) for c in counts if c is not None)
