@@ -580,6 +580,64 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
 """)
 
 
+class CachedChunkedAdagradTest(tf.test.TestCase):
+    """CachedChunkedRowwiseAdagradApply: FIITED's update on a tiered table's cache (its
+    equality with the pool's kernel, step by step and in training, is in
+    tests/test_tiers.py)."""
+
+    def _state(self):
+        cache = tf.Variable(tf.reshape(tf.range(24, dtype=tf.float32), [3, 8]))
+        accum = tf.Variable(tf.zeros([3]))
+        utility = tf.Variable(tf.ones([10]))
+        return cache, accum, utility
+
+    def _apply(self, cache, accum, utility, slots, slot_chunks, slot_rows, chunk_dim=2):
+        co.cached_chunked_rowwise_adagrad_apply(
+            cache, accum, tf.constant(slot_chunks, tf.int32), tf.constant(slot_rows, tf.int64),
+            chunk_dim, tf.constant(slots), tf.ones([len(slots), 8]), 0.5, 1e-8, 1.0, 0.0,
+            utility, 0.5)
+
+    def test_updates_the_chunks_a_slot_holds_and_its_row_utility(self):
+        if DISABLED:
+            self.skipTest("custom ops disabled")
+        cache, accum, utility = self._state()
+        before = cache.numpy()
+        # slot 2 is unfilled (row -1): not named, so not checked
+        self._apply(cache, accum, utility, [0, 1, 0], [2, 4, 0], [7, 3, -1])
+        after = cache.numpy()
+        # slot 0: two duplicates summed (g = 2), 2 chunks of 2 held: 4 entries step
+        self.assertAllClose(accum.numpy(), [4.0, 1.0, 0.0])
+        self.assertAllClose(after[0, :4], before[0, :4] - 0.5 * 2.0 / 2.0)
+        self.assertAllEqual(after[0, 4:], before[0, 4:])
+        self.assertAllClose(after[1], before[1] - 0.5)
+        self.assertAllEqual(after[2], before[2])
+        # utility: everything halves, then row 7 gains 0.5 * |g|^2 = 0.5 * 8 * 4, row 3
+        # 0.5 * 8
+        want = np.full(10, 0.5, np.float32)
+        want[7] += 16.0
+        want[3] += 4.0
+        self.assertAllClose(utility.numpy(), want)
+
+    def test_bad_input_is_refused_by_name_before_any_update(self):
+        if DISABLED:
+            self.skipTest("custom ops disabled")
+        cases = [([3], [2, 2, 2], [0, 1, 2], r"cache.*got id 3"),
+                 ([1], [2, 2, 2], [0, 10, 2], r"cache slot 1 holds row 10 .*\[0, 10\)"),
+                 ([1], [2, 5, 2], [0, 1, 2], r"cache slot 1 holds row 1 with 5 chunks.*at "
+                                             r"most 4 chunks")]
+        for slots, slot_chunks, slot_rows, message in cases:
+            with self.subTest(message=message):
+                cache, accum, utility = self._state()
+                with self.assertRaisesRegex(tf.errors.InvalidArgumentError, message):
+                    self._apply(cache, accum, utility, slots, slot_chunks, slot_rows)
+                self.assertAllEqual(cache.numpy(), self._state()[0].numpy())
+                self.assertAllEqual(utility.numpy(), np.ones(10))
+        cache, accum, utility = self._state()
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r"dim 8 is not a multiple of chunk_dim 3"):
+            self._apply(cache, accum, utility, [0], [1, 1, 1], [0, 1, 2], chunk_dim=3)
+
+
 class DeterminismTest(tf.test.TestCase):
 
     def _digest(self, threads, isa=None):
