@@ -318,6 +318,25 @@ class AdaptiveTierTest(_TierDir):
                 self.assertGreater(sum(hvd.allgather_object(
                     sum(t.stats()["writebacks"] for t in tiered_shards))), 0)
 
+    def test_broadcast_sends_the_root_replicas_rows_utility_and_widths(self):
+        world = hc.world_size()
+        mesh = tfhybrid.init(model_parallel=2)
+        model, _ = self._trained(self._case(world, 83, steps=8), mesh)
+        layer = _layer(model)
+        for table in layer._cached_tables.values():   # make the replicas differ
+            table.write_rows(0, np.full([table.rows, table.dim], float(mesh.rank),
+                                        np.float32))
+            table.utility.assign(tf.fill([table.rows], float(mesh.rank)))
+        tfhybrid.broadcast_variables(model.variables + model.optimizer.variables,
+                                     root_rank=0)
+        root_replica = next(d for d, group in enumerate(mesh.model_groups) if 0 in group)
+        root = mesh.model_groups[root_replica][mesh.model_position]
+        for table in layer._cached_tables.values():
+            held = table.chunks_per_row()[:, None] * table.chunk_dim
+            want = np.where(np.arange(table.dim)[None, :] < held, float(root), 0.0)
+            self.assertAllEqual(table.read_rows(0, table.rows), want)
+            self.assertAllEqual(table.utility.numpy(), np.full([table.rows], float(root)))
+
     def test_checkpoint_moves_between_the_tier_and_memory_and_meshes(self):
         world = hc.world_size()
         path = self.shared_dir()

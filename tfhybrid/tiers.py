@@ -585,9 +585,10 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
 
     @property
     def row_state(self) -> tuple:
-        """The variables besides the cache that hold the rows' state (they live where
-        the cache does, and are broadcast and checkpointed with it)."""
-        return (self.cache_accumulator, self.utility)
+        """The variables besides the cache that the table keeps per row or per slot
+        (they live where the cache does, and are broadcast with it: a shard's replicas
+        hold the same rows in the same slots)."""
+        return (self.cache_accumulator, self.utility, self.slot_rows, self.slot_chunks)
 
     # ------------------------------------------------------------------ the cache
     def _load(self, rows: np.ndarray) -> None:
