@@ -502,26 +502,34 @@ def chunked_rowwise_adagrad_apply(pool, accum, row_offsets, indices, grad, lr, e
     (every entry times ``utility_decay``, then each distinct row's plus
     ``(1 - utility_decay)`` times its summed gradient's squared norm). The caller
     chooses the path (:func:`custom_op_used`)."""
-    scalars = [tf.cast(x, tf.float32) for x in (lr, epsilon, scale, weight_decay)]
     return _require_lib().chunked_rowwise_adagrad_apply(
-        pool.handle, accum.handle, row_offsets, indices, tf.cast(grad, tf.float32), *scalars,
-        utility.handle, tf.constant(utility_decay, tf.float32),
-        tf.constant(1.0 - utility_decay, tf.float32))
+        pool.handle, accum.handle, row_offsets, indices,
+        *_chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
+                                utility_decay))
 
 
 def cached_chunked_rowwise_adagrad_apply(cache, accum, slot_chunks, slot_rows, chunk_dim: int,
                                          indices, grad, lr, epsilon, scale, weight_decay,
                                          utility, utility_decay):
     """:func:`chunked_rowwise_adagrad_apply` on a tiered FIITED table's cache
-    (``tfhybrid.tiers.CachedTable`` with ``chunks``): ``indices`` are cache slots, slot i
-    holds row ``slot_rows[i]`` with its first ``slot_chunks[i]`` chunks; ``utility`` has
-    one entry per row of the table. The caller chooses the path (:func:`custom_op_used`)."""
-    scalars = [tf.cast(x, tf.float32) for x in (lr, epsilon, scale, weight_decay)]
+    (``tfhybrid.tiers.ChunkedCachedTable``): ``indices`` are cache slots, slot i holds row
+    ``slot_rows[i]`` with its first ``slot_chunks[i]`` chunks; ``utility`` has one entry
+    per row of the table. The caller chooses the path (:func:`custom_op_used`)."""
     return _require_lib().cached_chunked_rowwise_adagrad_apply(
         cache.handle, accum.handle, slot_chunks, slot_rows, indices,
-        tf.cast(grad, tf.float32), *scalars, utility.handle,
-        tf.constant(utility_decay, tf.float32), tf.constant(1.0 - utility_decay, tf.float32),
+        *_chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
+                                utility_decay),
         chunk_dim=chunk_dim)
+
+
+def _chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
+                           utility_decay) -> list:
+    """The inputs both FIITED update ops take after their ids: the gradient, the AdaGrad
+    scalars, the utility and its decay and weight (``1 - decay``)."""
+    return ([tf.cast(grad, tf.float32)]
+            + [tf.cast(x, tf.float32) for x in (lr, epsilon, scale, weight_decay)]
+            + [utility.handle, tf.constant(utility_decay, tf.float32),
+               tf.constant(1.0 - utility_decay, tf.float32)])
 
 
 def coalesce_rows(indices, grad):

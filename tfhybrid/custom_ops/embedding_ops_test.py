@@ -598,8 +598,7 @@ class CachedChunkedAdagradTest(tf.test.TestCase):
             utility, 0.5)
 
     def test_updates_the_chunks_a_slot_holds_and_its_row_utility(self):
-        if DISABLED:
-            self.skipTest("custom ops disabled")
+        _require_op(self)
         cache, accum, utility = self._state()
         before = cache.numpy()
         # slot 2 is unfilled (row -1): not named, so not checked
@@ -619,8 +618,7 @@ class CachedChunkedAdagradTest(tf.test.TestCase):
         self.assertAllClose(utility.numpy(), want)
 
     def test_bad_input_is_refused_by_name_before_any_update(self):
-        if DISABLED:
-            self.skipTest("custom ops disabled")
+        _require_op(self)
         cases = [([3], [2, 2, 2], [0, 1, 2], r"cache.*got id 3"),
                  ([1], [2, 2, 2], [0, 10, 2], r"cache slot 1 holds row 10 .*\[0, 10\)"),
                  ([1], [2, 5, 2], [0, 1, 2], r"cache slot 1 holds row 1 with 5 chunks.*at "
