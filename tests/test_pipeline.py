@@ -6,12 +6,15 @@ previous step's update, with the same ids, so nothing may differ in the last bit
 
 import dataclasses
 import re
+import statistics
 
 import numpy as np
 import tensorflow as tf
 
 import tfhybrid
+from tfhybrid import collectives as collectives_lib
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import pipeline as pipeline_lib
 from tfhybrid import optimizers
 from tfhybrid.pipeline import TrainPipeline
 from tests import _hybrid_case as hc
@@ -86,27 +89,55 @@ def _custom_loop(case, mesh, make_optimizer, enabled, **layer_kwargs):
 
 def _assert_route_beside_step(test, pipeline) -> None:
     """In the pipelined step, the collectives of batch t+1's route (id check, ids
-    alltoall) wait for nothing of the step, so they cross while it looks up; the
-    preparation of batch t+2 waits for the step's rows to go into their alltoall."""
-    concrete = pipeline._fused_fn.get_concrete_function()
-    collectives = [op for op in concrete.graph.get_operations()
-                   if op.type.startswith("Horovod")]
-    # a graph may add a number to an op's name (Horovod matches ranks by another name)
-    rows = [op for op in collectives if re.search(r"_rows(_\d+)?$", op.name)]
-    route = [op for op in collectives if re.search(r"_(validate|ids)(_\d+)?$", op.name)]
-    test.assertNotEmpty(rows)
-    test.assertNotEmpty(route)
-    before_rows = set().union(*(_ancestors(op) for op in rows))
-    for op in route:
-        test.assertNoCommonElements(rows, _ancestors(op), msg=op.name)
-    # each layer's prepared report (what its next route sends first) waits for work of
-    # the step's rows: ops the rows alltoall waited for, not just the inputs (from the
-    # op that makes it, not the function's output, which waits for every stateful op)
-    for sending in concrete.structured_outputs[4]:
-        made = sending[0].op.inputs[0].op
-        shared = {op for op in (_ancestors(made) | {made}) & before_rows
-                  if op.type not in ("Placeholder", "Const", "ReadVariableOp", "NoOp")}
-        test.assertNotEmpty(shared, msg=made.name)
+    alltoall) wait, in one placement, for the step's rows to arrive and for no later
+    collective of the step (its gradients' alltoall and syncs), so they cross while the
+    towers compute; in the other for nothing of the step, so they cross while it looks
+    up. The preparation of batch t+2 waits for the step's rows to go into their
+    alltoall. The pipeline times both and every rank keeps the same, faster one."""
+    test.assertCountEqual(pipeline._fused_fns, pipeline_lib.PLACEMENTS)
+    for after_rows, fn in pipeline._fused_fns.items():
+        concrete = fn.get_concrete_function()
+        collectives = [op for op in concrete.graph.get_operations()
+                       if op.type.startswith("Horovod")]
+        # a graph may add a number to an op's name (Horovod matches ranks by another name)
+        rows = [op for op in collectives if re.search(r"_rows(_\d+)?$", op.name)]
+        route = [op for op in collectives if re.search(r"_(validate|ids)(_\d+)?$", op.name)]
+        test.assertNotEmpty(rows)
+        test.assertNotEmpty(route)
+        later = [op for op in collectives if op not in rows and op not in route
+                 and set(rows) & _ancestors(op)]
+        test.assertNotEmpty(later)   # the gradients' alltoall at least
+        before_rows = set().union(*(_ancestors(op) for op in rows))
+        for op in route:
+            waits_for = _ancestors(op)
+            if after_rows:
+                test.assertContainsSubset(rows, waits_for, msg=op.name)
+            else:
+                test.assertNoCommonElements(rows, waits_for, msg=op.name)
+            test.assertNoCommonElements(later, waits_for, msg=op.name)
+        # each layer's prepared report (what its next route sends first) waits for work
+        # of the step's rows: ops the rows alltoall waited for, not just the inputs (from
+        # the op that makes it, not the function's output, which waits for every
+        # stateful op)
+        for sending in concrete.structured_outputs[4]:
+            made = sending[0].op.inputs[0].op
+            shared = {op for op in (_ancestors(made) | {made}) & before_rows
+                      if op.type not in ("Placeholder", "Const", "ReadVariableOp", "NoOp")}
+            test.assertNotEmpty(shared, msg=made.name)
+    if pipeline._placement is None:
+        return   # fewer steps than the timing takes
+    # every rank chose the placement of the least mean of the ranks' median step times
+    trial = pipeline._trial
+    test.assertEqual([len(trial[p]) for p in pipeline_lib.PLACEMENTS],
+                     [pipeline_lib.TRIAL_STEPS + 1] * 2)
+    world = pipeline._layers[0]._mesh.size
+    medians = collectives_lib.allgather(tf.constant(
+        [[statistics.median(trial[p][1:]) for p in pipeline_lib.PLACEMENTS]], tf.float64),
+        world, "test_pipeline_medians").numpy()
+    chosen = collectives_lib.allgather(tf.constant([[int(pipeline._placement)]]), world,
+                                   "test_pipeline_chosen").numpy().reshape(-1)
+    test.assertAllEqual(chosen, [int(pipeline_lib.PLACEMENTS[
+        int(medians.mean(axis=0).argmin())])] * world)
 
 
 class self_raises_stop_iteration:

@@ -6,9 +6,10 @@ group), look up, exchange rows, run the towers, sync and apply gradients. Only t
 needs the tables as the previous step left them. ``TrainPipeline`` splits the route
 (``DistributedEmbedding._route_prepare`` / ``_route_exchange``) and runs, in one
 function, step t, the route's collectives for batch t+1 on what the call before
-prepared, and the preparation of batch t+2; they share no variable, so the collectives
-cross while the step looks up its rows and the preparation runs while the step waits
-for them, and step t+1 then starts at the look-up with those routed ids. The look-up
+prepared, and the preparation of batch t+2; they share no variable. The preparation
+runs while the step waits for its rows, the collectives cross once the rows have
+arrived, while the towers compute, and step t+1 then starts at the look-up with those
+routed ids. The look-up
 still follows step t's update, so the results are those of the plain loop, bit for bit
 (TorchRec's ``TrainPipelineSparseDist`` makes the same promise). Batches come from the
 input pipeline's own prefetch.
@@ -27,7 +28,10 @@ the step beside it short.
 
 from __future__ import annotations
 
+import functools
+import statistics
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -38,6 +42,17 @@ _STATE = threading.local()
 # template for str.format and tf.strings.format alike
 ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ranks had "
                  "another batch; every rank must feed the same number of batches")
+
+# Where batch t+1's route collectives start in step t's function: True, once the step's
+# rows have arrived (beside the towers); False, with the function (beside the look-ups).
+# Which is faster depends on the model: on the emulated cluster (2x2 ranks, 1 Gbit/s,
+# benchmarks/pipeline_overlap.py) NVIDIA DLRM's towers stepped 2.9 ms faster after the
+# rows (95% interval 0.4-5.1 ms), small towers 1.4 ms faster at the start (0.3-2.8 ms).
+# Both give the same results bit for bit, so a pipeline times both, alternating, over its
+# first pipelined steps (after one untimed call of each, which traces) and keeps the
+# faster by the median over the ranks.
+PLACEMENTS = (True, False)
+TRIAL_STEPS = 12   # timed steps per placement
 
 
 class _Routing:
@@ -77,9 +92,13 @@ class _Stepping:
         self._names = {id(layer): layer.name for layer in layers}
         self._taken: set[int] = set()
         self.sent: list = []       # each layer's rows as they enter its alltoall
+        self.received: list = []   # ... and as they come out of it
 
     def sending(self, rows: tf.Tensor) -> None:
         self.sent.append(rows)
+
+    def arrived(self, rows: tf.Tensor) -> None:
+        self.received.append(rows)
 
     def take(self, layer: Any) -> list:
         key = id(layer)
@@ -218,8 +237,15 @@ class TrainPipeline:
         # (iterator, batch t and its routed ids, batch t+1 and what its route sends)
         self._pending: tuple | None = None
         self._last_batch = None   # stands in for a batch once this rank's input ended
-        self._fused_fn = self._route_fn = self._prepare_fn = self._plain_fn = None
-        self._fused_flat = None   # (concrete function, flat input specs): _call_fused
+        self._route_fn = self._prepare_fn = self._plain_fn = None
+        # per placement (PLACEMENTS): the traced step, and (concrete function, flat
+        # input specs) for _call_fused
+        self._fused_fns: dict[bool, Any] = {}
+        self._fused_flat: dict[bool, tuple | None] = {}
+        # None while both placements are timed (seconds per step, untimed first call
+        # left out), then the faster one
+        self._placement: bool | None = None
+        self._trial: dict[bool, list] = {p: [] for p in PLACEMENTS}
         if self._keras:
             self._keras_make_train_function = model.make_train_function
             model.make_train_function = self._make_train_function
@@ -240,17 +266,49 @@ class TrainPipeline:
         _, batch, routed, following, sending = self._pending
         self._pending = None
         after, ended = self._next_batch(iterator)
+        placement = self._next_placement()
+        started = time.perf_counter()
         outputs, routed_next, all_ended, failure, sending_next = self._call_fused(
-            (batch, routed, sending, self._model_inputs(after), tf.constant(ended)))
+            placement, (batch, routed, sending, self._model_inputs(after),
+                        tf.constant(ended)))
         # the step has finished: a bad batch read ahead fails only now, on every rank
         _raise_failure(failure)
+        if self._placement is None:
+            self._time_placement(placement, time.perf_counter() - started)
         if not bool(all_ended):
             self._pending = (iterator, following, routed_next, after, sending_next)
         return outputs
 
-    def _call_fused(self, args: tuple) -> tuple:
-        """``_step_and_route(*args)`` as one traced function, called through its one
-        concrete function with the arguments already flat.
+    def _next_placement(self) -> bool:
+        """The placement of this step's route collectives: the chosen one, or while
+        both are timed, each in turn."""
+        if self._placement is not None:
+            return self._placement
+        if self._layers[0]._mesh.size == 1:
+            # no rows cross a collective: both placements are the same function
+            self._placement = PLACEMENTS[0]
+            return self._placement
+        counts = {p: len(self._trial[p]) for p in PLACEMENTS}
+        return min(PLACEMENTS, key=lambda p: (counts[p], PLACEMENTS.index(p)))
+
+    def _time_placement(self, placement: bool, seconds: float) -> None:
+        """Records a step of ``placement`` (the first, which traced, as None); once
+        both have TRIAL_STEPS, the ranks agree on the faster in one allgather (every
+        rank gets here at the same step: they step together)."""
+        self._trial[placement].append(None if not self._trial[placement] else seconds)
+        if any(len(self._trial[p]) < TRIAL_STEPS + 1 for p in PLACEMENTS):
+            return
+        from tfhybrid import collectives
+        medians = [statistics.median(self._trial[p][1:]) for p in PLACEMENTS]
+        everyone = collectives.allgather(tf.constant([medians], tf.float64),
+                                         self._layers[0]._mesh.size,
+                                         "tfhybrid_pipeline_placement").numpy()
+        # every rank computes the same choice from the same numbers
+        self._placement = PLACEMENTS[int(everyone.mean(axis=0).argmin())]
+
+    def _call_fused(self, placement: bool, args: tuple) -> tuple:
+        """``_step_and_route(placement, *args)`` as one traced function, called
+        through its one concrete function with the arguments already flat.
 
         ``tf.function``'s own call matches every argument against the input signature
         each step: with a batch, the batch read ahead and two tensors per route, about
@@ -259,20 +317,23 @@ class TrainPipeline:
         route is meant to save. The signature is fixed, so the match only confirms each
         tensor's dtype and shape, which are checked here; anything else takes the
         checked path (which retraces or raises)."""
-        if self._fused_fn is None:
-            self._fused_fn, signature = _traced(self._step_and_route, args[:-1])
+        if placement not in self._fused_fns:
+            fn, signature = _traced(functools.partial(self._step_and_route, placement),
+                                    args[:-1])
+            self._fused_fns[placement], self._fused_flat[placement] = fn, None
             if signature is not None:
-                concrete = self._fused_fn.get_concrete_function(*args)
+                concrete = fn.get_concrete_function(*args)
                 if hasattr(concrete, "_call_flat"):   # TF's flat call (2.x internals)
-                    self._fused_flat = (concrete, tf.nest.flatten(
+                    self._fused_flat[placement] = (concrete, tf.nest.flatten(
                         signature, expand_composites=True))
+        fused_flat = self._fused_flat[placement]
         flat = tf.nest.flatten(args, expand_composites=True)
-        if self._fused_flat is not None and len(flat) == len(self._fused_flat[1]) and all(
+        if fused_flat is not None and len(flat) == len(fused_flat[1]) and all(
                 t.dtype == spec.dtype and spec.shape.is_compatible_with(t.shape)
-                for t, spec in zip(flat, self._fused_flat[1])):
-            concrete = self._fused_flat[0]
+                for t, spec in zip(flat, fused_flat[1])):
+            concrete = fused_flat[0]
             return concrete._call_flat(flat, concrete.captured_inputs)
-        return self._fused_fn(*args)
+        return self._fused_fns[placement](*args)
 
     def detach(self) -> None:
         """``model.fit`` runs Keras' own train function again (a read-ahead is dropped)."""
@@ -374,21 +435,23 @@ class TrainPipeline:
         failure = tf.gather(failures, tf.argmax(tf.cast(failures != "", tf.int32)))
         return routed, all_ended, failure
 
-    def _step_and_route(self, batch: Any, routed: list, sending: list, after: Any,
-                        ended: tf.Tensor) -> tuple:
+    def _step_and_route(self, after_rows: bool, batch: Any, routed: list, sending: list,
+                        after: Any, ended: tf.Tensor) -> tuple:
         """Step t on its routed ids, the collectives of batch t+1's route on what the
         call before prepared (``sending``), and the preparation of batch t+2 (``after``),
         in one function. Returns the step's outputs, batch t+1's routed ids, whether
         every rank's input ended there and its failed check's message, and what batch
         t+2's route will send.
 
-        The three share no variable. Batch t+1's collectives have their inputs when the
-        function starts, so they cross while the step looks up its rows, with the link
-        idle. Batch t+2's preparation (its id check and its ids' payload, on this rank
-        alone) starts once the step's rows go into their alltoall, so its CPU work runs
-        while the rank waits for them, not beside the look-ups. A route in one piece did
-        neither: Horovod's timeline showed its collectives issued with the rows alltoall
-        and run before it, and its CPU beside the look-ups.
+        The three share no variable. Batch t+2's preparation (its id check and its ids'
+        payload, on this rank alone) starts once the step's rows go into their alltoall,
+        so its CPU work runs while the rank waits for them. Batch t+1's collectives start
+        once the step's rows have arrived (``after_rows``), crossing while the towers
+        compute, or with the function, crossing while the step looks up its rows: where
+        the link and Horovod's one queue of collectives have the longer idle window
+        depends on the model (``PLACEMENTS``). A route in one piece used neither:
+        Horovod's timeline showed its collectives issued with the rows alltoall and run
+        before it, and its CPU beside the look-ups.
         """
         phase = _Stepping(self._layers, routed)
         with _PhaseScope(phase):
@@ -396,6 +459,9 @@ class TrainPipeline:
         phase.check_all_taken()
         with tf.control_dependencies(phase.sent):
             sending_next, facts = self._prepare(after, ended)
+        if after_rows:
+            with tf.control_dependencies(phase.received):
+                sending = tf.nest.map_structure(tf.identity, sending)
         # the facts are trace-time values of a layer and a batch structure, alike for
         # every batch of the function's signature
         routed_next, all_ended, failure = self._exchange(sending, facts)

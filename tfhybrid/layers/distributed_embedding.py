@@ -844,8 +844,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             routed = phase.take(self)
 
         # 3-4. model-parallel features through the model group
-        sending = phase.sending if phase is not None else None
-        partials = (self._exchange(bags, local_batch, routed, sending)
+        partials = (self._exchange(bags, local_batch, routed, phase)
                     if any(self._routes) else {})
 
         outputs = []
@@ -1246,11 +1245,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return ([tf.cast(tf.concat(x, 0), tf.int64) for x in route_ids],
                 [tf.concat(x, 0) for x in route_lengths])
 
-    def _exchange(self, bags: dict, batch, routed: list, sending=None) -> dict:
+    def _exchange(self, bags: dict, batch, routed: list, pipeline_step=None) -> dict:
         """Steps 3-4: owner lookups of the routed ids (``_route``), embeddings back.
 
-        Returns each (feature, shard)'s rows for this rank's samples. ``sending`` (a
-        ``TrainPipeline`` step's) is handed the rows as they go into the alltoall.
+        Returns each (feature, shard)'s rows for this rank's samples. ``pipeline_step``
+        (a ``TrainPipeline`` step's phase, or None) is handed the rows as they go into
+        the alltoall and as they come out: the read-ahead's work waits for them.
         """
         mesh = self._mesh
         group = mesh.model_parallel
@@ -1315,11 +1315,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # under mixed precision, rows and their gradients cross in 16 bits
         back = tf.concat([tf.cast(back, self._wire_float),
                           tf.cast(self._anchor, self._wire_float)], 0)
-        if sending is not None:
-            sending(back)
+        if pipeline_step is not None:
+            pipeline_step.sending(back)
         returned, returned_sizes = collectives.alltoall(
             back, back_sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_rows",
             differentiable=True)
+        if pipeline_step is not None:
+            pipeline_step.arrived(returned)
         partials = {}
         if thresholded:
             position_chunks = tf.split(returned_positions, returned_sizes, num=group)
