@@ -2,26 +2,36 @@
 
 One job per link setting (`horovodrun` on tfhybrid.testing.cluster's emulated nodes;
 "loopback" = veth without shaping), each rank training the same hybrid click model in
-three modes, interleaved in repeats, on the same data:
+five modes on the same data:
 
 - **plain**: Keras' train step as a tf.function, phases one after another (what
   ``model.fit`` runs without a pipeline; ``TrainPipeline(enabled=False)``);
 - **route**: the route of a batch on its own (read it, check its ids on every rank,
-  send them to their owners): the part of the plain step that pipelining can take off
-  the step's path;
-- **pipelined**: ``TrainPipeline.progress``: in step t's function, batch t+1's route
-  collectives and batch t+2's preparation run beside the step.
+  send them to their owners), a call of its own with its own Python and sync;
+- **step**: the pipelined step with no route at all (each step reuses ids routed
+  before: the same work on stale ids), the floor a pipeline can reach;
+- **pipelined**: ``TrainPipeline.progress``: in step t's function, batch t+2's
+  preparation starts once the step's rows go out and batch t+1's route collectives
+  once they have arrived;
+- **at_start**: the same, but batch t+1's collectives start with the function (the
+  placement TrainPipeline used before), as the comparison.
 
-Hidden share of the route = (plain - pipelined) / route, per repeat, from the medians
-of the same job. The input yields whole batches (as the app's readers do): a
-per-sample slice-and-batch pipeline cost more CPU per batch (6.5 ms) than the route, so
-"route alone" measured the input producer rather than the route. The CPU column is
-rank 0's process CPU time per step (all its threads), which says whether the two cores
-had room for the route beside the step. Every figure is measured; ranks step together
-(collectives), rank 0 reports.
+The modes take turns in short blocks (default 40 blocks x 4 steps per mode, after one
+unrecorded call that starts a pipeline), so a drift of the machine or the link falls on
+every mode alike. Figures are medians over every step of a mode, with 95% intervals from
+resampling whole blocks (2000 draws); each ratio is computed on the same draws.
 
-Usage: .venv/bin/python benchmarks/pipeline_overlap.py [--links loopback,1000] [--quick]
-Runs as root (network namespaces); about 8 minutes at the defaults.
+Hidden share, two ways: of the route's cost in a plain step, (plain - pipelined) /
+(plain - step), the time pipelining can remove; and of the route on its own, (plain -
+pipelined) / route, which also counts that call's own Python and sync. The input yields
+whole batches (as the app's readers do). The CPU column is rank 0's process CPU time per
+step (all its threads). Every figure is measured; ranks step together (collectives),
+rank 0 reports.
+
+Usage: .venv/bin/python benchmarks/pipeline_overlap.py [--links loopback,1000]
+       [--topologies 2x2,2x1] [--towers small|dlrm] [--blocks 40] [--quick]
+Runs as root (network namespaces); small towers about 3 minutes per link setting at
+the defaults, NVIDIA DLRM's towers about 8.
 """
 
 from __future__ import annotations
@@ -29,10 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -45,7 +56,11 @@ WORKLOAD = dict(tables=16, rows=20000, dim=32, hotness=8, dense=13, global_batch
 # run beside the step's (with one they take turns), as the app sets them when pipelining
 ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
-MODES = ("plain", "route", "pipelined")
+MODES = ("plain", "route", "step", "after_rows", "at_start", "pipelined")
+PIPELINED = ("after_rows", "at_start", "pipelined")
+LABELS = {"after_rows": "route collectives once the rows arrive",
+          "at_start": "route collectives at the step's start",
+          "pipelined": "TrainPipeline (the faster of the two, chosen by timing)"}
 # (bottom MLP before the last layer of width dim, top MLP before the logit): small towers
 # leave a step mostly communication; NVIDIA's TF2 DLRM towers give it compute to hide behind
 TOWERS = {"small": ([], [64, 32]), "dlrm": ([512, 256], [1024, 1024, 512, 256])}
@@ -78,7 +93,6 @@ def _model(mesh, w: dict):
 
 
 def _dataset(rank: int, w: dict, batches: int):
-    import numpy as np
     import tensorflow as tf
     rng = np.random.default_rng(rank)
     local = w["global_batch"] // w["ranks"]
@@ -96,9 +110,10 @@ def _dataset(rank: int, w: dict, batches: int):
     return data.repeat().prefetch(2)
 
 
-def worker(steps: int, repeats: int, warmup: int, out: str, towers: str) -> None:
-    import numpy as np
+def worker(steps: int, blocks: int, warmup: int, out: str, towers: str) -> None:
+    import tensorflow as tf
     import tfhybrid
+    from tfhybrid import pipeline as pipeline_lib
     from tfhybrid.pipeline import TrainPipeline
     import horovod.tensorflow as hvd
     hvd.init()
@@ -109,69 +124,134 @@ def worker(steps: int, repeats: int, warmup: int, out: str, towers: str) -> None
     iterator = iter(_dataset(mesh.rank, w, batches=64))
     plain = TrainPipeline(model, enabled=False)
     pipeline = TrainPipeline(model)
-    times: dict[str, list] = {mode: [] for mode in MODES}
-    cpu: dict[str, list] = {mode: [] for mode in MODES}   # this process's CPU s per step
 
-    def run(mode: str, count: int, record: bool) -> None:
-        for _ in range(count):
+    class StepAlone(TrainPipeline):
+        """The pipelined step without the route: every step reuses the ids routed for
+        the first batch of its block (stale ids, the same work), so that plain - step
+        is what the route adds to a plain step."""
+        def _step_and_route(self, after_rows, batch, routed, sending, after, ended):
+            phase = pipeline_lib._Stepping(self._layers, routed)
+            with pipeline_lib._PhaseScope(phase):
+                outputs = self._train_step(batch)
+            return outputs, routed, tf.constant(False), tf.constant(""), sending
+
+    def forced(after_rows: bool) -> TrainPipeline:
+        """A TrainPipeline with its placement fixed instead of chosen by timing."""
+        chosen = TrainPipeline(model)
+        chosen._placement = after_rows
+        return chosen
+
+    pipelines = {"pipelined": pipeline, "after_rows": forced(True),
+                 "at_start": forced(False), "step": StepAlone(model)}
+    # per mode: each block's step times and this process's CPU seconds per step
+    times: dict[str, list] = {mode: [] for mode in MODES}
+    cpu: dict[str, list] = {mode: [] for mode in MODES}
+
+    def run(mode: str, count: int) -> tuple[list, list]:
+        wall, used = [], []
+        # the block's first call of a pipelined mode also routes its first batch on its
+        # own (the pipeline starts); it is not one of the block's steps
+        for i in range(-1 if mode in pipelines else 0, count):
             start, start_cpu = time.perf_counter(), time.process_time()
             if mode == "plain":
                 plain.progress(iterator)
-            elif mode == "pipelined":
-                pipeline.progress(iterator)
-            else:
+            elif mode == "route":
                 pipeline._read(iterator)
-            if record:
-                times[mode].append(time.perf_counter() - start)
-                cpu[mode].append(time.process_time() - start_cpu)
-        pipeline.detach()   # the next mode starts from a fresh read (nothing in flight)
+            else:
+                pipelines[mode].progress(iterator)
+            if i >= 0:
+                wall.append(time.perf_counter() - start)
+                used.append(time.process_time() - start_cpu)
+        for p in pipelines.values():
+            p.detach()   # the next mode starts from a fresh read (nothing in flight)
+        return wall, used
 
     for mode in MODES:
-        run(mode, warmup, record=False)
-    per_repeat = []
-    for _ in range(repeats):
-        before = {k: len(v) for k, v in times.items()}
+        run(mode, warmup)
+    while pipeline._placement is None:   # TrainPipeline times both placements first
+        run("pipelined", 2 * pipeline_lib.TRIAL_STEPS)
+    # short blocks, the modes in turn: a drift of the machine or the link falls on every
+    # mode alike, and the statistics resample whole blocks
+    for _ in range(blocks):
         for mode in MODES:
-            run(mode, steps, record=True)
-        per_repeat.append({k: float(np.median(v[before[k]:])) for k, v in times.items()})
-        per_repeat[-1].update({f"{k}_cpu": float(np.median(v[before[k]:]))
-                               for k, v in cpu.items()})
+            wall, used = run(mode, steps)
+            times[mode].append(wall)
+            cpu[mode].append(used)
     if mesh.rank == 0:
         with open(out, "w") as f:
-            json.dump({"workload": w, "repeats": per_repeat}, f)
+            json.dump({"workload": w, "times": times, "cpu": cpu,
+                       "placement": "after_rows" if pipeline._placement else "at_start"}, f)
 
 
 # ------------------------------------------------------------------ launcher
-def _summary(repeats: list[dict]) -> dict:
-    """Median over repeats of each repeat's median, the spread, and the hidden share."""
-    out = {}
-    for key in MODES + tuple(f"{mode}_cpu" for mode in MODES):
-        values = [r[key] for r in repeats]
-        out[key] = dict(median=statistics.median(values), low=min(values), high=max(values))
-    hidden = [(r["plain"] - r["pipelined"]) / r["route"] for r in repeats]
-    out["hidden_share"] = dict(median=statistics.median(hidden), low=min(hidden),
-                               high=max(hidden))
-    out["speedup"] = dict(median=statistics.median(r["plain"] / r["pipelined"]
-                                                   for r in repeats))
+def _summary(measured: dict) -> dict:
+    """Per mode the median step over all blocks with a 95% bootstrap interval (blocks
+    resampled), and per pipelined mode the hidden share of the route and plain/mode,
+    each with its interval from the same resampled blocks."""
+    times, cpu = measured["times"], measured["cpu"]
+    blocks = len(times["plain"])
+    rng = np.random.default_rng(12345)
+    draws = [rng.integers(0, blocks, blocks) for _ in range(2000)]
+
+    def pooled(values, chosen=None):
+        chosen = range(blocks) if chosen is None else chosen
+        return float(np.median([t for b in chosen for t in values[b]]))
+
+    def interval(statistic):
+        low, high = np.percentile([statistic(d) for d in draws], [2.5, 97.5])
+        return dict(median=statistic(None), low=float(low), high=float(high))
+
+    out = {mode: interval(lambda d, m=mode: pooled(times[m], d)) for mode in MODES}
+    out.update({f"{mode}_cpu": dict(median=pooled(cpu[mode])) for mode in MODES})
+    out["route_in_step"] = interval(lambda d: pooled(times["plain"], d)
+                                    - pooled(times["step"], d))
+    for mode in PIPELINED:
+        out[f"of_step_{mode}"] = interval(lambda d, m=mode: (
+            pooled(times["plain"], d) - pooled(times[m], d))
+            / (pooled(times["plain"], d) - pooled(times["step"], d)))
+        out[f"hidden_{mode}"] = interval(lambda d, m=mode: (
+            pooled(times["plain"], d) - pooled(times[m], d)) / pooled(times["route"], d))
+        out[f"speedup_{mode}"] = interval(lambda d, m=mode: pooled(times["plain"], d)
+                                          / pooled(times[m], d))
+    out["at_start_minus_after_rows"] = interval(lambda d: pooled(times["at_start"], d)
+                                                - pooled(times["after_rows"], d))
+    out["placement"] = measured["placement"]
+    out["steps_per_mode"] = sum(len(b) for b in times["plain"])
     return out
 
 
+def _modes_in(points: list[dict]) -> tuple:
+    """The pipelined modes every point measured (an older run may lack one)."""
+    return tuple(m for m in PIPELINED if all(m in p["summary"] for p in points))
+
+
 def table(points: list[dict]) -> str:
-    header = (f"{'nodes x ranks, link':>20} {'plain ms':>16} {'route ms':>16} "
-              f"{'pipelined ms':>16} {'CPU ms plain/route/piped':>24} {'route hidden':>20} {'plain/pipelined':>15}")
+    pipelined = _modes_in(points)
+    measured = [m for m in MODES if m not in PIPELINED or m in pipelined]
+    header = (f"{'nodes x ranks, link':>20} {'plain ms':>18} {'route ms':>18} "
+              f"{'step ms':>18} {'plain-step':>16} "
+              + "".join(f"{mode + ' ms':>18} {'of route':>16} {'of plain-step':>16} "
+                        f"{'plain/' + mode:>20} "
+                        for mode in pipelined)
+              + f"{'at_start-after_rows':>18} {'chosen':>10} "
+              f"{'CPU ms ' + '/'.join(measured):>34}")
     lines = [header, "-" * len(header)]
 
-    def cell(s, scale=1e3, fmt="{:.1f}"):
-        return (fmt.format(scale * s["median"]) + " (" + fmt.format(scale * s["low"]) + "-"
-                + fmt.format(scale * s["high"]) + ")")
+    def cell(s, scale=1e3, fmt="{:.1f}", suffix=""):
+        return (fmt.format(scale * s["median"]) + suffix + " [" + fmt.format(scale * s["low"])
+                + ", " + fmt.format(scale * s["high"]) + "]")
     for p in points:
         s = p["summary"]
-        cpu_ms = "/".join(f"{1e3 * s[mode + '_cpu']['median']:.1f}" for mode in MODES)
-        lines.append(f"{p['link']:>20} {cell(s['plain']):>16} {cell(s['route']):>16} "
-                     f"{cell(s['pipelined']):>16} "
-                     f"{cpu_ms:>24} "
-                     f"{cell(s['hidden_share'], 100, '{:.0f}%'):>20} "
-                     f"{s['speedup']['median']:>14.2f}x")
+        cpu_ms = "/".join(f"{1e3 * s[mode + '_cpu']['median']:.1f}" for mode in measured)
+        lines.append(f"{p['link']:>20} {cell(s['plain']):>18} {cell(s['route']):>18} "
+                     f"{cell(s['step']):>18} {cell(s['route_in_step']):>16} "
+                     + "".join(f"{cell(s[mode]):>18} "
+                               f"{cell(s['hidden_' + mode], 100, '{:.0f}', '%'):>16} "
+                               f"{cell(s['of_step_' + mode], 100, '{:.0f}', '%'):>16} "
+                               f"{cell(s['speedup_' + mode], 1, '{:.3f}'):>20} "
+                               for mode in pipelined)
+                     + f"{cell(s['at_start_minus_after_rows']):>18} {s['placement']:>10} "
+                     f"{cpu_ms:>34}")
     return "\n".join(lines)
 
 
@@ -179,22 +259,28 @@ def plot(points: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.25
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    bars = [("plain", "tab:gray", "plain"), ("step", "tab:blue", "step alone (no route)")] + [
+        (mode, color, LABELS[mode])
+        for mode, color in zip(PIPELINED, ("tab:green", "tab:olive", "tab:red"))
+        if mode in _modes_in(points)]
+    width = 0.8 / len(bars)
     for i, p in enumerate(points):
         s = p["summary"]
-        ax.bar(i - width, 1e3 * s["plain"]["median"], width, color="tab:gray",
-               label="plain" if i == 0 else None)
-        ax.bar(i, 1e3 * s["route"]["median"], width, color="tab:orange",
-               label="route alone: input + id check + ids alltoall" if i == 0 else None)
-        ax.bar(i + width, 1e3 * s["pipelined"]["median"], width, color="tab:green",
-               label="pipelined" if i == 0 else None)
-        ax.text(i, 1e3 * s["plain"]["median"] * 1.04,
-                f"{100 * s['hidden_share']['median']:.0f}% hidden", ha="center", fontsize=9)
+        for j, (mode, color, label) in enumerate(bars):
+            x = i + (j - (len(bars) - 1) / 2) * width
+            ax.bar(x, 1e3 * s[mode]["median"], width, color=color,
+                   label=label if i == 0 else None,
+                   yerr=[[1e3 * (s[mode]["median"] - s[mode]["low"])],
+                         [1e3 * (s[mode]["high"] - s[mode]["median"])]], capsize=2)
+        ax.text(i, 1e3 * s["plain"]["high"] * 1.03,
+                " / ".join(f"{100 * s['of_step_' + m]['median']:.0f}%"
+                           for m in _modes_in(points)) + " hidden", ha="center", fontsize=8)
     ax.set_xticks(range(len(points)), [p["link"] for p in points])
-    ax.set(ylabel="ms / step (median of repeats)",
-           title="TrainPipeline: the route of batch t+1 during step t (measured)")
-    ax.legend(fontsize=8)
+    ax.set_yscale("log")   # steps of 20-250 ms in one figure, their gaps alike
+    ax.set(ylabel="ms / step (median, 95% interval; log scale)",
+           title="TrainPipeline: share of the route's cost in a plain step it hides")
+    ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -207,19 +293,26 @@ def main() -> int:
                         help="Mbit/s per NIC, comma-separated; 'loopback' = unshaped")
     parser.add_argument("--topologies", default="2x2,2x1",
                         help="nodes x ranks per node, comma-separated")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per mode/repeat")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per mode and block")
+    parser.add_argument("--blocks", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--towers", choices=sorted(TOWERS), default="small")
-    parser.add_argument("--quick", action="store_true", help="8 steps x 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="4 blocks x 4 steps")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "pipeline_overlap"))
+    parser.add_argument("--replot", action="store_true",
+                        help="rewrite --out's table.txt and PNG from its points.json")
     args = parser.parse_args()
+    if args.replot:
+        with open(os.path.join(args.out, "points.json")) as f:
+            points = json.load(f)
+        _write(points, args.out)
+        return 0
     if args.quick:
-        args.steps, args.repeats, args.warmup = 8, 2, 3
+        args.steps, args.blocks, args.warmup = 4, 4, 3
     if args.worker:
-        worker(args.steps, args.repeats, args.warmup, args.worker, args.towers)
+        worker(args.steps, args.blocks, args.warmup, args.worker, args.towers)
         return 0
     from tfhybrid.testing import cluster as cluster_lib
     os.makedirs(args.out, exist_ok=True)
@@ -227,7 +320,7 @@ def main() -> int:
     print(f"workload: {w['tables']} tables x {w['rows']} rows x {w['dim']}, {w['hotness']} "
           f"ids per bag (Zipf {w['zipf']}), global batch {w['global_batch']}, 1D (one "
           f"model group over every rank: the ids cross the link), {args.towers} towers "
-          f"{TOWERS[args.towers]}; {args.repeats} repeats "
+          f"{TOWERS[args.towers]}; {args.blocks} blocks "
           f"x {args.steps} steps per mode", flush=True)
     points = []
     for topology in args.topologies.split(","):
@@ -237,23 +330,27 @@ def main() -> int:
                 cluster.set_bandwidth(None if link == "loopback" else float(link))
                 result = tempfile.mktemp(prefix="tfhybrid-pipeline-", suffix=".json")
                 command = [PYTHON, os.path.abspath(__file__), f"--worker={result}",
-                           f"--steps={args.steps}", f"--repeats={args.repeats}",
+                           f"--steps={args.steps}", f"--blocks={args.blocks}",
                            f"--warmup={args.warmup}", f"--towers={args.towers}"]
                 measured = cluster.run_for_json(command, result, args.timeout,
                                                 f"{topology} {link}", env=ENV, cwd=ROOT)
                 name = f"{topology} " + (link if link == "loopback" else f"{link} Mb/s")
                 points.append(dict(link=name, **measured,
-                                   summary=_summary(measured["repeats"])))
+                                   summary=_summary(measured)))
                 print(table(points[-1:]).splitlines()[-1], flush=True)
-    text = table(points)
-    print("\n" + text)
-    with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write(text + "\n")
     with open(os.path.join(args.out, "points.json"), "w") as f:
         json.dump(points, f, indent=1)
-    plot(points, os.path.join(args.out, "pipeline_overlap.png"))
-    print(f"\nwrote {args.out}/table.txt, points.json, pipeline_overlap.png")
+    _write(points, args.out)
     return 0
+
+
+def _write(points: list[dict], out: str) -> None:
+    text = table(points)
+    print("\n" + text)
+    with open(os.path.join(out, "table.txt"), "w") as f:
+        f.write(text + "\n")
+    plot(points, os.path.join(out, "pipeline_overlap.png"))
+    print(f"\nwrote {out}/table.txt, points.json, pipeline_overlap.png")
 
 
 if __name__ == "__main__":

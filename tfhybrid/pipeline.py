@@ -28,7 +28,6 @@ the step beside it short.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import threading
 import time
@@ -318,8 +317,9 @@ class TrainPipeline:
         tensor's dtype and shape, which are checked here; anything else takes the
         checked path (which retraces or raises)."""
         if placement not in self._fused_fns:
-            fn, signature = _traced(functools.partial(self._step_and_route, placement),
-                                    args[:-1])
+            def fused(batch, routed, sending, after, ended):
+                return self._step_and_route(placement, batch, routed, sending, after, ended)
+            fn, signature = _traced(fused, args[:-1])
             self._fused_fns[placement], self._fused_flat[placement] = fn, None
             if signature is not None:
                 concrete = fn.get_concrete_function(*args)
