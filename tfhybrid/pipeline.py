@@ -28,6 +28,7 @@ the step beside it short.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -36,6 +37,7 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 
 _STATE = threading.local()
+_LOG = logging.getLogger("tfhybrid")
 
 # when some ranks' input ended and others' did not ({}: the ranks that ran out); a
 # template for str.format and tf.strings.format alike
@@ -51,6 +53,7 @@ ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ran
 # first pipelined steps (after one untimed call of each, which traces) and keeps the
 # faster by the median over the ranks.
 PLACEMENTS = (True, False)
+_PLACEMENT_NAMES = {True: "once the step's rows have arrived", False: "with the step"}
 TRIAL_STEPS = 12   # timed steps per placement
 
 
@@ -303,7 +306,14 @@ class TrainPipeline:
                                          self._layers[0]._mesh.size,
                                          "tfhybrid_pipeline_placement").numpy()
         # every rank computes the same choice from the same numbers
-        self._placement = PLACEMENTS[int(everyone.mean(axis=0).argmin())]
+        mean = everyone.mean(axis=0)
+        self._placement = PLACEMENTS[int(mean.argmin())]
+        if self._layers[0]._mesh.rank == 0:   # the same numbers on every rank
+            timed = ", ".join(f"{1e3 * m:.1f} ms {_PLACEMENT_NAMES[p]}"
+                              for p, m in zip(PLACEMENTS, mean))
+            _LOG.info("TrainPipeline: the next batch's route collectives start %s (median "
+                      "step, mean over the ranks: %s)", _PLACEMENT_NAMES[self._placement],
+                      timed)
 
     def _call_fused(self, placement: bool, args: tuple) -> tuple:
         """``_step_and_route(placement, *args)`` as one traced function, called
