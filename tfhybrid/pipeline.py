@@ -7,10 +7,10 @@ needs the tables as the previous step left them. ``TrainPipeline`` splits the ro
 (``DistributedEmbedding._route_prepare`` / ``_route_exchange``) and runs, in one
 function, step t, the route's collectives for batch t+1 on what the call before
 prepared, and the preparation of batch t+2; they share no variable. The preparation
-runs while the step waits for its rows, the collectives cross once the rows have
-arrived, while the towers compute, and step t+1 then starts at the look-up with those
-routed ids. The look-up
-still follows step t's update, so the results are those of the plain loop, bit for bit
+runs while the step waits for its rows; the collectives cross beside the look-ups or,
+once the rows have arrived, beside the towers, whichever the pipeline timed faster; and
+step t+1 then starts at the look-up with those routed ids. The look-up still follows
+step t's update, so the results are those of the plain loop, bit for bit
 (TorchRec's ``TrainPipelineSparseDist`` makes the same promise). Batches come from the
 input pipeline's own prefetch.
 
@@ -50,8 +50,8 @@ ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ran
 # benchmarks/pipeline_overlap.py) NVIDIA DLRM's towers stepped 2.9 ms faster after the
 # rows (95% interval 0.4-5.1 ms), small towers 1.4 ms faster at the start (0.3-2.8 ms).
 # Both give the same results bit for bit, so a pipeline times both, alternating, over its
-# first pipelined steps (after one untimed call of each, which traces) and keeps the
-# faster by the median over the ranks.
+# first pipelined steps (after one untimed call of each, which traces) and keeps the one
+# with the least mean over the ranks of each rank's median step.
 PLACEMENTS = (True, False)
 _PLACEMENT_NAMES = {True: "once the step's rows have arrived", False: "with the step"}
 TRIAL_STEPS = 12   # timed steps per placement
@@ -189,7 +189,9 @@ class TrainPipeline:
     sent through the model group's ``alltoall`` (``DistributedEmbedding``'s steps 1-2,
     their payload prepared in the call before), and batch t+2's are prepared. Step t+1
     then starts at the look-up, after step t's update, so the weights are those of the
-    plain loop bit for bit.
+    plain loop bit for bit. Batch t+1's collectives run beside the look-ups or, once the
+    step's rows have arrived, beside the towers: over its first 2 * (TRIAL_STEPS + 1)
+    pipelined steps the pipeline times both, alternating, and the ranks keep the faster.
 
     Args:
       model: the Keras model holding one or more ``DistributedEmbedding`` layers.
