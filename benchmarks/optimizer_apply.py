@@ -9,10 +9,15 @@ Every path computes the same output, one [batch, 8 * 64] tensor (the concat of t
 pooled bags, what FBGEMM's TBE returns), and the same optimizer, EXACT_ROWWISE_ADAGRAD
 (duplicate ids summed first, one accumulator per row: v += mean_j g_j^2,
 w -= lr * g / (sqrt(v) + eps)), on the same ids, initial tables and upstream gradient:
-  (a) tfhybrid: EmbeddingLookupCombine, then its backward fused with the row-wise
-      AdaGrad (EmbeddingLookupCombineGradRowwiseAdagrad: the update takes exactly the
-      lookup's gradient), the tables moved to huge pages by the kernels (README, "Huge
-      pages");
+  (a) tfhybrid: the 8 tables' bags in one op writing the concat directly
+      (embedding_lookup_combine_concat, FBGEMM's table-batched form), then each table's
+      backward fused with the row-wise AdaGrad, reading its columns of the upstream
+      gradient in place (EmbeddingLookupCombineGradRowwiseAdagrad: the update takes
+      exactly the lookup's gradient), the tables moved to huge pages by the kernels
+      (README, "Huge pages");
+  (s) the same with one EmbeddingLookupCombine per table and tf.concat (the route before
+      the table-batched op: the concat copies the bags, its gradient slices the
+      upstream gradient);
   (u) the same with the gradient passed through tf.identity, so the update cannot see
       where it came from: the backward kernel writes the [unique, 64] gradient rows and
       RowwiseAdagradApply reads them (the route before the fused kernel);
@@ -73,7 +78,8 @@ QUICK_SCALE = 1 / 16
 # Differences of outputs relative to max(1, |reference|): float32 sums in another order
 # differ by ~1e-7 of the largest accumulated term; a wrong kernel differs by far more.
 AGREEMENT_TOLERANCE = 1e-4
-PATH_LABELS = {"a": "(a) tfhybrid kernels", "u": "(u) (a), two kernels",
+PATH_LABELS = {"a": "(a) tfhybrid kernels", "s": "(s) (a), per-table + concat",
+               "u": "(u) (a), two kernels",
                "n": "(n) (a), small pages",
                "b": "(b) TF composite", "c": "(c) FBGEMM CPU TBE"}
 HUGE_PAGES_ENV = "TFHYBRID_HUGE_PAGES"
@@ -109,7 +115,7 @@ def parse_args() -> argparse.Namespace:
                    f"rotating over the paths (default {FULL_REPEATS[1]})")
     p.add_argument("--warmup", type=int, help="untimed calls per path and kind first "
                    f"(default {FULL_REPEATS[2]}, --quick {QUICK_REPEATS[2]})")
-    p.add_argument("--paths", default="a,u,n,b,c", help="comma list of a, u, n, b, c")
+    p.add_argument("--paths", default="a,s,u,n,b,c", help="comma list of a, s, u, n, b, c")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON,
                    help="python with torch and fbgemm_gpu for path (c)")
@@ -253,10 +259,16 @@ def _loss(tf, output, upstream):
     return tf.reduce_sum(output * upstream)
 
 
-def make_tfhybrid_fns(tf, co, state: TfState, fused: bool = True) -> StepFunctions:
-    """Path (a): tfhybrid's lookup-combine kernel and its backward fused with the row-wise
-    AdaGrad; with fused=False, path (u): the backward kernel, then the AdaGrad kernel."""
+def make_tfhybrid_fns(tf, co, state: TfState, fused: bool = True,
+                      batched: bool = True) -> StepFunctions:
+    """Path (a): tfhybrid's table-batched lookup-combine kernel and each table's backward
+    fused with the row-wise AdaGrad; with fused=False, path (u): the backward kernel, then
+    the AdaGrad kernel; with batched=False, path (s): a lookup per table and a concat."""
     def output(ids):
+        if batched:
+            return co.embedding_lookup_combine_concat(
+                state.tables, [ids[t] for t in range(len(state.tables))], "sum",
+                use_custom_op=True)
         return tf.concat([co.embedding_lookup_combine(table, table_ids, "sum",
                                                       use_custom_op=True)
                           for table, table_ids in zip(state.tables, ids)], axis=1)
@@ -452,7 +464,7 @@ def compare_paths(args: argparse.Namespace) -> int:
     paths = [s.strip() for s in args.paths.split(",") if s.strip()]
     unknown = set(paths) - set(PATH_LABELS)
     if unknown:
-        raise SystemExit(f"--paths: unknown {sorted(unknown)}; expected a, u, n, b, c")
+        raise SystemExit(f"--paths: unknown {sorted(unknown)}; expected a, s, u, n, b, c")
     workload = workload_of(args)
     batch_count = args.warmup + args.iters
     ids = workload_lib.zipf_ids(workload, batch_count)
@@ -494,12 +506,13 @@ def compare_paths(args: argparse.Namespace) -> int:
                     tf_fns["a"] = make_tfhybrid_fns(tf, co, states["a"])
                 else:
                     print(f"{PATH_LABELS['a']}: NOT MEASURED: custom ops unavailable")
-            if "u" in paths and co.custom_ops_available():
-                states["u"] = TfState(tf, workload, ids, upstream)
-                tf_fns["u"] = make_tfhybrid_fns(tf, co, states["u"], fused=False)
-            if "n" in paths and co.custom_ops_available():
-                states["n"] = TfState(tf, workload, ids, upstream)
-                tf_fns["n"] = _without_huge_pages(make_tfhybrid_fns(tf, co, states["n"]))
+            variants = {"s": lambda st: make_tfhybrid_fns(tf, co, st, batched=False),
+                        "u": lambda st: make_tfhybrid_fns(tf, co, st, fused=False),
+                        "n": lambda st: _without_huge_pages(make_tfhybrid_fns(tf, co, st))}
+            for name, make in variants.items():
+                if name in paths and co.custom_ops_available():
+                    states[name] = TfState(tf, workload, ids, upstream)
+                    tf_fns[name] = make(states[name])
             if "b" in paths:
                 states["b"] = TfState(tf, workload, ids, upstream)
                 tf_fns["b"] = make_composite_fns(tf, states["b"])

@@ -5,6 +5,9 @@ Public API::
     embedding_lookup_combine(params, ids, combiner="sum", table_name="embedding",
                              use_custom_op=None) -> tf.Tensor (tf.RaggedTensor for ragged
                              ids with combiner=None)
+    embedding_lookup_combine_concat(params_list, ids_list, combiner="sum",
+                                    table_names=None, use_custom_op=None) -> tf.Tensor
+                             (several tables' bags side by side, one op)
     rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0,
                           weight_decay=0.0, use_custom_op=None) -> tf.Operation or None
     custom_ops_available() -> bool
@@ -36,7 +39,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
-__all__ = ["embedding_lookup_combine", "rowwise_adagrad_apply", "custom_ops_available",
+__all__ = ["embedding_lookup_combine", "embedding_lookup_combine_concat",
+           "rowwise_adagrad_apply", "custom_ops_available",
            "chunked_lookup", "chunked_rowwise_adagrad_apply",
            "cached_chunked_rowwise_adagrad_apply",
            "kernel_isa", "supported_kernel_isas", "load_library", "library_path"]
@@ -239,34 +243,117 @@ def embedding_lookup_combine(params, ids, combiner="sum", table_name="embedding"
       ids sorted ascending (custom-op path), or the looked-up ids (pure-TF path).
     """
     combiner = _normalize_combiner(combiner)
-    if isinstance(ids, tf.SparseTensor):
-        ids = tf.RaggedTensor.from_sparse(ids)
     with tf.name_scope("embedding_lookup_combine"):
-        ragged = isinstance(ids, tf.RaggedTensor)
-        if ragged:
-            if ids.ragged_rank != 1 or ids.shape.rank != 2:
-                raise ValueError(f"ragged ids must be [B, None], got shape {ids.shape}")
-            values, splits = ids.values, ids.row_splits
-        else:
-            ids = tf.convert_to_tensor(ids)
-            if ids.shape.rank not in (1, 2):
-                raise ValueError(f"dense ids must be [B] or [B, H], got shape {ids.shape}")
-            values, splits = None, None
-        id_tensor = values if ragged else ids
-        if id_tensor.dtype not in (tf.int32, tf.int64):
-            if not id_tensor.dtype.is_integer:
-                raise ValueError(f"ids must be integers, got {id_tensor.dtype}")
-            id_tensor = tf.cast(id_tensor, tf.int64)
-            if ragged:
-                values = id_tensor
-            else:
-                ids = id_tensor
-
+        ids, values, splits, ragged = _normalize_ids(ids)
         if not isinstance(params, tf.Variable):
             params = tf.convert_to_tensor(params)
         if _use_op(use_custom_op, params):
             return _lookup_op(params, ids, values, splits, ragged, combiner, table_name)
         return _lookup_pure_tf(params, ids, values, splits, ragged, combiner, table_name)
+
+
+def _normalize_ids(ids):
+    """(ids, values, splits, ragged) of a lookup's ids: dense [B] / [B, H] (values and
+    splits None) or ragged [B, None] (a SparseTensor becomes ragged), int32 or int64."""
+    if isinstance(ids, tf.SparseTensor):
+        ids = tf.RaggedTensor.from_sparse(ids)
+    ragged = isinstance(ids, tf.RaggedTensor)
+    if ragged:
+        if ids.ragged_rank != 1 or ids.shape.rank != 2:
+            raise ValueError(f"ragged ids must be [B, None], got shape {ids.shape}")
+        values, splits = ids.values, ids.row_splits
+    else:
+        ids = tf.convert_to_tensor(ids)
+        if ids.shape.rank not in (1, 2):
+            raise ValueError(f"dense ids must be [B] or [B, H], got shape {ids.shape}")
+        values, splits = None, None
+    id_tensor = values if ragged else ids
+    if id_tensor.dtype not in (tf.int32, tf.int64):
+        if not id_tensor.dtype.is_integer:
+            raise ValueError(f"ids must be integers, got {id_tensor.dtype}")
+        id_tensor = tf.cast(id_tensor, tf.int64)
+        if ragged:
+            values = id_tensor
+        else:
+            ids = id_tensor
+    return ids, values, splits, ragged
+
+
+@tf.autograph.experimental.do_not_convert
+def embedding_lookup_combine_concat(params_list, ids_list, combiner="sum", table_names=None,
+                                    use_custom_op=None):
+    """Several tables' bags side by side: ``tf.concat([embedding_lookup_combine(p, i,
+    combiner) for p, i in zip(params_list, ids_list)], axis=1)`` in one op (FBGEMM's
+    table-batched bags), which writes each bag straight into its columns.
+
+    Args:
+      params_list: N tables, each [R_t, D_t]; the op needs `tf.Variable`s of one dtype.
+      ids_list: N id tensors as in :func:`embedding_lookup_combine`, every one with the
+        same number of bags B.
+      combiner: "sum" or "mean".
+      table_names: N names for error messages (default "embedding_<t>").
+      use_custom_op: None (auto), True or False. Tables that are not variables of one
+        dtype take the per-table lookups and a concat, with the same result.
+
+    Returns:
+      [B, sum of D_t], each table's gradient a `tf.IndexedSlices` as from
+      :func:`embedding_lookup_combine`: each table's backward reads its own columns of
+      the upstream gradient in place, and a row-wise AdaGrad on it still fuses with the
+      backward (:func:`rowwise_adagrad_apply`).
+    """
+    combiner = _normalize_combiner(combiner)
+    params_list, ids_list = list(params_list), list(ids_list)
+    if not params_list or len(params_list) != len(ids_list):
+        raise ValueError(f"embedding_lookup_combine_concat needs one ids tensor per table and at "
+                         f"least one table, got {len(params_list)} tables and {len(ids_list)} "
+                         "ids tensors")
+    if combiner == "none":
+        raise ValueError("embedding_lookup_combine_concat combines bags: combiner must be 'sum' "
+                         "or 'mean', got None")
+    names = (list(table_names) if table_names is not None
+             else [f"embedding_{t}" for t in range(len(params_list))])
+    if len(names) != len(params_list):
+        raise ValueError(f"table_names has {len(names)} names, expected {len(params_list)} "
+                         "(one per table)")
+    fused = (all(isinstance(p, tf.Variable) and p.shape.rank == 2
+                 and p.shape[1] is not None for p in params_list)
+             and len({getattr(p, "true_dtype", p.dtype) for p in params_list}) == 1)
+    if use_custom_op and not fused:
+        raise ValueError("embedding_lookup_combine_concat custom op needs tf.Variable tables "
+                         "of one dtype with static widths, got "
+                         f"{[(type(p).__name__, p.dtype.name, p.shape) for p in params_list]}")
+    if not (fused and _use_op(use_custom_op, *params_list)):
+        return tf.concat([embedding_lookup_combine(p, i, combiner, n, use_custom_op)
+                          for p, i, n in zip(params_list, ids_list, names)], axis=1)
+    with tf.name_scope("embedding_lookup_combine_concat"):
+        bags = [_bags(*_normalize_ids(ids)) for ids in ids_list]
+        flats, splits = [b[0] for b in bags], [b[1] for b in bags]
+        # one id type and one splits type for all tables
+        if len({f.dtype for f in flats}) > 1:
+            flats = [tf.cast(f, tf.int64) for f in flats]
+        if len({s.dtype for s in splits}) > 1:
+            splits = [tf.cast(s, tf.int64) for s in splits]
+        for p in params_list:
+            _variable_accessed(p)
+        var_dtype = getattr(params_list[0], "true_dtype", params_list[0].dtype)
+        out = _require_lib().resource_embedding_lookup_combine_concat(
+            [p.handle for p in params_list], flats, splits, dtype=var_dtype,
+            combiner=combiner, table_names=names,
+            widths=[int(p.shape[1]) for p in params_list])
+        if out.dtype != params_list[0].dtype:
+            out = tf.cast(out, params_list[0].dtype)
+        batch = next((b[2] for b in bags if b[2] is not None), None)
+        out.set_shape([batch, sum(int(p.shape[1]) for p in params_list)])
+        return out
+
+
+def _bags(ids, values, splits, ragged):
+    """(flat ids, row_splits, static bag count or None) of normalized ids (_normalize_ids),
+    for a lookup that combines bags."""
+    if ragged:
+        return values, splits, ids.shape[0]
+    flat, b, h = _dense_layout(ids)
+    return flat, tf.range(b + 1, dtype=tf.int64) * tf.cast(h, tf.int64), ids.shape[0]
 
 
 def _dense_layout(ids):
@@ -282,14 +369,10 @@ def _dense_layout(ids):
 
 def _lookup_op(params, ids, values, splits, ragged, combiner, table_name):
     lib = _require_lib()
-    if ragged:
-        flat, bag_splits = values, splits
+    if combiner == "none" and not ragged:
+        flat, bag_splits = tf.reshape(ids, [-1]), tf.zeros([1], tf.int64)  # splits ignored
     else:
-        flat, b, h = _dense_layout(ids)
-        if combiner == "none":
-            bag_splits = tf.zeros([1], tf.int64)  # ignored by the kernel for 'none'
-        else:
-            bag_splits = tf.range(b + 1, dtype=tf.int64) * tf.cast(h, tf.int64)
+        flat, bag_splits, _ = _bags(ids, values, splits, ragged)
     if isinstance(params, tf.Variable):
         _variable_accessed(params)
         # AutoCastVariable (mixed precision) reports its cast dtype; the op reads the
@@ -377,7 +460,27 @@ def _register_gradients():
         dense_shape = tf.stack([tf.cast(rows, tf.int32), op.get_attr("dim")])
         return [tf.IndexedSlices(values, unique_ids, dense_shape), None, None, None]
 
+    def _concat_grad(op, grad):
+        # each table's backward reads its own columns of the [B, sum D_t] gradient in place
+        n = op.get_attr("N")
+        widths = op.get_attr("widths")
+        names = [x.decode() for x in op.get_attr("table_names")]
+        combiner = op.get_attr("combiner").decode()
+        if isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        grads, first = [], 0
+        for t in range(n):
+            dense_shape = tf.raw_ops.VariableShape(input=op.inputs[t], out_type=tf.int32)
+            unique_ids, rows = _require_lib().embedding_lookup_combine_grad(
+                grad, op.inputs[n + t], op.inputs[2 * n + t],
+                tf.cast(dense_shape[0], tf.int64), combiner=combiner, table_name=names[t],
+                grad_columns=[first, first + widths[t]])
+            grads.append(tf.IndexedSlices(rows, unique_ids, dense_shape))
+            first += widths[t]
+        return grads + [None] * (2 * n)
+
     for name, fn in (("EmbeddingLookupCombine", _tensor_grad),
+                     ("ResourceEmbeddingLookupCombineConcat", _concat_grad),
                      ("ResourceEmbeddingLookupCombine", _resource_grad),
                      ("ChunkedEmbeddingLookupCombine", _chunked_grad)):
         try:
@@ -444,7 +547,8 @@ def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, wei
                 return _require_lib().embedding_lookup_combine_grad_rowwise_adagrad(
                     var.handle, accum.handle, *lookup_grad.inputs[:3], *scalars,
                     combiner=lookup_grad.get_attr("combiner"),
-                    table_name=lookup_grad.get_attr("table_name"))
+                    table_name=lookup_grad.get_attr("table_name"),
+                    grad_columns=lookup_grad.get_attr("grad_columns"))
             return _require_lib().rowwise_adagrad_apply(var.handle, accum.handle, indices, grad,
                                                         *scalars)
         return _rowwise_adagrad_pure_tf(var, accum, indices, grad, *scalars)

@@ -1,5 +1,6 @@
 """Tests for tfhybrid's custom embedding ops (EmbeddingLookupCombine and its gradient,
-RowwiseAdagradApply), against the pure-TF path and numpy references.
+the table-batched ResourceEmbeddingLookupCombineConcat, RowwiseAdagradApply), against
+the pure-TF path and numpy references.
 
 Run: OMP_NUM_THREADS=1 python tfhybrid/custom_ops/embedding_ops_test.py
 
@@ -576,8 +577,176 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
         g = tape.gradient(loss, params)
         digest(out, g.indices, g.values,
                co.embedding_lookup_combine(params, ids, None, use_custom_op=True))
+
+    # 4. table-batched bags (widths 64, 37, 16) and each table's fused backward + AdaGrad
+    #    reading its columns of the shared upstream gradient.
+    rng = np.random.default_rng(3)
+    widths = (64, 37, 16)
+    tables = [tf.Variable(rng.normal(0, 1, (1000, d)).astype(np.float32)) for d in widths]
+    accums = [tf.Variable(tf.zeros([1000])) for _ in widths]
+    ids = [tf.constant(rng.integers(0, 1000, (2000, 4))) for _ in widths]
+    up = tf.constant(rng.normal(0, 1, (2000, sum(widths))).astype(np.float32))
+
+    @tf.function
+    def batched_step():
+        with tf.GradientTape() as tape:
+            out = co.embedding_lookup_combine_concat(tables, ids, "mean", use_custom_op=True)
+            loss = tf.reduce_sum(out * up)
+        for t, a, g in zip(tables, accums, tape.gradient(loss, tables)):
+            co.rowwise_adagrad_apply(t, a, g.indices, g.values, 0.05, 1e-6,
+                                     use_custom_op=True)
+        return out
+
+    for _ in range(2):
+        digest(batched_step())
+    digest(*tables, *accums)
     print("DIGEST", co.kernel_isa(), h.hexdigest())
 """)
+
+
+class LookupCombineConcatTest(tf.test.TestCase):
+    """embedding_lookup_combine_concat: several tables' bags in one op, equal bit for bit
+    to a lookup per table and a concat, forward, gradient and fused row-wise AdaGrad."""
+    WIDTHS = (64, 37, 16)
+
+    def _tables(self, dtype=tf.float32, seed=0):
+        rng = np.random.default_rng(seed)
+        return [tf.Variable(tf.cast(rng.normal(0, 1, (40 + 10 * t, d)), dtype))
+                for t, d in enumerate(self.WIDTHS)]
+
+    def _ids(self, seed=0, batch=21):
+        """dense int64, ragged (empty bags included) and dense int32 [B] ids."""
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(0, 6, batch)
+        lengths[::4] = 0
+        return [tf.constant(rng.integers(0, 40, (batch, 3))),
+                tf.RaggedTensor.from_row_lengths(
+                    tf.constant(rng.integers(0, 50, lengths.sum()), tf.int64), lengths),
+                tf.constant(rng.integers(0, 60, batch), tf.int32)]
+
+    @staticmethod
+    def _per_table(tables, ids, combiner):
+        return tf.concat([co.embedding_lookup_combine(t, i, combiner, use_custom_op=True)
+                          for t, i in zip(tables, ids)], axis=1)
+
+    def test_forward_equals_per_table_lookups_and_numpy(self):
+        _require_op(self)
+        ids = self._ids()
+        for dtype in (tf.float32, tf.float16, tf.bfloat16):
+            tables = self._tables(dtype)
+            for combiner in ("sum", "mean"):
+                with self.subTest(dtype=dtype.name, combiner=combiner):
+                    out = co.embedding_lookup_combine_concat(tables, ids, combiner,
+                                                             use_custom_op=True)
+                    self.assertEqual(out.shape, [21, sum(self.WIDTHS)])
+                    self.assertEqual(out.dtype, dtype)
+                    self.assertAllEqual(out, self._per_table(tables, ids, combiner))
+                    if dtype == tf.float32:
+                        bags = [[list(np.atleast_1d(b)) for b in x.numpy()]
+                                if not isinstance(x, tf.RaggedTensor) else x.to_list()
+                                for x in ids]
+                        expected = np.concatenate(
+                            [np_lookup(t.numpy(), b, combiner) for t, b in zip(tables, bags)],
+                            axis=1)
+                        self.assertAllClose(out, expected, atol=ATOL, rtol=RTOL)
+
+    def test_gradient_is_each_tables_own(self):
+        _require_op(self)
+        tables, ids = self._tables(), self._ids(1)
+        upstream = tf.constant(np.random.default_rng(1).normal(
+            0, 1, (21, sum(self.WIDTHS))).astype(np.float32))
+        for combiner in ("sum", "mean"):
+            with tf.GradientTape(persistent=True) as tape:
+                batched = tf.reduce_sum(co.embedding_lookup_combine_concat(
+                    tables, ids, combiner, use_custom_op=True) * upstream)
+                per_table = tf.reduce_sum(self._per_table(tables, ids, combiner) * upstream)
+            for got, want in zip(tape.gradient(batched, tables),
+                                 tape.gradient(per_table, tables)):
+                self.assertIsInstance(got, tf.IndexedSlices)
+                self.assertAllEqual(got.indices, want.indices)
+                self.assertAllEqual(got.values, want.values)
+
+    def _train(self, batched, fuse, steps=3):
+        """(outputs, tables, accumulators, the step's ops) after row-wise AdaGrad steps."""
+        tables = self._tables(seed=4)
+        accums = [tf.Variable(tf.fill([int(t.shape[0])], 0.1)) for t in tables]
+        ids_list = [self._ids(s) for s in range(steps)]
+        upstream = tf.constant(np.random.default_rng(5).normal(
+            0, 1, (21, sum(self.WIDTHS))).astype(np.float32))
+
+        @tf.function
+        def step(ids):
+            with tf.GradientTape() as tape:
+                out = (co.embedding_lookup_combine_concat(tables, ids, "mean",
+                                                          use_custom_op=True)
+                       if batched else self._per_table(tables, ids, "mean"))
+                loss = tf.reduce_sum(out * upstream)
+            for t, a, g in zip(tables, accums, tape.gradient(loss, tables)):
+                values = g.values if fuse else tf.identity(g.values)
+                co.rowwise_adagrad_apply(t, a, g.indices, values, 0.05, 1e-3,
+                                         weight_decay=0.01, use_custom_op=True)
+            return out
+
+        outputs = [step(ids).numpy() for ids in ids_list]
+        ops = step.get_concrete_function(ids_list[0]).graph.get_operations()
+        return outputs, [t.numpy() for t in tables], [a.numpy() for a in accums], ops
+
+    def test_fused_adagrad_reads_each_tables_columns_in_place(self):
+        _require_op(self)
+        batched = self._train(batched=True, fuse=True)
+        fused = [op for op in batched[3]
+                 if op.type == FusedBackwardAdagradTest.FUSED]
+        self.assertLen(fused, len(self.WIDTHS))
+        starts = np.cumsum((0,) + self.WIDTHS)
+        self.assertCountEqual([list(op.get_attr("grad_columns")) for op in fused],
+                              [[int(a), int(b)] for a, b in zip(starts[:-1], starts[1:])])
+        for other in (self._train(batched=False, fuse=True),
+                      self._train(batched=True, fuse=False)):
+            for got, want in zip(batched[:3], other[:3]):
+                for a, b in zip(got, want):
+                    self.assertAllEqual(a, b)
+
+    def test_a_table_twice(self):
+        _require_op(self)
+        table = self._tables()[0]
+        ids = [tf.constant([[1, 2], [3, 3]]), tf.constant([[0, 39], [5, 6]])]
+        self.assertAllEqual(co.embedding_lookup_combine_concat([table, table], ids),
+                            self._per_table([table, table], ids, "sum"))
+
+    def test_other_tables_take_per_table_lookups(self):
+        tables, ids = self._tables(), self._ids()
+        mixed = [tables[0].numpy(), tables[1], tables[2]]  # a tensor among variables
+        self.assertAllClose(co.embedding_lookup_combine_concat(mixed, ids, "mean"),
+                            co.embedding_lookup_combine_concat(tables, ids, "mean"),
+                            atol=ATOL, rtol=RTOL)
+        with self.assertRaisesRegex(ValueError, "tf.Variable tables of one dtype"):
+            co.embedding_lookup_combine_concat(mixed, ids, use_custom_op=True)
+
+    def test_bad_input_is_named(self):
+        _require_op(self)
+        tables, ids = self._tables(), self._ids()
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "embedding table 'c' has 20 bags, expected 21"):
+            co.embedding_lookup_combine_concat(tables, ids[:2] + [ids[2][:20]],
+                                               table_names=["a", "b", "c"])
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "embedding table 'b' got id 50, expected ids in"):
+            co.embedding_lookup_combine_concat(
+                tables, [ids[0], tf.ragged.constant([[50]] * 21, tf.int64), ids[2]],
+                table_names=["a", "b", "c"])
+        with self.assertRaisesRegex(ValueError, "one ids tensor per table"):
+            co.embedding_lookup_combine_concat(tables, ids[:2])
+        with self.assertRaisesRegex(ValueError, "combiner must be 'sum' or 'mean'"):
+            co.embedding_lookup_combine_concat(tables, ids, None)
+        with self.assertRaisesRegex(ValueError, "table_names has 1 names, expected 3"):
+            co.embedding_lookup_combine_concat(tables, ids, table_names=["a"])
+        lib = co._require_lib()  # pylint: disable=protected-access
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    r"table 't': grad_columns \[60, 70\) exceed the "
+                                    "gradient's 64 columns"):
+            lib.embedding_lookup_combine_grad(tf.ones([2, 64]), [1, 2], [0, 1, 2],
+                                              tf.constant(10, tf.int64), table_name="t",
+                                              grad_columns=[60, 70])
 
 
 class CachedChunkedAdagradTest(tf.test.TestCase):

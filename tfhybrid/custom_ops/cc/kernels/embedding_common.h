@@ -68,6 +68,40 @@ inline Status ReadLookupAttrs(OpKernelConstruction* ctx, Combiner* combiner,
   return ctx->GetAttr("table_name", table_name);
 }
 
+// The grad_columns attr of a lookup's backward ops: empty (the gradient's every column)
+// or [begin, end). Tables looked up side by side into one output
+// (ResourceEmbeddingLookupCombineConcat) share its upstream gradient; each table's
+// backward reads its own columns in place instead of a sliced copy.
+inline Status ReadGradColumns(OpKernelConstruction* ctx, std::vector<int64>* columns) {
+  std::vector<int64_t> attr;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("grad_columns", &attr));
+  if (!attr.empty() && (attr.size() != 2 || attr[0] < 0 || attr[1] < attr[0])) {
+    return errors::InvalidArgument("grad_columns must be [] or [begin, end) with 0 <= begin "
+                                   "<= end, got ", attr.size(), " values");
+  }
+  columns->assign(attr.begin(), attr.end());
+  return OkStatus();
+}
+
+// The window `columns` (ReadGradColumns) of a gradient `width` columns wide: its first
+// column and its width.
+inline Status GradWindow(const std::vector<int64>& columns, int64 width,
+                         const std::string& table_name, int64* begin, int64* D) {
+  if (columns.empty()) {
+    *begin = 0;
+    *D = width;
+    return OkStatus();
+  }
+  if (columns[1] > width) {
+    return errors::InvalidArgument("embedding table '", table_name, "': grad_columns [",
+                                   columns[0], ", ", columns[1], ") exceed the gradient's ",
+                                   width, " columns");
+  }
+  *begin = columns[0];
+  *D = columns[1] - columns[0];
+  return OkStatus();
+}
+
 // Returns the position of the first id outside [0, num_rows), or -1.
 template <typename Tidx>
 inline int64 FirstOutOfRange(const Tidx* ids, int64 n, int64 num_rows) {

@@ -69,7 +69,8 @@ struct LookupCombineArgs {
   const Tidx* ids;
   const Tsplits* splits;
   bool mean;
-  T* out;  // [B, D]
+  T* out;              // [B, out_stride]: bag b's row at out + b * out_stride
+  int64_t out_stride;  // >= D; more when several tables write side by side
 };
 
 // Computes bags [begin, end). scratch: D floats (unused when T is float).
@@ -94,6 +95,7 @@ struct GradSegmentsArgs {
   const float* inv_count;     // [B] 1 / bag size (mean)
   const T* grad;              // [B, D] (sum / mean) or [nnz, D] (none)
   int64_t D;
+  int64_t grad_stride;        // >= D: elements between gradient rows (a column window)
   T* rows;                    // [U, D]
   // T is float and rows are 64-byte multiples at 64-byte aligned addresses: write them
   // with non-temporal stores (x86; elsewhere ignored).
@@ -127,6 +129,7 @@ struct RowwiseAdagradArgs {
   const float* inv_count;     // [B] 1 / bag size (mean)
   const Tgrad* grad;          // [N, D] (none) or [B, D] (sum / mean)
   int64_t D;
+  int64_t grad_stride;        // >= D: elements between gradient rows (a column window)
   float* w;                   // [R, D]
   float* v;                   // [R]
   float lr, eps, scale, decay, inv_d;

@@ -125,7 +125,7 @@ void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t be
     const int64_t e = static_cast<int64_t>(a.splits[b + 1]);
     float* __restrict acc;
     if constexpr (std::is_same<T, float>::value) {
-      acc = a.out + b * D;
+      acc = a.out + b * a.out_stride;
     } else {
       acc = scratch;
     }
@@ -146,7 +146,7 @@ void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t be
         for (int64_t d = 0; d < D; ++d) acc[d] /= cnt;
       }
     }
-    if constexpr (!std::is_same<T, float>::value) FromFloats(acc, a.out + b * D, D);
+    if constexpr (!std::is_same<T, float>::value) FromFloats(acc, a.out + b * a.out_stride, D);
   }
 }
 
@@ -175,19 +175,20 @@ inline int64_t SourceRow(const uint32_t* perm, const int32_t* sample_of, int64_t
   return C == Combiner::kNone ? p : static_cast<int64_t>(sample_of[p]);
 }
 
-// acc[0, D) = sum over k in [ks, ke), in k order, of the gradient row k reads (scaled by
-// its bag's inv_count for kMean): the one summation of GradSegments and of the fused
-// AdaGrad, so both give bitwise the same row. With ahead > 0 it also prefetches the row
-// of position k + ahead while below prefetch_end.
+// acc[0, D) = sum over k in [ks, ke), in k order, of the gradient row k reads (row r
+// at grad + r * ld; scaled by its bag's inv_count for kMean): the one summation of
+// GradSegments and of the fused AdaGrad, so both give bitwise the same row. With
+// ahead > 0 it also prefetches the row of position k + ahead while below prefetch_end.
 template <typename T, Combiner C>
-inline void SumSegment(const T* grad, int64_t D, const uint32_t* perm, const int32_t* sample_of,
-                       const float* inv_count, int64_t ks, int64_t ke, int64_t ahead,
-                       int64_t prefetch_end, float* __restrict acc) {
+inline void SumSegment(const T* grad, int64_t D, int64_t ld, const uint32_t* perm,
+                       const int32_t* sample_of, const float* inv_count, int64_t ks,
+                       int64_t ke, int64_t ahead, int64_t prefetch_end,
+                       float* __restrict acc) {
   for (int64_t k = ks; k < ke; ++k) {
     if (ahead > 0 && k + ahead < prefetch_end)
-      PrefetchRow(grad + SourceRow<C>(perm, sample_of, k + ahead) * D, D * sizeof(T));
+      PrefetchRow(grad + SourceRow<C>(perm, sample_of, k + ahead) * ld, D * sizeof(T));
     const int64_t r = SourceRow<C>(perm, sample_of, k);
-    const T* __restrict src = grad + r * D;
+    const T* __restrict src = grad + r * ld;
     if (C == Combiner::kMean) {
       if (k == ks) {
         RowInto<RowOp::kSetScaled>(src, inv_count[r], acc, D);
@@ -218,8 +219,8 @@ void GradSegmentsRangeFor(const GradSegmentsArgs<T>& a, int64_t begin, int64_t e
     if constexpr (std::is_same<T, float>::value) {
       if (!stream) acc = a.rows + u * D;
     }
-    SumSegment<T, C>(a.grad, D, a.perm, a.sample_of, a.inv_count, a.seg_start[u],
-                     a.seg_start[u + 1], kAhead, k_end, acc);
+    SumSegment<T, C>(a.grad, D, a.grad_stride, a.perm, a.sample_of, a.inv_count,
+                     a.seg_start[u], a.seg_start[u + 1], kAhead, k_end, acc);
     if constexpr (std::is_same<T, float>::value) {
       if (stream) StreamRow(a.rows + u * D, acc, D);
     } else {
@@ -258,8 +259,8 @@ inline float SumSquares(const float* __restrict g, int64_t D) {
 template <typename Tgrad, Combiner C>
 void RowwiseAdagradRangeFor(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int64_t end,
                             float* scratch) {
-  constexpr int64_t kPrefetch = 8;      // unique rows ahead (var / accum)
-  constexpr int64_t kGradPrefetch = 4;  // segments ahead (gradient rows)
+  constexpr int64_t kPrefetch = 8;       // unique rows ahead (var / accum)
+  constexpr int64_t kGradPrefetch = 16;  // positions ahead (gradient rows), across rows
   const int64_t* uniq = a.unique_ids;
   const int64_t* seg = a.seg_start;
   const Tgrad* grad = a.grad;
@@ -271,20 +272,19 @@ void RowwiseAdagradRangeFor(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, i
     PrefetchRowForWrite(w + uniq[u] * D, D * sizeof(float));
     __builtin_prefetch(v + uniq[u], 1, 3);
   }
+  // The first gradient rows; SumSegment then keeps kGradPrefetch of them in flight (a hot
+  // id's positions are random bags: one miss each without it).
+  for (int64_t k = seg[begin]; k < std::min(seg[begin] + kGradPrefetch, seg[end]); ++k)
+    PrefetchRow(grad + SourceRow<C>(a.perm, a.sample_of, k) * a.grad_stride,
+                D * sizeof(Tgrad));
   for (int64_t u = begin; u < end; ++u) {
     if (u + kPrefetch < end) {  // rows are random: keep several misses in flight
       const int64_t next = uniq[u + kPrefetch];
       PrefetchRowForWrite(w + next * D, D * sizeof(float));
       __builtin_prefetch(v + next, 1, 3);
     }
-    if (u + kGradPrefetch < end) {  // gradient rows of an upcoming segment
-      const int64_t ks2 = seg[u + kGradPrefetch];
-      const int64_t ke2 = std::min(seg[u + kGradPrefetch + 1], ks2 + 2);
-      for (int64_t k = ks2; k < ke2; ++k)
-        PrefetchRow(grad + SourceRow<C>(a.perm, a.sample_of, k) * D, D * sizeof(Tgrad));
-    }
-    SumSegment<Tgrad, C>(grad, D, a.perm, a.sample_of, a.inv_count, seg[u], seg[u + 1],
-                         /*ahead=*/0, 0, acc);
+    SumSegment<Tgrad, C>(grad, D, a.grad_stride, a.perm, a.sample_of, a.inv_count, seg[u],
+                         seg[u + 1], kGradPrefetch, seg[end], acc);
     const int64_t row = uniq[u];
     const float vi = v[row] + SumSquares(acc, D) * a.inv_d;
     v[row] = vi;

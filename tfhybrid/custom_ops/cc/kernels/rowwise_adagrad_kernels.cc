@@ -29,6 +29,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tensorflow/core/platform/strcat.h"
 
 namespace tensorflow {
 namespace tfhybrid {
@@ -93,7 +94,8 @@ void UpdateLockedRowwiseState(OpKernelContext* ctx, const char* op, int first_sc
 template <typename Tgrad>
 void ApplyRowwiseAdagrad(OpKernelContext* ctx, KernelIsa isa, RowwiseState* state,
                          const Grouping& g, int64 num_positions, Combiner combiner,
-                         const int32_t* sample_of, const float* inv_count, const Tgrad* grad) {
+                         const int32_t* sample_of, const float* inv_count, const Tgrad* grad,
+                         int64 grad_stride) {
   const int64 D = state->var.dim_size(1);
   const int64 U = g.num_unique();
   if (U == 0 || D == 0) return;
@@ -109,6 +111,7 @@ void ApplyRowwiseAdagrad(OpKernelContext* ctx, KernelIsa isa, RowwiseState* stat
                                        inv_count,
                                        grad,
                                        D,
+                                       grad_stride,
                                        state->var.flat<float>().data(),
                                        state->accum.flat<float>().data(),
                                        lr,
@@ -162,7 +165,7 @@ class RowwiseAdagradApplyOp : public OpKernel {
       ScratchHandle scratch;
       GroupById(indices, N, R, &*scratch);
       ApplyRowwiseAdagrad<Tgrad>(ctx, isa, &state, scratch->g, N, Combiner::kNone, nullptr,
-                                 nullptr, grad_t.flat<Tgrad>().data());
+                                 nullptr, grad_t.flat<Tgrad>().data(), D);
     });
   }
 };
@@ -173,6 +176,7 @@ class EmbeddingLookupCombineGradRowwiseAdagradOp : public OpKernel {
   explicit EmbeddingLookupCombineGradRowwiseAdagradOp(OpKernelConstruction* ctx)
       : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ReadLookupAttrs(ctx, &combiner_, &table_name_));
+    OP_REQUIRES_OK(ctx, ReadGradColumns(ctx, &grad_columns_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -184,10 +188,20 @@ class EmbeddingLookupCombineGradRowwiseAdagradOp : public OpKernel {
       const int64 D = state.var.dim_size(1);
       const Tensor& grad_t = ctx->input(2);
       const Tensor& ids_t = ctx->input(3);
-      OP_REQUIRES(ctx, grad_t.dims() == 2 && grad_t.dim_size(1) == D,
+      OP_REQUIRES(ctx, grad_t.dims() == 2,
+                  errors::InvalidArgument(kOp, ": grad must be 2-D, got ",
+                                          grad_t.shape().DebugString()));
+      int64 first_column = 0, columns = 0;
+      OP_REQUIRES_OK(ctx, GradWindow(grad_columns_, grad_t.dim_size(1), table_name_,
+                                     &first_column, &columns));
+      const std::string window =
+          grad_columns_.empty() ? std::string()
+                                : strings::StrCat(" at grad_columns [", first_column, ", ",
+                                                  first_column + columns, ")");
+      OP_REQUIRES(ctx, columns == D,
                   errors::InvalidArgument(kOp, ": grad must be 2-D with ", D,
                                           " columns (the table's), got ",
-                                          grad_t.shape().DebugString()));
+                                          grad_t.shape().DebugString(), window));
       OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids_t.shape()),
                   errors::InvalidArgument(kOp, ": ids must be 1-D, got ",
                                           ids_t.shape().DebugString()));
@@ -205,13 +219,15 @@ class EmbeddingLookupCombineGradRowwiseAdagradOp : public OpKernel {
       GroupById(ids, nnz, R, &*scratch);
       ApplyRowwiseAdagrad<float>(ctx, isa, &state, scratch->g, nnz, combiner_,
                                  scratch->sample_of.data(), scratch->inv_count.data(),
-                                 grad_t.flat<float>().data());
+                                 grad_t.flat<float>().data() + first_column,
+                                 grad_t.dim_size(1));
     });
   }
 
  private:
   Combiner combiner_;
   std::string table_name_;
+  std::vector<int64> grad_columns_;
 };
 
 // Both kernels read their four scalars (lr, epsilon, scale, weight_decay) on the host.

@@ -2,6 +2,8 @@
 //
 //   EmbeddingLookupCombine          params (tensor) + ids + row_splits -> combined rows
 //   ResourceEmbeddingLookupCombine  same, params read in place from a resource variable
+//   ResourceEmbeddingLookupCombineConcat
+//                                   several tables' bags side by side in one output
 //   EmbeddingLookupCombineGrad      backward: unique sorted ids + coalesced gradient rows
 //   RowwiseAdagradApply             sparse exact row-wise Adagrad (FBGEMM semantics)
 //   EmbeddingLookupCombineGradRowwiseAdagrad
@@ -27,6 +29,10 @@
       .Attr("Tsplits: {int32, int64}")                      \
       .Attr("combiner: {'none', 'sum', 'mean'} = 'sum'")    \
       .Attr("table_name: string = 'embedding'")
+
+// The backward ops' window on their upstream gradient: [] (all of its columns) or
+// [begin, end), when several tables' bags share one output (the Concat lookup).
+#define TFHYBRID_GRAD_COLUMNS_ATTR .Attr("grad_columns: list(int) = []")
 
 namespace tensorflow {
 
@@ -102,6 +108,54 @@ EmbeddingLookupCombine reading the table in place from a resource variable
 (shared lock, no copy of the table; like ResourceGather).
 )doc");
 
+REGISTER_OP("ResourceEmbeddingLookupCombineConcat")
+    .Input("params: N * resource")
+    .Input("ids: N * Tindices")
+    .Input("row_splits: N * Tsplits")
+    .Output("output: dtype")
+    .Attr("N: int >= 1")
+    .Attr("dtype: {float, half, bfloat16}")
+    .Attr("Tindices: {int32, int64}")
+    .Attr("Tsplits: {int32, int64}")
+    .Attr("combiner: {'sum', 'mean'} = 'sum'")
+    .Attr("table_names: list(string)")
+    .Attr("widths: list(int)")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      int n;
+      std::vector<int64_t> widths;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("widths", &widths));
+      if (static_cast<int>(widths.size()) != n) {
+        return errors::InvalidArgument("widths has ", widths.size(), " values, expected ", n);
+      }
+      int64_t width = 0;
+      DimensionHandle b = c->UnknownDim();
+      for (int t = 0; t < n; ++t) {
+        ShapeHandle unused, splits;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(n + t), 1, &unused));
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(2 * n + t), 1, &splits));
+        width += widths[t];
+        if (c->ValueKnown(c->Dim(splits, 0))) {
+          DimensionHandle bags;
+          TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &bags));
+          TF_RETURN_IF_ERROR(c->Merge(b, bags, &b));
+        }
+      }
+      c->set_output(0, c->Matrix(b, c->MakeDim(width)));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+N tables' ResourceEmbeddingLookupCombine side by side: output[:, columns of table t] is
+table t's [B, D_t] bags, in table order (FBGEMM's table-batched bags). Every table
+needs the same number of bags. Each table's backward is EmbeddingLookupCombineGrad
+(or the fused AdaGrad) with grad_columns set to its columns of the upstream gradient.
+
+table_names: one per table, for error messages.
+widths: D_t of each table (checked against the variables): its columns are known when
+  the graph is built, for the backward's grad_columns.
+)doc");
+
 REGISTER_OP("EmbeddingLookupCombineGrad")
     .Input("grad: T")
     .Input("ids: Tindices")
@@ -111,21 +165,26 @@ REGISTER_OP("EmbeddingLookupCombineGrad")
     .Output("grad_rows: T")
     .Attr("T: {float, half, bfloat16}")
     TFHYBRID_LOOKUP_ATTRS
+    TFHYBRID_GRAD_COLUMNS_ATTR
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle grad, unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &unused));
+      std::vector<int64_t> columns;
+      TF_RETURN_IF_ERROR(c->GetAttr("grad_columns", &columns));
       DimensionHandle u = c->UnknownDim();
       c->set_output(0, c->Vector(u));
-      c->set_output(1, c->Matrix(u, c->Dim(grad, 1)));
+      c->set_output(1, c->Matrix(u, columns.size() == 2 ? c->MakeDim(columns[1] - columns[0])
+                                                         : c->Dim(grad, 1)));
       return OkStatus();
     })
     .Doc(R"doc(
 Backward of EmbeddingLookupCombine with duplicate ids coalesced.
 
-grad: [B, D] for 'sum'/'mean', [nnz, D] for 'none'.
+grad: [B, D] for 'sum'/'mean', [nnz, D] for 'none'; with grad_columns [begin, end),
+  its columns [begin, end) are the D read (the rest is another table's).
 unique_ids: [U] distinct ids, sorted ascending.
 grad_rows: [U, D]; row u is the sum over the positions p with ids[p] == unique_ids[u]
   (in increasing p) of the upstream gradient of p's bag (divided by the bag size for
@@ -184,6 +243,7 @@ REGISTER_OP("EmbeddingLookupCombineGradRowwiseAdagrad")
     .Input("scale: float")
     .Input("weight_decay: float")
     TFHYBRID_LOOKUP_ATTRS
+    TFHYBRID_GRAD_COLUMNS_ATTR
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle grad, unused;
@@ -202,7 +262,7 @@ are summed straight into the update instead of being written out and read back.
 
 var: float32 [R, D] resource (the looked-up table); accum: float32 [R] resource.
 grad: float32 [B, D] for 'sum'/'mean' (the lookup's upstream gradient), [nnz, D] for
-  'none'.
+  'none'; with grad_columns, the window read as in EmbeddingLookupCombineGrad.
 )doc");
 
 REGISTER_OP("ChunkedEmbeddingLookup")
