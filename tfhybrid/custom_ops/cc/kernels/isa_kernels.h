@@ -44,8 +44,10 @@ bool ActiveKernelIsa(KernelIsa* isa, std::string* error);
 
 enum class Combiner { kNone, kSum, kMean };
 
-// How far ahead (in ids) the forward prefetches table rows.
-constexpr int64_t kPrefetchDistance = 16;
+// How far ahead (in ids) the forward prefetches table rows. Measured on the 8 x 1M x 64,
+// Zipf(1.05) forward (2-core EPYC, interleaved in one process): 48 ran 5-10% faster
+// than 16, and 64-128 no faster than 48.
+constexpr int64_t kPrefetchDistance = 48;
 
 inline void PrefetchRow(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
