@@ -300,6 +300,14 @@ def embedding_lookup_combine_concat(params_list, ids_list, combiner="sum", table
       :func:`embedding_lookup_combine`: each table's backward reads its own columns of
       the upstream gradient in place, and a row-wise AdaGrad on it still fuses with the
       backward (:func:`rowwise_adagrad_apply`).
+
+    Example::
+
+        users = tf.Variable(tf.random.normal([1000, 16]))
+        items = tf.Variable(tf.random.normal([500, 8]))
+        out = embedding_lookup_combine_concat(
+            [users, items], [tf.constant([[1, 2], [3, 4]]), tf.constant([[7], [9]])],
+            table_names=["users", "items"])   # [2, 24]: users' sums, then items'
     """
     combiner = _normalize_combiner(combiner)
     params_list, ids_list = list(params_list), list(ids_list)
@@ -315,14 +323,14 @@ def embedding_lookup_combine_concat(params_list, ids_list, combiner="sum", table
     if len(names) != len(params_list):
         raise ValueError(f"table_names has {len(names)} names, expected {len(params_list)} "
                          "(one per table)")
-    fused = (all(isinstance(p, tf.Variable) and p.shape.rank == 2
-                 and p.shape[1] is not None for p in params_list)
-             and len({getattr(p, "true_dtype", p.dtype) for p in params_list}) == 1)
-    if use_custom_op and not fused:
+    batchable = (all(isinstance(p, tf.Variable) and p.shape.rank == 2
+                     and p.shape[1] is not None for p in params_list)
+                 and len({getattr(p, "true_dtype", p.dtype) for p in params_list}) == 1)
+    if use_custom_op and not batchable:
         raise ValueError("embedding_lookup_combine_concat custom op needs tf.Variable tables "
                          "of one dtype with static widths, got "
                          f"{[(type(p).__name__, p.dtype.name, p.shape) for p in params_list]}")
-    if not (fused and _use_op(use_custom_op, *params_list)):
+    if not (batchable and _use_op(use_custom_op, *params_list)):
         return tf.concat([embedding_lookup_combine(p, i, combiner, n, use_custom_op)
                           for p, i, n in zip(params_list, ids_list, names)], axis=1)
     with tf.name_scope("embedding_lookup_combine_concat"):

@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "absl/strings/str_join.h"
 #include "huge_pages.h"
 #include "isa_kernels.h"
 #include "tensorflow/core/framework/bfloat16.h"
@@ -77,7 +78,7 @@ inline Status ReadGradColumns(OpKernelConstruction* ctx, std::vector<int64>* col
   TF_RETURN_IF_ERROR(ctx->GetAttr("grad_columns", &attr));
   if (!attr.empty() && (attr.size() != 2 || attr[0] < 0 || attr[1] < attr[0])) {
     return errors::InvalidArgument("grad_columns must be [] or [begin, end) with 0 <= begin "
-                                   "<= end, got ", attr.size(), " values");
+                                   "<= end, got [", absl::StrJoin(attr, ", "), "]");
   }
   columns->assign(attr.begin(), attr.end());
   return OkStatus();

@@ -169,13 +169,14 @@ class ResourceEmbeddingLookupCombineOp : public OpKernel {
   std::string table_name_;
 };
 
-// Several tables' bags side by side in one [B, sum of widths] output, like FBGEMM's
-// table-batched bags: one op reads every table in place and writes each bag straight
-// into its columns, so no per-table output is concatenated afterwards, and the bags of
-// all tables share one ParallelFor (table-major: one table's hot rows stay in cache).
 // Bags per block in ResourceEmbeddingLookupCombineConcat: 64 rows of the output stay in
 // L2 while each table writes its columns of them.
 constexpr int64 kBagBlock = 64;
+
+// Several tables' bags side by side in one [B, sum of widths] output, like FBGEMM's
+// table-batched bags: one op reads every table in place and writes each bag straight
+// into its columns, so no per-table output is concatenated afterwards. The bags of all
+// tables share one ParallelFor over blocks of kBagBlock bags, each table in turn.
 
 template <typename T, typename Tidx, typename Tsplits>
 class ResourceEmbeddingLookupCombineConcatOp : public OpKernel {
@@ -193,6 +194,9 @@ class ResourceEmbeddingLookupCombineConcatOp : public OpKernel {
                 errors::InvalidArgument("table_names has ", table_names_.size(),
                                         " names, expected one per table (", num_tables_, ")"));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("widths", &widths_));
+    OP_REQUIRES(ctx, static_cast<int>(widths_.size()) == num_tables_,
+                errors::InvalidArgument("widths has ", widths_.size(),
+                                        " values, expected one per table (", num_tables_, ")"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -267,8 +271,6 @@ class ResourceEmbeddingLookupCombineConcatOp : public OpKernel {
     workers->ParallelFor(B, cost, [&](int64 begin, int64 end) {
       std::vector<float> row_buf;
       if (!std::is_same<T, float>::value) row_buf.resize(max_d);
-      // Blocks of bags, each table in turn: the block's output rows stay in cache while
-      // every table writes its columns of them.
       for (int64 b = begin; b < end; b += kBagBlock) {
         const int64 stop = std::min(end, b + kBagBlock);
         for (int t = 0; t < N; ++t) {
