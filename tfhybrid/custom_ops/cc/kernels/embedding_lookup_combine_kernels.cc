@@ -177,7 +177,6 @@ constexpr int64 kBagBlock = 64;
 // table-batched bags: one op reads every table in place and writes each bag straight
 // into its columns, so no per-table output is concatenated afterwards. The bags of all
 // tables share one ParallelFor over blocks of kBagBlock bags, each table in turn.
-
 template <typename T, typename Tidx, typename Tsplits>
 class ResourceEmbeddingLookupCombineConcatOp : public OpKernel {
  public:
