@@ -306,6 +306,12 @@ class EmbeddingLookupCombineOddWidthTest(EmbeddingLookupCombineTest):
     DIM = 67
 
 
+class EmbeddingLookupCombineWideTest(EmbeddingLookupCombineTest):
+    # 144 = 9 x 16: rows wider than the registers one bag's sum is held in (8 vectors),
+    # so each bag is summed in strips: 8 + 1 vectors at AVX-512, 8 + 8 + 2 at AVX2.
+    DIM = 144
+
+
 # ------------------------------------------------------------------ rowwise adagrad
 
 
@@ -578,10 +584,11 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
         digest(out, g.indices, g.values,
                co.embedding_lookup_combine(params, ids, None, use_custom_op=True))
 
-    # 4. table-batched bags (widths 64, 37, 16) and each table's fused backward + AdaGrad
-    #    reading its columns of the shared upstream gradient.
+    # 4. table-batched bags (widths 64, 37, 16, 144, 24: one register strip, tails, two or
+    #    three strips, whole vectors at AVX2 only) and each table's fused backward +
+    #    AdaGrad reading its columns of the shared upstream gradient.
     rng = np.random.default_rng(3)
-    widths = (64, 37, 16)
+    widths = (64, 37, 16, 144, 24)
     tables = [tf.Variable(rng.normal(0, 1, (1000, d)).astype(np.float32)) for d in widths]
     accums = [tf.Variable(tf.zeros([1000])) for _ in widths]
     ids = [tf.constant(rng.integers(0, 1000, (2000, 4))) for _ in widths]

@@ -42,8 +42,8 @@ from tfhybrid.custom_ops import embedding_ops_test as ops_test  # noqa: E402
 # The op tests each level runs (all of embedding_ops_test.py but DeterminismTest, whose
 # subprocesses would run at the default level anyway).
 _OP_TEST_CLASSES = ("LibraryTest", "EmbeddingLookupCombineTest",
-                    "EmbeddingLookupCombineOddWidthTest", "RowwiseAdagradTest",
-                    "RowwiseAdagradOddWidthTest")
+                    "EmbeddingLookupCombineOddWidthTest", "EmbeddingLookupCombineWideTest",
+                    "RowwiseAdagradTest", "RowwiseAdagradOddWidthTest")
 
 # What each level needs, as /proc/cpuinfo names it (the test's own statement of the
 # levels; isa_kernels.cc has the library's).
@@ -161,9 +161,12 @@ def _disassemble(lib: Path) -> dict:
 
 
 def _level_of(function: str) -> str:
-    """The dispatch level a function belongs to (isa_kernels.cc's namespaces)."""
+    """The dispatch level a function belongs to (isa_kernels.cc's namespaces), from its
+    demangled name or, where objdump leaves a long one mangled, the mangled form."""
     for isa in ("avx512", "avx2"):
-        if f"tfhybrid::isa_{isa}::" in function:
+        namespace = f"isa_{isa}"
+        if (f"tfhybrid::{namespace}::" in function
+                or f"8tfhybrid{len(namespace)}{namespace}" in function):
             return isa
     return "baseline"
 

@@ -104,11 +104,139 @@ inline void StreamFence() {
 #endif
 }
 
+// ---------------------------------------------------------------- float vectors
+
+#if TFHYBRID_ISA_LEVEL >= 1
+// One register of floats at this level. Only plain loads, stores and single IEEE
+// operations (no FMA): each lane computes exactly what the scalar loop computes for its
+// element.
+#if TFHYBRID_ISA_LEVEL >= 2
+using FloatVec = __m512;
+constexpr int64_t kVecLanes = 16;
+inline FloatVec VecLoad(const float* p) { return _mm512_loadu_ps(p); }
+inline void VecStore(float* p, FloatVec v) { _mm512_storeu_ps(p, v); }
+inline FloatVec VecAdd(FloatVec x, FloatVec y) { return _mm512_add_ps(x, y); }
+inline FloatVec VecMul(FloatVec x, FloatVec y) { return _mm512_mul_ps(x, y); }
+inline FloatVec VecSet(float x) { return _mm512_set1_ps(x); }
+inline FloatVec VecDiv(FloatVec x, float y) { return _mm512_div_ps(x, _mm512_set1_ps(y)); }
+#else
+using FloatVec = __m256;
+constexpr int64_t kVecLanes = 8;
+inline FloatVec VecLoad(const float* p) { return _mm256_loadu_ps(p); }
+inline void VecStore(float* p, FloatVec v) { _mm256_storeu_ps(p, v); }
+inline FloatVec VecAdd(FloatVec x, FloatVec y) { return _mm256_add_ps(x, y); }
+inline FloatVec VecMul(FloatVec x, FloatVec y) { return _mm256_mul_ps(x, y); }
+inline FloatVec VecSet(float x) { return _mm256_set1_ps(x); }
+inline FloatVec VecDiv(FloatVec x, float y) { return _mm256_div_ps(x, _mm256_set1_ps(y)); }
+#endif
+// The registers one strip of a row sum is held in (of the 16 / 32 the level has).
+constexpr int kMaxStripVecs = 8;
+
+// Calls fn(std::integral_constant<int, n>()) for n in [1, kMaxStripVecs]: one loop body
+// compiled per strip width, so that its accumulators are registers.
+template <typename Fn>
+inline void WithStripVecs(int64_t n, Fn fn) {
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 3: fn(std::integral_constant<int, 3>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 5: fn(std::integral_constant<int, 5>()); break;
+    case 6: fn(std::integral_constant<int, 6>()); break;
+    case 7: fn(std::integral_constant<int, 7>()); break;
+    default: fn(std::integral_constant<int, kMaxStripVecs>()); break;
+  }
+}
+
+// Calls fn(column, std::integral_constant<int, n>()) for consecutive strips of n vectors
+// (n <= kMaxStripVecs) that cover columns [0, D); D is a multiple of kVecLanes.
+template <typename Fn>
+inline void ForEachStrip(int64_t D, Fn fn) {
+  for (int64_t column = 0; column < D;) {
+    WithStripVecs((D - column) / kVecLanes, [&](auto strip) {
+      fn(column, strip);
+      column += decltype(strip)::value * kVecLanes;
+    });
+  }
+}
+#endif  // TFHYBRID_ISA_LEVEL >= 1
+
 // ---------------------------------------------------------------- forward
+
+#if TFHYBRID_ISA_LEVEL >= 1
+// LookupCombineRange for float tables whose width is a multiple of kVecLanes: each bag's
+// sum is accumulated in registers, kMaxStripVecs vectors of columns at a time, and its
+// output row is stored once. Same additions in the same order as the scalar loop.
+// Accumulating in the output row itself (a row of a buffer far larger than the caches)
+// kept fewer table rows in flight: every bag's first store misses, and the adds behind
+// it wait on it. kRowVecs > 0: the width is kRowVecs vectors (one strip), known at
+// compile time (the row's prefetches unrolled, its address a shift); 0: any multiple of
+// kVecLanes. The table-batched op on the 8 x 1M x 64 forward (TF profiler, 2 threads):
+// 2.18 ms accumulating in the output, 1.66 ms in registers at a run-time width, 1.11 ms
+// at a compile-time width.
+template <int kRowVecs, typename Tidx, typename Tsplits>
+void LookupCombineRangeInRegisters(const LookupCombineArgs<float, Tidx, Tsplits>& a,
+                                   int64_t begin, int64_t end) {
+  const float* __restrict table = a.table;
+  const Tidx* __restrict ids = a.ids;
+  const int64_t D = kRowVecs > 0 ? kRowVecs * kVecLanes : a.D;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  auto row = [&](int64_t p) { return table + static_cast<int64_t>(ids[p]) * D; };
+  const int64_t prefetch_end = static_cast<int64_t>(a.splits[end]);
+  const int64_t first = static_cast<int64_t>(a.splits[begin]);
+  for (int64_t p = first; p < std::min(first + kPrefetchDistance, prefetch_end); ++p)
+    PrefetchRow(row(p), row_bytes);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t s = static_cast<int64_t>(a.splits[b]);
+    const int64_t e = static_cast<int64_t>(a.splits[b + 1]);
+    float* __restrict out = a.out + b * a.out_stride;
+    if (s == e) {
+      std::fill(out, out + D, 0.0f);
+      continue;
+    }
+    auto sum_strip = [&](int64_t column, auto strip) {
+      constexpr int kVecs = decltype(strip)::value;
+      const bool prefetch = column == 0;  // the whole row, once per id
+      if (prefetch && s + kPrefetchDistance < prefetch_end)
+        PrefetchRow(row(s + kPrefetchDistance), row_bytes);
+      FloatVec acc[kVecs];
+      const float* __restrict src = row(s) + column;
+      for (int i = 0; i < kVecs; ++i) acc[i] = VecLoad(src + i * kVecLanes);
+      for (int64_t p = s + 1; p < e; ++p) {
+        if (prefetch && p + kPrefetchDistance < prefetch_end)
+          PrefetchRow(row(p + kPrefetchDistance), row_bytes);
+        src = row(p) + column;
+        for (int i = 0; i < kVecs; ++i) acc[i] = VecAdd(acc[i], VecLoad(src + i * kVecLanes));
+      }
+      if (a.mean) {
+        const float cnt = static_cast<float>(e - s);
+        for (int i = 0; i < kVecs; ++i) acc[i] = VecDiv(acc[i], cnt);
+      }
+      for (int i = 0; i < kVecs; ++i) VecStore(out + column + i * kVecLanes, acc[i]);
+    };
+    if constexpr (kRowVecs > 0) {
+      sum_strip(0, std::integral_constant<int, kRowVecs>());
+    } else {
+      ForEachStrip(D, sum_strip);
+    }
+  }
+}
+#endif  // TFHYBRID_ISA_LEVEL >= 1
 
 template <typename T, typename Tidx, typename Tsplits>
 void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t begin,
                         int64_t end, float* scratch) {
+#if TFHYBRID_ISA_LEVEL >= 1
+  if constexpr (std::is_same<T, float>::value) {
+    if (a.D > 0 && a.D % kVecLanes == 0) {
+      const int64_t vecs = a.D / kVecLanes;
+      if (vecs > kMaxStripVecs) return LookupCombineRangeInRegisters<0>(a, begin, end);
+      return WithStripVecs(vecs, [&](auto row_vecs) {
+        LookupCombineRangeInRegisters<decltype(row_vecs)::value>(a, begin, end);
+      });
+    }
+  }
+#endif
   const T* __restrict table = a.table;
   const Tidx* __restrict ids = a.ids;
   const int64_t D = a.D;
@@ -175,6 +303,46 @@ inline int64_t SourceRow(const uint32_t* perm, const int32_t* sample_of, int64_t
   return C == Combiner::kNone ? p : static_cast<int64_t>(sample_of[p]);
 }
 
+#if TFHYBRID_ISA_LEVEL >= 1
+// SumSegment for float gradients whose width is a multiple of kVecLanes: the sum is held
+// in registers, kMaxStripVecs vectors of columns at a time, and stored to acc once,
+// instead of every add reading back the store of the one before (a hot id's segment has
+// thousands of positions). The 8 x 1M x 64 train step measured 2.4% faster (paired
+// builds, 16 rounds, 95% interval [0.7%, 4.8%]).
+template <Combiner C>
+inline void SumSegmentInRegisters(const float* grad, int64_t D, int64_t ld,
+                                  const uint32_t* perm, const int32_t* sample_of,
+                                  const float* inv_count, int64_t ks, int64_t ke,
+                                  int64_t ahead, int64_t prefetch_end, float* __restrict acc) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  ForEachStrip(D, [&](int64_t column, auto strip) {
+    constexpr int kVecs = decltype(strip)::value;
+    const bool prefetch = ahead > 0 && column == 0;  // the whole row, once per position
+    // x = the strip of the row position k reads, scaled by its bag's inv_count for kMean
+    // (a multiply, then the add: the scalar loop's rounding, as the library is built
+    // without FMA contraction).
+    auto load = [&](int64_t k, FloatVec* x) {
+      if (prefetch && k + ahead < prefetch_end)
+        PrefetchRow(grad + SourceRow<C>(perm, sample_of, k + ahead) * ld, row_bytes);
+      const int64_t r = SourceRow<C>(perm, sample_of, k);
+      const float* __restrict src = grad + r * ld + column;
+      for (int i = 0; i < kVecs; ++i) x[i] = VecLoad(src + i * kVecLanes);
+      if (C == Combiner::kMean) {
+        const FloatVec scale = VecSet(inv_count[r]);
+        for (int i = 0; i < kVecs; ++i) x[i] = VecMul(x[i], scale);
+      }
+    };
+    FloatVec sum[kVecs], x[kVecs];
+    load(ks, sum);
+    for (int64_t k = ks + 1; k < ke; ++k) {
+      load(k, x);
+      for (int i = 0; i < kVecs; ++i) sum[i] = VecAdd(sum[i], x[i]);
+    }
+    for (int i = 0; i < kVecs; ++i) VecStore(acc + column + i * kVecLanes, sum[i]);
+  });
+}
+#endif  // TFHYBRID_ISA_LEVEL >= 1
+
 // acc[0, D) = sum over k in [ks, ke), in k order, of the gradient row k reads (row r
 // at grad + r * ld; scaled by its bag's inv_count for kMean): the one summation of
 // GradSegments and of the fused AdaGrad, so both give bitwise the same row. With
@@ -184,6 +352,14 @@ inline void SumSegment(const T* grad, int64_t D, int64_t ld, const uint32_t* per
                        const int32_t* sample_of, const float* inv_count, int64_t ks,
                        int64_t ke, int64_t ahead, int64_t prefetch_end,
                        float* __restrict acc) {
+#if TFHYBRID_ISA_LEVEL >= 1
+  if constexpr (std::is_same<T, float>::value) {
+    if (D > 0 && D % kVecLanes == 0 && ks < ke) {
+      return SumSegmentInRegisters<C>(grad, D, ld, perm, sample_of, inv_count, ks, ke, ahead,
+                                      prefetch_end, acc);
+    }
+  }
+#endif
   for (int64_t k = ks; k < ke; ++k) {
     if (ahead > 0 && k + ahead < prefetch_end)
       PrefetchRow(grad + SourceRow<C>(perm, sample_of, k + ahead) * ld, D * sizeof(T));
