@@ -388,6 +388,10 @@ class RowwiseAdagradOddWidthTest(RowwiseAdagradTest):
     DIM = 37  # 2 x 16 + 5 = 4 x 8 + 5: full vectors and a tail at every dispatch level
 
 
+class RowwiseAdagradWideTest(RowwiseAdagradTest):
+    DIM = 144  # whole vectors at the AVX levels: gradient sums in register strips
+
+
 def _flat_ids(ids):
     return (ids.flat_values if isinstance(ids, tf.RaggedTensor) else tf.reshape(ids, [-1])).numpy()
 
@@ -584,9 +588,10 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
         digest(out, g.indices, g.values,
                co.embedding_lookup_combine(params, ids, None, use_custom_op=True))
 
-    # 4. table-batched bags (widths 64, 37, 16, 144, 24: one register strip, tails, two or
-    #    three strips, whole vectors at AVX2 only) and each table's fused backward +
-    #    AdaGrad reading its columns of the shared upstream gradient.
+    # 4. table-batched bags and each table's fused backward + AdaGrad reading its columns
+    #    of the shared upstream gradient. Widths: 64 and 16 one register strip, 37 a
+    #    tail, 144 strips of 8 + 1 (AVX-512) or 8 + 8 + 2 (AVX2), 24 whole vectors at AVX2
+    #    only.
     rng = np.random.default_rng(3)
     widths = (64, 37, 16, 144, 24)
     tables = [tf.Variable(rng.normal(0, 1, (1000, d)).astype(np.float32)) for d in widths]
@@ -607,6 +612,24 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
     for _ in range(2):
         digest(batched_step())
     digest(*tables, *accums)
+
+    # 5. sum over ragged int32 ids and splits with empty bags, at widths the register
+    #    paths take (64, 144), and the backward's rows of a column window of a shared
+    #    upstream gradient (the two-kernel route's first kernel).
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(0, 9, 500).astype(np.int32)
+    lengths[::7] = 0
+    ids = tf.RaggedTensor.from_row_lengths(
+        rng.integers(0, 800, lengths.sum()).astype(np.int32), lengths)
+    widths = (64, 144)
+    tables = [tf.Variable(rng.normal(0, 1, (800, d)).astype(np.float32)) for d in widths]
+    up = tf.constant(rng.normal(0, 1, (500, sum(widths))).astype(np.float32))
+    with tf.GradientTape() as tape:
+        out = co.embedding_lookup_combine_concat(tables, [ids, ids], "sum",
+                                                 use_custom_op=True)
+        loss = tf.reduce_sum(out * up)
+    grads = tape.gradient(loss, tables)
+    digest(out, *[g.indices for g in grads], *[g.values for g in grads])
     print("DIGEST", co.kernel_isa(), h.hexdigest())
 """)
 

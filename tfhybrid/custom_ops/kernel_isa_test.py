@@ -39,11 +39,15 @@ from tfhybrid import custom_ops as co  # noqa: E402
 from tfhybrid.custom_ops import build  # noqa: E402
 from tfhybrid.custom_ops import embedding_ops_test as ops_test  # noqa: E402
 
-# The op tests each level runs (all of embedding_ops_test.py but DeterminismTest, whose
-# subprocesses would run at the default level anyway).
+# The op tests each level runs: the kernels' checks against numpy and the pure-TF path.
+# (DeterminismTest's subprocesses run at the default level, and its cross-level digest
+# covers the fused, table-batched and column-window routes at every level; the chunked
+# tables' kernels have no dispatched loops.)
 _OP_TEST_CLASSES = ("LibraryTest", "EmbeddingLookupCombineTest",
                     "EmbeddingLookupCombineOddWidthTest", "EmbeddingLookupCombineWideTest",
-                    "RowwiseAdagradTest", "RowwiseAdagradOddWidthTest")
+                    "RowwiseAdagradTest", "RowwiseAdagradOddWidthTest",
+                    "RowwiseAdagradWideTest", "FusedBackwardAdagradTest",
+                    "LookupCombineConcatTest")
 
 # What each level needs, as /proc/cpuinfo names it (the test's own statement of the
 # levels; isa_kernels.cc has the library's).

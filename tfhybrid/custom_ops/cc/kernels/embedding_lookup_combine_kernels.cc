@@ -341,9 +341,10 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
     const int64 avg_seg = std::max<int64>(1, nnz / U);
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64 cost = avg_seg * (3 * D + 20) + 2 * D;
-    // Rows are summed in a small buffer and then written with streaming stores when
-    // possible: the [U, D] output is several MB per table and is read only later by
-    // the optimizer, so write-allocating it into the cache costs an extra memory read.
+    // Rows are summed (in registers at the AVX levels, stored to a small buffer) and
+    // then written with streaming stores when possible: the [U, D] output is several MB
+    // per table and is read only later by the optimizer, so write-allocating it into the
+    // cache costs an extra memory read.
     const GradSegmentsArgs<T> args{
         combiner_, g.perm.empty() ? nullptr : g.perm.data(), g.seg_start.data(),
         scratch->sample_of.data(), scratch->inv_count.data(), grad, D, grad_t.dim_size(1),
