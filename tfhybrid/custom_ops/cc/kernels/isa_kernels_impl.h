@@ -113,22 +113,19 @@ inline void StreamFence() {
 #if TFHYBRID_ISA_LEVEL >= 2
 using FloatVec = __m512;
 constexpr int64_t kVecLanes = 16;
-inline FloatVec VecLoad(const float* p) { return _mm512_loadu_ps(p); }
-inline void VecStore(float* p, FloatVec v) { _mm512_storeu_ps(p, v); }
-inline FloatVec VecAdd(FloatVec x, FloatVec y) { return _mm512_add_ps(x, y); }
-inline FloatVec VecMul(FloatVec x, FloatVec y) { return _mm512_mul_ps(x, y); }
-inline FloatVec VecSet(float x) { return _mm512_set1_ps(x); }
-inline FloatVec VecDiv(FloatVec x, float y) { return _mm512_div_ps(x, _mm512_set1_ps(y)); }
+#define TFHYBRID_VEC(op) _mm512_##op
 #else
 using FloatVec = __m256;
 constexpr int64_t kVecLanes = 8;
-inline FloatVec VecLoad(const float* p) { return _mm256_loadu_ps(p); }
-inline void VecStore(float* p, FloatVec v) { _mm256_storeu_ps(p, v); }
-inline FloatVec VecAdd(FloatVec x, FloatVec y) { return _mm256_add_ps(x, y); }
-inline FloatVec VecMul(FloatVec x, FloatVec y) { return _mm256_mul_ps(x, y); }
-inline FloatVec VecSet(float x) { return _mm256_set1_ps(x); }
-inline FloatVec VecDiv(FloatVec x, float y) { return _mm256_div_ps(x, _mm256_set1_ps(y)); }
+#define TFHYBRID_VEC(op) _mm256_##op
 #endif
+inline FloatVec VecLoad(const float* p) { return TFHYBRID_VEC(loadu_ps)(p); }
+inline void VecStore(float* p, FloatVec v) { TFHYBRID_VEC(storeu_ps)(p, v); }
+inline FloatVec VecAdd(FloatVec x, FloatVec y) { return TFHYBRID_VEC(add_ps)(x, y); }
+inline FloatVec VecMul(FloatVec x, FloatVec y) { return TFHYBRID_VEC(mul_ps)(x, y); }
+inline FloatVec VecSet(float x) { return TFHYBRID_VEC(set1_ps)(x); }
+inline FloatVec VecDiv(FloatVec x, float y) { return TFHYBRID_VEC(div_ps)(x, VecSet(y)); }
+#undef TFHYBRID_VEC  // defined again at the next inclusion, for that level
 // The registers one strip of a row sum is held in (of the 16 / 32 the level has).
 constexpr int kMaxStripVecs = 8;
 
