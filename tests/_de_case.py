@@ -61,8 +61,12 @@ def samples_of(x, start, stop):
 def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
              input_table_map=None, embedding_kwargs=None, use_dp_to_mp=False,
              layer_factory=None, optimizer=tf.keras.optimizers.legacy.SGD,
-             **layer_kwargs):
-    """One forward and one SGD step; asserts outputs (1e-6) and tables (1e-5)."""
+             unknown_hotness=False, **layer_kwargs):
+    """One forward and one SGD step; asserts outputs (1e-6) and tables (1e-5).
+
+    ``unknown_hotness``: the layer is built and stepped in functions traced with every
+    dimension of the ids unknown, as Keras traces ``fit`` over a Sequence.
+    """
     input_table_map = input_table_map or list(range(len(table_sizes)))
     make = layer_factory or (lambda: make_layers(table_sizes, combiner,
                                                  **(embedding_kwargs or {})))
@@ -91,13 +95,21 @@ def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
         inputs = [tf.concat([samples_of(ids[f], r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)
                              for r in mesh.model_group_ranks], axis=0)
                   for f in layer.strategy.input_ids_list[mesh.rank]]
-    layer(inputs)
-    layer.set_weights(full)
+    def forward_backward(inputs):
+        with tf.GradientTape() as tape:
+            outputs = layer(inputs)
+            loss = loss_of(outputs, LOCAL_BATCH) + tf.add_n(layer.losses or [0.0])
+        return outputs, tfhybrid.DistributedGradientTape(tape).gradient(
+            loss, layer.trainable_variables)
 
-    with tf.GradientTape() as tape:
-        outputs = layer(inputs)
-        loss = loss_of(outputs, LOCAL_BATCH) + tf.add_n(layer.losses or [0.0])
-    grads = tfhybrid.DistributedGradientTape(tape).gradient(loss, layer.trainable_variables)
+    build = layer.__call__
+    if unknown_hotness:
+        signature = [[tf.TensorSpec([None] * x.shape.rank, x.dtype) for x in inputs]]
+        build = tf.function(build, input_signature=signature)
+        forward_backward = tf.function(forward_backward, input_signature=signature)
+    build(inputs)
+    layer.set_weights(full)
+    outputs, grads = forward_backward(inputs)
     optimizer(LEARNING_RATE).apply_gradients(zip(grads, layer.trainable_variables))
 
     variables = [r.embeddings if hasattr(r, "embeddings") else r.weights[0]
@@ -110,8 +122,11 @@ def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
     optimizer(LEARNING_RATE).apply_gradients(zip(reference_grads, variables))
 
     for got, want in zip(outputs, expected):
-        test.assertAllClose(got, samples_of(want, first, first + LOCAL_BATCH),
-                            rtol=1e-6, atol=1e-6)
+        want = samples_of(want, first, first + LOCAL_BATCH)
+        if not layer_kwargs.get("dp_input", True) and combiner is None:
+            # dp_input=False: one id per sample, [batch, dim] whatever the ids' shape
+            want = tf.reshape(want, got.shape)
+        test.assertAllClose(got, want, rtol=1e-6, atol=1e-6)
     for got, want in zip(layer.get_weights(all_ranks=True), variables):
         test.assertAllClose(got, want.numpy(), rtol=1e-5, atol=1e-5)
     return layer

@@ -108,9 +108,24 @@ def as_dct(value: Any) -> DCT | None:
 KEPT_DRIFT = 1.5
 
 
-def kept_count(size: int, keep: float) -> int:
-    """How many of ``size`` entries a keep fraction sends (at least one)."""
-    return max(1, min(size, math.ceil(keep * size))) if size else 0
+def kept_count(size: int | tf.Tensor, keep: float) -> int | tf.Tensor:
+    """How many of ``size`` entries a keep fraction sends (at least one of a non-empty
+    row). ``size`` may be an integer tensor (a width known only at run time); the count
+    is then an int64 tensor, computed in float64 as the integer case is."""
+    if isinstance(size, int):
+        return max(1, min(size, math.ceil(keep * size))) if size else 0
+    size = tf.cast(size, tf.int64)
+    count = tf.cast(tf.math.ceil(keep * tf.cast(size, tf.float64)), tf.int64)
+    return tf.where(size > 0, tf.maximum(tf.constant(1, tf.int64), tf.minimum(size, count)),
+                    tf.constant(0, tf.int64))
+
+
+def may_drop(size: int | tf.Tensor, keep: float) -> bool:
+    """Whether a keep fraction can leave out any of ``size`` entries: for a width known
+    only at run time, whenever it is below 1."""
+    if isinstance(size, int):
+        return kept_count(size, keep) < size
+    return keep < 1.0
 
 
 # ------------------------------------------------------------------ DCT-DP
@@ -246,8 +261,11 @@ def scatter_sum(values: tf.Tensor, indices: tf.Tensor, shape: Any) -> tf.Tensor:
 
 
 # ------------------------------------------------------------------ DCT-MP
-def position_dtype(width: int) -> tf.DType:
-    """The smallest integer type Horovod's alltoall moves that holds 0 .. width - 1."""
+def position_dtype(width: int | None) -> tf.DType:
+    """The smallest integer type Horovod's alltoall moves that holds 0 .. width - 1
+    (``None``: a width known only at run time, which any position may reach)."""
+    if width is None:
+        return tf.int32
     if width <= 256:
         return tf.uint8
     if width <= 1 << 15:
@@ -263,8 +281,10 @@ def keep_largest(rows: tf.Tensor, keep: float) -> tuple[tf.Tensor, tf.Tensor]:
     Ties go to the lower position (``tf.math.top_k``'s order), so every run picks alike.
     """
     width = rows.shape[-1]
-    k = kept_count(width, keep)
-    positions = tf.math.top_k(tf.abs(tf.stop_gradient(rows)), k, sorted=False).indices
+    k = kept_count(width if width is not None else tf.shape(rows)[-1], keep)
+    positions = tf.math.top_k(tf.abs(tf.stop_gradient(rows)),
+                              k if isinstance(k, int) else tf.cast(k, tf.int32),
+                              sorted=False).indices
     values = tf.gather(rows, positions, batch_dims=len(rows.shape) - 1)
     return values, tf.cast(positions, position_dtype(width))
 
@@ -272,12 +292,13 @@ def keep_largest(rows: tf.Tensor, keep: float) -> tuple[tf.Tensor, tf.Tensor]:
 def scatter_kept(values: tf.Tensor, positions: tf.Tensor, width: int) -> tf.Tensor:
     """``keep_largest``'s inverse: rows of ``width`` with ``values`` at ``positions`` and
     zeros elsewhere. Its gradient is the gather at ``positions`` (the forward's mask)."""
-    lead = tf.shape(values)[:-1]
-    k = tf.shape(values)[-1]
+    lead = tf.shape(values, out_type=tf.int64)[:-1]
+    k = tf.shape(values, out_type=tf.int64)[-1]
+    width = tf.cast(width, tf.int64)
     flat_values = tf.reshape(values, [-1])
-    rows = tf.reduce_prod(tf.cast(lead, tf.int64))
+    rows = tf.reduce_prod(lead)
     # the flat index of each kept entry: its row * width + its position
-    row_of = tf.repeat(tf.range(rows), tf.cast(k, tf.int64))
+    row_of = tf.repeat(tf.range(rows), k)
     index = row_of * width + tf.cast(tf.reshape(positions, [-1]), tf.int64)
-    dense = tf.scatter_nd(index[:, None], flat_values, [rows * width])
+    dense = tf.scatter_nd(index[:, None], flat_values, tf.reshape(rows * width, [1]))
     return tf.reshape(dense, tf.concat([lead, [width]], 0))

@@ -314,6 +314,10 @@ def _load_plan(plan: Any) -> planner.ShardingPlan | None:
                      "the path of a JSON file")
 
 
+# per feature in a rank's id report: bad id?, the first bad id, bad input?, bags per sample
+_REPORT_FIELDS = 4
+
+
 class DistributedEmbedding(tf.keras.layers.Layer):
     """Embedding tables sharded table-, column- or row-wise over the mesh's model groups.
 
@@ -363,7 +367,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     Inputs are a list with one entry per feature: int ids ``[batch]``, ``[batch, hotness]``
     or a ``tf.RaggedTensor`` ``[batch, None]``. Outputs are what the single-process layers
     would give: ``[batch, dim]`` with a combiner or for ``[batch]`` ids, and
-    ``[batch, hotness, dim]`` for a table without a combiner.
+    ``[batch, hotness, dim]`` for a table without a combiner. The hotness may be unknown
+    when the step is traced (Keras' ``fit`` over a ``keras.utils.Sequence`` or a Python
+    generator sees ``[None, None]`` ids): it is then read at run time, every bag of a
+    batch that long, and must be the same on every rank for a table without a combiner
+    (the validation stops every rank otherwise). The planner counts such a feature as
+    one id per sample; a ``plan`` you pass is used as it is. With ``dp_input=False`` a
+    table without a combiner takes one id per sample, checked at run time.
 
     Example (one process; under horovodrun the same code shards over the mesh)::
 
@@ -929,10 +939,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 # features
                 shard_ids = [self._shard_ids(bags[r.feature], r) for r in mine]
                 parts = [ids for ids, _ in shard_ids] + [n for _, n in shard_ids]
-        facts = (tuple(reason for reason in invalid.values() if reason)[:1],
-                 tuple(bags[r.feature].per_sample for r in mine) if self.dp_input else (),
+        # bags per sample of each route: ints where the hotness is static; a hotness
+        # known only at run time (None here) travels as a tensor after the parts, so
+        # that a pipeline's read-ahead carries it to the step that sends
+        per_route = [bags[r.feature].per_sample for r in mine] if self.dp_input else []
+        static = tuple(k if isinstance(k, int) else None for k in per_route)
+        run_time = [tf.cast(k, tf.int64) for k in per_route if not isinstance(k, int)]
+        reasons = [reason for reason in invalid.values() if reason] + [
+            f"if so, {bag.unsupported_reason}" for bag in bags.values()
+            if bag.unsupported_reason]
+        facts = (tuple(reasons[:1]), static,
                  ended is not None)
-        return [report, tf.cast(batch, tf.int64)] + parts, facts
+        return [report, tf.cast(batch, tf.int64)] + parts + run_time, facts
 
     def _route_exchange(self, sending: list, facts: tuple) -> tuple[list, Any, Any, list]:
         """The route's second half: its collectives on what :meth:`_route_prepare` made,
@@ -945,8 +963,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         that neither this batch nor the one before uses (``pinned_calls``), so
         ``TrainPipeline`` may run it a step ahead.
         """
-        reasons, bags_per_route, read_ahead = facts
-        report, batch, parts = sending[0], sending[1], list(sending[2:])
+        reasons, static_per_route, read_ahead = facts
+        run_time = iter(sending[len(sending) - static_per_route.count(None):])
+        bags_per_route = tuple(next(run_time) if k is None else k for k in static_per_route)
+        report, batch = sending[0], sending[1]
+        parts = list(sending[2:len(sending) - static_per_route.count(None)])
         checks, all_ended = self._id_checks(report, reasons, read_ahead)
         if read_ahead:
             # TrainPipeline raises after the step it runs beside has finished, so that a
@@ -1052,14 +1073,24 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         waiting in a collective; the reason travels in the validation instead.
         """
         table = self._tables[self.input_table_map[feature]]
+        one_per_sample = ("with dp_input=False a table without a combiner takes one id per "
+                          "sample ([batch] ids), because the other ranks must know its "
+                          "output shape")
         try:
             bags = self._as_bags(feature, ids)
+            if not isinstance(bags.per_sample, int):
+                # the hotness is known only at run time: one id per sample holds or the
+                # validation stops every rank (the bags are read as one id per sample)
+                return dataclasses.replace(
+                    bags, lengths=tf.ones_like(bags.values), per_sample=1, out_shape=None,
+                    unsupported=tf.not_equal(bags.per_sample, 1),
+                    unsupported_reason=f"feature {feature} (table {table.name!r}, "
+                    f"combiner=None) has a hotness other than 1 at run time; "
+                    f"{one_per_sample}"), ""
             if bags.per_sample != 1:
                 raise ValueError(
                     f"feature {feature} (table {table.name!r}, combiner=None) has shape "
-                    f"{ids.shape}; with dp_input=False a table without a combiner takes one "
-                    "id per sample ([batch] ids), because the other ranks must know its "
-                    "output shape")
+                    f"{ids.shape}; {one_per_sample}")
             return bags, ""
         except ValueError as error:
             _LOG.error("DistributedEmbedding %r: %s", self.name, error)
@@ -1074,9 +1105,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         values: tf.Tensor
         lengths: tf.Tensor       # [batch * per_sample]
         batch: tf.Tensor         # samples (int64): per_sample may be 0 (zero hotness)
-        per_sample: int          # bags per sample: hotness for combiner=None, else 1
-        out_shape: Any           # None, or the static trailing shape for combiner=None
+        # bags per sample: hotness for combiner=None, else 1; an int64 scalar tensor when
+        # the hotness is known only at run time
+        per_sample: int | tf.Tensor
+        out_shape: Any           # None, or the trailing shape for combiner=None
         combiner: str | None
+        # dp_input=False: whether this rank's input turns out unsupported at run time (a
+        # bool tensor), and why; the validation reports it with the static reasons
+        unsupported: Any = False
+        unsupported_reason: str = ""
 
     def _as_bags(self, feature: int, ids) -> "_Bags":
         table = self._tables[self.input_table_map[feature]]
@@ -1100,27 +1137,30 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         if ids.shape.rank == 1:
             return self._Bags(values, tf.ones_like(values), tf.size(values, out_type=tf.int64),
                               1, None, table.combiner)
+        # A pipeline traced from a Sequence or a generator knows only the rank: the
+        # hotness is then read at run time, as tf.keras.layers.Embedding does.
         hotness = ids.shape[1]
         if hotness is None:
-            raise ValueError(f"feature {feature} (table {table.name!r}) has an unknown "
-                             "hotness; pass a RaggedTensor for variable-length bags")
+            hotness = tf.shape(ids, out_type=tf.int64)[1]
         if table.combiner is None:
             # no combiner: each id is a bag of one, reshaped to [batch, hotness, dim]
             return self._Bags(values, tf.ones_like(values),
                               tf.shape(ids, out_type=tf.int64)[0], hotness, hotness, None)
-        lengths = tf.fill([tf.shape(ids, out_type=tf.int64)[0]], tf.constant(hotness, tf.int64))
+        lengths = tf.fill([tf.shape(ids, out_type=tf.int64)[0]],
+                          tf.cast(hotness, tf.int64))
         return self._Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                           table.combiner)
 
     def _id_report(self, bags: dict, batch, invalid: dict, ended=None) -> tf.Tensor:
         """This rank's row of the id check (:meth:`_id_checks`): [batch, (bad?, first
-        bad id, bad input?) per feature] (zeros for a feature it does not feed), and with
-        ``ended`` (``TrainPipeline``'s read-ahead) whether its input has ended."""
+        bad id, bad input?, bags per sample) per feature] (zeros for a feature it does not
+        feed), and with ``ended`` (``TrainPipeline``'s read-ahead) whether its input has
+        ended."""
         num_features = len(self.input_table_map)
         report = [tf.reshape(tf.cast(batch, tf.int64), [1])]
         for f in range(num_features):
             if f not in bags:
-                report.append(tf.zeros([3], tf.int64))
+                report.append(tf.zeros([_REPORT_FIELDS], tf.int64))
                 continue
             bag = bags[f]
             rows = self._tables[self.input_table_map[f]].rows
@@ -1132,14 +1172,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             any_bad = tf.reduce_any(bad)
             report += [tf.reshape(tf.cast(any_bad, tf.int64), [1]),
                        tf.reshape(tf.where(any_bad, first_bad, 0), [1]),
-                       tf.constant([1 if invalid.get(f) else 0], tf.int64)]
+                       tf.reshape(tf.cast(tf.logical_or(bool(invalid.get(f)),
+                                                        bag.unsupported), tf.int64), [1]),
+                       tf.reshape(tf.cast(bag.per_sample, tf.int64), [1])]
         if ended is not None:
             report.append(tf.reshape(tf.cast(ended, tf.int64), [1]))
         return tf.reshape(tf.concat(report, 0), [1, -1])
 
     def _id_checks(self, report: tf.Tensor, reasons: tuple, read_ahead: bool
                    ) -> tuple[list, Any]:
-        """Checks that every id is in range and every rank has the same batch size.
+        """Checks that every id is in range and every rank has the same batch size (and,
+        with ``dp_input=True``, the same bags per sample: an owner reads every rank's
+        ids by its own).
 
         After one allgather of every rank's :meth:`_id_report` every rank holds the same
         ``(holds, message)`` checks, so all raise alike and none is left in a collective.
@@ -1151,8 +1195,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         everyone = collectives.allgather(report, self._mesh.size,
                                          f"tfhybrid_{self.name}_validate")
         sizes = everyone[:, 0]
-        flags = tf.reshape(everyone[:, 1:1 + 3 * num_features],
-                           [self._mesh.size, num_features, 3])
+        flags = tf.reshape(everyone[:, 1:1 + _REPORT_FIELDS * num_features],
+                           [self._mesh.size, num_features, _REPORT_FIELDS])
         names = tf.constant([self._tables[t].name for t in self.input_table_map])
         rows = tf.constant([self._tables[t].rows for t in self.input_table_map], tf.int64)
 
@@ -1164,7 +1208,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         where, bad_rank, bad_feature = first(bad_any)
         id_message = tf.strings.join([
             "DistributedEmbedding: embedding table '", tf.gather(names, bad_feature),
-            "' got id ", tf.strings.as_string(tf.reshape(flags, [-1, 3])[where, 1]),
+            "' got id ",
+            tf.strings.as_string(tf.reshape(flags, [-1, _REPORT_FIELDS])[where, 1]),
             " on rank ", tf.strings.as_string(bad_rank), "; expected ids in [0, ",
             tf.strings.as_string(tf.gather(rows, bad_feature)), ")"])
         bad_input = flags[:, :, 2] > 0
@@ -1181,6 +1226,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         checks = [(tf.logical_not(tf.reduce_any(bad_input)), input_message),
                   (tf.logical_not(tf.reduce_any(bad_any)), id_message),
                   (tf.reduce_all(tf.equal(sizes, sizes[0])), batch_message)]
+        if self.dp_input:
+            per_sample = flags[:, :, 3]
+            checks.append((tf.reduce_all(tf.equal(per_sample, per_sample[:1])),
+                           tf.strings.format(
+                               "DistributedEmbedding: the hotness of a table without a "
+                               "combiner differs across ranks; bags per sample of each "
+                               "feature on rank 0..{}: {}",
+                               [self._mesh.size - 1, per_sample], summarize=-1)))
         all_ended = None
         if read_ahead:
             ended_ranks = everyone[:, -1] > 0
@@ -1230,7 +1283,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         received, received_sizes = collectives.alltoall(
             payload, sizes, mesh.model_process_set, group, f"tfhybrid_{self.name}_ids")
         mine = self._routes[mesh.model_position]
-        header = batch * int(sum(bags_per_route))
+        header = batch * sum(bags_per_route)
         route_lengths = [[] for _ in mine]
         route_ids = [[] for _ in mine]
         for chunk in tf.split(received, received_sizes, num=group):
@@ -1280,11 +1333,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # a top-k over every entry would only cost time.
         owner_widths = [sample_width(self._routes[o]) for o in range(group)]
         thresholded = self._mp_keep is not None and group > 1 and any(
-            compression.kept_count(w, self._mp_keep) < w for w in owner_widths)
+            compression.may_drop(w, self._mp_keep) for w in owner_widths)
         if thresholded:
             # DCT-MP: each sample keeps its largest entries; positions cross as small ints
             # of one type for the whole group (the widest owner's), as Horovod requires
-            wire_positions = compression.position_dtype(max(max(owner_widths), 1))
+            static_widths = all(isinstance(w, int) for w in owner_widths)
+            wire_positions = compression.position_dtype(
+                max(max(owner_widths), 1) if static_widths else None)
         if mine and thresholded:
             # the sample count is given: a route of zero-hot bags has width 0
             rows = tf.concat([tf.reshape(x, [group, batch, sample_width([r])])
@@ -1297,10 +1352,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             back = tf.reshape(tf.concat(sums, axis=1), [-1])
             back_sizes = tf.fill([group], tf.cast(tf.size(back) // group, tf.int32))
         else:
-            back = tf.zeros([0], tf.float32)
-            back_sizes = tf.zeros([group], tf.int32)
-            if thresholded:
-                back_positions = tf.zeros([0], wire_positions)
+            # Nothing to send, but only once the checks hold: in a traced step an owner
+            # whose check fails never joins this alltoall, and ops without inputs would
+            # start it at once (the bags wait for the checks; a read-ahead's raise later).
+            with tf.control_dependencies([bag.values for bag in bags.values()]):
+                back = tf.zeros([0], tf.float32)
+                back_sizes = tf.zeros([group], tf.int32)
+                if thresholded:
+                    back_positions = tf.zeros([0], wire_positions)
         if thresholded:
             # not differentiable: the values' gradient returns to the same positions
             returned_positions, _ = collectives.alltoall(
