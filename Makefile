@@ -1,14 +1,17 @@
 # The front door: `make test` and `make run` set themselves up on first use.
-VENV := .venv
+# TF picks the stack: 2.21 (default, in .venv) or 2.15 (in .venv-tf2.15), e.g.
+# `make test TF=2.15`; SUBSET runs a named subset of the suite (tests/runner.py).
+TF ?= 2.21
+VENV := $(if $(filter 2.21,$(TF)),.venv,.venv-tf$(TF))
 PY := $(VENV)/bin/python
 
 .PHONY: setup test run bench bench-setup clean
 
 setup:
-	@bash scripts/setup.sh
+	@TF=$(TF) VENV=$(VENV) bash scripts/setup.sh
 
 test: setup
-	@$(PY) -m tests.runner
+	@$(PY) -m tests.runner $(if $(SUBSET),--subset $(SUBSET))
 
 # The main job: a small DLRM on a 2x2 mesh (4 ranks sharing this machine's cores).
 # Tables with row-wise AdaGrad, dense layers with Adam: the pair that trained best here
@@ -37,4 +40,4 @@ $(BENCH_VENV)/.bench-setup: Makefile
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .test-reports tfhybrid/custom_ops/_tfhybrid_ops.so
+	rm -rf .venv .venv-tf* $(BENCH_VENV) .test-reports tfhybrid/custom_ops/_tfhybrid_ops*.so

@@ -22,18 +22,26 @@ belong in the README, with their source.
 ``--profile`` traces the timed steps with the TF profiler and prints, per case, where the
 op time goes (MLP GEMMs, interaction, embeddings, updates, the rest). A case may name
 another checkout after ``@`` (``1x1:fp32@/tmp/before``): it imports that tree's tfhybrid,
-so one run compares a change with the code before it.
+so one run compares a change with the code before it. ``--venvs .venv,.venv-tf2.15`` runs
+every case in each venv (each a TensorFlow stack ``make setup TF=...`` installs), so one
+run compares the stacks; a case names its venv after ``%`` (``1x1:bf16%.venv-tf2.15``).
+``--output FILE`` also writes what is printed to FILE, under a header with the command,
+commit, date, CPU and each venv's TensorFlow.
 
 Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--quick] [--steps 30] [--warmup 5]
            [--cases keras:fp32,1x1:fp32,1x2:bf16:xla,...] [--max_table_rows 1000000]
-           [--profile] [--rounds 3]
+           [--profile] [--rounds 3] [--venvs .venv,.venv-tf2.15] [--output FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import datetime
 import json
 import os
+import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -67,16 +75,24 @@ class Case:
     precision: str
     xla: bool
     tree: str = ""   # another checkout whose tfhybrid the case imports ("" = this one)
+    venv: str = ""   # the venv whose Python runs the case ("" = this Python's)
 
     @property
     def processes(self) -> int:
         return self.data_parallel * self.model_parallel
+
+    @property
+    def python(self) -> str:
+        return os.path.join(self.venv, "bin", "python") if self.venv else sys.executable
 
     @staticmethod
     def parse(name: str) -> "Case":
         spec, _, tree = name.partition("@")
         if tree and not os.path.isdir(os.path.join(tree, "tfhybrid")):
             raise ValueError(f"case {name!r}: {tree!r} holds no tfhybrid package")
+        spec, _, venv = spec.partition("%")
+        if venv and not os.access(os.path.join(venv, "bin", "python"), os.X_OK):
+            raise ValueError(f"case {name!r}: {venv!r} is not a venv (no bin/python)")
         parts = spec.split(":")
         if len(parts) < 2 or parts[1] not in ("fp32", "bf16") or \
                 any(p != "xla" for p in parts[2:]):
@@ -86,7 +102,7 @@ class Case:
         else:
             data_parallel, model_parallel = (int(x) for x in parts[0].split("x"))
         return Case(name, parts[0] == BASELINE_MESH, data_parallel, model_parallel, parts[1],
-                    "xla" in parts[2:], tree)
+                    "xla" in parts[2:], tree, venv)
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -202,13 +218,13 @@ def _op_seconds_by_category(profile_dir: str) -> dict[str, float]:
 def _run_case(case: Case, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        command = [sys.executable, os.path.abspath(__file__), "--child", "--out", out,
+        command = [case.python, os.path.abspath(__file__), "--child", "--out", out,
                    "--case", case.name, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--batch", str(args.batch),
                    "--max_table_rows", str(args.max_table_rows)] + (
                        ["--profile"] if args.profile else [])
         if case.processes > 1:
-            command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np",
+            command = [os.path.join(os.path.dirname(case.python), "horovodrun"), "-np",
                        str(case.processes), "-H", f"localhost:{case.processes}",
                        "--gloo"] + command
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=case.tree or ROOT)
@@ -246,6 +262,10 @@ def main() -> None:
                         help="trace the timed steps with the TF profiler and print where "
                         "each case's op time goes (the step times then include the "
                         "profiler's overhead)")
+    parser.add_argument("--venvs", help="run every case in each of these venvs, comma "
+                        "separated (e.g. .venv,.venv-tf2.15: both TensorFlow stacks)")
+    parser.add_argument("--output", help="also write the printed results to this file, "
+                        "under a header (command, commit, date, CPU, stacks)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -259,10 +279,16 @@ def main() -> None:
     if args.child:
         _child(args)
         return
+    names = args.cases.split(",")
+    if args.venvs:
+        names = [f"{n}%{venv}" for venv in args.venvs.split(",") for n in names]
     try:
-        cases = [Case.parse(name) for name in args.cases.split(",")]
+        cases = [Case.parse(name) for name in names]
     except ValueError as error:
         parser.error(str(error))
+    if args.output:
+        global print
+        print = _Tee(args.output, _header(cases))
     baseline = args.baseline or next((c.name for c in cases if c.plain_keras), cases[0].name)
     if baseline not in [c.name for c in cases]:
         parser.error(f"--baseline {baseline} is not one of --cases")
@@ -322,9 +348,62 @@ def main() -> None:
 
 
 def _label(case_name: str) -> str:
-    """A case's name with another tree shown by its last folder name."""
+    """A case's name with another tree shown by its last folder name and a venv by its
+    TensorFlow version."""
     spec, _, tree = case_name.partition("@")
+    spec, _, venv = spec.partition("%")
+    if venv:
+        spec += f" tf{_stack(venv)['tensorflow']}"
     return f"{spec}@{os.path.basename(os.path.normpath(tree))}" if tree else spec
+
+
+_STACKS: dict[str, dict[str, str]] = {}
+
+
+def _stack(venv: str) -> dict[str, str]:
+    """The versions of a venv's TensorFlow stack, read from its packages' metadata."""
+    if venv not in _STACKS:
+        code = ("import json\nfrom importlib import metadata as m\nout = {}\n"
+                "for d in ('tensorflow', 'tf-keras', 'numpy', 'horovod'):\n"
+                "    try: out[d] = m.version(d)\n"
+                "    except m.PackageNotFoundError: out[d] = '-'\nprint(json.dumps(out))")
+        python = os.path.join(venv, "bin", "python") if venv else sys.executable
+        _STACKS[venv] = json.loads(subprocess.run([python, "-c", code], check=True,
+                                                  capture_output=True, text=True).stdout)
+    return _STACKS[venv]
+
+
+def _header(cases: list[Case]) -> str:
+    """The results file's header: how to rerun it, on what code and machine."""
+    commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
+                            capture_output=True, text=True).stdout.strip() or "unknown"
+    cpu = platform.processor() or "unknown"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    lines = [f"# command: {shlex.join([os.path.relpath(sys.executable, ROOT)] + sys.argv)}",
+             f"# commit: {commit}",
+             f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+             f"# CPU: {cpu}, {os.cpu_count()} logical cores"]
+    for venv in dict.fromkeys(c.venv for c in cases):
+        versions = ", ".join(f"{k} {v}" for k, v in _stack(venv).items())
+        lines.append(f"# stack {venv or sys.prefix}: {versions}")
+    return "\n".join(lines)
+
+
+class _Tee:
+    """print() that also appends each line to the results file."""
+
+    def __init__(self, path: str, header: str):
+        self._file = open(path, "w")
+        self._file.write(header + "\n")
+        self._print = builtins.print
+
+    def __call__(self, *values, **kwargs) -> None:
+        self._print(*values, **kwargs)
+        self._print(*values, **{k: v for k, v in kwargs.items() if k != "flush"},
+                    file=self._file, flush=True)
 
 
 def print_profiles(profiles: dict[str, dict[str, float]],

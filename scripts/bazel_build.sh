@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-PY="$ROOT/.venv/bin/python"
+PY="${TFHYBRID_PYTHON:-$ROOT/.venv/bin/python}"  # the venv whose TF it builds against
 step() { CURRENT_STEP="$1"; echo "==> bazel_build: $1"; }
 trap 'echo "bazel_build FAILED during step: ${CURRENT_STEP:-start}" >&2' ERR
 

@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
-# One-command, idempotent setup: system packages, .venv, the pinned Python stack,
+# One-command, idempotent setup: system packages, a venv, the pinned Python stack,
 # horovod built from source, and the tfhybrid custom-op library.
 # A second run checks a stamp and finishes in seconds.
+#   TF=2.21 (default): requirements.txt into .venv
+#   TF=2.15:           requirements-tf2.15.txt into .venv-tf2.15
+# VENV overrides the venv's path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV="$ROOT/.venv"
+TF_STACK="${TF:-2.21}"
+case "$TF_STACK" in
+  2.21) REQUIREMENTS=requirements.txt; DEFAULT_VENV=.venv ;;
+  2.15) REQUIREMENTS=requirements-tf2.15.txt; DEFAULT_VENV=.venv-tf2.15 ;;
+  *) echo "setup: TF=$TF_STACK is not a supported stack; expected 2.21 (default) or 2.15" >&2
+     exit 2 ;;
+esac
+VENV="${VENV:-$DEFAULT_VENV}"
+case "$VENV" in /*) ;; *) VENV="$ROOT/$VENV" ;; esac
 PY="${PYTHON:-python3}"
-step() { CURRENT_STEP="$1"; echo "==> setup: $1"; }
+step() { CURRENT_STEP="$1"; echo "==> setup (TF $TF_STACK, $VENV): $1"; }
 trap 'echo "setup FAILED during step: ${CURRENT_STEP:-start}" >&2' ERR
 
 HOROVOD_FLAGS="HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1"
@@ -19,7 +30,7 @@ fi
 
 # The stamp covers everything whose change must trigger a re-install.
 stamp_inputs() {
-  cat requirements.txt pyproject.toml setup.py scripts/setup.sh
+  cat "$REQUIREMENTS" pyproject.toml setup.py scripts/setup.sh
   echo "$HOROVOD_FLAGS"
   find tfhybrid/custom_ops/cc -type f \( -name '*.cc' -o -name '*.h' \) -print0 2>/dev/null | sort -z | xargs -0 cat 2>/dev/null || true
 }
@@ -54,21 +65,35 @@ VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --upgrade "pip>=23.2" wheel setuptools
 
 step "pinned Python stack"
-grep -v '^horovod' requirements.txt > "$VENV/requirements-nohorovod.txt"
+grep -v '^horovod' "$REQUIREMENTS" > "$VENV/requirements-nohorovod.txt"
 "$VPY" -m pip install -q -r "$VENV/requirements-nohorovod.txt"
 
-step "horovod from source ($HOROVOD_FLAGS)"
-HVD_VERSION=$(grep '^horovod==' requirements.txt | cut -d= -f3)
+step "horovod from its sdist, patched ($HOROVOD_FLAGS)"
+HVD_VERSION=$(grep '^horovod==' "$REQUIREMENTS" | cut -d= -f3)
 # pip's wheel cache would reuse a wheel built with other HOROVOD_* flags, so wheels
-# live in a folder keyed by the flags and the TF version.
-WHEEL_KEY=$(echo "$HVD_VERSION $HOROVOD_FLAGS tf$("$VPY" -c 'import tensorflow as tf;print(tf.__version__)' 2>/dev/null)" | sha256sum | cut -c1-12)
+# live in a folder keyed by the flags, the TF version and the patch.
+HVD_PATCH="drop-xla_mpi_ops"
+WHEEL_KEY=$(echo "$HVD_VERSION $HOROVOD_FLAGS $HVD_PATCH tf$("$VPY" -c 'import tensorflow as tf;print(tf.__version__)' 2>/dev/null)" | sha256sum | cut -c1-12)
 WHEEL_DIR="${TFHYBRID_WHEEL_DIR:-$HOME/.cache/tfhybrid/wheels}/horovod-$WHEEL_KEY"
 have_hvd=$("$VPY" -c 'import horovod,sys;print(horovod.__version__)' 2>/dev/null || true)
 if [ "$have_hvd" != "$HVD_VERSION" ] || [ ! -f "$VENV/.horovod-$WHEEL_KEY" ]; then
   if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
     mkdir -p "$WHEEL_DIR"
+    SRC=$(mktemp -d)
+    "$VPY" -m pip download -q --no-deps --no-binary :all: --no-build-isolation -d "$SRC" \
+      "horovod==$HVD_VERSION"
+    tar xzf "$SRC/horovod-$HVD_VERSION.tar.gz" -C "$SRC"
+    # The whole patch: horovod 0.28.1 (its last release) has one source that does not
+    # build against TF >= 2.19, its XLA ops (xla_mpi_ops.cc, registered only with
+    # HOROVOD_ENABLE_XLA_OPS=1; tfhybrid does not use them): it includes
+    # tensorflow/compiler/xla/client/xla_builder.h, which TF moved, and highwayhash
+    # headers TF's wheel does not ship. Dropped for every TF, so one recipe builds both.
+    CMAKELISTS="$SRC/horovod-$HVD_VERSION/horovod/tensorflow/CMakeLists.txt"
+    grep -q 'xla_mpi_ops\.cc' "$CMAKELISTS" || { echo "horovod's sdist changed: no xla_mpi_ops.cc in $CMAKELISTS" >&2; false; }
+    sed -i '/xla_mpi_ops\.cc/d' "$CMAKELISTS"
     env $HOROVOD_FLAGS MAKEFLAGS="-j$(nproc)" "$VPY" -m pip wheel -q --no-deps --no-build-isolation \
-      --no-cache-dir -w "$WHEEL_DIR" "horovod==$HVD_VERSION"
+      --no-cache-dir -w "$WHEEL_DIR" "$SRC/horovod-$HVD_VERSION"
+    rm -rf "$SRC"
   fi
   "$VPY" -m pip install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
   # horovod's own runtime deps (cloudpickle, psutil, pyyaml, packaging, cffi).

@@ -7,7 +7,7 @@ modules at a time unless the module sets ``RUN_ALONE = True``. A test
 passes only if it passed on every rank; a rank that dies or a run that overruns its
 time limit fails the module. The last line is ``N passed, N failed``.
 
-Usage: python -m tests.runner [-k SUBSTRING] [--list]
+Usage: python -m tests.runner [-k SUBSTRING] [--subset NAME] [--list]
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# tfhybrid's import sets TF_USE_LEGACY_KERAS=1 where Keras 3 is installed; the ranks
+# inherit it, as from a user's job script that exports it, since test modules use
+# tf.keras before importing tfhybrid (test_keras_version checks the import without it)
+import tfhybrid  # noqa: E402,F401
 
 # Each rank gets one thread (2 cores shared by up to 4 ranks), and Horovod gives up on
 # a stalled collective quickly, so a broken test fails in about a minute, never hangs.
@@ -41,6 +46,25 @@ TEST_ENV = {
     # ranks took 0.8 of the 2 cores, at 5 ms 0.2, and modules ran 12-16% faster
     "HOROVOD_CYCLE_TIME": "5",
     "PYTHONDONTWRITEBYTECODE": "1",
+}
+# Named subsets (--subset). "tf-compat" is what CI runs on the other supported
+# TensorFlow stack: every version switch in tfhybrid/_tf_internals.py (the checkpoint
+# writer's view of the saver, an optimizer's cached checkpoint children, the Keras 2
+# check that every import makes) and each module that broke when TF moved on
+# (checkpoints, optimizer slots, FIITED, tiers), plus the op library, which is built
+# against each TF's C++ ABI.
+SUBSETS = {
+    "tf-compat": (
+        "tests/test_checkpoint.py",
+        "tests/test_checkpoint_single.py",
+        "tests/test_keras_checkpoint.py",
+        "tests/test_keras_version.py",
+        "tests/test_optimizers.py",
+        "tests/test_fiited.py",
+        "tests/test_tiers.py",
+        "tests/test_mixed_precision.py",
+        "tfhybrid/custom_ops/embedding_ops_test.py",
+    ),
 }
 SINGLE_TIMEOUT_S = 480
 PAIRED_WORKERS = 2  # one-process modules run with one thread each: one per core
@@ -158,12 +182,19 @@ def run_module(path: str, size: int, python: str, log_path: str
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="only modules whose path contains this")
+    parser.add_argument("--subset", choices=sorted(SUBSETS),
+                        help="only the modules of this named subset")
     parser.add_argument("--list", action="store_true", help="list modules and sizes")
     parser.add_argument("--logs", default=os.path.join(ROOT, ".test-reports"),
                         help="folder for each run's full output")
     args = parser.parse_args()
     python = sys.executable
+    chosen = set(SUBSETS[args.subset]) if args.subset else None
+    unknown = sorted((chosen or set()) - {os.path.relpath(p, ROOT) for p in discover()})
+    if unknown:
+        parser.error(f"subset {args.subset!r} names modules that do not exist: {unknown}")
     plan = [(path, size) for path in discover() if args.k in path
+            and (chosen is None or os.path.relpath(path, ROOT) in chosen)
             for size in declared_sizes(path)]
     if args.list:
         for path, size in plan:

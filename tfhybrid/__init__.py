@@ -18,9 +18,26 @@ Horovod.
 from __future__ import annotations
 
 import importlib
+import os
+from importlib import metadata
 from typing import Any
 
 __version__ = "0.1.0"
+
+
+def _keras_major() -> int | None:
+    try:
+        return int(metadata.version("keras").split(".")[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+# tfhybrid's layers and optimizers are Keras 2 (tf-keras) objects. From TF 2.16 on,
+# tf.keras is Keras 3 unless TF_USE_LEGACY_KERAS is set before its first use (TF reads
+# it lazily, so this works after `import tensorflow` too). A user's explicit setting
+# wins; _tf_internals names the problem if Keras 3 ends up as tf.keras anyway.
+if (_keras_major() or 0) >= 3:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 # public name -> module that defines it
 _LAZY_ATTRIBUTES = {

@@ -54,6 +54,7 @@ from tensorflow.python.ops import io_ops
 from tensorflow.python.training.saving import saveable_object
 
 from tfhybrid import _resharding
+from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 
@@ -112,16 +113,7 @@ def _save(self: Any, file_prefix: Any, options: Any = None) -> Any:
 
 def _entries(saver: Any) -> list[tuple[str, str, Any]]:
     """(checkpoint key, slice spec, tensor or SaveSpec) of everything the saver holds."""
-    out = []
-    for device_saver in saver._single_device_savers.values():
-        for key, slices in device_saver._tensor_slice_dict.items():
-            for spec, value in slices.items():
-                if isinstance(value, saveable_object.SaveSpec):
-                    if value._tensor is None:   # recorded in the graph, no value
-                        continue
-                    key, spec = value.name, value.slice_spec
-                out.append((key, spec, value))
-    return out
+    return _tf_internals.saver_entries(saver)
 
 
 def _signature(value: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
 from tfhybrid import collectives
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib

@@ -85,6 +85,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
 from tfhybrid import collectives
 from tfhybrid import compression as compression_lib
 from tfhybrid import mesh as mesh_lib
@@ -1020,6 +1021,23 @@ class _RoutedApply:
         return self._tfhybrid_route.embedding_optimizer
 
 
+class _RoutedBuild:
+    """``build`` of a new Keras optimizer with an embedding optimizer: Keras may build
+    an optimizer with every trainable variable (tf-keras >= 2.16's BackupAndRestore does,
+    before it restores), and the tables' slots belong to the embedding optimizer."""
+    _tfhybrid_route: GradientRoute
+
+    def build(self, var_list):
+        embedding_optimizer = self._tfhybrid_route.embedding_optimizer
+        var_list = list(var_list)
+        if embedding_optimizer is not None:
+            tables = [v for v in var_list if is_embedding(v)]
+            if tables:
+                embedding_optimizer.build(tables)
+            var_list = [v for v in var_list if not is_embedding(v)]
+        return super().build(var_list)
+
+
 def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                          mesh: mesh_lib.Mesh | None = None,
                          embedding_optimizer: tf.keras.optimizers.Optimizer | None = None,
@@ -1105,7 +1123,9 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
     base = optimizer.__class__
     route = GradientRoute(mesh, embedding_optimizer, options, backward_passes_per_step,
                           average_aggregated_gradients, dct=dct)
-    cls = type(base.__name__, (_RoutedApply, base), {"_tfhybrid_route": route})
+    # legacy Keras optimizers make their slots per variable, in apply_gradients
+    mixins = (_RoutedApply, _RoutedBuild) if hasattr(base, "build") else (_RoutedApply,)
+    cls = type(base.__name__, mixins + (base,), {"_tfhybrid_route": route})
     routed = cls.from_config(optimizer.get_config())
     if embedding_optimizer is not None:
         # an attribute, so checkpoints of the optimizer track its slots too

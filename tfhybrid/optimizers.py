@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
 from tfhybrid import fiited
 from tfhybrid import tiers
 from tfhybrid.custom_ops import custom_ops_available, rowwise_adagrad_apply

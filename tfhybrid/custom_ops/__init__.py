@@ -14,8 +14,9 @@ Public API::
     kernel_isa() -> str             # "generic", "avx2" or "avx512": the kernels' code path
     supported_kernel_isas() -> list[str]
 
-The C++ library ``_tfhybrid_ops.so`` (built by ``python -m tfhybrid.custom_ops.build``)
-is loaded lazily on first use. If it is missing or fails to load, one warning is logged
+The C++ library ``_tfhybrid_ops.tf<X.Y>.so`` for the running TensorFlow (built by
+``python -m tfhybrid.custom_ops.build``; Bazel's ``_tfhybrid_ops.so`` when that is
+absent) is loaded lazily on first use. If it is missing or fails to load, one warning is logged
 and the pure-TF path is used. ``TFHYBRID_DISABLE_CUSTOM_OPS=1`` forces the pure-TF path.
 
 The library is built for a baseline CPU; its hot loops exist also as AVX2 and AVX-512
@@ -43,11 +44,27 @@ __all__ = ["embedding_lookup_combine", "embedding_lookup_combine_concat",
            "rowwise_adagrad_apply", "custom_ops_available",
            "chunked_lookup", "chunked_rowwise_adagrad_apply",
            "cached_chunked_rowwise_adagrad_apply",
-           "kernel_isa", "supported_kernel_isas", "load_library", "library_path"]
+           "kernel_isa", "supported_kernel_isas", "load_library", "library_path",
+           "library_name"]
 
 _LOG = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
-library_path = str(_HERE / "_tfhybrid_ops.so")
+
+
+def library_name(tf_version: str) -> str:
+    """The library's file name for a TensorFlow version: TF's C++ ABI changes with its
+    minor version, so venvs of two TF versions can share one checkout."""
+    major, minor = tf_version.split(".")[:2]
+    return f"_tfhybrid_ops.tf{major}.{minor}.so"
+
+
+def _library_path() -> str:
+    versioned = _HERE / library_name(tf.__version__)
+    bazel_built = _HERE / "_tfhybrid_ops.so"   # BUILD's name: one TF per Bazel workspace
+    return str(versioned if versioned.exists() or not bazel_built.exists() else bazel_built)
+
+
+library_path = _library_path()
 
 _lock = threading.Lock()
 _lib = None

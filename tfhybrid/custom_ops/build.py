@@ -1,7 +1,8 @@
 """Build tfhybrid's custom-op library: ``python -m tfhybrid.custom_ops.build [--force]``.
 
-Compiles every ``cc/**/*.cc`` into ``tfhybrid/custom_ops/_tfhybrid_ops.so`` with g++ and
-TensorFlow's own compile/link flags. The build is skipped when the library is newer
+Compiles every ``cc/**/*.cc`` into ``tfhybrid/custom_ops/_tfhybrid_ops.tf<X.Y>.so`` (one
+library per TensorFlow minor version, whose C++ ABI it is built against, so venvs of
+two TF versions can share a checkout) with g++ and TensorFlow's own compile/link flags. The build is skipped when the library is newer
 than all sources (``*.cc``, ``*.h``) and this script and was built for the same target
 CPU (see below), unless ``--force``.
 
@@ -30,9 +31,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import tensorflow as tf
+
+from tfhybrid.custom_ops import library_name
+
 HERE = Path(__file__).resolve().parent
 CC_DIR = HERE / "cc"
-LIB_NAME = "_tfhybrid_ops.so"
+LIB_NAME = library_name(tf.__version__)
 LIB_PATH = HERE / LIB_NAME
 
 # Baseline of the portable build on x86-64 (SSSE3, SSE4.2, POPCNT): every CPU with AVX
@@ -131,8 +136,6 @@ def _expected_march(cxx: str, native: bool) -> str | None:
 
 def build_command(output: Path, native: bool | None = None) -> list[str]:
     """The compiler command line; native=None reads TFHYBRID_MARCH_NATIVE."""
-    import tensorflow as tf  # deferred: only the build needs TF's flags
-
     if native is None:
         native = march_native_requested()
     cxx = _compiler()

@@ -55,6 +55,7 @@ from tensorflow.python.training.saving import saveable_object
 
 from tfhybrid import _checkpoint_writer
 from tfhybrid import _resharding
+from tfhybrid import _tf_internals
 from tfhybrid import distributed
 from tfhybrid import fiited
 from tfhybrid import tiers
@@ -622,13 +623,18 @@ class _OptimizerState:
         """Puts a view in place of each list the optimizers track (Keras re-assigns
         some lists when it builds, so this runs again after every build)."""
         for member in self.members():
-            for name, child in list(member._trackable_children().items()):
+            # a cache of the children from before a build would hide the lists it made
+            _tf_internals.forget_checkpoint_children(member)
+            for name in list(member._trackable_children()):
+                # the tracked list itself: the children may hold a copy of it
+                child = member._lookup_dependency(name)
                 if not isinstance(child, data_structures.ListWrapper):
                     continue
                 view = self._views.setdefault((id(member), name),
                                               _WithoutTableSlots(self, child))
                 view.source = child
                 member._track_trackable(view, name=name, overwrite=True)
+            _tf_internals.forget_checkpoint_children(member)
 
     def after_build(self) -> None:
         """Slots exist now: re-place the views, then restore what waited for them."""

@@ -1,0 +1,114 @@
+"""Where tfhybrid depends on TensorFlow's and Keras' private structures, by version.
+
+TensorFlow upgrades break exactly these places, so each switch names the versions it
+covers and why the private structure is read at all. Supported: TensorFlow 2.15 and
+2.21 (with tf-keras of the same version).
+
+Checkpoints hold tables and their slots under mesh-independent keys through TF's own
+extension points: ``_gather_saveables_for_checkpoint`` nodes (the layer's ``tables``,
+the optimizer's ``tfhybrid_table_slots``) and ``Trackable`` children that stand in for
+an optimizer's numbered lists. Four patches remain, each where TF has no public hook:
+
+- ``MultiDeviceSaver.save`` (``_checkpoint_writer.install``): every Keras and TF save
+  path ends there, and a save of sharded tables needs every rank to write its part of
+  one checkpoint; TF's savers write a whole checkpoint per process. Reads the saver's
+  entries through ``saver_entries`` below.
+- ``CheckpointPosition.gather_ops_or_named_saveables`` (``layers/_checkpointing``): a
+  FIITED table's saved shape depends on the checkpoint being read, and TF tells a
+  saveable nothing about it; the hook names the path while TF gathers.
+- the Keras optimizers' slot factories (``tiers``): a slot per entry of a tiered table's
+  cache would be wrong, and Keras has no hook to refuse one.
+- ``build`` of an optimizer instance (``layers/_checkpointing._after_build``): Keras
+  makes tracked lists there, and TF hands a waiting restoration to a new list by
+  position; the wrapper hands it to the mesh-independent view instead.
+
+Example::
+
+    from tfhybrid import _tf_internals
+    assert _tf_internals.TF_VERSION >= (2, 15)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.training.saving import saveable_object
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+TF_VERSION = _version(tf.__version__)
+
+
+def _require_keras_2() -> None:
+    """tfhybrid's layers, optimizers and callbacks are Keras 2 classes: with Keras 3
+    as ``tf.keras`` (TF >= 2.16 without ``TF_USE_LEGACY_KERAS=1``) they would fail far
+    from the cause, so fail here, naming it."""
+    # tf.keras of TF <= 2.15 has no __version__; the package defining its Model has
+    package = sys.modules[tf.keras.Model.__module__.split(".")[0]]
+    version = getattr(tf.keras, "__version__", None) or getattr(package, "__version__", "")
+    if not version.startswith("2."):
+        raise ImportError(
+            f"tfhybrid needs Keras 2 (tf-keras) as tf.keras, but tf.keras is Keras "
+            f"{version!r} (TensorFlow {tf.__version__}): install "
+            f"tf-keras=={tf.__version__} and export TF_USE_LEGACY_KERAS=1, or import "
+            "tfhybrid before anything uses tf.keras (it sets the variable then; TF "
+            "reads it once, on first use of tf.keras). TF_USE_LEGACY_KERAS is "
+            f"{os.environ.get('TF_USE_LEGACY_KERAS')!r}")
+
+
+_require_keras_2()
+# TF 2.16 reorganised MultiDeviceSaver (tensors by task instead of savers by device)
+# and tf-keras 2.16 began caching an optimizer's checkpoint children
+_SAVER_BY_TASK = TF_VERSION >= (2, 16)
+
+
+def saver_entries(saver: Any) -> list[tuple[str, str, Any]]:
+    """(checkpoint key, slice spec, tensor or SaveSpec) of everything a
+    ``MultiDeviceSaver`` holds, for a save that every rank takes part in.
+
+    TensorFlow has no public view of what a save is about to write; the writer needs
+    it to decide which rank writes which piece. TF <= 2.15 keeps one
+    ``_SingleDeviceSaver`` per device (``_single_device_savers``); TF >= 2.16 keeps
+    ``ShardableTensor`` records per task (``_shardable_tensors_by_task``).
+    """
+    out = []
+    if not _SAVER_BY_TASK:
+        for device_saver in saver._single_device_savers.values():
+            for key, slices in device_saver._tensor_slice_dict.items():
+                for spec, value in slices.items():
+                    if isinstance(value, saveable_object.SaveSpec):
+                        if value._tensor is None:   # recorded in the graph, no value
+                            continue
+                        key, spec = value.name, value.slice_spec
+                    out.append((key, spec, value))
+        return out
+    for records in saver._shardable_tensors_by_task.values():
+        for record in records:
+            if record.tensor is not None:   # a plain tensor, wrapped by the saver
+                out.append((record.checkpoint_key, record._tensor_save_spec.slice_spec,
+                            record.tensor))
+                continue
+            value = record._tensor_save_spec
+            if value._tensor is None:       # recorded in the graph, no value
+                continue
+            out.append((value.name, value.slice_spec, value))
+    return out
+
+
+def forget_checkpoint_children(optimizer: Any) -> None:
+    """Drops an optimizer's cached checkpoint children, after one was replaced.
+
+    tf-keras >= 2.16 computes ``Optimizer._trackable_children`` once and keeps it in
+    ``_coalesced_children`` (with a copy of each tracked list): a child tracked later
+    (a list a build makes, or the views that keep table slots out of the numbered
+    lists) would never be seen or saved. tf-keras <= 2.15 does not cache.
+    """
+    if "_coalesced_children" in vars(optimizer):
+        del optimizer._coalesced_children
