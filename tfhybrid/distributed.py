@@ -1266,7 +1266,7 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     tiered = [tiers.table_of(var) for var in shards if tiers.table_of(var) is not None]
     if tf.executing_eagerly():
         # one function, so Horovod negotiates (and fuses) the broadcasts together
-        tf.function(assign_all)()
+        tf.function(assign_all, autograph=False)()
     elif tiered and mesh.data_parallel > 1:
         raise ValueError(
             f"broadcast_variables inside a tf.function cannot send tiered tables "

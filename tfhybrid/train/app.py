@@ -656,7 +656,7 @@ def evaluate(model, dataset, mesh) -> dict:
     from tfhybrid import collectives
     from tfhybrid.train import metrics
 
-    predict = tf.function(lambda features: model(features, training=False))
+    predict = tf.function(lambda features: model(features, training=False), autograph=False)
     logits, labels = [], []
     for features, batch_labels in dataset:
         logits.append(predict(features).numpy().reshape(-1))
