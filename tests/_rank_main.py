@@ -1,8 +1,9 @@
 """Runs one test module's TestCases in this process and writes a JSON report.
 
-Started by tests/runner.py, once per module (single process) or once per rank under
-horovodrun. The report is the only channel back to the runner, so a rank that dies
-leaves no report and the runner counts the whole module as failed.
+Started by tests/runner.py, once per module (single process), or once per rank under
+horovodrun for all multi-rank modules of one size in turn. The reports are the only
+channel back to the runner, so a rank that dies leaves no report and the runner counts
+the module it was in as failed (and starts the rest again).
 """
 
 from __future__ import annotations
@@ -71,13 +72,10 @@ def _flatten(suite):
             yield item
 
 
-def main(argv: list[str]) -> int:
-    path, report_dir = argv[1], argv[2]
-    # optional: only the tests whose id contains one of these (e.g. "ParityTest.test_x")
-    selected = argv[3:]
-    rank = int(os.environ.get("HOROVOD_RANK", "0"))
+def run_module(path: str, selected: list[str], rank: int) -> tuple[dict[str, dict], float]:
+    """Runs the module's tests (those whose id contains one of ``selected``, or all);
+    returns ({test_id: outcome}, seconds)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, root)
     module_name = os.path.relpath(os.path.abspath(path), root)[:-3].replace(os.sep, ".")
     start = time.time()
     outcomes: dict[str, dict] = {}
@@ -98,11 +96,52 @@ def main(argv: list[str]) -> int:
     except BaseException:  # an import error must reach the report, not vanish
         outcomes[f"{module_name}.<import>"] = {"status": "fail",
                                                "detail": traceback.format_exc()}
+    return outcomes, time.time() - start
+
+
+def write_report(report_dir: str, rank: int, outcomes: dict, seconds: float) -> None:
+    """Writes this rank's report whole or not at all (the runner polls for it)."""
     os.makedirs(report_dir, exist_ok=True)
     tmp = os.path.join(report_dir, f".rank{rank}.json.tmp")
     with open(tmp, "w") as f:
-        json.dump({"rank": rank, "seconds": time.time() - start, "tests": outcomes}, f)
+        json.dump({"rank": rank, "seconds": seconds, "tests": outcomes}, f)
     os.replace(tmp, os.path.join(report_dir, f"rank{rank}.json"))
+
+
+def _between_modules() -> None:
+    """What one module may leave behind for the next in the same process: the mesh and
+    its process sets, the global precision policy and Keras' graph and name counters.
+    Every rank runs the same modules in the same order, so all reset alike."""
+    import tensorflow as tf
+    if "tfhybrid.mesh" in sys.modules:
+        sys.modules["tfhybrid.mesh"]._reset_for_tests()
+    tf.keras.mixed_precision.set_global_policy("float32")
+    tf.keras.backend.clear_session()
+
+
+def main(argv: list[str]) -> int:
+    """``PATH REPORT_DIR [NAME ...]``: one module (optionally only tests whose id contains
+    a NAME), its report in REPORT_DIR. ``--modules REPORT_DIR PATH ...``: the modules one
+    after another in this process, the i-th one's report in REPORT_DIR/i, each written
+    as the module ends (one start-up of TensorFlow and Horovod serves them all)."""
+    rank = int(os.environ.get("HOROVOD_RANK", "0"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    if argv[1] == "--modules":
+        report_dir, paths = argv[2], argv[3:]
+        for index, path in enumerate(paths):
+            if index:
+                _between_modules()
+            print(f"=== module {index}: {path}", file=sys.stderr, flush=True)
+            outcomes, seconds = run_module(path, [], rank)
+            write_report(os.path.join(report_dir, str(index)), rank, outcomes, seconds)
+        # the reports carry every failure; a non-zero exit would make horovodrun end
+        # the ranks still in the last module before they write theirs
+        return 0
+    path, report_dir = argv[1], argv[2]
+    # optional: only the tests whose id contains one of these (e.g. "ParityTest.test_x")
+    outcomes, seconds = run_module(path, argv[3:], rank)
+    write_report(report_dir, rank, outcomes, seconds)
     return 0 if all(o["status"] != "fail" for o in outcomes.values()) else 1
 
 

@@ -2,10 +2,13 @@
 
 Modules are ``tests/test_*.py`` and ``tfhybrid/**/*_test.py``. A module that declares
 ``HOROVOD_NP = (2, 4)`` at top level runs once per listed size under
-``horovodrun -np N -H localhost:N --gloo``; others run in one plain process, two such
-modules at a time unless the module sets ``RUN_ALONE = True``. A test
-passes only if it passed on every rank; a rank that dies or a run that overruns its
-time limit fails the module. The last line is ``N passed, N failed``.
+``horovodrun -np N -H localhost:N --gloo``: all modules of one size share one job, one
+after another (a start-up of TensorFlow and Horovod on four ranks costs about 10 s of
+the machine), unless a module sets ``OWN_PROCESS = True``. Others run in one plain
+process, two such modules at a time unless the module sets ``RUN_ALONE = True``. A test
+passes only if it passed on every rank; a rank that dies or a module that overruns its
+time limit fails that module, and the job starts again with the next one. The last
+line is ``N passed, N failed``.
 
 Usage: python -m tests.runner [-k SUBSTRING] [--subset NAME] [--list]
 """
@@ -113,6 +116,12 @@ def runs_alone(path: str, size: int) -> bool:
     return size > 1 or bool(_declared(path, "RUN_ALONE"))
 
 
+def owns_process(path: str) -> bool:
+    """Whether a multi-rank module needs a job of its own (it sets process-wide state
+    at import, such as a plain ``hvd.init()``): ``OWN_PROCESS = True``."""
+    return bool(_declared(path, "OWN_PROCESS"))
+
+
 def read_reports(report_dir: str, size: int) -> tuple[dict[str, dict], list[int]]:
     """Merges the ranks' reports: ({test_id: outcome}, ranks that wrote none).
 
@@ -138,38 +147,19 @@ def read_reports(report_dir: str, size: int) -> tuple[dict[str, dict], list[int]
     return merged, sorted(set(range(size)) - set(reports))
 
 
-def run_module(path: str, size: int, python: str, log_path: str
-               ) -> tuple[dict[str, dict], str]:
-    """Runs one module at one size; returns ({test_id: outcome}, a crash message).
-
-    The run's output goes to ``log_path``; the caller shows it only on failure.
-    """
-    report_dir = tempfile.mkdtemp(prefix="tfhybrid-test-")
+def _launch(inner: list[str], size: int, python: str, log) -> subprocess.Popen:
     env = dict(os.environ, **TEST_ENV)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    inner = [python, os.path.join(ROOT, "tests", "_rank_main.py"), path, report_dir]
-    timeout = declared_timeout(path, size)
-    if size == 1:
-        cmd = inner
-    else:
+    cmd = inner
+    if size > 1:
         horovodrun = os.path.join(os.path.dirname(python), "horovodrun")
         cmd = [horovodrun, "-np", str(size), "-H", f"localhost:{size}", "--gloo",
                "--start-timeout", "60"] + inner
-    crash = ""
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
                             stdout=log, stderr=subprocess.STDOUT)
-    try:
-        code = proc.wait(timeout=timeout)
-        if code != 0:
-            crash = f"exit code {code}"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        crash = f"killed after {timeout} s"
-    log.close()
-    merged, missing = read_reports(report_dir, size)
-    shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def _outcome(merged: dict, missing: list[int], crash: str) -> tuple[dict, str]:
     if crash.startswith("exit code") and not missing and any(
             seen["status"] == "fail" for seen in merged.values()):
         # a rank exits non-zero because a test failed: that failure is already counted
@@ -177,6 +167,99 @@ def run_module(path: str, size: int, python: str, log_path: str
     if missing:
         crash = (crash + "; " if crash else "") + f"no report from rank(s) {missing}"
     return merged, crash
+
+
+def run_module(path: str, size: int, python: str, log_path: str
+               ) -> tuple[dict[str, dict], str]:
+    """Runs one module at one size in a job of its own; returns ({test_id: outcome},
+    a crash message). The run's output goes to ``log_path``; the caller shows it only
+    on failure.
+    """
+    report_dir = tempfile.mkdtemp(prefix="tfhybrid-test-")
+    inner = [python, os.path.join(ROOT, "tests", "_rank_main.py"), path, report_dir]
+    timeout = declared_timeout(path, size)
+    crash = ""
+    with open(log_path, "w") as log:
+        proc = _launch(inner, size, python, log)
+        try:
+            code = proc.wait(timeout=timeout)
+            if code != 0:
+                crash = f"exit code {code}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            crash = f"killed after {timeout} s"
+    merged, missing = read_reports(report_dir, size)
+    shutil.rmtree(report_dir, ignore_errors=True)
+    return _outcome(merged, missing, crash)
+
+
+def _reported(report_dir: str, size: int) -> bool:
+    return all(os.path.exists(os.path.join(report_dir, f"rank{r}.json")) for r in range(size))
+
+
+def _module_seconds(report_dir: str) -> float:
+    seconds = [json.load(open(p))["seconds"]
+               for p in glob.glob(os.path.join(report_dir, "rank*.json"))]
+    return max(seconds, default=0.0)
+
+
+def run_shared(paths: list[str], size: int, python: str, log_path: str
+               ) -> list[tuple[dict[str, dict], str, float]]:
+    """Runs modules of one size one after another in shared jobs; returns, per module,
+    ({test_id: outcome}, a crash message, seconds).
+
+    Each module keeps its own time limit, counted from the end of the one before. A
+    module that overruns it, or during which a rank dies, fails; the job is ended and a
+    new one runs the modules after it.
+    """
+    results: list[tuple[dict[str, dict], str, float]] = []
+    with open(log_path, "w") as log:
+        while len(results) < len(paths):
+            pending = paths[len(results):]
+            report_root = tempfile.mkdtemp(prefix="tfhybrid-test-")
+            dirs = [os.path.join(report_root, str(i)) for i in range(len(pending))]
+            inner = [python, os.path.join(ROOT, "tests", "_rank_main.py"), "--modules",
+                     report_root] + pending
+            log.write(f"### job of {len(pending)} module(s) at np={size}\n")
+            log.flush()
+            proc = _launch(inner, size, python, log)
+            current, started, crash = 0, time.time(), ""
+            while True:
+                while current < len(pending) and _reported(dirs[current], size):
+                    current, started = current + 1, time.time()
+                code = proc.poll()
+                if code is not None:
+                    # reports written just before the exit
+                    while current < len(pending) and _reported(dirs[current], size):
+                        current += 1
+                    if current < len(pending):
+                        crash = f"exit code {code}"
+                    break
+                if current == len(pending):
+                    # every module reported: the job is ending (a stuck exit is ended)
+                    try:
+                        proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                    break
+                timeout = declared_timeout(pending[current], size)
+                if time.time() - started > timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    crash = f"killed after {timeout} s"
+                    break
+                time.sleep(0.5)
+            for index in range(current):
+                merged, missing = read_reports(dirs[index], size)
+                results.append(_outcome(merged, missing, "") + (_module_seconds(dirs[index]),))
+            if current < len(pending):
+                merged, missing = read_reports(dirs[current], size)
+                missing = missing or list(range(size))
+                results.append(_outcome(merged, missing, crash) + (time.time() - started,))
+            shutil.rmtree(report_root, ignore_errors=True)
+    return results
 
 
 def main() -> int:
@@ -242,8 +325,20 @@ def main() -> int:
         futures = {pool.submit(run, path, size): size for path, size in paired}
         for future in concurrent.futures.as_completed(futures):
             record(*future.result(), futures[future])
+    shared = {}   # size: modules that share its jobs, run where the first of them is
     for path, size in plan:
-        if runs_alone(path, size):
+        if size > 1 and not owns_process(path):
+            shared.setdefault(size, []).append(path)
+    for path, size in plan:
+        if size > 1 and path in shared.get(size, ()):
+            if path != shared[size][0]:
+                continue
+            log_path = os.path.join(args.logs, f"shared.np{size}.log")
+            for module, (outcomes, crash, seconds) in zip(
+                    shared[size], run_shared(shared[size], size, python, log_path)):
+                name = f"{os.path.relpath(module, ROOT)} [np={size}]"
+                record(name, log_path, outcomes, crash, seconds, size)
+        elif runs_alone(path, size):
             record(*run(path, size), size)
     for label, detail in failures:
         print(f"\nFAIL {label}\n{detail}")
@@ -251,6 +346,10 @@ def main() -> int:
     print("\nslowest tests:")
     for seconds, label in sorted(timings, reverse=True)[:SLOWEST_SHOWN]:
         print(f"  {seconds:7.1f} s  {label}")
+    with open(os.path.join(args.logs, "timings.txt"), "w") as every:
+        every.writelines(f"{seconds:7.1f} s  {label}\n"
+                         for seconds, label in sorted(timings, reverse=True))
+    print(f"(every test's time: {os.path.relpath(args.logs, ROOT)}/timings.txt)")
     print(f"\ntotal {time.time() - started:.0f} s")
     tail = f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
     print(tail)

@@ -21,6 +21,8 @@ from tests import _de_case as de
 # four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
 # two ranks would only repeat them at a smaller size
 HOROVOD_NP = (4,)
+# its hvd.init() at import must be the job's first: a job of its own (tests/runner.py)
+OWN_PROCESS = True
 
 hvd.init()   # what a DE script does first: static process sets
 
