@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -204,19 +205,19 @@ def _module_seconds(report_dir: str) -> float:
     return max(seconds, default=0.0)
 
 
-def run_shared(paths: list[str], size: int, python: str, log_path: str
-               ) -> list[tuple[dict[str, dict], str, float]]:
-    """Runs modules of one size one after another in shared jobs; returns, per module,
-    ({test_id: outcome}, a crash message, seconds).
+def run_shared(paths: list[str], size: int, python: str, log_path: str,
+               done: Callable[[str, dict[str, dict], str, float], None]) -> None:
+    """Runs modules of one size one after another in shared jobs; calls
+    ``done(path, {test_id: outcome}, crash message, seconds)`` as each one ends.
 
     Each module keeps its own time limit, counted from the end of the one before. A
     module that overruns it, or during which a rank dies, fails; the job is ended and a
     new one runs the modules after it.
     """
-    results: list[tuple[dict[str, dict], str, float]] = []
+    finished = 0
     with open(log_path, "w") as log:
-        while len(results) < len(paths):
-            pending = paths[len(results):]
+        while finished < len(paths):
+            pending = paths[finished:]
             report_root = tempfile.mkdtemp(prefix="tfhybrid-test-")
             dirs = [os.path.join(report_root, str(i)) for i in range(len(pending))]
             inner = [python, os.path.join(ROOT, "tests", "_rank_main.py"), "--modules",
@@ -225,14 +226,20 @@ def run_shared(paths: list[str], size: int, python: str, log_path: str
             log.flush()
             proc = _launch(inner, size, python, log)
             current, started, crash = 0, time.time(), ""
-            while True:
+
+            def report_finished() -> None:
+                nonlocal current, started
                 while current < len(pending) and _reported(dirs[current], size):
+                    merged, missing = read_reports(dirs[current], size)
+                    done(pending[current], *_outcome(merged, missing, ""),
+                         _module_seconds(dirs[current]))
                     current, started = current + 1, time.time()
+
+            while True:
+                report_finished()
                 code = proc.poll()
                 if code is not None:
-                    # reports written just before the exit
-                    while current < len(pending) and _reported(dirs[current], size):
-                        current += 1
+                    report_finished()   # reports written just before the exit
                     if current < len(pending):
                         crash = f"exit code {code}"
                     break
@@ -251,15 +258,13 @@ def run_shared(paths: list[str], size: int, python: str, log_path: str
                     crash = f"killed after {timeout} s"
                     break
                 time.sleep(0.5)
-            for index in range(current):
-                merged, missing = read_reports(dirs[index], size)
-                results.append(_outcome(merged, missing, "") + (_module_seconds(dirs[index]),))
             if current < len(pending):
                 merged, missing = read_reports(dirs[current], size)
-                missing = missing or list(range(size))
-                results.append(_outcome(merged, missing, crash) + (time.time() - started,))
+                done(pending[current], *_outcome(merged, missing, crash),
+                     time.time() - started)
+                current += 1
+            finished += current
             shutil.rmtree(report_root, ignore_errors=True)
-    return results
 
 
 def main() -> int:
@@ -334,10 +339,10 @@ def main() -> int:
             if path != shared[size][0]:
                 continue
             log_path = os.path.join(args.logs, f"shared.np{size}.log")
-            for module, (outcomes, crash, seconds) in zip(
-                    shared[size], run_shared(shared[size], size, python, log_path)):
-                name = f"{os.path.relpath(module, ROOT)} [np={size}]"
-                record(name, log_path, outcomes, crash, seconds, size)
+            run_shared(shared[size], size, python, log_path,
+                       lambda module, outcomes, crash, seconds, size=size: record(
+                           f"{os.path.relpath(module, ROOT)} [np={size}]", log_path,
+                           outcomes, crash, seconds, size))
         elif runs_alone(path, size):
             record(*run(path, size), size)
     for label, detail in failures:
