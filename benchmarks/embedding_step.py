@@ -57,9 +57,8 @@ def worker(args: argparse.Namespace) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    import tfhybrid  # first: it selects tf-keras before horovod touches tf.keras
     import horovod.tensorflow as hvd
-
-    import tfhybrid
     from tfhybrid import collectives
     from tfhybrid.layers import DistributedEmbedding, Embedding
     from tfhybrid.train.step import click_train_step

@@ -39,9 +39,8 @@ def _data(rng, teacher, n):
 def worker(args) -> None:
     import numpy as np
     import tensorflow as tf
+    import tfhybrid  # first: it selects tf-keras before horovod touches tf.keras
     import horovod.tensorflow as hvd
-
-    import tfhybrid
     from tfhybrid.layers import DistributedEmbedding, Embedding
     from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad, RowWiseAdagrad
     from tfhybrid.train.step import click_train_step

@@ -45,16 +45,28 @@ class KerasVersionTest(unittest.TestCase):
     def test_keras_3_as_tf_keras_fails_at_import_naming_the_fix(self):
         if not _keras_3_installed():
             self.skipTest("no Keras 3 installed (TF <= 2.15): tf.keras is always Keras 2")
-        for code, env in (
+        used_first = "tf.keras was used before tfhybrid was imported"
+        for code, env, cause in (
                 # the user touched tf.keras (Keras 3) before importing tfhybrid
-                ("import tensorflow as tf\ntf.keras.layers.Dense\nimport tfhybrid.layers", {}),
+                ("import tensorflow as tf\ntf.keras.layers.Dense\nimport tfhybrid.layers",
+                 {}, used_first),
+                # horovod's TensorFlow module touches tf.keras as it loads
+                ("import horovod.tensorflow as hvd\nimport tfhybrid.layers", {}, used_first),
                 # the user asked for Keras 3 explicitly
-                ("import tfhybrid.optimizers", {"TF_USE_LEGACY_KERAS": "0"})):
+                ("import tfhybrid.optimizers", {"TF_USE_LEGACY_KERAS": "0"},
+                 "install tf-keras==")):
             out = _run(code, **env)
             self.assertNotEqual(out.returncode, 0, code)
             self.assertIn("ImportError: tfhybrid needs Keras 2 (tf-keras) as tf.keras, "
                           "but tf.keras is Keras '3.", out.stderr)
-            self.assertIn("export TF_USE_LEGACY_KERAS=1", out.stderr)
+            self.assertIn(cause, out.stderr)
+            self.assertIn("export TF_USE_LEGACY_KERAS=1 before Python starts", out.stderr)
+
+    def test_legacy_keras_from_the_environment_survives_horovod_first(self):
+        out = _run("import horovod.tensorflow as hvd\nimport tfhybrid.layers\n" + _PRINT_KERAS,
+                   TF_USE_LEGACY_KERAS="1")
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertRegex(out.stdout, r"KERAS 2\.")
 
     def test_an_explicit_legacy_setting_is_kept(self):
         out = _run("import os\nimport tfhybrid\nprint('ENV', os.environ['TF_USE_LEGACY_KERAS'])",

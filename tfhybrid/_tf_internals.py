@@ -56,13 +56,21 @@ def _require_keras_2() -> None:
     package = sys.modules[tf.keras.Model.__module__.split(".")[0]]
     version = getattr(tf.keras, "__version__", None) or getattr(package, "__version__", "")
     if not version.startswith("2."):
+        if os.environ.get("TF_USE_LEGACY_KERAS") in ("1", "true", "True"):
+            # the variable is set (tfhybrid's import sets it), yet TF chose Keras 3: TF
+            # reads it once, and something used tf.keras first (horovod.tensorflow does)
+            cause = ("tf.keras was used before tfhybrid was imported (e.g. by `import "
+                     "horovod.tensorflow`), when TF_USE_LEGACY_KERAS was not yet set; "
+                     "export TF_USE_LEGACY_KERAS=1 before Python starts (horovodrun "
+                     "passes it on), or import tfhybrid first")
+        else:
+            cause = (f"install tf-keras=={tf.__version__} and export "
+                     "TF_USE_LEGACY_KERAS=1 before Python starts, or import tfhybrid "
+                     "before anything uses tf.keras (TF reads the variable once)")
         raise ImportError(
             f"tfhybrid needs Keras 2 (tf-keras) as tf.keras, but tf.keras is Keras "
-            f"{version!r} (TensorFlow {tf.__version__}): install "
-            f"tf-keras=={tf.__version__} and export TF_USE_LEGACY_KERAS=1, or import "
-            "tfhybrid before anything uses tf.keras (it sets the variable then; TF "
-            "reads it once, on first use of tf.keras). TF_USE_LEGACY_KERAS is "
-            f"{os.environ.get('TF_USE_LEGACY_KERAS')!r}")
+            f"{version!r} (TensorFlow {tf.__version__}): {cause}. TF_USE_LEGACY_KERAS "
+            f"is {os.environ.get('TF_USE_LEGACY_KERAS')!r}")
 
 
 _require_keras_2()
