@@ -273,6 +273,9 @@ def main() -> int:
     parser.add_argument("--subset", choices=sorted(SUBSETS),
                         help="only the modules of this named subset")
     parser.add_argument("--list", action="store_true", help="list modules and sizes")
+    parser.add_argument("--no-share", action="store_true",
+                        help="every multi-rank module in a horovodrun job of its own "
+                             "(to isolate one module from what others leave behind)")
     parser.add_argument("--logs", default=os.path.join(ROOT, ".test-reports"),
                         help="folder for each run's full output")
     args = parser.parse_args()
@@ -332,7 +335,7 @@ def main() -> int:
             record(*future.result(), futures[future])
     shared = {}   # size: modules that share its jobs, run where the first of them is
     for path, size in plan:
-        if size > 1 and not owns_process(path):
+        if size > 1 and not (args.no_share or owns_process(path)):
             shared.setdefault(size, []).append(path)
     for path, size in plan:
         if size > 1 and path in shared.get(size, ()):
