@@ -17,7 +17,7 @@ median step time with its spread over the timed steps (rank 0's step ends; ranks
 lockstep through their collectives) and samples/s at the median step time, and the ratio
 of medians to the baseline case of this run. NVIDIA's own TF2 DLRM is not run here (its
 code is not installed on this machine), so nothing is compared with it: published figures
-belong in the README, with their source.
+are not quoted beside these.
 
 ``--profile`` traces the timed steps with the TF profiler and prints, per case, where the
 op time goes (MLP GEMMs, interaction, embeddings, updates, the rest). A case may name
@@ -37,11 +37,8 @@ from __future__ import annotations
 
 import argparse
 import builtins
-import datetime
 import json
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -374,18 +371,10 @@ def _stack(venv: str) -> dict[str, str]:
 
 
 def _header(cases: list[Case]) -> str:
-    """The results file's header: how to rerun it, on what code and machine."""
-    commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
-                            capture_output=True, text=True).stdout.strip() or "unknown"
-    cpu = platform.processor() or "unknown"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    lines = [f"# command: {shlex.join([os.path.relpath(sys.executable, ROOT)] + sys.argv)}",
-             f"# commit: {commit}",
-             f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-             f"# CPU: {cpu}, {os.cpu_count()} logical cores"]
+    """The results file's header: how to rerun it, on what code, machine and stacks."""
+    sys.path.insert(0, ROOT)
+    from tfhybrid.testing import provenance
+    lines = provenance.header(sys.argv)
     for venv in dict.fromkeys(c.venv for c in cases):
         versions = ", ".join(f"{k} {v}" for k, v in _stack(venv).items())
         lines.append(f"# stack {venv or sys.prefix}: {versions}")

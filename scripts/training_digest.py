@@ -24,11 +24,8 @@ Usage: .venv/bin/python scripts/training_digest.py [--output FILE] [--cases a:b,
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -138,6 +135,11 @@ def _rank_main(cases: list[str], output: str) -> None:
         for case in cases:
             store_dir = os.path.join(tmp, case.replace(":", "_"), f"rank{mesh.rank}")
             lines.append(f"{case:<36}{_run_case(case, mesh, store_dir)}")
+    # the last gather runs in each model group; a rank that exits while another group
+    # still gathers shuts Horovod down under it (horovod.tensorflow has no barrier)
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    hvd.allreduce(tf.constant(0.0), name="training_digest_end")
     if mesh.rank == 0:
         with open(output, "w") as f:
             f.write("\n".join(lines) + "\n")
@@ -145,20 +147,12 @@ def _rank_main(cases: list[str], output: str) -> None:
 
 def _header(argv: list[str]) -> str:
     from importlib import metadata
-    commit = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"],
-                            capture_output=True, text=True).stdout.strip() or "unknown"
-    cpu = platform.processor() or "unknown"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
+
+    sys.path.insert(0, ROOT)
+    from tfhybrid.testing import provenance
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("tensorflow", "tf-keras",
                                                                  "numpy", "horovod"))
-    return "\n".join([
-        f"# command: {shlex.join([os.path.relpath(sys.executable, ROOT)] + argv)}",
-        f"# commit: {commit}",
-        f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-        f"# CPU: {cpu}, {os.cpu_count()} logical cores",
+    return "\n".join(provenance.header(argv) + [
         f"# stack: {versions}",
         f"# {RANKS} ranks, {RANKS // MODEL_PARALLEL} x {MODEL_PARALLEL} mesh, "
         f"2 epochs of {STEPS} steps of {LOCAL_BATCH} samples per rank; "
@@ -192,7 +186,12 @@ def main() -> int:
         done = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=1800)
         if done.returncode != 0 or not os.path.exists(out):
-            sys.stderr.write("\n".join((done.stdout + done.stderr).splitlines()[-40:]) + "\n")
+            # every rank's output: the first rank to fail is rarely the last to print
+            fd, log = tempfile.mkstemp(prefix="training_digest.", suffix=".log")
+            with os.fdopen(fd, "w") as f:
+                f.write(done.stdout + done.stderr)
+            sys.stderr.write("\n".join((done.stdout + done.stderr).splitlines()[-40:])
+                             + f"\ntraining_digest: the run failed; all ranks' output in {log}\n")
             return 1
         body = open(out).read()
     text = _header(sys.argv) + "\n" + body
