@@ -15,7 +15,7 @@ test: setup
 
 # The main job: a small DLRM on a 2x2 mesh (4 ranks sharing this machine's cores).
 # Tables with row-wise AdaGrad, dense layers with Adam: the pair that trained best here
-# (README, "Training app").
+# (docs/training-app.md).
 RUN_FLAGS ?= --model=dlrm --dataset=synthetic --model_parallel=2 \
 	--embedding_optimizer=rowwise_adagrad --embedding_learning_rate=0.05 \
 	--dense_optimizer=adam --dense_learning_rate=0.003 --steps=400

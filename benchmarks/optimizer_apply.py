@@ -14,7 +14,7 @@ w -= lr * g / (sqrt(v) + eps)), on the same ids, initial tables and upstream gra
       backward fused with the row-wise AdaGrad, reading its columns of the upstream
       gradient in place (EmbeddingLookupCombineGradRowwiseAdagrad: the update takes
       exactly the lookup's gradient), the tables moved to huge pages by the kernels
-      (README, "Huge pages");
+      (docs/building-ops.md, "Huge pages");
   (s) the same with one EmbeddingLookupCombine per table and tf.concat (the route before
       the table-batched op: the concat copies the bags, its gradient slices the
       upstream gradient);

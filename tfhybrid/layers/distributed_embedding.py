@@ -334,8 +334,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         NVIDIA distributed-embeddings; thresholds count elements (rows * dim).
       input_table_map: for each input feature, the index of its table, so features can
         share a table. ``None`` means feature i uses table i.
-      dp_input: each rank feeds its own local batch (data-parallel input). Only
-        ``True`` is supported.
+      dp_input: ``True`` (default): each rank feeds its own local batch of every
+        feature (data-parallel input). ``False`` (DE's model-parallel input): rank r
+        feeds its model group's batch of the features in ``strategy.input_ids_list[r]``.
       replica_sync: how a shard's D copies stay in step. ``"gradients"`` (default,
         exact): its gradient is allreduced over its data group every step.
         ``"weights"`` (Meta's 2D sparse mode): each replica steps on its own gradient,

@@ -1,0 +1,334 @@
+"""The docs test: README.md and docs/*.md say only what runs and link only what exists.
+
+- Every fenced ``python`` block runs as a complete script in a subprocess of its own
+  (``sys.executable``, cwd = the repository root, a time limit); a failure names the file,
+  the block's line and the tail of its stderr. Single-process blocks run two at a time
+  (one thread each on this machine's two cores).
+- A block that needs several ranks is marked on the line just before its fence with
+  ``<!-- docs-test: horovodrun -np 4 (reason) -->`` and runs under the horovodrun beside
+  ``sys.executable`` (``-np N -H localhost:N --gloo``). A block that cannot run here at
+  all is marked ``<!-- docs-test: skip: reason -->``: it is reported as a skipped subtest
+  with its reason, never silently, and there may be at most ``MAX_SKIPPED`` of them.
+- Every relative link (``[x](docs/foo.md)``, ``[x](foo.md#anchor)``, ``[x](#anchor)``,
+  ``[x](../tfhybrid/...)``) must reach an existing file, and an anchor a heading of the
+  target (GitHub's slugs: lowercase, punctuation but ``-`` and ``_`` dropped, spaces to
+  ``-``, repeats numbered ``-1``, ``-2``, ...).
+- README.md has at most ``README_MAX_LINES`` lines.
+
+One process (it starts its own jobs, so it has the machine to itself).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RUN_ALONE = True         # starts subprocesses and horovodrun jobs of its own
+RUN_TIMEOUT_S = 1200     # the runner's limit for the whole module
+
+README_MAX_LINES = 250
+MAX_SKIPPED = 2          # blocks that cannot run here at all: keep them very few
+BLOCK_TIMEOUT_S = 300    # per block (a horovodrun block starts TF and Horovod on N ranks)
+PARALLEL_BLOCKS = 2      # single-process blocks at a time
+STDERR_TAIL_LINES = 40
+
+BLOCK_ENV = {
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+_FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
+_MARKER = re.compile(r"^\s*<!--\s*docs-test:(?P<body>.*?)-->\s*$")
+_HOROVODRUN = re.compile(r"^horovodrun\s+-np\s+(?P<np>\d+)\s+\((?P<reason>.+)\)$")
+_SKIP = re.compile(r"^skip:\s*(?P<reason>\S.*)$")
+_HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(?P<text>.*?)\s*#*\s*$")
+_INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*(?P<target><[^>]*>|[^)\s]+)"
+                          r"(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE_LINK = re.compile(r"^ {0,3}\[[^\]]+\]:\s*(?P<target>\S+)")
+_CODE_SPAN = re.compile(r"(`+)(?:.|\n)*?\1")
+_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+def doc_files() -> list[str]:
+    """README.md and every docs/*.md, as paths relative to the repository root."""
+    docs = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    return ["README.md"] + docs
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    path: str            # relative to the root
+    line: int            # 1-based line of the opening fence
+    code: str
+    ranks: int = 1       # > 1: run under horovodrun -np ranks
+    skip: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    blocks: list          # python Blocks
+    problems: list        # malformed or orphaned markers: "path:line: what"
+    prose: str            # the text outside fenced blocks (for links and headings)
+
+
+def parse(path: str) -> Parsed:
+    """The file's python blocks with their markers, marker problems, and its prose."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    blocks, problems, prose = [], [], []
+    i = 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        if not fence:
+            marker = _MARKER.match(lines[i])
+            if marker:
+                following = _FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
+                if not following or following.group("info") != "python":
+                    problems.append(f"{path}:{i + 1}: a docs-test marker must be on the line "
+                                    "just before a ```python fence")
+            prose.append(lines[i])
+            i += 1
+            continue
+        opening, indent = fence.group("fence"), len(fence.group("indent"))
+        start = i
+        body = []
+        i += 1
+        while i < len(lines):
+            stripped = lines[i].strip()
+            if stripped.startswith(opening[0] * len(opening)) and not stripped.strip(opening[0]):
+                break
+            body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        i += 1   # past the closing fence (or the end of an unclosed block)
+        prose.append("")
+        if fence.group("info") != "python":
+            continue
+        ranks, skip = 1, None
+        marker = _MARKER.match(lines[start - 1]) if start > 0 else None
+        if marker:
+            body_text = marker.group("body").strip()
+            run = _HOROVODRUN.match(body_text)
+            skipped = _SKIP.match(body_text)
+            if run and int(run.group("np")) >= 2:
+                ranks = int(run.group("np"))
+            elif skipped:
+                skip = skipped.group("reason").strip()
+            else:
+                problems.append(
+                    f"{path}:{start}: unknown docs-test marker {body_text!r}; expected "
+                    "'horovodrun -np N (reason)' with N >= 2 or 'skip: reason'")
+        blocks.append(Block(path, start + 1, "\n".join(body) + "\n", ranks, skip))
+    return Parsed(blocks, problems, "\n".join(prose))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading's text (without the repeat suffix)."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)   # a link: its text
+    text = text.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    """Every heading anchor of a markdown file (GitHub numbers repeats -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for line in parse(path).prose.splitlines():
+        heading = _HEADING.match(line)
+        if not heading:
+            continue
+        base = slug(heading.group("text"))
+        count = seen.get(base, 0)
+        found.add(base if count == 0 else f"{base}-{count}")
+        seen[base] = count + 1
+    return found
+
+
+def links(path: str) -> list[str]:
+    """The link targets of a markdown file's prose (code blocks and code spans left out)."""
+    prose = _CODE_SPAN.sub("", parse(path).prose)
+    targets = [m.group("target").strip("<>") for m in _INLINE_LINK.finditer(prose)]
+    targets += [m.group("target") for line in prose.splitlines()
+                if (m := _REFERENCE_LINK.match(line))]
+    return targets
+
+
+def broken_links(path: str) -> list[str]:
+    """Each relative link of ``path`` whose file or anchor does not exist, described."""
+    broken = []
+    for target in links(path):
+        if _SCHEME.match(target) or target.startswith("//"):
+            continue   # an absolute URL: not ours to check here
+        file_part, _, anchor = target.partition("#")
+        if file_part:
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), file_part))
+        else:
+            resolved = path
+        full = os.path.join(ROOT, resolved)
+        if resolved.startswith(".."):
+            broken.append(f"{path}: [{target}] leaves the repository")
+            continue
+        if not os.path.exists(full):
+            broken.append(f"{path}: [{target}] -> {resolved} does not exist")
+            continue
+        if anchor:
+            if not resolved.endswith(".md") or os.path.isdir(full):
+                broken.append(f"{path}: [{target}] has an anchor but {resolved} is not a "
+                              "markdown file")
+            elif anchor not in anchors(resolved):
+                broken.append(f"{path}: [{target}] -> no heading #{anchor} in {resolved}")
+    return broken
+
+
+@dataclasses.dataclass
+class Outcome:
+    returncode: int | None   # None: killed at the time limit
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _run(block: Block, workdir: str) -> Outcome:
+    script = os.path.join(workdir, _script_name(block))
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(block.code)
+    env = dict(os.environ, **BLOCK_ENV)
+    # as in a reader's shell: the runner's own `import tfhybrid` exported this, and a block
+    # that only works with it set (horovod imported before tfhybrid, say) must fail here
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    command = [sys.executable, script]
+    if block.ranks > 1:
+        horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+        command = [horovodrun, "-np", str(block.ranks), "-H", f"localhost:{block.ranks}",
+                   "--gloo"] + command
+    started = time.time()
+    # a session of its own, so that a block over its limit goes with all its processes
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=BLOCK_TIMEOUT_S)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:   # a process outside the session holds a pipe
+            stdout, stderr = "", "(no output: a process outside the block's session kept it)"
+        code = None
+    return Outcome(code, stdout, stderr, time.time() - started)
+
+
+def _tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _with_doc_lines(text: str, block: Block) -> str:
+    """A traceback's lines of the block's script, also as lines of the markdown file."""
+    def doc_line(match):
+        return f"{match.group(0)} ({block.path} line {block.line + int(match.group(1))})"
+    return re.sub(r'File "[^"]*' + re.escape(_script_name(block)) + r'", line (\d+)',
+                  doc_line, text)
+
+
+def _script_name(block: Block) -> str:
+    return re.sub(r"\W", "_", block.name) + ".py"
+
+
+class DocsTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        cls.parsed = {path: parse(path) for path in doc_files()}
+        cls.blocks = [b for p in cls.parsed.values() for b in p.blocks]
+
+    def test_readme_is_short(self):
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            count = len(f.read().splitlines())
+        self.assertLessEqual(count, README_MAX_LINES,
+                             f"README.md has {count} lines; the front door keeps to "
+                             f"{README_MAX_LINES}: move detail to a page in docs/")
+
+    def test_markers(self):
+        problems = [p for parsed in self.parsed.values() for p in parsed.problems]
+        self.assertEqual(problems, [], "\n".join(problems))
+        skipped = [b.name for b in self.blocks if b.skip]
+        self.assertLessEqual(len(skipped), MAX_SKIPPED,
+                             f"too many python blocks marked skip ({skipped}); make them "
+                             "runnable, or mark them horovodrun -np N")
+
+    def test_internal_links(self):
+        broken = [b for path in self.parsed for b in broken_links(path)]
+        self.assertEqual(broken, [], "broken links:\n" + "\n".join(broken))
+
+    def test_python_blocks(self):
+        self.assertTrue(self.blocks, "no python blocks found in README.md and docs/")
+        workdir = tempfile.mkdtemp(prefix="tfhybrid-docs-")
+        self.addCleanup(shutil.rmtree, workdir, ignore_errors=True)
+        runnable = [b for b in self.blocks if not b.skip]
+        outcomes: dict[Block, Outcome] = {}
+        # multi-rank blocks alone (their ranks share the cores), the rest two at a time
+        for block in (b for b in runnable if b.ranks > 1):
+            outcomes[block] = _run(block, workdir)
+            self._log(block, outcomes[block])
+        with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL_BLOCKS) as pool:
+            futures = {pool.submit(_run, b, workdir): b for b in runnable if b.ranks == 1}
+            for future in concurrent.futures.as_completed(futures):
+                outcomes[futures[future]] = future.result()
+                self._log(futures[future], outcomes[futures[future]])
+        skipped = [b for b in self.blocks if b.skip]
+        print(f"docs test: {len(runnable)} python blocks run, {len(skipped)} skipped"
+              + "".join(f"\n  SKIP {b.name}: {b.skip}" for b in skipped),
+              file=sys.stderr, flush=True)
+        for block in runnable:
+            with self.subTest(block=block.name):
+                outcome = outcomes[block]
+                where = f"{block.name}: python block" + (
+                    f" (horovodrun -np {block.ranks})" if block.ranks > 1 else "")
+                if outcome.returncode is None:
+                    self.fail(f"{where} ran over its {BLOCK_TIMEOUT_S} s limit\n--- stderr "
+                              f"tail ---\n{_with_doc_lines(_tail(outcome.stderr), block)}")
+                self.assertEqual(outcome.returncode, 0,
+                                 f"{where} failed with exit code {outcome.returncode}\n"
+                                 f"--- stderr tail ---\n"
+                                 f"{_with_doc_lines(_tail(outcome.stderr), block)}\n"
+                                 f"--- stdout tail ---\n{_tail(outcome.stdout, 10)}")
+
+    def test_skipped_blocks(self):
+        """Each block marked skip, reported as a skipped subtest with its reason (its own
+        test, so that the blocks that ran still count as a pass)."""
+        skipped = [b for b in self.blocks if b.skip]
+        if not skipped:
+            return
+        for block in skipped:
+            with self.subTest(block=block.name):
+                self.skipTest(f"{block.name}: {block.skip}")
+
+    @staticmethod
+    def _log(block: Block, outcome: Outcome) -> None:
+        status = ("timed out" if outcome.returncode is None else
+                  "ok" if outcome.returncode == 0 else f"exit {outcome.returncode}")
+        ranks = f" [np={block.ranks}]" if block.ranks > 1 else ""
+        print(f"docs block {block.name}{ranks}: {status} in {outcome.seconds:.1f} s",
+              file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
