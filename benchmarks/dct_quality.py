@@ -28,6 +28,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import _results  # noqa: E402  (beside this script)
 
 from benchmarks._stats import summarize  # noqa: E402
 
@@ -97,9 +98,11 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
     parser.add_argument("--quick", action="store_true",
                         help="one seed, DLRM on synthetic, 60 steps, no curve")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "dct_quality"))
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/"
+                        "dct_quality; with --quick a temporary folder, so a check never "
+                        "overwrites the published results)")
     args = parser.parse_args()
+    args.out = _results.out_dir("dct_quality", args.quick, args.out)
     models, datasets = args.models.split(","), args.datasets.split(",")
     if args.quick:
         args.seeds, args.steps, args.no_curve = 1, 60, True

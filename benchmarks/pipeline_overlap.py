@@ -47,6 +47,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import _results  # noqa: E402  (beside this script)
 
 PYTHON = sys.executable
 # 1D: one model group over both nodes, so the ids alltoall crosses the link
@@ -299,11 +300,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--towers", choices=sorted(TOWERS), default="small")
     parser.add_argument("--quick", action="store_true", help="4 blocks x 4 steps")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "pipeline_overlap"))
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/"
+                        "pipeline_overlap; with --quick a temporary folder, so a check never "
+                        "overwrites the published results)")
     parser.add_argument("--replot", action="store_true",
                         help="rewrite --out's table.txt and PNG from its points.json")
     args = parser.parse_args()
+    args.out = _results.out_dir("pipeline_overlap", args.quick, args.out)
     if args.replot:
         with open(os.path.join(args.out, "points.json")) as f:
             points = json.load(f)

@@ -27,6 +27,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402  (beside this script)
 PYTHON = sys.executable
 HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
 ENV = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
@@ -69,9 +70,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--quick", action="store_true", help="1 round of 20 steps")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "tiered_mesh"))
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/"
+                        "tiered_mesh; with --quick a temporary folder, so a check never "
+                        "overwrites the published results)")
     args = parser.parse_args()
+    args.out = _results.out_dir("tiered_mesh", args.quick, args.out)
     if args.quick:
         args.repeats, args.steps, args.warmup = 1, 20, 5
     shares = [float(s) for s in args.shares.split(",")]

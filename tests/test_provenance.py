@@ -1,9 +1,13 @@
 """The results files' provenance header names the command, commit, date and the CPU's
-vector extensions (the figures of bf16 and of the op library depend on them)."""
+vector extensions (the figures of bf16 and of the op library depend on them), and a
+benchmark's quick check writes outside the published results."""
 
 from __future__ import annotations
 
 import doctest
+import importlib.util
+import os
+import shutil
 import unittest
 
 from tfhybrid.testing import provenance
@@ -26,6 +30,29 @@ class ProvenanceTest(unittest.TestCase):
         lines = provenance.header(["benchmarks/x.py"])
         self.assertRegex(lines[1], r"^# commit: [0-9a-f]{7}")
         self.assertRegex(lines[3], r"^# CPU: .+, (no )?AVX2.*, \d+ logical cores$")
+
+
+def _load_results_helper():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", "_results.py")
+    spec = importlib.util.spec_from_file_location("_results", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class ResultsFolderTest(unittest.TestCase):
+
+    def test_quick_runs_never_write_into_the_published_results(self):
+        results = _load_results_helper()
+        self.assertEqual(doctest.testmod(results).failed, 0)
+        quick = results.out_dir("tiered_mesh", quick=True)
+        self.addCleanup(shutil.rmtree, quick, True)
+        self.assertTrue(os.path.isdir(quick))
+        self.assertNotEqual(os.path.commonpath([quick, results.RESULTS]), results.RESULTS)
+        self.assertEqual(results.out_dir("tiered_mesh", quick=False),
+                         os.path.join(results.RESULTS, "tiered_mesh"))
+        self.assertEqual(results.out_dir("tiered_mesh", quick=True, given="/x"), "/x")
 
 
 if __name__ == "__main__":
