@@ -41,7 +41,7 @@ from tfhybrid.optimizers import RowWiseAdagrad  # noqa: E402
 
 def build(args, target: float | None):
     """A trained one-process layer and its optimizer; ``target`` None: dense tables."""
-    mesh_lib._reset_for_tests()
+    mesh_lib.reset()
     tfhybrid.init(model_parallel=1)
     adaptive = {} if target is None else dict(dims="adaptive", chunks=args.chunks,
                                               target_memory=target)

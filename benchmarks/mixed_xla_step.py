@@ -43,7 +43,7 @@ def measure(policy: str, xla: bool, args) -> float:
         loss = step()
     loss.numpy()
     seconds = (time.perf_counter() - start) / args.steps
-    tfhybrid.mesh._reset_for_tests()
+    tfhybrid.mesh.reset()
     tf.keras.mixed_precision.set_global_policy("float32")
     return seconds
 

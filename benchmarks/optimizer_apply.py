@@ -673,7 +673,7 @@ def build_worker(args: argparse.Namespace) -> int:
 
     co.library_path = str(args.worker_lib)  # before the first load
     if not co.custom_ops_available():
-        raise RuntimeError(f"worker: cannot load {args.worker_lib}: {co._load_error}")  # pylint: disable=protected-access
+        raise RuntimeError(f"worker: cannot load {args.worker_lib}: {co.load_error()}")
     workload = workload_of(args)
     state = TfState(tf, workload, workload_lib.zipf_ids(workload, args.warmup + args.iters),
                     workload_lib.upstream_gradient(workload))

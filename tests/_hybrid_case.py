@@ -187,5 +187,5 @@ def dense_weights(model) -> list:
 def world_size() -> int:
     world = tfhybrid.init(model_parallel=1).size
     from tfhybrid import mesh as mesh_lib
-    mesh_lib._reset_for_tests()
+    mesh_lib.reset()
     return world

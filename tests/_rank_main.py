@@ -114,7 +114,7 @@ def _between_modules() -> None:
     Every rank runs the same modules in the same order, so all reset alike."""
     import tensorflow as tf
     if "tfhybrid.mesh" in sys.modules:
-        sys.modules["tfhybrid.mesh"]._reset_for_tests()
+        sys.modules["tfhybrid.mesh"].reset()
     tf.keras.mixed_precision.set_global_policy("float32")
     tf.keras.backend.clear_session()
 

@@ -31,7 +31,7 @@ class _UserLayer(DistributedEmbedding):
 class AutographTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_tfhybrid_functions_are_exempt_and_user_code_is_not(self):

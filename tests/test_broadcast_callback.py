@@ -62,7 +62,7 @@ def _eager_step(model, optimizer, ids, labels):
 
 
 def _all_variables(model):
-    return list(model.variables) + distributed._optimizer_variables(model.optimizer)
+    return list(model.variables) + distributed.optimizer_variables(model.optimizer)
 
 
 def _assert_outputs_match(test, model, case):
@@ -76,7 +76,7 @@ def _assert_outputs_match(test, model, case):
 class BroadcastVariablesTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_after_a_step_every_copy_becomes_its_root_replicas(self):
@@ -88,7 +88,7 @@ class BroadcastVariablesTest(tf.test.TestCase):
             tf.keras.optimizers.Adam(0.01), embedding_optimizer=optimizers.RowWiseAdagrad(0.1))
         # eager steps: nothing to trace
         _eager_step(model, optimizer, *case.local_batch_of(0, mesh.rank))
-        variables = list(model.variables) + distributed._optimizer_variables(optimizer)
+        variables = list(model.variables) + distributed.optimizer_variables(optimizer)
         local = _on_one_position(variables)
         # slots of shards are among them (Adam's for dense layers, AdaGrad's for tables)
         owns_shards = any(distributed.is_model_parallel(v) for v in variables)
@@ -160,7 +160,7 @@ class BroadcastVariablesTest(tf.test.TestCase):
 class BroadcastCallbackTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _dense_run(self, mesh, callback, build_first=False):

@@ -237,7 +237,7 @@ class ReshardTest(tf.test.TestCase):
         # the uninterrupted run's next step
         train_step(model, optimizer, *batch(TRAIN_STEPS, mesh))
         cls.continued = snapshot(model, optimizer)
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
 
     @classmethod
     def tearDownClass(cls):
@@ -247,7 +247,7 @@ class ReshardTest(tf.test.TestCase):
         super().tearDownClass()
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     # ------------------------------------------------------------ checks
@@ -396,7 +396,7 @@ class FullShapeSlotTest(tf.test.TestCase):
     """Adam's [rows, cols] slots reshard exactly like their tables."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _full_slots(self, layer, optimizer) -> list[dict]:
@@ -421,7 +421,7 @@ class FullShapeSlotTest(tf.test.TestCase):
             checkpoint.save(directory, model, optimizer, step=1)
             saved = self._full_slots(embedding_of(model), optimizer)
             tables = embedding_of(model).get_weights(all_ranks=True)
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
             mesh = tfhybrid.init(model_parallel=4)
             model = build_model(mesh, column_slice_threshold=300, data_parallel_threshold=None)
@@ -458,7 +458,7 @@ class SaveTogetherTest(tf.test.TestCase):
         _barrier("test_checkpoint_together_done")
         if hvd.rank() == 0:
             shutil.rmtree(cls.directory, ignore_errors=True)
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDownClass()
 
     def test_ranks_saving_to_different_paths_raise(self):

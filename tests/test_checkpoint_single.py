@@ -36,7 +36,7 @@ class _Base(tf.test.TestCase):
         self.addCleanup(shutil.rmtree, self.directory, True)
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _trained(self, steps=1, **kwargs):
@@ -152,7 +152,7 @@ class ErrorTest(_Base):
                                make_optimizer(self.mesh))
 
         other_mesh = build_model(self.mesh)
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         with self.assertRaisesRegex(ValueError, "no mesh: call tfhybrid.init"):
             checkpoint.save(self.directory, other_mesh, None, step=2)
         self.mesh = tfhybrid.init(model_parallel=1)

@@ -61,7 +61,7 @@ class ConfigTest(tf.test.TestCase):
                                              "refresh_every": 2000})
             self.assertEqual(DistributedEmbedding.from_config(config).dct, layer.dct)
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_app_flags_are_checked(self):
         for name in ("dct_dp_keep", "dct_mp_keep"):
@@ -76,7 +76,7 @@ class ConfigTest(tf.test.TestCase):
             with self.assertRaisesRegex(ValueError, "pass the optimizer too"):
                 tfhybrid.DistributedGradientTape(tf.GradientTape(), dct=DCT())
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 
 class PerSampleTopKTest(tf.test.TestCase):

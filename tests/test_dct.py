@@ -33,7 +33,7 @@ def _meshes():
     """M for a 1D mesh, and 2 (a 2 x 2 mesh) on four ranks. Starts Horovod the way
     tfhybrid does (with process sets), then forgets the mesh."""
     world = tfhybrid.init(model_parallel=1).size
-    mesh_lib._reset_for_tests()
+    mesh_lib.reset()
     return [world] + ([2] if world == 4 else [])    # 1D, and 2 x 2 on four ranks
 
 
@@ -95,7 +95,7 @@ def _trained(mesh, dct, tables, batches, dtype=None):
 class KeepOneTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_keep_one_trains_bit_for_bit_like_no_dct(self):
@@ -115,7 +115,7 @@ class KeepOneTest(tf.test.TestCase):
                     # training moved the weights, so the equality is not trivial
                     self.assertGreater(max(np.abs(a - b).max() for a, b in zip(off, start)
                                            if a.size), 1e-3)
-                    mesh_lib._reset_for_tests()
+                    mesh_lib.reset()
 
 
 class EveryPlacementTest(tf.test.TestCase):
@@ -124,7 +124,7 @@ class EveryPlacementTest(tf.test.TestCase):
 
     def tearDown(self):
         de.FEATURES = self._features
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_trains_on_every_placement(self):
@@ -143,13 +143,13 @@ class EveryPlacementTest(tf.test.TestCase):
                 # something was left out: the runs differ
                 self.assertGreater(max(np.abs(a - b).max() for a, b in zip(off, on)
                                        if a.size), 1e-4)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
 
 class ResidualTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_updates_sum_to_raw_gradients_minus_residuals(self):
@@ -187,7 +187,7 @@ class MaskTest(tf.test.TestCase):
     gradient is the full gradient at the same positions."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _check(self, m, dtype, tol):
@@ -243,14 +243,14 @@ class MaskTest(tf.test.TestCase):
                                ("mixed_bfloat16", 2e-2)):
                 with self.subTest(model_parallel=m, dtype=dtype):
                     self._check(m, dtype, tol)
-                    mesh_lib._reset_for_tests()
+                    mesh_lib.reset()
 
 
 class BytesTest(tf.test.TestCase):
 
     def tearDown(self):
         collectives.stop_counting_traffic()
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _traffic(self, mesh, dct, steps=6):
@@ -301,13 +301,13 @@ class BytesTest(tf.test.TestCase):
                                         msg=f"data-parallel {dp_off} -> {dp_on} bytes/step")
                 self.assertGreaterEqual(mp_off / mp_on, 20.0,
                                         msg=f"alltoall rows {mp_off} -> {mp_on} bytes/step")
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
 
 class LossScaleTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_tape_thresholds_the_unscaled_gradient(self):

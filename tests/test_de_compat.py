@@ -55,7 +55,7 @@ class DeCompatTest(tf.test.TestCase):
         tfhybrid.init(model_parallel=hvd.size())
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_hvd_init_first_model_parallel_over_all_ranks(self):
@@ -64,22 +64,22 @@ class DeCompatTest(tf.test.TestCase):
         de.run_step(self, TABLES, strategy="basic")
 
     def test_hvd_init_first_pure_data_parallel(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         tfhybrid.init(model_parallel=1)
         de.run_step(self, TABLES, strategy="basic")
 
     def test_hvd_init_first_two_dimensional_says_what_to_do(self):
         if hvd.size() < 4:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
             with self.assertRaisesRegex(ValueError, "model_parallel=3"):
                 tfhybrid.init(model_parallel=3)
             return
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         with self.assertRaisesRegex(RuntimeError, r"hvd.init\(process_sets='dynamic'\)"):
             tfhybrid.init(model_parallel=2)
 
     def test_layer_without_tfhybrid_init_uses_the_existing_horovod(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         layer = de.run_step(self, TABLES[:3])
         self.assertEqual(layer._mesh.size, hvd.size())
 

@@ -140,7 +140,7 @@ def _loss(labels, logits):
 class ParityTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _run(self, model_parallel, layout, optimizer_name, use_function):
@@ -223,26 +223,26 @@ class ParityTest(tf.test.TestCase):
 
     def test_sgd_parity_every_mesh(self):
         tfhybrid.init(model_parallel=1)  # initialises Horovod, so _world() is right
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         for m, layout in self._meshes():
             with self.subTest(model_parallel=m, layout=layout):
                 self._run(m, layout, "sgd", use_function=False)
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_sgd_parity_in_tf_function(self):
         # The same step traced into a graph, with M = N so positions own different shards
         # and build different graphs: Horovod must still match every collective by name.
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         self._run(world, "model_major", "sgd", use_function=True)
 
     def test_adagrad_parity_every_mesh(self):
         tfhybrid.init(model_parallel=1)
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         for m, layout in self._meshes():
             with self.subTest(model_parallel=m, layout=layout):
                 self._run(m, layout, "adagrad", use_function=False)
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 
 class BytesTest(tf.test.TestCase):
@@ -250,12 +250,12 @@ class BytesTest(tf.test.TestCase):
 
     def tearDown(self):
         collectives.stop_counting_traffic()
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_measured_alltoall_bytes_equal_the_plan(self):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         mesh = tfhybrid.init(model_parallel=world)
         tables = [Embedding(400, 12, combiner="sum", name="cols"),
                   Embedding(90, 6, combiner="mean", name="whole"),
@@ -285,12 +285,12 @@ class BytesTest(tf.test.TestCase):
 class IdleRanksTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_ranks_that_own_no_table_still_take_part(self):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         mesh = tfhybrid.init(model_parallel=world)
         layer = DistributedEmbedding([Embedding(40, 4, combiner="sum", name="only")],
                                      mesh=mesh)
@@ -311,7 +311,7 @@ class BadInputTest(tf.test.TestCase):
     """Bad input on one rank fails on every rank, with the values named; never a hang."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _layer(self, mesh):
@@ -354,7 +354,7 @@ class BadInputTest(tf.test.TestCase):
 class ConfigTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_get_config_round_trip(self):

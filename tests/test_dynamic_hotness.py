@@ -141,7 +141,7 @@ class FitOverSequenceTest(tf.test.TestCase):
     hotness is unknown, and training equals static shapes and one process."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _fit(self, mesh, feed: str, data) -> tuple[list, list]:
@@ -178,7 +178,7 @@ class FitOverSequenceTest(tf.test.TestCase):
 
     def test_sequence_and_generator_equal_static_shapes_and_one_process(self):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         data = _global_data(world)
         want = _reference(*data, world)
         want = want[:len(TABLES)] + [want[len(TABLES)]]   # the tables and the kernel
@@ -200,7 +200,7 @@ class FitOverSequenceTest(tf.test.TestCase):
                         self.assertAllClose(got, expected, atol=1e-6, rtol=1e-6)
                     for got, expected in zip(weights, want):
                         self.assertAllClose(got, expected, atol=1e-5, rtol=1e-5)
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 
 class LayerStepTest(tf.test.TestCase):
@@ -208,7 +208,7 @@ class LayerStepTest(tf.test.TestCase):
     hotness, against plain Keras layers on the global batch."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_both_input_modes_and_every_kind(self):
@@ -223,14 +223,14 @@ class LayerStepTest(tf.test.TestCase):
                         tfhybrid.init(model_parallel=model_parallel)
                         de.run_step(self, sizes, combiner=combiner, hotness=3,
                                     unknown_hotness=True, dp_input=dp_input, **THRESHOLDS)
-                        mesh_lib._reset_for_tests()
+                        mesh_lib.reset()
 
     def test_model_parallel_input_without_combiner_takes_one_id_per_sample(self):
         tfhybrid.init(model_parallel=2)
         sizes = [[400, 8], [60, 4]]
         de.run_step(self, sizes, combiner=None, hotness=1, unknown_hotness=True,
                     dp_input=False, **THRESHOLDS)
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         tfhybrid.init(model_parallel=2)
         # a hotness of 2 at run time stops every rank with the reason, not a hang
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
@@ -278,7 +278,7 @@ class StorageKindsTest(tf.test.TestCase):
     same ids with a static hotness."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _compare(self, make_layer, optimizer=lambda: tf.keras.optimizers.SGD(0.2),

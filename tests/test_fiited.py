@@ -396,7 +396,7 @@ class AdaptiveLayerTest(unittest.TestCase):
                                                     "cut a chunk"):
                 layer([tf.constant([[1, 2]])])
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_distributed_embedding_in_one_process_equals_the_layer(self):
         import tfhybrid
@@ -437,7 +437,7 @@ class AdaptiveLayerTest(unittest.TestCase):
                              + single.table.memory_bytes()["zero_chunk"]
                              + single.table.memory_bytes()["row_offsets"])
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 class CompactCheckpointTest(unittest.TestCase):
     """A DistributedEmbedding checkpoint holds a FIITED table compactly: only the present
@@ -499,7 +499,7 @@ class CompactCheckpointTest(unittest.TestCase):
                         counts[t])
                 wanted = {t: (table.accumulator.numpy(), table.utility.numpy())
                           for t, table in enumerate(layer._chunked_tables.values())}
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
                 tfhybrid.init(model_parallel=1)
                 fresh, fresh_optimizer = self._layer(dims="adaptive", seed=9)
                 tf.train.Checkpoint(layer=fresh, optimizer=fresh_optimizer).restore(
@@ -518,7 +518,7 @@ class CompactCheckpointTest(unittest.TestCase):
                 self.assertEqual(self._keys(path)["table_0"], [int(counts[0].sum()),
                                                                DIM // CHUNKS])
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_compact_layout_places_every_shard_in_one_run_per_chunk(self):
         import doctest
@@ -543,14 +543,14 @@ class CompactCheckpointTest(unittest.TestCase):
             dense, _ = self._layer(dims=None)
             with tempfile.TemporaryDirectory() as d:
                 path = tf.train.Checkpoint(layer=dense).save(os.path.join(d, "ckpt"))
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
                 tfhybrid.init(model_parallel=1)
                 adaptive, _ = self._layer(dims="adaptive")
                 with self.assertRaisesRegex(ValueError, "holds table 'a' without a FIITED "
                                                         "chunk layout"):
                     tf.train.Checkpoint(layer=adaptive).restore(path)
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_other_chunk_sizes_are_refused_by_name(self):
         import tfhybrid
@@ -559,7 +559,7 @@ class CompactCheckpointTest(unittest.TestCase):
         try:
             layers = []
             for chunks in (CHUNKS, CHUNKS // 2):
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
                 tfhybrid.init(model_parallel=1)
                 layer = tfhybrid.DistributedEmbedding([Embedding(
                     ROWS, DIM, combiner="sum", name="a", dims="adaptive", chunks=chunks)])
@@ -573,4 +573,4 @@ class CompactCheckpointTest(unittest.TestCase):
                                                         r"present chunks.*need \[50, 4\]"):
                     tf.train.Checkpoint(layer=layers[1]).restore(path)
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()

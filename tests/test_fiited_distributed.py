@@ -65,7 +65,7 @@ def _distributed(case, mesh, adjust=ADJUST, **layer_kwargs):
 class FiitedMeshTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_every_mesh_prunes_and_trains_as_one_process(self):
@@ -98,13 +98,13 @@ class FiitedMeshTest(tf.test.TestCase):
                         if chunked is not None:
                             part = want_counts[t][shard.row_start:shard.row_end]
                             self.assertEqual(chunked.pool_slots(), int(part.sum()))
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 
 class ColumnSliceTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_column_slices_take_one_process_decision(self):
@@ -127,7 +127,7 @@ class CheckpointTest(tf.test.TestCase):
     uninterrupted."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_restores_onto_other_meshes_and_continues_like_the_uninterrupted_run(self):
@@ -155,7 +155,7 @@ class CheckpointTest(tf.test.TestCase):
         _fit(model, more, mesh)
         want_tables, want_counts = hc.table_weights(layer), layer.chunks_per_row()
         want_dense = hc.dense_weights(model)
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
 
         # 4x1 (every table whole on each rank): exact restore, then the same training
         mesh = tfhybrid.init(model_parallel=1)
@@ -172,7 +172,7 @@ class CheckpointTest(tf.test.TestCase):
             self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
         for got, want in zip(hc.dense_weights(model), want_dense):
             self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
 
         # 1x4 with column slices: the layout, values and each row's utility come back
         mesh = tfhybrid.init(model_parallel=world)

@@ -42,7 +42,7 @@ def _local(mesh, features, labels):
 class FitTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _init_weights(self, model, seed=1):
@@ -144,7 +144,7 @@ class IdlePositionsTest(tf.test.TestCase):
     ROWS, DIM, STEPS = 40, 4, 3
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _start(self, world):
@@ -173,7 +173,7 @@ class IdlePositionsTest(tf.test.TestCase):
 
     def test_fit_and_traced_loop_when_positions_own_no_shard(self):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         table, kernel, ids, labels = self._start(world)
         want = self._reference(table, kernel, ids, labels, LOCAL_BATCH * world)
         for model_parallel in (world, world // 2):
@@ -207,13 +207,13 @@ class IdlePositionsTest(tf.test.TestCase):
                     got = embedding.get_weights(all_ranks=True) + head.get_weights()
                     for value, expected in zip(got, want):
                         self.assertAllClose(value, expected, atol=1e-5, rtol=1e-5)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
 
 class StepsTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_uneven_input_fails_on_every_rank_before_training(self):

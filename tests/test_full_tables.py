@@ -20,12 +20,12 @@ class FullTablesTest(tf.test.TestCase):
 
     def tearDown(self):
         de_module._CHUNK_BYTES = self._chunk
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_round_trip_every_kind(self):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         for m in [m for m in range(1, world + 1) if world % m == 0]:
             mesh = tfhybrid.init(model_parallel=m, layout="data_major")
             layer = DistributedEmbedding(
@@ -49,7 +49,7 @@ class FullTablesTest(tf.test.TestCase):
                 self.assertAllEqual(on_root[1], full[1])
             else:
                 self.assertEqual(on_root, [])
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_set_weights_checks_shapes(self):
         mesh = tfhybrid.init(model_parallel=1)

@@ -88,7 +88,7 @@ class TapeEqualsOptimizerTest(tf.test.TestCase):
 
     def tearDown(self):
         tf.keras.mixed_precision.set_global_policy("float32")
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_fit_with_the_optimizer_equals_a_tape_loop(self):
@@ -114,7 +114,7 @@ class TapeEqualsOptimizerTest(tf.test.TestCase):
                     self.assertAllEqual(scales, tf.fill([world], scales[0]))
                     self.assertAllEqual(fit_optimizer.loss_scale, loop_optimizer.loss_scale)
                     self.assertLess(float(fit_optimizer.loss_scale), 2.0 ** 15)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
                 tf.keras.mixed_precision.set_global_policy("float32")
 
 
@@ -152,7 +152,7 @@ _NO_COLUMN_SLICES = dict(column_slice_threshold=None)
 class SingleProcessParityTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _check(self, case, mesh, reference, make, layer_kwargs=None, **optimizer_kwargs):
@@ -180,7 +180,7 @@ class SingleProcessParityTest(tf.test.TestCase):
                 with self.subTest(optimizer=name, model_parallel=model_parallel):
                     self._check(case, tfhybrid.init(model_parallel=model_parallel),
                                 reference, make, layer_kwargs=_NO_COLUMN_SLICES)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_clipping_equals_one_process_clipping_of_the_global_gradient(self):
         world = hc.world_size()
@@ -200,7 +200,7 @@ class SingleProcessParityTest(tf.test.TestCase):
                 with self.subTest(clip=name, model_parallel=model_parallel):
                     self._check(case, tfhybrid.init(model_parallel=model_parallel),
                                 reference, make)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_separate_embedding_and_dense_optimizers(self):
         world = hc.world_size()
@@ -213,7 +213,7 @@ class SingleProcessParityTest(tf.test.TestCase):
                 mesh = tfhybrid.init(model_parallel=model_parallel)
                 self._check(case, mesh, reference, make_dense, layer_kwargs=_NO_COLUMN_SLICES,
                             embedding_optimizer=make_tables())
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_weight_sync_needs_the_optimizer_on_the_tape(self):
         mesh = tfhybrid.init(model_parallel=1)

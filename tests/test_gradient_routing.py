@@ -12,7 +12,7 @@ HOROVOD_NP = (1, 2, 4)
 
 def _meshes():
     world = tfhybrid.init(model_parallel=1).size
-    mesh_lib._reset_for_tests()
+    mesh_lib.reset()
     return [(m, layout) for m in range(1, world + 1) if world % m == 0
             for layout in mesh_lib.LAYOUTS]
 
@@ -20,7 +20,7 @@ def _meshes():
 class RoutingTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_scales_and_groups(self):
@@ -38,7 +38,7 @@ class RoutingTest(tf.test.TestCase):
             self.assertAllClose(got_dense, np.full(3, sum(range(1, n + 1)) / n))
             want_shard = sum(r + 1 for r in mesh.data_group_ranks) / mesh.data_parallel
             self.assertAllClose(got_shard, np.full(3, want_shard), msg=f"{m} {layout}")
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_sparse_stays_sparse_where_cheaper(self):
         mesh = tfhybrid.init(model_parallel=1)
@@ -99,7 +99,7 @@ class RoutingTest(tf.test.TestCase):
             root_replica = next(d for d, g in enumerate(mesh.model_groups) if root in g)
             source = mesh.model_groups[root_replica][mesh.model_position]
             self.assertAllEqual(shard, [10.0 * source] * 3)
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ class SyncOptionsTest(tf.test.TestCase):
     """Each option on one gradient of every kind, against plain Horovod."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_average_and_sum_equal_plain_horovod_for_every_kind_of_variable(self):
@@ -331,7 +331,7 @@ class TrainingWithOptionsTest(tf.test.TestCase):
     """The hybrid model (every placement) trained with each option equals one process."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _assert_equal_models(self, model, layer, reference, case, msg):

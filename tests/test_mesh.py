@@ -60,7 +60,7 @@ class MeshCollectivesTest(tf.test.TestCase):
     """Builds every mesh the world size allows and runs collectives inside its groups."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _check_mesh(self, m, layout):
@@ -110,7 +110,7 @@ class MeshCollectivesTest(tf.test.TestCase):
             for layout in mesh_lib.LAYOUTS:
                 with self.subTest(model_parallel=m, layout=layout):
                     self._check_mesh(m, layout)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_default_model_parallel_is_local_size(self):
         mesh = tfhybrid.init()

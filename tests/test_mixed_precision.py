@@ -16,7 +16,7 @@ HOROVOD_NP = (4,)
 
 def _world():
     world = tfhybrid.init(model_parallel=1).size
-    mesh_lib._reset_for_tests()
+    mesh_lib.reset()
     return world
 
 
@@ -25,7 +25,7 @@ class MixedPrecisionTest(tf.test.TestCase):
     def tearDown(self):
         tf.keras.mixed_precision.set_global_policy("float32")
         collectives.stop_counting_traffic()
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_bfloat16_crosses_bit_exactly(self):
@@ -62,7 +62,7 @@ class MixedPrecisionTest(tf.test.TestCase):
         grads = tape.gradient(loss, layer.trainable_variables)
         row_bytes = int(traffic["alltoall"].numpy())
         collectives.stop_counting_traffic()
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         return layer, outputs, grads, row_bytes
 
     def test_tables_stay_float32_and_rows_travel_in_16_bits(self):
@@ -123,7 +123,7 @@ class MixedPrecisionTest(tf.test.TestCase):
             model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 20 steps
             loss = model.evaluate(x, y, batch_size=32, verbose=0)
             losses[policy] = float(hvd.allreduce(tf.constant(loss), op=hvd.Average))
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
         print("loss after 20 steps:", losses)
         self.assertLess(losses["float32"], 0.68)  # it learned something: ln 2 = 0.693
         self.assertAllClose(losses["mixed_float16"], losses["float32"], atol=1e-2)
@@ -202,7 +202,7 @@ class MixedPrecisionTest(tf.test.TestCase):
                 # anywhere, would move them ~0.1 or make them NaN.
                 for got, ref in zip([full_table] + dense, want):
                     self.assertAllClose(got, ref, atol=3e-4, rtol=0)
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
     def test_16_bit_training_equals_one_process_in_the_same_precision(self):
         # The reference is the same network in one process under the same policy, so
@@ -251,7 +251,7 @@ class MixedPrecisionTest(tf.test.TestCase):
                     print(f"{policy} M={model_parallel}: largest weight difference {worst:.2e}")
                     for g, w in zip(got, want):
                         self.assertAllClose(g, w, atol=bound, rtol=0)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     @staticmethod
     def _one_table_model(mesh, rows, dim):

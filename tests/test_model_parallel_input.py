@@ -25,17 +25,17 @@ def _meshes(size):
 class ModelParallelInputTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _each_mesh(self, check):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         for m, layout in _meshes(world):
             with self.subTest(model_parallel=m, layout=layout):
                 tfhybrid.init(model_parallel=m, layout=layout)
                 check()
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_one_hot_shared_tables(self):
         self._each_mesh(lambda: de.run_step(

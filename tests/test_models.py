@@ -35,7 +35,7 @@ class ModelsTest(tf.test.TestCase):
         tfhybrid.init(model_parallel=1)
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         tf.keras.mixed_precision.set_global_policy("float32")
         super().tearDown()
 

@@ -155,7 +155,7 @@ class self_raises_stop_iteration:
 class PipelineEqualsPlainLoopTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _assert_same(self, got, want):
@@ -194,7 +194,7 @@ class PipelineEqualsPlainLoopTest(tf.test.TestCase):
                     self._assert_same(looped, unpiped)
                     self.assertEqual(losses, unpiped_losses)
                     self.assertLen(losses, loop_steps)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_epochs_and_steps_per_execution(self):
         """A new epoch's iterator drops the batch read ahead from the old one (the plain
@@ -216,7 +216,7 @@ class PipelineEqualsPlainLoopTest(tf.test.TestCase):
 class PipelineErrorsTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _pipelined(self, case, mesh):

@@ -288,7 +288,7 @@ class DistributedTierTest(_TempDir):
     memory; tests/test_tiers_distributed.py runs the 2x2 and 1x4 meshes."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _model(self, store_dir=None):

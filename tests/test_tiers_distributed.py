@@ -84,7 +84,7 @@ class _TierDir(tf.test.TestCase):
         self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def fresh_dir(self):
@@ -112,7 +112,7 @@ class ShardedTierTest(_TierDir):
                 ("rowwise_adagrad", lambda: RowWiseAdagrad(0.1), 2, (False, True)),
                 ("rowwise_adagrad", lambda: RowWiseAdagrad(0.1), world, (False,))]
         for name, make, model_parallel, pipelines in runs:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
             mesh = tfhybrid.init(model_parallel=model_parallel)
             memory, memory_loss = _trained(_case(world, seed=41), mesh, make)
             for pipeline in pipelines:
@@ -252,7 +252,7 @@ class TierCheckpointTest(_TierDir):
                  mesh, make, model=model)
         want = _weights(model)
         for model_parallel, tiered in ((2, True), (world, False), (world, True)):
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
             with self.subTest(model_parallel=model_parallel, tiered=tiered):
                 mesh = tfhybrid.init(model_parallel=model_parallel)
                 case = (dataclasses.replace(first, store_dir=self.fresh_dir()) if tiered
@@ -348,7 +348,7 @@ class AdaptiveTierTest(_TierDir):
         _trained(then, mesh, lambda: RowWiseAdagrad(0.1), model=model)
         want = _weights(model)
         for model_parallel, tiered in ((world, False), (world, True), (2, True)):
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
             with self.subTest(model_parallel=model_parallel, tiered=tiered):
                 mesh = tfhybrid.init(model_parallel=model_parallel)
                 restored, layer = self._case(world, 73, tiered=tiered).distributed_model(mesh)

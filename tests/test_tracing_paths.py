@@ -78,7 +78,7 @@ def _train(case, mesh, how):
 class TracingPathsTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _assert_equal_to_reference(self, model, layer, reference, case, what):
@@ -102,7 +102,7 @@ class TracingPathsTest(tf.test.TestCase):
                     self.assertLess(len(owners), model_parallel)
                     self._assert_equal_to_reference(model, layer, reference, case,
                                                     f"M={model_parallel} {how}")
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_evaluate_and_predict_with_idle_positions(self):
         world = hc.world_size()
@@ -128,7 +128,7 @@ class TracingPathsTest(tf.test.TestCase):
                     averaged = float(hvd.allreduce(tf.constant(loss), op=hvd.Average,
                                                    name=f"loss_{model_parallel}_{nested}"))
                     self.assertAllClose(averaged, want_loss, atol=1e-6, rtol=1e-5)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_keep_alive_reads_each_collective_in_a_traced_function(self):
         # Why the collective survives: a stateful op reads its output, so Grappler can
@@ -160,7 +160,7 @@ class EmptyInputTest(tf.test.TestCase):
     """A rank whose bags of a feature are all empty, or a feature of zero hotness."""
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_a_rank_without_ids_trains_like_one_process(self):
@@ -182,7 +182,7 @@ class EmptyInputTest(tf.test.TestCase):
                     for got, want in zip(hc.dense_weights(model),
                                          hc.dense_weights(reference)):
                         self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)
-                mesh_lib._reset_for_tests()
+                mesh_lib.reset()
 
     def test_zero_hotness_gives_the_single_process_shapes_and_zeros(self):
         world = hc.world_size()
@@ -198,13 +198,13 @@ class EmptyInputTest(tf.test.TestCase):
                 for g, w in zip(got, want):
                     self.assertEqual(g.shape, w.shape)
                     self.assertAllEqual(g, tf.zeros_like(w))
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 
 class BuildOrderTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def test_weights_of_an_unbuilt_layer_raise_value_error(self):

@@ -313,7 +313,7 @@ class TrainConfigTest(tf.test.TestCase):
                                               embedding_optimizer="adagrad"))
             self.assertAllClose(float(fallback.embedding_optimizer.learning_rate), 0.3)
         finally:
-            mesh_lib._reset_for_tests()
+            mesh_lib.reset()
 
 
 if __name__ == "__main__":

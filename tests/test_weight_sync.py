@@ -60,12 +60,12 @@ class _Holder(tf.keras.Model):
 class WeightSyncTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _mesh(self):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         # D = 2 replicas: 2x1 on two ranks, 2x2 on four
         return tfhybrid.init(model_parallel=world // 2)
 

@@ -20,7 +20,7 @@ def _tower():
 class XlaTest(tf.test.TestCase):
 
     def tearDown(self):
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         super().tearDown()
 
     def _train(self, mesh, tower, steps=4):
@@ -45,7 +45,7 @@ class XlaTest(tf.test.TestCase):
 
     def test_xla_tower_equals_plain_tower(self):
         world = tfhybrid.init(model_parallel=1).size
-        mesh_lib._reset_for_tests()
+        mesh_lib.reset()
         mesh = tfhybrid.init(model_parallel=world)
         plain = self._train(mesh, _tower())
         compiled = self._train(mesh, XlaCompiled(_tower()))

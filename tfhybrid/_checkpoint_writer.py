@@ -96,8 +96,8 @@ def _save(self: Any, file_prefix: Any, options: Any = None) -> Any:
     sharded tables, else TensorFlow's own. One process runs the same protocol (its
     agreements are no-ops), so a save behaves alike on any mesh."""
     entries = _entries(self)
-    if mesh_lib._MESH is None or not any(isinstance(value, PieceSpec)
-                                         for _, _, value in entries):
+    mesh = mesh_lib.initialized_mesh()
+    if mesh is None or not any(isinstance(value, PieceSpec) for _, _, value in entries):
         return _ORIGINAL_SAVE(self, file_prefix, options)
     if not tf.executing_eagerly():
         raise RuntimeError("a checkpoint of sharded DistributedEmbedding tables is written "
@@ -107,7 +107,7 @@ def _save(self: Any, file_prefix: Any, options: Any = None) -> Any:
                          " cannot be combined with sharded DistributedEmbedding tables")
     prefix = file_prefix.numpy().decode() if hasattr(file_prefix, "numpy") else str(
         file_prefix)
-    _write_together(mesh_lib._MESH, prefix, entries)
+    _write_together(mesh, prefix, entries)
     return None
 
 

@@ -56,7 +56,7 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         model_variables = list(self.model.variables) if self.model.built else []
         if not model_variables:
             return  # nothing built yet: try again after the next batch
-        variables = [v for v in model_variables + distributed._optimizer_variables(
+        variables = [v for v in model_variables + distributed.optimizer_variables(
             getattr(self.model, "optimizer", None)) if v.ref() not in self._local_vars]
         with tf.device(self.device):
             distributed.broadcast_variables(variables, self.root_rank,
@@ -238,7 +238,7 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         # a DistributedOptimizer may train the tables with its own embedding optimizer
         optimizer = getattr(optimizer, "embedding_optimizer", None) or optimizer
-        optimizer = distributed._base_optimizer(optimizer)   # inside a loss scale one
+        optimizer = distributed.base_optimizer(optimizer)   # inside a loss scale one
         if self._layers() and not isinstance(optimizer, RowWiseAdagrad):
             raise ValueError(
                 f"FiitedAdjust resizes the adaptive tables, which {type(optimizer).__name__}"

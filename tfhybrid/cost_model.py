@@ -59,7 +59,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from tfhybrid import planner
 from tfhybrid.mesh import LAYOUTS, mesh_groups
-from tfhybrid.planner import (COST_STRATEGY, DTYPE_BYTES, OPTIMIZERS, REPLICA_SYNC,
+from tfhybrid.planner import (COST_STRATEGY, DTYPE_BYTES, OPTIMIZERS, REPLICA_SYNC, check_int,
                               ShardingPlan, TableConfig)
 
 ALLREDUCE_ALGORITHMS = ("ring", "hierarchical")
@@ -82,11 +82,6 @@ def _check_number(what: str, value: Any, *, positive: bool, allow_inf: bool = Fa
         bound = "> 0" if positive else ">= 0"
         raise ValueError(f"{what} must be a {'' if allow_inf else 'finite '}number {bound}, "
                          f"got {value!r}")
-
-
-def _check_int(what: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -187,13 +182,13 @@ class ClusterSpec(_JsonRoundTrip):
     allreduce: str = "ring"
 
     def __post_init__(self) -> None:
-        _check_int("nodes", self.nodes, 1)
-        _check_int("ranks_per_node", self.ranks_per_node, 1)
+        check_int("nodes", self.nodes, 1)
+        check_int("ranks_per_node", self.ranks_per_node, 1)
         for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
             _check_number(name, getattr(self, name), positive=True, allow_inf=True)
         for name in ("intra_node_latency", "inter_node_latency"):
             _check_number(name, getattr(self, name), positive=False)
-        _check_int("memory_per_rank", self.memory_per_rank, 1)
+        check_int("memory_per_rank", self.memory_per_rank, 1)
         if not isinstance(self.rates, ComputeRates):
             raise ValueError(f"rates must be a ComputeRates, got {self.rates!r}")
         if self.allreduce not in ALLREDUCE_ALGORITHMS:
@@ -237,7 +232,7 @@ def expected_unique_rows(ids: float, rows: int,
     True
     """
     _check_number("ids", ids, positive=False)
-    _check_int("rows", rows, 1)
+    check_int("rows", rows, 1)
     _check_number("zipf_exponent", zipf_exponent, positive=False)
     if ids == 0:
         return 0.0
@@ -287,9 +282,9 @@ class Workload(_JsonRoundTrip):
         object.__setattr__(self, "tables", tables)
         if not tables:
             raise ValueError("tables is empty; a workload needs at least one table")
-        planner._check_tables(tables)
-        _check_int("local_batch_size", self.local_batch_size, 1)
-        _check_int("dense_parameters", self.dense_parameters, 0)
+        planner.check_tables(tables)
+        check_int("local_batch_size", self.local_batch_size, 1)
+        check_int("dense_parameters", self.dense_parameters, 0)
         for name in ("optimizer", "dense_optimizer"):
             if getattr(self, name) not in OPTIMIZERS:
                 raise ValueError(f"{name} must be one of {OPTIMIZERS}, "
@@ -297,7 +292,7 @@ class Workload(_JsonRoundTrip):
         if self.replica_sync not in REPLICA_SYNC:
             raise ValueError(f"replica_sync must be one of {REPLICA_SYNC}, "
                              f"got {self.replica_sync!r}")
-        _check_int("sync_every", self.sync_every, 1)
+        check_int("sync_every", self.sync_every, 1)
         if self.comm_dtype is not None and self.comm_dtype not in DTYPE_BYTES:
             raise ValueError(f"comm_dtype must be None or one of {sorted(DTYPE_BYTES)}, "
                              f"got {self.comm_dtype!r}")
@@ -426,7 +421,7 @@ class Prediction:
 
     def describe(self) -> str:
         def human(n: float) -> str:
-            return planner._human(n)
+            return planner.format_bytes(n)
         lines = [f"Prediction (cost model): D x M = {self.data_parallel} x "
                  f"{self.model_parallel} {self.layout}: step {self.step_seconds * 1e3:.3f} ms "
                  f"= compute {self.compute_seconds * 1e3:.3f} + communication "
@@ -438,7 +433,7 @@ class Prediction:
         rows = [[c.name, c.kind, c.group, str(c.group_size), "yes" if c.spans_nodes else "no",
                  human(c.bytes_per_rank), human(c.max_intra_link_bytes), human(c.max_nic_bytes),
                  f"{c.calls_per_step:g}", f"{c.seconds * 1e3:.3f}"] for c in self.collectives]
-        lines += planner._aligned(["collective", "kind", "group", "n", "crosses nodes",
+        lines += planner.aligned_table(["collective", "kind", "group", "n", "crosses nodes",
                                    "bytes/rank", "max intra link", "max NIC", "calls/step",
                                    "ms/step"], rows, set(range(3, 10)))
         if self.compute_parts:
@@ -706,7 +701,7 @@ def plan_mesh(tables: Sequence[TableConfig], data_parallel: int, model_parallel:
         raise ValueError(f"strategy={COST_STRATEGY!r} needs cluster=ClusterSpec(...) and "
                          f"workload=Workload(...), got cluster={cluster!r}, "
                          f"workload={workload!r}")
-    tables = planner._check_tables(tables)
+    tables = planner.check_tables(tables)
     if tuple(tables) != workload.tables:
         raise ValueError(f"tables {[t.name for t in tables]} are not the workload's "
                          f"{[t.name for t in workload.tables]}")
@@ -840,7 +835,7 @@ def _point_setup(point: Mapping[str, Any], cluster_template: ClusterSpec,
     if "plan" in point:
         plan = ShardingPlan.from_json(point["plan"])
     else:
-        _check_int("model_parallel", m, 1)
+        check_int("model_parallel", m, 1)
         if cluster.ranks % m:
             raise ValueError(f"model_parallel={m} does not divide {cluster.ranks} ranks")
         plan = planner.plan_sharding(

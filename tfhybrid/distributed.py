@@ -449,7 +449,7 @@ def _is_loss_scaling(optimizer: Any) -> bool:
     return isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
 
 
-def _base_optimizer(optimizer: Any) -> Any:
+def base_optimizer(optimizer: Any) -> Any:
     """The optimizer a loss-scale optimizer wraps (it holds the slots and the clipping)."""
     while optimizer is not None and _is_loss_scaling(optimizer):
         optimizer = optimizer.inner_optimizer
@@ -460,7 +460,7 @@ def _base_optimizer(optimizer: Any) -> Any:
 def _clip_settings(optimizer: Any) -> dict[str, float]:
     """The optimizer's clipping, as Keras applies it: ``clipnorm`` or ``global_clipnorm``
     (never both), else ``clipvalue``."""
-    base = _base_optimizer(optimizer)
+    base = base_optimizer(optimizer)
     settings = {}
     for name in ("clipnorm", "global_clipnorm", "clipvalue"):
         value = getattr(base, name, None)
@@ -558,7 +558,7 @@ def _optimizer_state_of(optimizer: Any, variable: tf.Variable) -> list[tf.Variab
     embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
     if embedding_optimizer is not None and is_embedding(variable):
         optimizer = embedding_optimizer
-    optimizer = _base_optimizer(optimizer)
+    optimizer = base_optimizer(optimizer)
     if optimizer is None:
         return []
     if hasattr(optimizer, "get_slot_names"):  # legacy Keras optimizers
@@ -1135,7 +1135,7 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
 
 
 # -------------------------------------------------------------- broadcast
-def _optimizer_variables(optimizer: Any) -> list:
+def optimizer_variables(optimizer: Any) -> list:
     """An optimizer's variables (new Keras: a property; legacy: a method), with those of
     a DistributedOptimizer's embedding optimizer."""
     if optimizer is None:
@@ -1144,7 +1144,7 @@ def _optimizer_variables(optimizer: Any) -> list:
     found = list(found() if callable(found) and not isinstance(found, list) else found)
     embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
     if embedding_optimizer is not None:
-        found += _optimizer_variables(embedding_optimizer)
+        found += optimizer_variables(embedding_optimizer)
     return found
 
 

@@ -61,7 +61,9 @@ def table_of(variable: Any) -> "ChunkedTable | None":
     return getattr(variable, "_tfhybrid_chunked_table", None)
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
+def checked_int(name: str, value: Any, low: int) -> int:
+    """``value`` as an ``int`` if it is an integer (numpy's too, not bool) >= ``low``;
+    else ``ValueError`` naming ``name`` and ``value``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
@@ -193,13 +195,13 @@ class ChunkOptions:
 
     def _set_chunk_options(self, dim, chunks, utility_decay, min_chunks, position_power,
                            use_custom_op) -> None:
-        self.dim = _check_int("dim", dim, 1)
-        self.chunks = _check_int("chunks", chunks, 1)
+        self.dim = checked_int("dim", dim, 1)
+        self.chunks = checked_int("chunks", chunks, 1)
         if self.dim % self.chunks:
             raise ValueError(f"chunks={chunks} must divide dim={dim}")
         self.chunk_dim = self.dim // self.chunks
         self.utility_decay = _check_fraction("utility_decay", utility_decay, low_open=False)
-        self.min_chunks = _check_int("min_chunks", min_chunks, 0)
+        self.min_chunks = checked_int("min_chunks", min_chunks, 0)
         if self.min_chunks > self.chunks:
             raise ValueError(f"min_chunks={min_chunks} exceeds chunks={chunks}")
         if (isinstance(position_power, bool) or not isinstance(position_power, (int, float))
@@ -264,7 +266,7 @@ class ChunkedTable(ChunkOptions, tf.Module):
                  position_power: float = POSITION_POWER, use_custom_op: bool | None = None,
                  name: str | None = None):
         super().__init__(name=name)
-        self.rows = _check_int("rows", rows, 1)
+        self.rows = checked_int("rows", rows, 1)
         self._set_chunk_options(dim, chunks, utility_decay, min_chunks, position_power,
                                 use_custom_op)
         if initial_value is None:

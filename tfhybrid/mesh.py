@@ -204,7 +204,8 @@ def init(model_parallel: int | None = None, layout: str = "model_major") -> Mesh
             raise ValueError(
                 f"tfhybrid.init was already called with model_parallel="
                 f"{_MESH.model_parallel}, layout={_MESH.layout!r}; cannot re-init with "
-                f"model_parallel={resolved}, layout={layout!r}")
+                f"model_parallel={resolved}, layout={layout!r} (call "
+                "tfhybrid.mesh.reset() on every rank first to build another mesh)")
         return _MESH
     model_groups, data_groups = mesh_groups(size, resolved, layout)
     if any(len(g) not in (1, size) for g in model_groups + data_groups):
@@ -236,6 +237,12 @@ def _require_dynamic_process_sets(model_parallel: int, size: int) -> None:
             "and work after a plain hvd.init().)")
 
 
+def initialized_mesh() -> Mesh | None:
+    """The mesh made by ``tfhybrid.init``, or None before that call (never initialises:
+    for code that must behave alike with and without a mesh)."""
+    return _MESH
+
+
 def current_mesh() -> Mesh:
     """The mesh made by ``tfhybrid.init``; raises if ``init`` was not called yet."""
     if _MESH is None:
@@ -248,8 +255,10 @@ def current_mesh_or_init() -> Mesh:
     return _MESH if _MESH is not None else init()
 
 
-def _reset_for_tests() -> None:
-    """Drops the mesh and removes its process sets, so a test can build another."""
+def reset() -> None:
+    """Drops the mesh and removes the process sets it registered, so that ``init`` can
+    build another (with another M or layout). Every rank calls it, as it calls ``init``:
+    removing a process set is collective. Horovod itself stays initialised."""
     global _MESH
     import horovod.tensorflow as hvd
     while _OWNED_PROCESS_SETS:

@@ -103,10 +103,14 @@ __all__ = ["TableConfig", "Shard", "TablePlacement", "RankEstimate", "PositionTr
            "sync_is_sparse", "sync_bytes", "weight_sync_bytes", "optimizer_state_bytes",
            "input_ids_per_position", "table_ids_per_position", "DTYPE_BYTES", "COMBINERS",
            "STRATEGIES", "ALL_STRATEGIES", "COST_STRATEGY", "DE_STRATEGIES",
-           "DEFAULT_STRATEGY", "OPTIMIZERS", "OPTIMIZER_STATE", "REPLICA_SYNC", "KINDS"]
+           "DEFAULT_STRATEGY", "OPTIMIZERS", "OPTIMIZER_STATE", "REPLICA_SYNC", "KINDS",
+           "check_int"]
 
 
-def _check_int(what: str, value: Any, minimum: int) -> None:
+def check_int(what: str, value: Any, minimum: int) -> None:
+    """Raises ``ValueError`` naming ``what`` and ``value`` unless it is an ``int`` >=
+    ``minimum`` (a plan is plain data that round-trips through JSON, so numpy integers
+    are refused too)."""
     # bool is an int subclass; True as a row count is always a bug.
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
@@ -114,7 +118,7 @@ def _check_int(what: str, value: Any, minimum: int) -> None:
 
 def _check_threshold(what: str, value: Any) -> None:
     if value is not None:
-        _check_int(what, value, 1)
+        check_int(what, value, 1)
 
 
 @dataclass(frozen=True)
@@ -138,11 +142,11 @@ class TableConfig:
     adaptive: bool = False
 
     def __post_init__(self) -> None:
-        _check_int(f"features of table {getattr(self, 'name', '?')!r}", self.features, 1)
+        check_int(f"features of table {getattr(self, 'name', '?')!r}", self.features, 1)
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"table name must be a non-empty str, got {self.name!r}")
-        _check_int(f"rows of table {self.name!r}", self.rows, 1)
-        _check_int(f"dim of table {self.name!r}", self.dim, 1)
+        check_int(f"rows of table {self.name!r}", self.rows, 1)
+        check_int(f"dim of table {self.name!r}", self.dim, 1)
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype of table {self.name!r} must be one of "
                              f"{sorted(DTYPE_BYTES)}, got {self.dtype!r}")
@@ -154,7 +158,7 @@ class TableConfig:
             raise ValueError(f"combiner of table {self.name!r} must be one of {COMBINERS}, "
                              f"got {self.combiner!r}")
         if self.cache_rows is not None:
-            _check_int(f"cache_rows of table {self.name!r}", self.cache_rows, 1)
+            check_int(f"cache_rows of table {self.name!r}", self.cache_rows, 1)
             if self.cache_rows > self.rows:
                 raise ValueError(f"cache_rows of table {self.name!r} is {self.cache_rows}, "
                                  f"more than its {self.rows} rows")
@@ -217,14 +221,19 @@ class RankEstimate:
     sync_bytes_per_step: float = 0.0
 
 
-def _human(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit it reaches: ``format_bytes(3 << 20)`` is
+    ``'3.00 MiB'``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
 
 
-def _aligned(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+def aligned_table(header: Sequence[str], rows: Sequence[Sequence[str]],
+                  right: set[int]) -> list[str]:
+    """A text table's lines: columns padded to their widest cell, right-aligned where
+    their index is in ``right``."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(c.rjust(widths[i]) if i in right else c.ljust(widths[i])
                       for i, c in enumerate(r)).rstrip() for r in [header, *rows]]
@@ -274,7 +283,7 @@ class ShardingPlan:
         raise ValueError(f"no table named {name!r} in this plan")
 
     def _check_position(self, position: int) -> None:
-        _check_int("position", position, 0)
+        check_int("position", position, 0)
         if position >= self.model_parallel:
             raise ValueError(f"position must be < model_parallel={self.model_parallel}, "
                              f"got {position}")
@@ -346,22 +355,22 @@ class ShardingPlan:
             tier = ("memory" if t.cache_rows is None else
                     f"disk, {t.cache_rows} cached ({t.cache_rows / nrows:.0%})")
             rows.append([t.name, str(nrows), str(dim), t.kind, tier, parts])
-        lines += _aligned(["table", "rows", "dim", "kind", "tier",
+        lines += aligned_table(["table", "rows", "dim", "kind", "tier",
                            "shards (owner rows cols)"], rows, {1, 2})
         lines.append("")
-        rows = [[f"p{r.position}", str(len(self.shards_on(r.position))), _human(r.param_bytes),
-                 _human(r.optimizer_bytes), _human(r.lookup_bytes_per_sample),
-                 _human(r.alltoall_bytes_per_step), _human(r.local_bytes_per_step),
-                 _human(r.sync_bytes_per_step)]
+        rows = [[f"p{r.position}", str(len(self.shards_on(r.position))), format_bytes(r.param_bytes),
+                 format_bytes(r.optimizer_bytes), format_bytes(r.lookup_bytes_per_sample),
+                 format_bytes(r.alltoall_bytes_per_step), format_bytes(r.local_bytes_per_step),
+                 format_bytes(r.sync_bytes_per_step)]
                 for r in self.ranks]
-        lines += _aligned(["position", "shards", "params", "optimizer", "lookup/sample",
+        lines += aligned_table(["position", "shards", "params", "optimizer", "lookup/sample",
                            "alltoall sent/step", "local/step", "grad sync/step"], rows,
                           set(range(1, 8)))
         if self.predicted:
             lines += ["", "predicted by the cost model (tfhybrid.cost_model):"]
-            lines += _aligned(["quantity", "value"], [
+            lines += aligned_table(["quantity", "value"], [
                 [name, f"{value * 1e3:.3f} ms" if name.endswith("_seconds") else
-                 _human(value) if name.endswith("_bytes") else f"{value:g}"]
+                 format_bytes(value) if name.endswith("_bytes") else f"{value:g}"]
                 for name, value in self.predicted], {1})
         return "\n".join(lines)
 
@@ -653,9 +662,9 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     >>> [(s.owner, s.col_start, s.col_end) for s in de.table("only").shards]
     [(0, 0, 2), (1, 2, 4), (2, 4, 6), (3, 6, 8)]
     """
-    _check_int("data_parallel", data_parallel, 1)
-    _check_int("model_parallel", model_parallel, 1)
-    _check_int("local_batch_size", local_batch_size, 1)
+    check_int("data_parallel", data_parallel, 1)
+    check_int("model_parallel", model_parallel, 1)
+    check_int("local_batch_size", local_batch_size, 1)
     if strategy not in ALL_STRATEGIES:
         raise ValueError(f"strategy must be one of {ALL_STRATEGIES}, got {strategy!r}")
     _check_settings(optimizer, replica_sync, sync_every, comm_dtype)
@@ -663,8 +672,8 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     _check_threshold("row_slice_threshold", row_slice_threshold)
     _check_threshold("data_parallel_threshold", data_parallel_threshold)
     _check_threshold("memory_budget_bytes", memory_budget_bytes)
-    dram_budget = _dram_budget(memory_budget, memory_budget_bytes)
-    tables = _check_tables(tables)
+    dram_budget = dram_budget_bytes(memory_budget, memory_budget_bytes)
+    tables = check_tables(tables)
     if strategy == COST_STRATEGY:
         from tfhybrid import cost_model  # imported here: cost_model imports this module
         plan = cost_model.plan_mesh(tables, data_parallel, model_parallel, layout, cluster,
@@ -705,7 +714,10 @@ TIER_OPTIMIZERS = ("sgd", "rowwise_adagrad")
 TIER_PINNED_STEPS = 2
 
 
-def _dram_budget(memory_budget: Any, memory_budget_bytes: int | None) -> int | None:
+def dram_budget_bytes(memory_budget: Any, memory_budget_bytes: int | None) -> int | None:
+    """The DRAM bytes per rank of a ``memory_budget`` dict (None without one); raises
+    ``ValueError`` naming a malformed budget or one given together with
+    ``memory_budget_bytes``."""
     if memory_budget is None:
         return None
     if not isinstance(memory_budget, dict) or set(memory_budget) - set(BUDGET_TIERS):
@@ -717,7 +729,7 @@ def _dram_budget(memory_budget: Any, memory_budget_bytes: int | None) -> int | N
                          "that do not fit in memory: give one of them")
     if "dram" not in memory_budget:
         return None
-    _check_int("memory_budget['dram']", memory_budget["dram"], 1)
+    check_int("memory_budget['dram']", memory_budget["dram"], 1)
     return memory_budget["dram"]
 
 
@@ -763,7 +775,7 @@ def place_in_tiers(plan: ShardingPlan, dram_budget: int,
     >>> [(t.name, t.cache_rows) for t in plan.tables]
     [('big', 6314), ('small', None)]
     """
-    _check_int("dram budget", dram_budget, 1)
+    check_int("dram budget", dram_budget, 1)
     placements = list(plan.tables)
     rows_of = [max(s.row_end for s in p.shards) for p in placements]
     ranks = plan.data_parallel * plan.model_parallel
@@ -832,13 +844,15 @@ def _check_settings(optimizer: Any, replica_sync: Any, sync_every: Any,
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if replica_sync not in REPLICA_SYNC:
         raise ValueError(f"replica_sync must be one of {REPLICA_SYNC}, got {replica_sync!r}")
-    _check_int("sync_every", sync_every, 1)
+    check_int("sync_every", sync_every, 1)
     if comm_dtype is not None and comm_dtype not in DTYPE_BYTES:
         raise ValueError(f"comm_dtype must be None or one of {sorted(DTYPE_BYTES)}, "
                          f"got {comm_dtype!r}")
 
 
-def _check_tables(tables: Sequence[TableConfig]) -> list[TableConfig]:
+def check_tables(tables: Sequence[TableConfig]) -> list[TableConfig]:
+    """``tables`` as a list, after checking each is a ``TableConfig`` with a unique name
+    (``ValueError`` naming the offender otherwise)."""
     tables = list(tables)
     seen: set[str] = set()
     for t in tables:
@@ -949,12 +963,12 @@ def plan_with_kinds(tables: Sequence[TableConfig], data_parallel: int, model_par
     >>> [(t.kind, [s.owner for s in t.shards]) for t in plan.tables]
     [('column_wise', [0, 1]), ('data_parallel', [None])]
     """
-    _check_int("data_parallel", data_parallel, 1)
-    _check_int("model_parallel", model_parallel, 1)
-    _check_int("local_batch_size", local_batch_size, 1)
+    check_int("data_parallel", data_parallel, 1)
+    check_int("model_parallel", model_parallel, 1)
+    check_int("local_batch_size", local_batch_size, 1)
     _check_settings(optimizer, replica_sync, sync_every, comm_dtype)
     _check_threshold("memory_budget_bytes", memory_budget_bytes)
-    tables = _check_tables(tables)
+    tables = check_tables(tables)
     kinds = list(kinds)
     if len(kinds) != len(tables):
         raise ValueError(f"kinds has {len(kinds)} entries for {len(tables)} tables")
@@ -1131,7 +1145,7 @@ def positions_traffic(plan: ShardingPlan, tables: Sequence[TableConfig], *,
 def _traffic_setup(plan: ShardingPlan, tables: Sequence[TableConfig],
                    unique_rows: Callable[[TableConfig, float], float] | None,
                    overrides: dict[str, Any]) -> tuple[list[TableConfig], _Settings, int]:
-    tables = _check_tables(tables)
+    tables = check_tables(tables)
     if [t.name for t in tables] != [p.name for p in plan.tables]:
         raise ValueError(f"tables {[t.name for t in tables]} are not the plan's "
                          f"{[p.name for p in plan.tables]}")
@@ -1147,7 +1161,7 @@ def _traffic_setup(plan: ShardingPlan, tables: Sequence[TableConfig],
     get = lambda name: overrides.get(name, getattr(plan, name))  # noqa: E731
     _check_settings(get("optimizer"), get("replica_sync"), get("sync_every"),
                     get("comm_dtype"))
-    _check_int("local_batch_size", get("local_batch_size"), 1)
+    check_int("local_batch_size", get("local_batch_size"), 1)
     settings = _Settings(get("optimizer"), get("replica_sync"), get("sync_every"),
                          get("comm_dtype"), unique_rows)
     return tables, settings, get("local_batch_size")

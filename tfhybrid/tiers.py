@@ -50,7 +50,7 @@ import tensorflow as tf
 
 from tfhybrid import custom_ops
 from tfhybrid.custom_ops import coalesce_rows
-from tfhybrid.fiited import MIN_CHUNKS, POSITION_POWER, ChunkOptions, _check_int, \
+from tfhybrid.fiited import MIN_CHUNKS, POSITION_POWER, ChunkOptions, checked_int, \
     chunked_rowwise_rows, combine_bags, update_utility
 
 __all__ = ["CachedTable", "ChunkedCachedTable", "POLICIES", "table_of",
@@ -148,10 +148,10 @@ class CachedTable(tf.Module):
         # the calls of slots() whose rows are never evicted: 1, the call itself; 2, also
         # the call before (a pipeline loads a batch's rows while the step of the batch
         # before, loaded by the previous call, still runs on its slots)
-        self.pinned_calls = _check_int("pinned_calls", pinned_calls, 1)
-        self.rows = _check_int("rows", rows, 1)
-        self.dim = _check_int("dim", dim, 1)
-        self.cache_rows = _check_int("cache_rows", cache_rows, 1)
+        self.pinned_calls = checked_int("pinned_calls", pinned_calls, 1)
+        self.rows = checked_int("rows", rows, 1)
+        self.dim = checked_int("dim", dim, 1)
+        self.cache_rows = checked_int("cache_rows", cache_rows, 1)
         if self.cache_rows > self.rows:
             raise ValueError(f"cache_rows={cache_rows} exceeds rows={rows}: the whole "
                              "table fits, keep it in memory")

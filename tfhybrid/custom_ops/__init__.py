@@ -136,13 +136,13 @@ def kernel_isa() -> str:
     """The instruction-set level of the custom kernels' hot loops in this process:
     "generic" (baseline code), "avx2" or "avx512". Raises RuntimeError if the library
     is unavailable."""
-    return _isa_info(_require_lib())[0]
+    return _isa_info(require_library())[0]
 
 
 def supported_kernel_isas() -> list[str]:
     """The levels this CPU supports with this library, lowest first (TFHYBRID_KERNEL_ISA
     may choose any of them). Raises RuntimeError if the library is unavailable."""
-    return _isa_info(_require_lib())[1]
+    return _isa_info(require_library())[1]
 
 
 def custom_ops_available() -> bool:
@@ -150,7 +150,14 @@ def custom_ops_available() -> bool:
     return load_library() is not None
 
 
-def _require_lib():
+def load_error() -> str | None:
+    """Why the C++ library is not loaded (disabled, missing or failed), or None."""
+    load_library()
+    return _load_error
+
+
+def require_library():
+    """The loaded C++ library; ``RuntimeError`` saying why when it is unavailable."""
     lib = load_library()
     if lib is None:
         raise RuntimeError(f"tfhybrid custom ops requested but unavailable: {_load_error}")
@@ -181,7 +188,7 @@ def _use_op(use_custom_op, *placed) -> bool:
     if use_custom_op is False:
         return False
     if use_custom_op:
-        _require_lib()
+        require_library()
         return True
     return custom_ops_available() and all(_on_cpu(x) for x in placed)
 
@@ -361,7 +368,7 @@ def embedding_lookup_combine_concat(params_list, ids_list, combiner="sum", table
         for p in params_list:
             _variable_accessed(p)
         var_dtype = getattr(params_list[0], "true_dtype", params_list[0].dtype)
-        out = _require_lib().resource_embedding_lookup_combine_concat(
+        out = require_library().resource_embedding_lookup_combine_concat(
             [p.handle for p in params_list], flats, splits, dtype=var_dtype,
             combiner=combiner, table_names=names,
             widths=[int(p.shape[1]) for p in params_list])
@@ -393,7 +400,7 @@ def _dense_layout(ids):
 
 
 def _lookup_op(params, ids, values, splits, ragged, combiner, table_name):
-    lib = _require_lib()
+    lib = require_library()
     if combiner == "none" and not ragged:
         flat, bag_splits = tf.reshape(ids, [-1]), tf.zeros([1], tf.int64)  # splits ignored
     else:
@@ -454,7 +461,7 @@ def _lookup_pure_tf(params, ids, values, splits, ragged, combiner, table_name):
 
 
 def _lookup_grad(op, grad, dense_shape):
-    lib = _require_lib()
+    lib = require_library()
     if isinstance(grad, tf.IndexedSlices):
         grad = tf.convert_to_tensor(grad)
     combiner = op.get_attr("combiner")
@@ -479,7 +486,7 @@ def _register_gradients():
     def _chunked_grad(op, grad):
         # the table's rows: one fewer than its row offsets
         rows = tf.shape(op.inputs[1], out_type=tf.int64)[0] - 1
-        unique_ids, values = _require_lib().embedding_lookup_combine_grad(
+        unique_ids, values = require_library().embedding_lookup_combine_grad(
             tf.cast(grad, tf.float32), op.inputs[2], op.inputs[3], rows, combiner="sum",
             table_name=op.get_attr("table_name").decode())
         dense_shape = tf.stack([tf.cast(rows, tf.int32), op.get_attr("dim")])
@@ -496,7 +503,7 @@ def _register_gradients():
         grads, first = [], 0
         for t in range(n):
             dense_shape = tf.raw_ops.VariableShape(input=op.inputs[t], out_type=tf.int32)
-            unique_ids, rows = _require_lib().embedding_lookup_combine_grad(
+            unique_ids, rows = require_library().embedding_lookup_combine_grad(
                 grad, op.inputs[n + t], op.inputs[2 * n + t],
                 tf.cast(dense_shape[0], tf.int64), combiner=combiner, table_name=names[t],
                 grad_columns=[first, first + widths[t]])
@@ -569,12 +576,12 @@ def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, wei
         if op_ok and _use_op(use_custom_op, var, accum):
             lookup_grad = _lookup_grad_op(indices, grad)
             if lookup_grad is not None:
-                return _require_lib().embedding_lookup_combine_grad_rowwise_adagrad(
+                return require_library().embedding_lookup_combine_grad_rowwise_adagrad(
                     var.handle, accum.handle, *lookup_grad.inputs[:3], *scalars,
                     combiner=lookup_grad.get_attr("combiner"),
                     table_name=lookup_grad.get_attr("table_name"),
                     grad_columns=lookup_grad.get_attr("grad_columns"))
-            return _require_lib().rowwise_adagrad_apply(var.handle, accum.handle, indices, grad,
+            return require_library().rowwise_adagrad_apply(var.handle, accum.handle, indices, grad,
                                                         *scalars)
         return _rowwise_adagrad_pure_tf(var, accum, indices, grad, *scalars)
 
@@ -602,7 +609,7 @@ def chunked_lookup(pool, row_offsets, ids, dim: int, use_custom_op=None):
     used (``use_custom_op`` False, or None and the op is not built or not on a CPU)."""
     if not _use_op(use_custom_op, pool):
         return None
-    return _require_lib().chunked_embedding_lookup(pool, row_offsets, ids, dim=dim)
+    return require_library().chunked_embedding_lookup(pool, row_offsets, ids, dim=dim)
 
 
 def custom_op_used(use_custom_op, *placed) -> bool:
@@ -620,7 +627,7 @@ def chunked_lookup_combine(pool, row_offsets, ids, row_splits, dim: int,
     sum's gradient does not depend on how the rows are stored. The caller chooses the
     path (:func:`custom_op_used`)."""
     _variable_accessed(pool)
-    return _require_lib().chunked_embedding_lookup_combine(
+    return require_library().chunked_embedding_lookup_combine(
         pool.handle, row_offsets, ids, tf.cast(row_splits, tf.int64), dim=dim,
         table_name=table_name)
 
@@ -631,7 +638,7 @@ def chunked_rowwise_adagrad_apply(pool, accum, row_offsets, indices, grad, lr, e
     (every entry times ``utility_decay``, then each distinct row's plus
     ``(1 - utility_decay)`` times its summed gradient's squared norm). The caller
     chooses the path (:func:`custom_op_used`)."""
-    return _require_lib().chunked_rowwise_adagrad_apply(
+    return require_library().chunked_rowwise_adagrad_apply(
         pool.handle, accum.handle, row_offsets, indices,
         *_chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
                                 utility_decay))
@@ -644,7 +651,7 @@ def cached_chunked_rowwise_adagrad_apply(cache, accum, slot_chunks, slot_rows, c
     (``tfhybrid.tiers.ChunkedCachedTable``): ``indices`` are cache slots, slot i holds row
     ``slot_rows[i]`` with its first ``slot_chunks[i]`` chunks; ``utility`` has one entry
     per row of the table. The caller chooses the path (:func:`custom_op_used`)."""
-    return _require_lib().cached_chunked_rowwise_adagrad_apply(
+    return require_library().cached_chunked_rowwise_adagrad_apply(
         cache.handle, accum.handle, slot_chunks, slot_rows, indices,
         *_chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
                                 utility_decay),

@@ -40,11 +40,11 @@ def _paths():
     return [False] if DISABLED else [True, False]
 
 
-def _require_op(test):
+def require_op(test):
     if DISABLED:
         test.skipTest("custom ops disabled by TFHYBRID_DISABLE_CUSTOM_OPS=1")
     if not co.custom_ops_available():
-        test.fail(f"custom-op library failed to load: {co._load_error}")  # pylint: disable=protected-access
+        test.fail(f"custom-op library failed to load: {co.load_error()}")
 
 
 # ------------------------------------------------------------------ numpy references
@@ -96,11 +96,11 @@ def _dense(x):
 class LibraryTest(tf.test.TestCase):
 
     def test_library_loaded(self):
-        _require_op(self)
+        require_op(self)
         self.assertTrue(co.custom_ops_available())
 
     def test_auto_path_uses_op_on_cpu(self):
-        _require_op(self)
+        require_op(self)
         p = tf.Variable(tf.ones([4, 2]))
 
         @tf.function
@@ -111,7 +111,7 @@ class LibraryTest(tf.test.TestCase):
         self.assertIn("ResourceEmbeddingLookupCombine", ops)
 
     def test_kernel_isa_is_the_requested_level(self):
-        _require_op(self)
+        require_op(self)
         supported = co.supported_kernel_isas()
         self.assertEqual(supported[0], "generic")
         want = os.environ.get("TFHYBRID_KERNEL_ISA", "").strip().lower()
@@ -226,7 +226,7 @@ class EmbeddingLookupCombineTest(tf.test.TestCase):
                     self.assertAllClose(results[True], results[False], atol=ATOL, rtol=RTOL)
 
     def test_gradient_on_variable_is_unique_sorted_indexed_slices(self):
-        _require_op(self)
+        require_op(self)
         ids = tf.constant([[7, 3, 7], [3, 3, 1], [9, 0, 7]], tf.int64)
         for fn in (lambda f: f, tf.function):
             params = tf.Variable(self.params_np)
@@ -244,7 +244,7 @@ class EmbeddingLookupCombineTest(tf.test.TestCase):
             self.assertAllEqual(g.dense_shape.numpy(), [self.R, self.D])
 
     def test_grad_op_directly(self):
-        _require_op(self)
+        require_op(self)
         lib = co.load_library()
         grad = tf.constant(self.rng.uniform(-1, 1, (3, 4)).astype(np.float32))
         ids = tf.constant([5, 2, 5, 5, 0], tf.int32)
@@ -447,7 +447,7 @@ class FusedBackwardAdagradTest(tf.test.TestCase):
         self.assertAllEqual(np.flatnonzero(moved), looked_up)
 
     def test_dense_bags_sum_and_mean(self):
-        _require_op(self)
+        require_op(self)
         rng = np.random.default_rng(0)
         for combiner in ("sum", "mean"):
             for idx_dtype in (tf.int32, tf.int64):
@@ -458,7 +458,7 @@ class FusedBackwardAdagradTest(tf.test.TestCase):
                         self._check(combiner, ids_list, dim)
 
     def test_ragged_bags_with_empty_ones(self):
-        _require_op(self)
+        require_op(self)
         rng = np.random.default_rng(1)
         ids_list = []
         for _ in range(3):
@@ -471,13 +471,13 @@ class FusedBackwardAdagradTest(tf.test.TestCase):
                 self._check(combiner, ids_list, 16)
 
     def test_rows_without_combiner(self):
-        _require_op(self)
+        require_op(self)
         rng = np.random.default_rng(2)
         self._check(None, [tf.constant(rng.integers(0, 20, (17, 3))) for _ in range(3)], 24)
 
     def test_bad_input_is_refused_before_any_update(self):
-        _require_op(self)
-        lib = co._require_lib()  # pylint: disable=protected-access
+        require_op(self)
+        lib = co.require_library()
         table = tf.Variable(tf.ones([5, 4]))
         accum = tf.Variable(tf.zeros([5]))
         scalars = [tf.constant(x, tf.float32) for x in (0.1, 1e-8, 1.0, 0.0)]
@@ -509,7 +509,7 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
     n = int(sys.argv[1])
     tf.config.threading.set_intra_op_parallelism_threads(n)
     from tfhybrid import custom_ops as co
-    assert co.custom_ops_available(), co._load_error
+    assert co.custom_ops_available(), co.load_error()
     h = hashlib.sha256()
 
     def digest(*xs):
@@ -660,7 +660,7 @@ class LookupCombineConcatTest(tf.test.TestCase):
                           for t, i in zip(tables, ids)], axis=1)
 
     def test_forward_equals_per_table_lookups_and_numpy(self):
-        _require_op(self)
+        require_op(self)
         ids = self._ids()
         for dtype in (tf.float32, tf.float16, tf.bfloat16):
             tables = self._tables(dtype)
@@ -681,7 +681,7 @@ class LookupCombineConcatTest(tf.test.TestCase):
                         self.assertAllClose(out, expected, atol=ATOL, rtol=RTOL)
 
     def test_gradient_is_each_tables_own(self):
-        _require_op(self)
+        require_op(self)
         tables, ids = self._tables(), self._ids(1)
         upstream = tf.constant(np.random.default_rng(1).normal(
             0, 1, (21, sum(self.WIDTHS))).astype(np.float32))
@@ -722,7 +722,7 @@ class LookupCombineConcatTest(tf.test.TestCase):
         return outputs, [t.numpy() for t in tables], [a.numpy() for a in accums], ops
 
     def test_fused_adagrad_reads_each_tables_columns_in_place(self):
-        _require_op(self)
+        require_op(self)
         batched = self._train(batched=True, fuse=True)
         fused = [op for op in batched[3]
                  if op.type == FusedBackwardAdagradTest.FUSED]
@@ -737,7 +737,7 @@ class LookupCombineConcatTest(tf.test.TestCase):
                     self.assertAllEqual(a, b)
 
     def test_a_table_twice(self):
-        _require_op(self)
+        require_op(self)
         table = self._tables()[0]
         ids = [tf.constant([[1, 2], [3, 3]]), tf.constant([[0, 39], [5, 6]])]
         self.assertAllEqual(co.embedding_lookup_combine_concat([table, table], ids),
@@ -753,7 +753,7 @@ class LookupCombineConcatTest(tf.test.TestCase):
             co.embedding_lookup_combine_concat(mixed, ids, use_custom_op=True)
 
     def test_bad_input_is_named(self):
-        _require_op(self)
+        require_op(self)
         tables, ids = self._tables(), self._ids()
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                     "embedding table 'c' has 20 bags, expected 21"):
@@ -770,7 +770,7 @@ class LookupCombineConcatTest(tf.test.TestCase):
             co.embedding_lookup_combine_concat(tables, ids, None)
         with self.assertRaisesRegex(ValueError, "table_names has 1 names, expected 3"):
             co.embedding_lookup_combine_concat(tables, ids, table_names=["a"])
-        lib = co._require_lib()  # pylint: disable=protected-access
+        lib = co.require_library()
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                     r"table 't': grad_columns \[60, 70\) exceed the "
                                     "gradient's 64 columns"):
@@ -797,7 +797,7 @@ class CachedChunkedAdagradTest(tf.test.TestCase):
             utility, 0.5)
 
     def test_updates_the_chunks_a_slot_holds_and_its_row_utility(self):
-        _require_op(self)
+        require_op(self)
         cache, accum, utility = self._state()
         before = cache.numpy()
         # slot 2 is unfilled (row -1): not named, so not checked
@@ -817,7 +817,7 @@ class CachedChunkedAdagradTest(tf.test.TestCase):
         self.assertAllClose(utility.numpy(), want)
 
     def test_bad_input_is_refused_by_name_before_any_update(self):
-        _require_op(self)
+        require_op(self)
         cases = [([3], [2, 2, 2], [0, 1, 2], r"cache.*got id 3"),
                  ([1], [2, 2, 2], [0, 10, 2], r"cache slot 1 holds row 10 .*\[0, 10\)"),
                  ([1], [2, 5, 2], [0, 1, 2], r"cache slot 1 holds row 1 with 5 chunks.*at "
@@ -855,20 +855,20 @@ class DeterminismTest(tf.test.TestCase):
         return digest
 
     def test_bitwise_deterministic_across_threads_and_runs(self):
-        _require_op(self)
+        require_op(self)
         digests = [self._digest(1), self._digest(2), self._digest(2), self._digest(1)]
         self.assertLen(set(digests), 1, digests)
 
     def test_bitwise_identical_across_kernel_isas(self):
         # Every dispatch level must compute exactly the same bits (isa_kernels.h): the
         # data-parallel copies of a shard may run on nodes that pick different levels.
-        _require_op(self)
+        require_op(self)
         levels = co.supported_kernel_isas()
         digests = {isa: self._digest(2, isa) for isa in levels}
         self.assertLen(set(digests.values()), 1, digests)
 
     def test_in_process_repeatable(self):
-        _require_op(self)
+        require_op(self)
         rng = np.random.default_rng(3)
         ids = tf.constant(rng.integers(0, 300, 50000), tf.int64)
         grad = tf.constant(rng.normal(0, 1, (50000, 32)).astype(np.float32))

@@ -68,7 +68,7 @@ def _env(**overrides):
 class DispatchLevelTest(tf.test.TestCase):
 
     def test_each_level_passes_the_op_tests(self):
-        ops_test._require_op(self)  # pylint: disable=protected-access
+        ops_test.require_op(self)  # pylint: disable=protected-access
         want_count = sum(unittest.defaultTestLoader.loadTestsFromTestCase(
             getattr(ops_test, name)).countTestCases() for name in _OP_TEST_CLASSES)
         for isa in co.supported_kernel_isas():
@@ -84,7 +84,7 @@ class DispatchLevelTest(tf.test.TestCase):
                 self.assertEqual(int(ran.group(1)), want_count, out[-3000:])
 
     def test_best_level_matches_cpu_flags(self):
-        ops_test._require_op(self)  # pylint: disable=protected-access
+        ops_test.require_op(self)  # pylint: disable=protected-access
         flags = set()
         if _IS_X86_64 and os.path.exists("/proc/cpuinfo"):
             with open("/proc/cpuinfo") as f:
@@ -97,7 +97,7 @@ class DispatchLevelTest(tf.test.TestCase):
         self.assertEqual(co.supported_kernel_isas(), want)
 
     def test_bad_level_is_an_error_naming_it(self):
-        ops_test._require_op(self)  # pylint: disable=protected-access
+        ops_test.require_op(self)  # pylint: disable=protected-access
         script = textwrap.dedent("""
             import tensorflow as tf
             from tfhybrid import custom_ops as co
@@ -188,7 +188,7 @@ def _needs_avx512(mnemonic, operands) -> bool:
 class PortableBaselineTest(tf.test.TestCase):
 
     def test_baseline_code_has_no_avx_instructions(self):
-        ops_test._require_op(self)  # pylint: disable=protected-access
+        ops_test.require_op(self)  # pylint: disable=protected-access
         if not _IS_X86_64:
             self.skipTest(f"AVX dispatch exists on x86-64 only, this is {platform.machine()}")
         if build.march_native_requested():

@@ -422,7 +422,7 @@ def _owner(optimizer: Any, variable: tf.Variable) -> Any:
     embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
     if embedding_optimizer is not None and distributed.is_embedding(variable):
         optimizer = embedding_optimizer
-    return distributed._base_optimizer(optimizer)
+    return distributed.base_optimizer(optimizer)
 
 
 def _variables_of(optimizer: Any) -> list:

@@ -200,8 +200,9 @@ def _check_table_config(layer: Any, table: _Table, placement: Any) -> None:
 
 def _mesh_for_layer() -> mesh_lib.Mesh:
     """The current mesh; without one, ``tfhybrid.init()``'s default, said in one line."""
-    if mesh_lib._MESH is not None:
-        return mesh_lib._MESH
+    mesh = mesh_lib.initialized_mesh()
+    if mesh is not None:
+        return mesh
     mesh = mesh_lib.init()
     if mesh.model_parallel != mesh.size:
         _LOG.warning(
@@ -403,7 +404,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  memory_budget: dict[str, int] | None = None, store_dir: str | None = None,
                  **kwargs: Any):
         super().__init__(**kwargs)
-        planner._dram_budget(memory_budget, None)   # ValueError naming a bad budget now
+        planner.dram_budget_bytes(memory_budget, None)   # ValueError naming a bad budget now
         if memory_budget is not None and not (isinstance(store_dir, str) and store_dir):
             raise ValueError(f"memory_budget={memory_budget!r} may move tables into the "
                              "disk tier, which needs store_dir (the folder of their files); "

@@ -173,7 +173,7 @@ def _build_optimizer(model: Any, optimizer: Any) -> None:
         groups = [(optimizer, [v for v in variables if not distributed.is_embedding(v)]),
                   (embedding_optimizer, [v for v in variables if distributed.is_embedding(v)])]
     for owner, owned in groups:
-        owner = distributed._base_optimizer(owner)   # a loss scale's inner optimizer
+        owner = distributed.base_optimizer(owner)   # a loss scale's inner optimizer
         if hasattr(owner, "get_slot_names"):         # legacy Keras optimizers
             owner._create_all_weights(owned)
         else:

@@ -1,0 +1,95 @@
+"""Rules of the package's structure, read from its source with ``ast``.
+
+A module's private names (``_x``) are its own: another module of the package that reads
+them breaks on a rename no import shows. Modules named ``_x.py`` are private to the
+package and may be imported whole by its other modules."""
+
+from __future__ import annotations
+
+import ast
+import os
+import unittest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "tfhybrid")
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _is_module(dotted: str) -> bool:
+    base = os.path.join(ROOT, *dotted.split("."))
+    return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py"))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reaches(path: str) -> list[str]:
+    """Where the module at ``path`` reads another tfhybrid module's private name: as
+    ``from tfhybrid.x import _name`` or as ``x._name`` with ``x`` an imported tfhybrid
+    module."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    own = _module_name(path)
+    modules: dict[str, str] = {}   # local name -> tfhybrid module it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "tfhybrid":
+            for alias in node.names:
+                dotted = f"{node.module}.{alias.name}"
+                if _is_module(dotted):
+                    modules[alias.asname or alias.name] = dotted
+                elif _private(alias.name) and node.module != own:
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "tfhybrid":
+                    # "import tfhybrid.x" binds "tfhybrid"; "import tfhybrid.x as y", y
+                    if alias.asname:
+                        modules[alias.asname] = alias.name
+                    else:
+                        modules["tfhybrid"] = "tfhybrid"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in modules:
+                target = ".".join([modules[value.id]] + chain[:0:-1])
+                if target != own and not _is_module(f"{target}.{node.attr}"):
+                    found.append(f"{node.lineno}: {target}.{node.attr}")
+    return found
+
+
+def package_files() -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(PACKAGE)
+                  for f in files if f.endswith(".py") and not f.endswith("_test.py"))
+
+
+class PrivateNamesTest(unittest.TestCase):
+
+    def test_no_module_of_the_package_reads_another_modules_private_names(self):
+        reaches = {os.path.relpath(p, ROOT): private_reaches(p) for p in package_files()}
+        self.assertEqual({p: r for p, r in reaches.items() if r}, {})
+
+    def test_the_check_sees_a_reach(self):
+        # the rule's own check must be able to fail
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".py", dir=PACKAGE,
+                                         delete=False) as f:
+            f.write("from tfhybrid import mesh as m\nfrom tfhybrid.fiited import _x\n"
+                    "import tfhybrid.planner\nm._MESH\ntfhybrid.planner._human(1)\n")
+        self.addCleanup(os.remove, f.name)
+        self.assertEqual(private_reaches(f.name),
+                         ["2: from tfhybrid.fiited import _x", "4: tfhybrid.mesh._MESH",
+                          "5: tfhybrid.planner._human"])
+
+
+if __name__ == "__main__":
+    unittest.main()
