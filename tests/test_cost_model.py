@@ -9,6 +9,10 @@ import sys
 import unittest
 
 from tfhybrid import cost_model, planner
+from tfhybrid.plan import (calibration, cost_strategy, strategies, tiers, traffic,
+                           types as plan_types)
+from tfhybrid.plan import cost_model as plan_cost_model
+from tfhybrid.plan import planner as plan_planner
 from tfhybrid.cost_model import (ClusterSpec, ComputeRates, Workload, calibrate,
                                  expected_unique_rows, plan_for_cluster, predict, validate)
 from tfhybrid.planner import ShardingPlan, TableConfig, plan_sharding
@@ -296,7 +300,9 @@ class SerializationAndErrorsTest(unittest.TestCase):
                     fn()
 
     def test_doctests(self):
-        for module in (cost_model, planner):
+        # the planning package's modules, and the two paths that re-export them
+        for module in (plan_types, tiers, traffic, strategies, plan_cost_model, cost_strategy,
+                       calibration, plan_planner, cost_model, planner):
             with self.subTest(module=module.__name__):
                 self.assertEqual(doctest.testmod(module).failed, 0)
 
@@ -318,7 +324,7 @@ class CalibrationTest(unittest.TestCase):
                                  bandwidth_bytes_per_s=bandwidth, model_parallel=m,
                                  layout=layout, replica_sync=sync, sync_every=every,
                                  comm_dtype=comm, step_seconds=1.0)
-                    plan, lay, cluster, w = cost_model._point_setup(
+                    plan, lay, cluster, w = calibration.point_setup(
                         point, replace_rates(template, truth), work)
                     point["step_seconds"] = predict(plan, lay, cluster, w).step_seconds
                     points.append(point)

@@ -9,8 +9,9 @@ import sys
 import unittest
 from dataclasses import asdict
 
-from tfhybrid.planner import (DE_STRATEGIES, DEFAULT_STRATEGY, KINDS, STRATEGIES, ShardingPlan,
-                              TableConfig, input_ids_per_position, optimizer_state_bytes,
+from tfhybrid.planner import (DE_STRATEGIES, DEFAULT_STRATEGY, KINDS, STRATEGIES, Kind,
+                              PlannerOptions, ShardingPlan, TableConfig,
+                              input_ids_per_position, optimizer_state_bytes,
                               plan_sharding, position_traffic, shard_cache_rows,
                               table_ids_per_position, tier_dram_bytes, weight_sync_bytes)
 
@@ -580,6 +581,40 @@ class ValidationTest(unittest.TestCase):
             plan.table("nope")
         with self.assertRaisesRegex(ValueError, "2"):
             plan.shards_on(2)
+
+
+class OptionsTest(unittest.TestCase):
+    """PlannerOptions carries the strategy and thresholds; plans keep kinds as strings."""
+
+    def test_options_plan_as_the_keywords_do(self):
+        tables = _random_tables(7)
+        for strategy in STRATEGIES:
+            with self.subTest(strategy=strategy):
+                keywords = plan_sharding(tables, 2, 4, strategy=strategy, **THRESHOLDS)
+                options = PlannerOptions(strategy, **THRESHOLDS)
+                self.assertEqual(plan_sharding(tables, 2, 4, options=options), keywords)
+
+    def test_bad_options_name_the_value(self):
+        t = [TableConfig("t", 10, 4)]
+        cases = [
+            (lambda: PlannerOptions("fastest"), "fastest"),
+            (lambda: PlannerOptions(column_slice_threshold=0), r"column_slice.*0"),
+            (lambda: PlannerOptions(data_parallel_threshold=1.5), r"1\.5"),
+            (lambda: plan_sharding(t, 1, 2, options="basic"), "'basic'"),
+            (lambda: plan_sharding(t, 1, 2, options=PlannerOptions("basic"),
+                                   row_slice_threshold=7), r"row_slice_threshold=7"),
+        ]
+        for fn, pattern in cases:
+            with self.subTest(pattern=pattern):
+                with self.assertRaisesRegex(ValueError, pattern):
+                    fn()
+
+    def test_kinds_are_plain_strings_in_plans(self):
+        self.assertEqual(KINDS, tuple(kind.value for kind in Kind))
+        plan = plan_sharding(_random_tables(3), 1, 4, **THRESHOLDS)
+        for placement in plan.tables:
+            self.assertIs(type(placement.kind), str)
+        self.assertIn('"kind": "table_wise"', plan.to_json())
 
 
 class EstimateTest(unittest.TestCase):

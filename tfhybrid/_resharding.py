@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable, Iterable, Sequence
 
+from tfhybrid.plan.types import Kind
+
 __all__ = ["Rect", "held_pieces", "slice_spec", "parse_slice_spec", "assign_writers",
            "check_tiling", "reads", "slot_layout", "rowwise_weights"]
 
@@ -88,14 +90,14 @@ def held_pieces(kind: str, shards: Sequence, position: int) -> list[tuple[int, R
     ``kind`` and ``shards`` are a ``tfhybrid.planner.TablePlacement``'s; a data-parallel
     table is held whole by every position.
 
-    >>> from tfhybrid.planner import Shard
-    >>> held_pieces("row_wise", [Shard("t", 0, 5, 0, 4, 0), Shard("t", 5, 10, 0, 4, 1)], 1)
+    >>> from tfhybrid.plan.types import Shard
+    >>> held_pieces(Kind.ROW_WISE, [Shard("t", 0, 5, 0, 4, 0), Shard("t", 5, 10, 0, 4, 1)], 1)
     [(1, Rect(row_start=5, row_end=10, col_start=0, col_end=4))]
     """
     def rect(shard) -> Rect:
         return Rect(shard.row_start, shard.row_end, shard.col_start, shard.col_end)
 
-    if kind == "data_parallel":
+    if kind == Kind.DATA_PARALLEL:
         return [(0, rect(shards[0]))]
     return [(s, rect(shard)) for s, shard in enumerate(shards) if shard.owner == position]
 

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from tfhybrid import planner
+from tfhybrid.plan.traffic import sync_is_sparse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +189,8 @@ class GradientThresholder:
         pairs are cheaper than the dense allreduce. Otherwise the dense allreduce goes
         as it is (thresholding would delay entries and save no bytes). Static, so every
         rank decides alike."""
-        return planner.sync_is_sparse(variable.shape.num_elements(), 1,
-                                      self.kept(variable), group_size)
+        return sync_is_sparse(variable.shape.num_elements(), 1,
+                              self.kept(variable), group_size)
 
     def select(self, grad: tf.Tensor, variable: tf.Variable, refresh: tf.Tensor,
                loss_scale: tf.Tensor | None = None) -> tuple[tf.Tensor, tf.Tensor]:

@@ -89,8 +89,8 @@ from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Ker
 from tfhybrid import collectives
 from tfhybrid import compression as compression_lib
 from tfhybrid import mesh as mesh_lib
-from tfhybrid import planner
 from tfhybrid import tiers
+from tfhybrid.plan.traffic import sync_is_sparse
 
 _LOG = logging.getLogger("tfhybrid")
 
@@ -265,7 +265,7 @@ def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable, group_size
     touched = grad.indices.shape[0]
     if touched is None:
         return rows * width >= _SPARSE_DEFAULT_MIN_ELEMENTS
-    return planner.sync_is_sparse(rows, width, touched, group_size)
+    return sync_is_sparse(rows, width, touched, group_size)
 
 
 def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],

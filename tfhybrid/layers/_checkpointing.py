@@ -60,6 +60,7 @@ from tfhybrid import distributed
 from tfhybrid import fiited
 from tfhybrid import tiers
 from tfhybrid.optimizers import ROW_STATE_SLOT
+from tfhybrid.plan.types import Kind
 
 # The layer's and the optimizer's checkpoint children (part of the checkpoint format).
 TABLES_CHILD = "tables"
@@ -160,7 +161,7 @@ def _held(layer: Any) -> list[list[tuple[_resharding.Rect, tf.Variable]]]:
     held = []
     for t, placement in enumerate(layer.plan.tables):
         pieces = _resharding.held_pieces(placement.kind, placement.shards, position)
-        held.append([(rect, layer._table_vars[t] if placement.kind == "data_parallel"
+        held.append([(rect, layer._table_vars[t] if placement.kind == Kind.DATA_PARALLEL
                       else layer._shard_vars[(t, s)]) for s, rect in pieces])
     return held
 

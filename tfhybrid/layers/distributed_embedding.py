@@ -40,10 +40,16 @@ from tfhybrid import distributed
 from tfhybrid import fiited
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import pipeline as pipeline_lib
-from tfhybrid import planner
 from tfhybrid import tiers
 from tfhybrid.fiited import ChunkedTable, plan_chunk_counts
 from tfhybrid.layers.embedding import Embedding
+from tfhybrid.plan.planner import plan_sharding
+from tfhybrid.plan.tiers import TIER_PINNED_STEPS, dram_budget_bytes, shard_cache_rows
+from tfhybrid.plan.traffic import sync_is_sparse
+from tfhybrid.plan.types import (COST_STRATEGY, DEFAULT_STRATEGY, OPTIMIZERS, REPLICA_SYNC,
+                                 STRATEGIES, Kind, Shard, ShardingPlan, TableConfig,
+                                 TablePlacement, input_ids_per_position,
+                                 table_ids_per_position)
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
 
@@ -143,7 +149,7 @@ def _custom_shard_layer(table: _Table, rows: int, width: int, name: str) -> Any:
 
 def _check_custom_table(table: _Table, placement: Any) -> None:
     """A custom table layer runs on its shards' ids, so it must look up each id alone."""
-    if placement.kind == "row_wise":
+    if placement.kind == Kind.ROW_WISE:
         raise ValueError(
             f"embedding layer {table.name!r} is a custom layer ({table.custom_class.__name__})"
             f", which the plan would split row_wise; raise row_slice_threshold above its "
@@ -187,7 +193,7 @@ def _check_table_config(layer: Any, table: _Table, placement: Any) -> None:
     axis = constraint.get_config().get("axis") if hasattr(constraint, "get_config") else None
     axes = set(axis if isinstance(axis, (list, tuple)) else [axis]) if axis is not None else set()
     # a norm over an axis the plan splits would see only part of its vector
-    split = {0} if placement.kind == "row_wise" else {1, -1}
+    split = {0} if placement.kind == Kind.ROW_WISE else {1, -1}
     if axes & split or (axis is None and not isinstance(
             constraint, tf.keras.constraints.NonNeg)):
         raise ValueError(
@@ -268,14 +274,14 @@ class ShardingStrategy:
         assert layer.strategy == "basic" and layer.strategy.input_ids_list == [[0]]
     """
 
-    def __init__(self, name: str, plan: planner.ShardingPlan, mesh: mesh_lib.Mesh,
+    def __init__(self, name: str, plan: ShardingPlan, mesh: mesh_lib.Mesh,
                  input_table_map: Sequence[int]):
         self.name = name
         self.plan = plan
-        by_position = planner.input_ids_per_position(plan, input_table_map)
-        tables_by_position = planner.table_ids_per_position(plan)
+        by_position = input_ids_per_position(plan, input_table_map)
+        tables_by_position = table_ids_per_position(plan)
         replicated = [f for f, t in enumerate(input_table_map)
-                      if plan.tables[t].kind == "data_parallel"]
+                      if plan.tables[t].kind == Kind.DATA_PARALLEL]
         position_of = {rank: p for group in mesh.model_groups for p, rank in enumerate(group)}
         self.input_ids_list = [list(by_position[position_of[r]]) + replicated
                                for r in range(mesh.size)]
@@ -296,12 +302,12 @@ class ShardingStrategy:
         return f"ShardingStrategy({self.name!r}, input_ids_list={self.input_ids_list})"
 
 
-def _load_plan(plan: Any) -> planner.ShardingPlan | None:
+def _load_plan(plan: Any) -> ShardingPlan | None:
     """``plan=``: a ShardingPlan, its JSON, or the path of a JSON file."""
-    if plan is None or isinstance(plan, planner.ShardingPlan):
+    if plan is None or isinstance(plan, ShardingPlan):
         return plan
     if isinstance(plan, dict):
-        return planner.ShardingPlan.from_json(json.dumps(plan))
+        return ShardingPlan.from_json(json.dumps(plan))
     if isinstance(plan, (str, os.PathLike)):
         text = str(plan)
         if not text.lstrip().startswith("{"):
@@ -310,7 +316,7 @@ def _load_plan(plan: Any) -> planner.ShardingPlan | None:
                                  "path of a file")
             with open(text) as f:
                 text = f.read()
-        return planner.ShardingPlan.from_json(text)
+        return ShardingPlan.from_json(text)
     raise ValueError(f"plan={plan!r} must be a tfhybrid.planner.ShardingPlan, its JSON, or "
                      "the path of a JSON file")
 
@@ -390,7 +396,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     """
 
     def __init__(self, embeddings: Sequence[Any], mesh: mesh_lib.Mesh | None = None,
-                 strategy: str = planner.DEFAULT_STRATEGY,
+                 strategy: str = DEFAULT_STRATEGY,
                  column_slice_threshold: int | None = None,
                  row_slice_threshold: int | None = None,
                  data_parallel_threshold: int | None = None,
@@ -399,12 +405,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  sync_every: int = 1, gpu_embedding_size: int | None = None,
                  use_custom_kernel: bool = True, row_slice: Any = None,
                  optimizer: str | None = None,
-                 plan: planner.ShardingPlan | str | None = None,
+                 plan: ShardingPlan | str | None = None,
                  dct: compression.DCT | None = None,
                  memory_budget: dict[str, int] | None = None, store_dir: str | None = None,
                  **kwargs: Any):
         super().__init__(**kwargs)
-        planner.dram_budget_bytes(memory_budget, None)   # ValueError naming a bad budget now
+        dram_budget_bytes(memory_budget, None)   # ValueError naming a bad budget now
         if memory_budget is not None and not (isinstance(store_dir, str) and store_dir):
             raise ValueError(f"memory_budget={memory_budget!r} may move tables into the "
                              "disk tier, which needs store_dir (the folder of their files); "
@@ -419,9 +425,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             raise ValueError(f"row_slice={row_slice!r} is not supported; use "
                              "row_slice_threshold (elements above which a table is split "
                              "by rows)")
-        if replica_sync not in planner.REPLICA_SYNC:
+        if replica_sync not in REPLICA_SYNC:
             raise ValueError(f"replica_sync={replica_sync!r} is unknown; expected one of "
-                             f"{planner.REPLICA_SYNC}")
+                             f"{REPLICA_SYNC}")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
         self.replica_sync = replica_sync
@@ -432,21 +438,21 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             raise ValueError(f"dp_input={dp_input!r} must be True (each rank feeds its own "
                              "local batch of every feature) or False (each rank feeds the "
                              "features of its own shards for its model group's batch)")
-        if optimizer is not None and optimizer not in planner.OPTIMIZERS:
+        if optimizer is not None and optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r} is unknown; expected None or one of "
-                             f"{planner.OPTIMIZERS}")
+                             f"{OPTIMIZERS}")
         self.optimizer_name = optimizer
         self._given_plan = _load_plan(plan)
-        if strategy == planner.COST_STRATEGY and self._given_plan is None:
+        if strategy == COST_STRATEGY and self._given_plan is None:
             raise ValueError(
                 f"strategy={strategy!r} needs the cluster and workload: make the plan with "
                 "tfhybrid.cost_model.plan_for_cluster(tables, cluster, workload) and pass "
                 "it as plan=")
         if self._given_plan is not None:
             strategy = self._given_plan.strategy
-        elif strategy not in planner.STRATEGIES:
+        elif strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is unknown; expected one of "
-                             f"{planner.STRATEGIES}")
+                             f"{STRATEGIES}")
         if gpu_embedding_size is not None and (
                 isinstance(gpu_embedding_size, bool) or not isinstance(gpu_embedding_size, int)
                 or gpu_embedding_size < 0):
@@ -482,7 +488,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         self.gpu_embedding_size = gpu_embedding_size
         self.use_custom_kernel = use_custom_kernel
         self._mesh = mesh
-        self.plan: planner.ShardingPlan | None = None
+        self.plan: ShardingPlan | None = None
         self._strategy: ShardingStrategy | None = None
         masked = [layer.name for layer in self._embedding_layers
                   if getattr(layer, "mask_zero", False)]
@@ -531,7 +537,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 "strategy='basic' or 'memory_balanced' (they slice tables so every position "
                 "holds one), or use fewer ranks per model group")
 
-    def _in_tier(self, table: _Table, placement: planner.TablePlacement) -> _Table:
+    def _in_tier(self, table: _Table, placement: TablePlacement) -> _Table:
         """``table`` with the tier the plan gives it (a plan that names none keeps the
         layer's own ``cache_rows``)."""
         if placement.cache_rows is None or placement.cache_rows == table.cache_rows:
@@ -545,12 +551,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                                    store_dir=store_dir)
 
     def _planned(self, mesh: mesh_lib.Mesh, hotness: Sequence[float], local_batch: int,
-                 features: Sequence[int]) -> planner.ShardingPlan:
+                 features: Sequence[int]) -> ShardingPlan:
         compute = tf.as_dtype(self.compute_dtype)
-        return planner.plan_sharding(
-            [planner.TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
-                                 combiner=t.combiner, features=f, cache_rows=t.cache_rows,
-                                 adaptive=bool(t.chunks))
+        return plan_sharding(
+            [TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
+                         combiner=t.combiner, features=f, cache_rows=t.cache_rows,
+                         adaptive=bool(t.chunks))
              for t, h, f in zip(self._tables, hotness, features)],
             mesh.data_parallel, mesh.model_parallel, strategy=self._strategy_name,
             column_slice_threshold=self.column_slice_threshold,
@@ -561,8 +567,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             comm_dtype=(compute.name if compute in (tf.float16, tf.bfloat16) else None),
             layout=mesh.layout, memory_budget=self.memory_budget)
 
-    def _checked_plan(self, plan: planner.ShardingPlan, mesh: mesh_lib.Mesh
-                      ) -> planner.ShardingPlan:
+    def _checked_plan(self, plan: ShardingPlan, mesh: mesh_lib.Mesh
+                      ) -> ShardingPlan:
         """``plan`` if it fits this mesh and these tables; ValueError naming what differs."""
         if (plan.data_parallel, plan.model_parallel) != (mesh.data_parallel,
                                                          mesh.model_parallel):
@@ -571,7 +577,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 f"this mesh is {mesh.data_parallel} x {mesh.model_parallel} (start with "
                 f"tfhybrid.init(model_parallel={plan.model_parallel}))")
         # a cost plan's predictions hold for one layout; other plans place alike in both
-        if (plan.strategy == planner.COST_STRATEGY and plan.layout
+        if (plan.strategy == COST_STRATEGY and plan.layout
                 and plan.layout != mesh.layout):
             raise ValueError(f"plan is for layout={plan.layout!r}; this mesh is "
                              f"{mesh.layout!r}")
@@ -645,21 +651,21 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             for t, table in enumerate(self._tables) if table.chunks})
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
             ids_per_step = local_batch * hotness[t]
-            if placement.kind == "data_parallel" and table.cache_rows:
+            if placement.kind == Kind.DATA_PARALLEL and table.cache_rows:
                 raise ValueError(
                     f"table {table.name!r} has cache_rows={table.cache_rows} (a disk tier) "
                     "but the plan replicates it (data_parallel): raise its size above "
                     f"data_parallel_threshold={self.data_parallel_threshold} or keep it in "
                     "memory (a replicated table is small)")
-            if placement.kind == "data_parallel":
+            if placement.kind == Kind.DATA_PARALLEL:
                 self._table_vars[t] = self._add_table_weight(
                     t, 0, table.name, placement.shards[0], on_host[(t, 0)])
                 distributed.mark_embedding(self._table_vars[t])
                 distributed.mark_sparse_sync(self._table_vars[t], bool(table.chunks) or
-                                             planner.sync_is_sparse(table.rows, table.dim,
-                                                                    ids_per_step, mesh.size))
+                                             sync_is_sparse(table.rows, table.dim,
+                                                            ids_per_step, mesh.size))
                 continue
-            if placement.kind == "row_wise":
+            if placement.kind == Kind.ROW_WISE:
                 ids_per_step /= len(placement.shards)
             for s, shard in enumerate(placement.shards):
                 if shard.owner != position:
@@ -672,7 +678,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 distributed.mark_embedding(var)
                 # a pool's gradient is rows at logical ids, which only the sparse sync
                 # (and the pool's own apply) can place
-                distributed.mark_sparse_sync(var, bool(table.chunks) or planner.sync_is_sparse(
+                distributed.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
                     shard.row_end - shard.row_start, shard.col_end - shard.col_start,
                     mesh.model_parallel * ids_per_step, mesh.data_parallel))
                 chunked = self._chunked(t, s)
@@ -697,13 +703,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # norm allreduce when the optimizer clips
         distributed.mark_anchor(self._anchor, [
             self._table_key(t) for t, placement in enumerate(self.plan.tables)
-            if placement.kind != "data_parallel"])
+            if placement.kind != Kind.DATA_PARALLEL])
         # routes: the (feature, shard) pairs each position serves, in one fixed order that
         # every rank derives from the same plan
         self._routes: list[list[_Route]] = [[] for _ in range(mesh.model_parallel)]
         for feature, t in enumerate(self.input_table_map):
             placement = self.plan.tables[t]
-            if placement.kind == "data_parallel":
+            if placement.kind == Kind.DATA_PARALLEL:
                 continue
             for s, shard in enumerate(placement.shards):
                 self._routes[shard.owner].append(_Route(
@@ -721,10 +727,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         mine = []   # (table, shard, bytes), in plan order
         for t, placement in enumerate(self.plan.tables):
             for s, shard in enumerate(placement.shards):
-                if placement.kind == "data_parallel" or shard.owner == position:
+                if placement.kind == Kind.DATA_PARALLEL or shard.owner == position:
                     mine.append(((t, s), 4 * (shard.row_end - shard.row_start)
                                  * (shard.col_end - shard.col_start)))
-                if placement.kind == "data_parallel":
+                if placement.kind == Kind.DATA_PARALLEL:
                     break
         if not tf.config.list_logical_devices("GPU"):
             if self.gpu_embedding_size is not None:
@@ -743,7 +749,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                       sum(on_host.values()), len(mine), self.gpu_embedding_size)
         return on_host
 
-    def _add_table_weight(self, table: int, index: int, name: str, shard: planner.Shard,
+    def _add_table_weight(self, table: int, index: int, name: str, shard: Shard,
                           on_host: bool) -> tf.Variable:
         """One table's (or shard's) variable, with its Keras layer's regularizer and
         constraint; each shard lives on one position, so a regularizer's loss is counted
@@ -780,7 +786,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 dtype=tf.float32, experimental_autocast=False)
 
     def _add_cached_shard(self, table: int, index: int, name: str,
-                          shard: planner.Shard) -> tf.Variable:
+                          shard: Shard) -> tf.Variable:
         """A tiered shard: its rows in a file of this rank's, a cache in front (with
         FIITED's per-row widths for an adaptive table)."""
         spec = self._tables[table]
@@ -801,8 +807,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         os.makedirs(directory, exist_ok=True)
         tier = dict(initializer=initializer, policy=spec.cache_policy,
                     name=re.sub(r"\W", "_", f"{self.name}_{name}"),
-                    pinned_calls=planner.TIER_PINNED_STEPS)
-        cache_rows = planner.shard_cache_rows(spec.cache_rows, spec.rows, rows)
+                    pinned_calls=TIER_PINNED_STEPS)
+        cache_rows = shard_cache_rows(spec.cache_rows, spec.rows, rows)
         with tf.init_scope():   # the host side works eagerly, also when built in a trace
             if spec.chunks:
                 cached = ChunkedCachedTable(
@@ -862,12 +868,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         outputs = []
         for f, t in enumerate(self.input_table_map):
             placement = self.plan.tables[t]
-            if placement.kind == "data_parallel":
+            if placement.kind == Kind.DATA_PARALLEL:
                 # 5. data-parallel tables: local lookup
                 outputs.append(self._finish(bags[f], self._lookup_sum(
                     (t, 0), self._table_vars[t], bags[f].values, bags[f].lengths)))
                 continue
-            if placement.kind == "column_wise":
+            if placement.kind == Kind.COLUMN_WISE:
                 summed = tf.concat([partials[(f, s)] for s in range(len(placement.shards))],
                                    axis=1)
             else:  # table_wise is one shard; row_wise partial sums add up
@@ -897,7 +903,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         start = tf.cast(self._mesh.model_position, local_batch.dtype) * local_batch
         bags = {}
         for f, x in raw.items():
-            if self.plan.tables[self.input_table_map[f]].kind == "data_parallel":
+            if self.plan.tables[self.input_table_map[f]].kind == Kind.DATA_PARALLEL:
                 # a replicated table looks up only this rank's share of the batch
                 x = x[start:start + local_batch]
             bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
@@ -1249,7 +1255,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     def _shard_ids(self, bag: "_Bags", route: _Route) -> tuple[tf.Tensor, tf.Tensor]:
         """The route's ids (relative to its shard) and the number of them in each bag."""
-        if self.plan.tables[route.table].kind != "row_wise":
+        if self.plan.tables[route.table].kind != Kind.ROW_WISE:
             return bag.values, bag.lengths
         inside = tf.logical_and(bag.values >= route.row_start, bag.values < route.row_end)
         bag_index = tf.repeat(tf.range(tf.size(bag.lengths, out_type=tf.int64)), bag.lengths)
@@ -1498,7 +1504,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         full_tables = []
         for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
             full = np.empty([table.rows, table.dim], np.float32) if keep else None
-            replicated = placement.kind == "data_parallel"
+            replicated = placement.kind == Kind.DATA_PARALLEL
             for s, shard in enumerate(placement.shards):
                 width = shard.col_end - shard.col_start
                 var = self._table_vars[t] if replicated else self._shard_vars.get((t, s))
@@ -1553,7 +1559,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                                  f"{np.shape(full)}; expected {(table.rows, table.dim)}")
             placement = self.plan.tables[t]
             targets = ([(self._table_vars[t], 0, placement.shards[0])]
-                       if placement.kind == "data_parallel" else
+                       if placement.kind == Kind.DATA_PARALLEL else
                        [(v, s, placement.shards[s])
                         for (tt, s), v in self._shard_vars.items() if tt == t])
             for var, s, shard in targets:
@@ -1602,7 +1608,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             raise ValueError(f"DistributedEmbedding {self.name!r}.adjust(): no table has "
                              "dims='adaptive'")
         mesh = self._mesh
-        sharded = [t for t in adaptive if self.plan.tables[t].kind != "data_parallel"]
+        sharded = [t for t in adaptive if self.plan.tables[t].kind != Kind.DATA_PARALLEL]
         # each sharded table's utility per row, whole: this rank's shards in place, summed
         # over the model group (every row is held by one shard per column slice)
         utilities = []
@@ -1622,7 +1628,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         for t in adaptive:
             table, placement = self._tables[t], self.plan.tables[t]
             target = target_of(table)
-            if placement.kind == "data_parallel":
+            if placement.kind == Kind.DATA_PARALLEL:
                 # every rank's copy has the same utility (its gradient is synced)
                 chunked = self._chunked(t, 0)
                 kept[table.name] = chunked.adjust(target)["present"]
@@ -1652,7 +1658,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             if not table.chunks:
                 counts.append(None)
                 continue
-            if placement.kind == "data_parallel":
+            if placement.kind == Kind.DATA_PARALLEL:
                 counts.append(self._chunked(t, 0).chunks_per_row())
                 continue
             whole = np.zeros([table.rows], np.int32)
@@ -1759,7 +1765,7 @@ _SHAPE_FREE_INITIALIZERS = (tf.keras.initializers.RandomUniform,
                             tf.keras.initializers.TruncatedNormal)
 
 
-def _slice_initializer(table: _Table, shard: planner.Shard) -> Any:
+def _slice_initializer(table: _Table, shard: Shard) -> Any:
     """The shard's slice of the table's initial value, the same on every mesh.
 
     Only for seeded initializers whose values do not depend on the shape (uniform and

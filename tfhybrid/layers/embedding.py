@@ -16,7 +16,7 @@ from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-
 
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
-from tfhybrid.planner import COMBINERS
+from tfhybrid.plan.types import COMBINERS
 from tfhybrid.tiers import POLICIES, CachedTable, ChunkedCachedTable
 # Re-exported so that `tfhybrid.layers.embedding.X` resolves every X that
 # distributed-embeddings' embedding module has; each lives in its own module.

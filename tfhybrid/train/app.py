@@ -19,7 +19,7 @@ import time
 from typing import Any, Sequence
 
 from tfhybrid import mesh as mesh_lib
-from tfhybrid.planner import OPTIMIZERS, REPLICA_SYNC  # pure modules: no TF import
+from tfhybrid.plan.types import OPTIMIZERS, REPLICA_SYNC  # pure modules: no TF import
 from tfhybrid.train import data as data_lib
 
 MIXED_PRECISION = {"none": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
