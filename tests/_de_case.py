@@ -73,7 +73,7 @@ def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
     layer = tfhybrid.DistributedEmbedding(make(), input_table_map=input_table_map,
                                           **layer_kwargs)
     layer.strategy  # the plan (and the mesh, made here if the script made none)
-    mesh = layer._mesh
+    mesh = layer.mesh
     global_batch = LOCAL_BATCH * mesh.size
     ids = global_ids(table_sizes, input_table_map, global_batch, hotness, ragged)
     reference = make()

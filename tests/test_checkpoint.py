@@ -109,7 +109,7 @@ def make_optimizer(mesh, optimizer=None):
 
 def gather_slots(layer, optimizer) -> list[list[tuple[tuple, dict]]]:
     """Per table, [(rect, {slot name: values})] of every shard, gathered from all ranks."""
-    mesh = layer._mesh
+    mesh = layer.mesh
     items = []
     for t, placement in enumerate(layer.plan.tables):
         if placement.kind == "data_parallel":

@@ -81,7 +81,7 @@ class DeCompatTest(tf.test.TestCase):
     def test_layer_without_tfhybrid_init_uses_the_existing_horovod(self):
         mesh_lib.reset()
         layer = de.run_step(self, TABLES[:3])
-        self.assertEqual(layer._mesh.size, hvd.size())
+        self.assertEqual(layer.mesh.size, hvd.size())
 
     def test_default_strategy_and_each_de_strategy(self):
         for strategy in ("basic", "memory_balanced", "memory_optimized"):
@@ -176,7 +176,7 @@ class DeCompatTest(tf.test.TestCase):
             layer = tfhybrid.DistributedEmbedding(de.make_layers(TABLES), strategy="basic",
                                                   gpu_embedding_size=0)
             layer.strategy
-            position = layer._mesh.model_position
+            position = layer.mesh.model_position
             self.assertTrue(all(layer._memory_tiers(position).values()))
             first = [4 * r * d for t, (r, d) in enumerate(TABLES)
                      if layer.plan.tables[t].shards[0].owner == position][0]

@@ -94,7 +94,7 @@ class FiitedMeshTest(tf.test.TestCase):
                 # this rank's pools hold exactly its shards' part of the kept chunks
                 for t, placement in enumerate(layer.plan.tables):
                     for s, shard in enumerate(placement.shards):
-                        chunked = layer._chunked(t, s)
+                        chunked = layer.route.stores.fiited(t, s)
                         if chunked is not None:
                             part = want_counts[t][shard.row_start:shard.row_end]
                             self.assertEqual(chunked.pool_slots(), int(part.sum()))

@@ -284,9 +284,9 @@ class MixedPrecisionTest(tf.test.TestCase):
 
     def _id_bytes(self, layer):
         # header + ids this rank sent: what the plan counts as (L + n) * 4 per remote route
-        mesh = layer._mesh
+        mesh = layer.mesh
         total = 0
-        for routes in layer._routes:
+        for routes in layer.route.routes:
             for r in routes:
                 if r.owner != mesh.model_position:
                     total += (8 + 8 * 3) * 4

@@ -130,7 +130,7 @@ def _assert_route_beside_step(test, pipeline) -> None:
     trial = pipeline._trial
     test.assertEqual([len(trial[p]) for p in pipeline_lib.PLACEMENTS],
                      [pipeline_lib.TRIAL_STEPS + 1] * 2)
-    world = pipeline._layers[0]._mesh.size
+    world = pipeline._layers[0].mesh.size
     medians = collectives_lib.allgather(tf.constant(
         [[statistics.median(trial[p][1:]) for p in pipeline_lib.PLACEMENTS]], tf.float64),
         world, "test_pipeline_medians").numpy()

@@ -316,7 +316,7 @@ class DistributedTierTest(_TempDir):
         self.assertEqual(got.history["loss"], want.history["loss"])
         np.testing.assert_array_equal(tiered_layer.get_weights()[0],
                                       memory_layer.get_weights()[0])
-        stats = tiered_layer._cached(0, 0).stats()
+        stats = tiered_layer.route.stores.cache(0, 0).stats()
         self.assertGreater(stats["writebacks"], 0)
         self.assertGreater(stats["misses"], 2 * CACHE)
 

@@ -231,7 +231,7 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
         # adaptive Embedding layers and DistributedEmbedding layers with adaptive tables
         # (whose own Embedding layers only describe tables: never built)
         return [layer for layer in self.model._flatten_layers(include_self=False)
-                if hasattr(layer, "_fiited_adaptive") and layer._fiited_adaptive()]
+                if getattr(layer, "has_adaptive_tables", False)]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         from tfhybrid.optimizers import RowWiseAdagrad
@@ -251,7 +251,7 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
             return
         ramp = 1.0 if not self.ramp_batches else min(1.0, self._batches / self.ramp_batches)
         for layer in self._layers():
-            layer._fiited_adjust(ramp)
+            layer.adjust_ramp(ramp)
 
 
 def verbose(level: int = 1, mesh: mesh_lib.Mesh | None = None) -> int:

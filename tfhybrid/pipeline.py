@@ -4,7 +4,7 @@ A step of a hybrid model runs its phases one after another: read the batch, chec
 on every rank (one allgather), send them to their owners (one ``alltoall`` in the model
 group), look up, exchange rows, run the towers, sync and apply gradients. Only the look-up
 needs the tables as the previous step left them. ``TrainPipeline`` splits the route
-(``DistributedEmbedding._route_prepare`` / ``_route_exchange``) and runs, in one
+(``DistributedEmbedding.route``'s ``prepare`` / ``exchange``) and runs, in one
 function, step t, the route's collectives for batch t+1 on what the call before
 prepared, and the preparation of batch t+2; they share no variable. The preparation
 runs while the step waits for its rows; the collectives cross beside the look-ups or,
@@ -59,7 +59,7 @@ TRIAL_STEPS = 12   # timed steps per placement
 
 class _Routing:
     """The read-ahead's forward: layers hand over what their routes will send (their
-    first half, ``DistributedEmbedding._route_prepare``), then it stops."""
+    first half, ``EmbeddingRoute.prepare``), then it stops."""
     routing = True
 
     def __init__(self, layers: list, ended: tf.Tensor):
@@ -237,7 +237,7 @@ class TrainPipeline:
                             else getattr(train_step, "python_function", train_step))
         self._model_inputs = model_inputs or (
             lambda batch: tf.keras.utils.unpack_x_y_sample_weight(batch)[0])
-        self._layers = [m for m in model.submodules if hasattr(m, "_route")]
+        self._layers = [m for m in model.submodules if hasattr(m, "route")]
         # (iterator, batch t and its routed ids, batch t+1 and what its route sends)
         self._pending: tuple | None = None
         self._last_batch = None   # stands in for a batch once this rank's input ended
@@ -288,7 +288,7 @@ class TrainPipeline:
         both are timed, each in turn."""
         if self._placement is not None:
             return self._placement
-        if self._layers[0]._mesh.size == 1:
+        if self._layers[0].mesh.size == 1:
             # no rows cross a collective: both placements are the same function
             self._placement = PLACEMENTS[0]
             return self._placement
@@ -305,12 +305,12 @@ class TrainPipeline:
         from tfhybrid import collectives
         medians = [statistics.median(self._trial[p][1:]) for p in PLACEMENTS]
         everyone = collectives.allgather(tf.constant([medians], tf.float64),
-                                         self._layers[0]._mesh.size,
+                                         self._layers[0].mesh.size,
                                          "tfhybrid_pipeline_placement").numpy()
         # every rank computes the same choice from the same numbers
         mean = everyone.mean(axis=0)
         self._placement = PLACEMENTS[int(mean.argmin())]
-        if self._layers[0]._mesh.rank == 0:   # the same numbers on every rank
+        if self._layers[0].mesh.rank == 0:   # the same numbers on every rank
             timed = ", ".join(f"{1e3 * m:.1f} ms {_PLACEMENT_NAMES[p]}"
                               for p, m in zip(PLACEMENTS, mean))
             _LOG.info("TrainPipeline: the next batch's route collectives start %s (median "
@@ -400,7 +400,7 @@ class TrainPipeline:
         """Raises on every rank when some ranks' input is empty and others' is not, rather
         than leave those with a batch waiting in its collectives."""
         from tfhybrid import collectives
-        mesh = self._layers[0]._mesh
+        mesh = self._layers[0].mesh
         if mesh.size == 1:
             return
         flags = collectives.allgather(tf.constant([[int(present)]], tf.int32), mesh.size,
@@ -417,7 +417,7 @@ class TrainPipeline:
     def _prepare(self, inputs: Any, ended: tf.Tensor) -> tuple[list, list]:
         """The first half of every DistributedEmbedding's route for ``inputs``: per
         layer, the tensors its collectives will send and the facts to read them by
-        (``DistributedEmbedding._route_prepare``)."""
+        (``EmbeddingRoute.prepare``)."""
         phase = _Routing(self._layers, ended)
         with _PhaseScope(phase):
             try:
@@ -439,7 +439,7 @@ class TrainPipeline:
         message (or "")."""
         routed, failures, all_ended = [], [], None
         for layer, sent, layer_facts in zip(self._layers, sending, facts):
-            ids, ended, failure, _ = layer._route_exchange(list(sent), layer_facts)
+            ids, ended, failure, _ = layer.route.exchange(list(sent), layer_facts)
             routed.append(ids)
             failures.append(failure)
             all_ended = ended if all_ended is None else all_ended

@@ -214,15 +214,16 @@ class Embedding(tf.keras.layers.Embedding):
         return self.table.adjust(self.target_memory if target_memory is None
                                  else target_memory)
 
-    def _fiited_adaptive(self) -> bool:
+    @property
+    def has_adaptive_tables(self) -> bool:
         """Whether :meth:`adjust` applies (the FiitedAdjust callback asks): an adaptive
         table that is built (inside a DistributedEmbedding a layer is never built)."""
         return self.dims == "adaptive" and self.built
 
-    def _fiited_adjust(self, ramp: float) -> None:
-        """The FiitedAdjust callback's step: the budget ``ramp`` of the way from the whole
-        table to ``target_memory``."""
-        self.adjust(1.0 - (1.0 - self.target_memory) * ramp)
+    def adjust_ramp(self, ramp: float) -> dict:
+        """:meth:`adjust` with the budget ``ramp`` (0 to 1) of the way from the whole
+        table to ``target_memory`` (``FiitedAdjust``'s schedule)."""
+        return self.adjust(1.0 - (1.0 - self.target_memory) * ramp)
 
     # -------------------------------------------------------------------- call
     def call(self, inputs):

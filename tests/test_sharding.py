@@ -1,0 +1,125 @@
+"""tfhybrid.sharding: every store kind answers the protocol alike; the examples run."""
+
+import doctest
+import inspect
+import tempfile
+import textwrap
+
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid  # noqa: F401 - before tf.keras is used: checks it is Keras 2
+from tfhybrid import custom_ops
+from tfhybrid.fiited import ChunkedTable
+from tfhybrid.sharding import full_tables, route, stores, tables
+from tfhybrid.tiers import CachedTable
+
+ROWS, WIDTH = 40, 4
+
+
+def _values() -> np.ndarray:
+    return np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH) / 7.0
+
+
+def _stores(directory: str) -> dict:
+    """One store of each kind, every one holding _values() (all built on the C++ ops
+    where the library is built, as users run them)."""
+    start = tf.constant(_values())
+    custom = tf.keras.layers.Embedding(ROWS, WIDTH, embeddings_initializer="zeros")
+    custom.build(tf.TensorShape([None]))
+    made = {
+        "kernel": stores.KernelTable(tf.Variable(tf.zeros([ROWS, WIDTH])), "t",
+                                     use_custom_kernel=True),
+        "fiited": stores.FiitedPool(ChunkedTable(ROWS, WIDTH, 2, initial_value=start,
+                                                 name="fiited")),
+        "tiered": stores.TieredCache(
+            CachedTable(ROWS, WIDTH, ROWS, directory, name="tiered",
+                        initializer=lambda a, b: np.zeros([b - a, WIDTH], np.float32)),
+            "t", use_custom_kernel=True),
+        "custom": stores.CustomLayerTable(custom, combiner=None),
+    }
+    for store in made.values():
+        store.write_rows(0, _values())
+    return made
+
+
+class StoreProtocolTest(tf.test.TestCase):
+
+    def test_every_kind_reads_back_what_was_written(self):
+        with tempfile.TemporaryDirectory() as directory:
+            for kind, store in _stores(directory).items():
+                self.assertAllEqual(np.asarray(store.read_rows(3, 9)), _values()[3:9],
+                                    msg=kind)
+
+    def test_every_kind_sums_bags_like_a_numpy_table(self):
+        # the users' path: the C++ kernels (the suite builds them; fails if missing)
+        custom_ops.require_library()
+        ids = np.array([0, 5, 5, 39, 7, 2, 1], np.int64)
+        bags = {"pooled": np.array([3, 0, 1, 3], np.int64),
+                # a custom layer without a combiner looks up one id per bag
+                "one per bag": np.ones([len(ids)], np.int64)}
+        with tempfile.TemporaryDirectory() as directory:
+            for kind, store in _stores(directory).items():
+                for shape, lengths in bags.items():
+                    if kind == "custom" and shape == "pooled":
+                        continue
+                    # the reference: plain numpy sums of the written values
+                    ends = np.cumsum(lengths)
+                    expected = np.stack([_values()[ids[end - n:end]].sum(axis=0)
+                                         for n, end in zip(lengths, ends)])
+                    looked_up = ids
+                    if store.cache is not None:
+                        # a tiered store is looked up at cache slots, as the route gives
+                        looked_up = store.cache.slots(tf.constant(ids))
+                    got = store.lookup_sum(tf.constant(looked_up), tf.constant(lengths))
+                    self.assertAllClose(got, expected, rtol=0, atol=1e-5,
+                                        msg=f"{kind}, {shape}")
+
+    def test_memory_names_the_same_keys_for_every_kind(self):
+        with tempfile.TemporaryDirectory() as directory:
+            for kind, store in _stores(directory).items():
+                memory = store.memory_bytes()
+                self.assertEqual(set(memory), {"embedding", "dense", "store"}, kind)
+                self.assertEqual(memory["dense"], ROWS * WIDTH * 4, kind)
+
+
+class StoreSetTest(tf.test.TestCase):
+
+    def test_finds_the_fiited_and_cache_parts_by_shard(self):
+        with tempfile.TemporaryDirectory() as directory:
+            made = _stores(directory)
+            held = stores.StoreSet()
+            for index, kind in enumerate(("kernel", "fiited", "tiered", "custom")):
+                held.add(index, 0, made[kind])
+            self.assertIsNone(held.fiited(0, 0))
+            self.assertIs(held.fiited(1, 0), made["fiited"].fiited)
+            self.assertIs(held.cache(2, 0), made["tiered"].cache)
+            self.assertIsNone(held.get(1, 1))
+            self.assertEqual(len(list(held.items())), 4)
+
+
+class ExamplesTest(tf.test.TestCase):
+
+    def test_module_and_class_examples_run(self):
+        for module in (tables, stores, route, full_tables):
+            self.assertEqual(doctest.testmod(module).failed, 0, module.__name__)
+            docs = [inspect.getdoc(module)] + [
+                inspect.getdoc(cls) for _, cls in inspect.getmembers(module, inspect.isclass)
+                if cls.__module__ == module.__name__ and not cls.__name__.startswith("_")
+                and "Example::" in (inspect.getdoc(cls) or "")]
+            for doc in docs:
+                if "Example::" in doc:
+                    exec(textwrap.dedent(doc.split("Example::", 1)[1]), {})  # pylint: disable=exec-used
+
+    def test_public_classes_have_examples(self):
+        for module in (stores, route, full_tables):
+            for name, cls in inspect.getmembers(module, inspect.isclass):
+                if cls.__module__ != module.__name__ or name.startswith("_"):
+                    continue
+                if name in ("TableStore", "StoreContext", "RouteEntry", "Bags"):
+                    continue    # a protocol and plain records
+                self.assertIn("Example::", inspect.getdoc(cls), f"{module.__name__}.{name}")
+
+
+if __name__ == "__main__":
+    tf.test.main()

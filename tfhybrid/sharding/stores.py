@@ -1,0 +1,336 @@
+"""Where a table's rows live: one store class per kind, one protocol for all.
+
+A store holds one table of a rank (a replicated table) or one shard of it, and answers
+the same questions whatever it keeps: the bag sums of routed ids (``lookup_sum``), its
+rows in row order for whole-table reads and writes (``read_rows`` / ``write_rows``), and
+its memory. The kinds:
+
+- ``KernelTable``: a dense variable, looked up by the fused C++ kernel (pure TF where
+  the op library is not built);
+- ``FiitedPool``: a FIITED table's chunk pool (``tfhybrid.fiited.ChunkedTable``);
+- ``TieredCache``: a disk-tier shard behind its DRAM cache (``tfhybrid.tiers``), with
+  FIITED's per-row widths for an adaptive table; its routed ids are cache slots;
+- ``CustomLayerTable``: an instance of the user's own embedding layer class.
+
+``create_store`` picks the kind from the table's spec; the layer keeps the stores in a
+``StoreSet`` keyed by (table, shard). A fifth kind is one more class here.
+
+Example::
+
+    import tensorflow as tf
+    from tfhybrid.sharding.stores import KernelTable
+    store = KernelTable(tf.Variable(tf.ones([4, 2])), "t", use_custom_kernel=False)
+    sums = store.lookup_sum(tf.constant([0, 1, 3], tf.int64), tf.constant([2, 1], tf.int64))
+    assert sums.numpy().tolist() == [[2.0, 2.0], [1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import custom_ops
+from tfhybrid.fiited import ChunkedTable
+from tfhybrid.plan.tiers import TIER_PINNED_STEPS, shard_cache_rows
+from tfhybrid.plan.types import Shard
+from tfhybrid.sharding.tables import TableSpec, custom_shard_layer, slice_initializer
+from tfhybrid.tiers import CachedTable, ChunkedCachedTable
+
+
+class TableStore(Protocol):
+    """What every store answers (see the module docstring)."""
+
+    variable: tf.Variable    # what the optimizer trains and the gradient route syncs
+
+    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor: ...
+
+    def read_rows(self, start: int, stop: int) -> Any: ...
+
+    def write_rows(self, start: int, values: np.ndarray) -> None: ...
+
+    def memory_bytes(self) -> dict[str, int]: ...
+
+
+def _dense_bytes(variable: tf.Variable) -> dict[str, int]:
+    nbytes = int(np.prod(variable.shape)) * variable.dtype.size
+    return {"embedding": nbytes, "dense": nbytes, "store": 0}
+
+
+class KernelTable:
+    """A dense table (or shard) in one variable.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.sharding.stores import KernelTable
+        store = KernelTable(tf.Variable(tf.zeros([3, 2])), "t", use_custom_kernel=False)
+        store.write_rows(1, [[1.0, 2.0]])
+        assert store.read_rows(1, 2).numpy().tolist() == [[1.0, 2.0]]
+    """
+
+    fiited = None
+    cache = None
+
+    def __init__(self, variable: tf.Variable, table_name: str, use_custom_kernel: bool):
+        self.variable = variable
+        self._table_name = table_name
+        self._use_custom_kernel = use_custom_kernel
+
+    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
+        # use_custom_kernel=True: the C++ op where it is built (else pure TF)
+        return custom_ops.embedding_lookup_combine(
+            self.variable, ragged, combiner="sum", table_name=self._table_name,
+            use_custom_op=None if self._use_custom_kernel else False)
+
+    def read_rows(self, start: int, stop: int) -> tf.Tensor:
+        # a gather reads only the rows; a dense read of a variable that saw sparse
+        # updates copies the whole table first
+        return tf.gather(self.variable, tf.range(start, stop))
+
+    def write_rows(self, start: int, values: np.ndarray) -> None:
+        # scatter_update writes in place; a sliced assign may copy the table
+        self.variable.scatter_update(
+            tf.IndexedSlices(values, tf.range(start, start + len(values))))
+
+    def memory_bytes(self) -> dict[str, int]:
+        return _dense_bytes(self.variable)
+
+
+class FiitedPool:
+    """A FIITED table (or shard): its chunk pool, rows of per-row widths.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.fiited import ChunkedTable
+        from tfhybrid.sharding.stores import FiitedPool
+        store = FiitedPool(ChunkedTable(4, 4, 2, initial_value=tf.ones([4, 4]), name="t"))
+        assert store.read_rows(0, 1).numpy().tolist() == [[1.0, 1.0, 1.0, 1.0]]
+    """
+
+    cache = None
+
+    def __init__(self, table: ChunkedTable):
+        self.fiited = table
+        self.variable = table.pool
+
+    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        return self.fiited.lookup_combine(
+            tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False))
+
+    def read_rows(self, start: int, stop: int) -> tf.Tensor:
+        return tf.convert_to_tensor(self.fiited.read_rows(start, stop))
+
+    def write_rows(self, start: int, values: np.ndarray) -> None:
+        # a row keeps its width: pruned entries are dropped
+        self.fiited.write_rows(start, values)
+
+    def memory_bytes(self) -> dict[str, int]:
+        memory = self.fiited.memory_bytes()
+        return {"embedding": memory["pool"] + memory["zero_chunk"] + memory["row_offsets"],
+                "dense": self.fiited.rows * self.fiited.dim * 4, "store": 0}
+
+
+class TieredCache:
+    """A disk-tier shard: its rows in a file, a DRAM cache in front; looked up at cache
+    slots (the route turns routed ids into slots, loading their rows first). An adaptive
+    table's tier (``ChunkedCachedTable``) keeps FIITED's per-row widths.
+
+    Example::
+
+        import tempfile
+        import tensorflow as tf
+        from tfhybrid.sharding.stores import TieredCache
+        from tfhybrid.tiers import CachedTable
+        table = CachedTable(100, 2, 8, tempfile.mkdtemp(), name="t",
+                            initializer=lambda start, stop: [[1.0, 1.0]] * (stop - start))
+        store = TieredCache(table, "t", use_custom_kernel=False)
+        assert store.read_rows(5, 6).tolist() == [[1.0, 1.0]]
+    """
+
+    def __init__(self, table: CachedTable, table_name: str, use_custom_kernel: bool):
+        self.cache = table
+        self.fiited = table if isinstance(table, ChunkedCachedTable) else None
+        self.variable = table.cache
+        self._table_name = table_name
+        self._use_custom_kernel = use_custom_kernel
+
+    def lookup_sum(self, slots: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        ragged = tf.RaggedTensor.from_row_lengths(slots, lengths, validate=False)
+        if self.fiited is not None:
+            return self.fiited.lookup_combine(ragged)
+        return custom_ops.embedding_lookup_combine(
+            self.variable, ragged, combiner="sum", table_name=self._table_name,
+            use_custom_op=None if self._use_custom_kernel else False)
+
+    def read_rows(self, start: int, stop: int) -> Any:
+        return self.cache.read_rows(start, stop)
+
+    def write_rows(self, start: int, values: np.ndarray) -> None:
+        # writes the file and the rows the cache holds
+        self.cache.write_rows(start, values)
+
+    def memory_bytes(self) -> dict[str, int]:
+        memory = self.cache.memory_bytes()
+        return {"embedding": memory["cache"] + memory["index"],
+                "dense": self.cache.rows * self.cache.dim * 4, "store": memory["store"]}
+
+
+class CustomLayerTable:
+    """A shard that is an instance of the user's own embedding layer (one
+    ``[rows, width]`` weight), called on the shard's ids.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.sharding.stores import CustomLayerTable
+        layer = tf.keras.layers.Embedding(4, 2, embeddings_initializer="ones")
+        layer.build(tf.TensorShape([None]))
+        store = CustomLayerTable(layer, combiner=None)
+        ids, lengths = tf.constant([3], tf.int64), tf.constant([1], tf.int64)
+        assert store.lookup_sum(ids, lengths).numpy().tolist() == [[1.0, 1.0]]
+    """
+
+    fiited = None
+    cache = None
+
+    def __init__(self, layer: tf.keras.layers.Layer, combiner: str | None):
+        self.layer = layer
+        self.variable = layer.weights[0]
+        self._combiner = combiner
+
+    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        # without a combiner every bag is one id (checked when the layer is built)
+        ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
+        return tf.cast(self.layer(ragged if self._combiner else ids), tf.float32)
+
+    def read_rows(self, start: int, stop: int) -> tf.Tensor:
+        return tf.gather(self.variable, tf.range(start, stop))
+
+    def write_rows(self, start: int, values: np.ndarray) -> None:
+        self.variable.scatter_update(
+            tf.IndexedSlices(values, tf.range(start, start + len(values))))
+
+    def memory_bytes(self) -> dict[str, int]:
+        return _dense_bytes(self.variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreContext:
+    """What creating a store needs from the layer that owns it."""
+    layer_name: str
+    rank: int
+    use_custom_kernel: bool
+    # the layer's add_weight for a kernel table's variable (Keras then tracks it, with
+    # the table layer's regularizer and constraint)
+    add_weight: Callable[..., tf.Variable]
+
+
+def create_store(spec: TableSpec, shard: Shard, name: str,
+                 context: StoreContext, regularizer: Any = None,
+                 constraint: Any = None) -> TableStore:
+    """The store of ``spec``'s ``shard`` (the whole table for a replicated one) of the kind
+    the spec asks for, its rows initialized to the shard's slice of the table."""
+    rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
+    kernel = None if context.use_custom_kernel else False
+    if spec.cache_rows:
+        return TieredCache(_cached_shard(spec, shard, name, context), spec.name,
+                           context.use_custom_kernel)
+    if spec.chunks:
+        with tf.init_scope():
+            initial = slice_initializer(spec, shard)([rows, width], dtype=tf.float32)
+        return FiitedPool(ChunkedTable(rows, width, width // spec.chunk_dim,
+                                       initial_value=initial, name=name.replace("/", "_"),
+                                       use_custom_op=kernel))
+    if spec.custom_class is not None:
+        custom = custom_shard_layer(spec, rows, width, name.replace("/", "_"))
+        custom.build(tf.TensorShape([None]))
+        # as Keras' own first call would: a build that does not call super().build()
+        # leaves built False, and the call would build again
+        custom.built = True
+        return CustomLayerTable(custom, spec.combiner)
+    variable = context.add_weight(
+        name=name, shape=[rows, width], initializer=slice_initializer(spec, shard),
+        regularizer=regularizer, constraint=constraint, dtype=tf.float32,
+        experimental_autocast=False)
+    return KernelTable(variable, spec.name, context.use_custom_kernel)
+
+
+def _cached_shard(spec: TableSpec, shard: Shard, name: str,
+                  context: StoreContext) -> CachedTable:
+    """A tiered shard: its rows in a file of this rank's, a cache in front (with FIITED's
+    per-row widths for an adaptive table)."""
+    rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
+
+    def initializer(start, stop):
+        # a seeded table draws the shard's slice of the whole table's values
+        piece = dataclasses.replace(shard, row_start=shard.row_start + start,
+                                    row_end=shard.row_start + stop)
+        with tf.device("/CPU:0"):
+            return slice_initializer(spec, piece)([stop - start, width],
+                                                  dtype=tf.float32).numpy()
+
+    # one folder per rank (the ranks may share store_dir); the table's name, which its
+    # variables and so their gradient syncs' collectives carry, is the same on every
+    # replica
+    directory = os.path.join(spec.store_dir, f"rank{context.rank}")
+    os.makedirs(directory, exist_ok=True)
+    tier = dict(initializer=initializer, policy=spec.cache_policy,
+                name=re.sub(r"\W", "_", f"{context.layer_name}_{name}"),
+                pinned_calls=TIER_PINNED_STEPS)
+    cache_rows = shard_cache_rows(spec.cache_rows, spec.rows, rows)
+    with tf.init_scope():   # the host side works eagerly, also when built in a trace
+        if spec.chunks:
+            return ChunkedCachedTable(
+                rows, width, cache_rows, directory, chunks=width // spec.chunk_dim,
+                use_custom_op=None if context.use_custom_kernel else False, **tier)
+        return CachedTable(rows, width, cache_rows, directory, **tier)
+
+
+class StoreSet:
+    """This rank's stores of one layer, keyed by (table, shard); a replicated table is
+    shard 0.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.sharding.stores import KernelTable, StoreSet
+        stores = StoreSet()
+        stores.add(0, 0, KernelTable(tf.Variable(tf.ones([2, 2])), "t", False))
+        assert stores.get(0, 0).variable.shape == (2, 2) and stores.get(1, 0) is None
+    """
+
+    def __init__(self) -> None:
+        self._stores: dict[tuple[int, int], TableStore] = {}
+
+    def add(self, table: int, shard: int, store: TableStore) -> None:
+        self._stores[(table, shard)] = store
+
+    def get(self, table: int, shard: int) -> TableStore | None:
+        """The store of table ``table``'s shard ``shard`` if this rank holds it."""
+        return self._stores.get((table, shard))
+
+    def items(self) -> Iterator[tuple[tuple[int, int], TableStore]]:
+        return iter(self._stores.items())
+
+    def lookup_sum(self, table: int, shard: int, ids: tf.Tensor, lengths: tf.Tensor
+                   ) -> tf.Tensor:
+        """The sum of each bag's rows of one table or shard held here."""
+        return self._stores[(table, shard)].lookup_sum(ids, lengths)
+
+    def fiited(self, table: int, shard: int) -> ChunkedTable | ChunkedCachedTable | None:
+        """The FIITED pool (or tiered FIITED table) of the shard, if held here and
+        adaptive."""
+        store = self._stores.get((table, shard))
+        return None if store is None else store.fiited
+
+    def cache(self, table: int, shard: int) -> CachedTable | None:
+        """The tier of the shard, if held here and tiered."""
+        store = self._stores.get((table, shard))
+        return None if store is None else store.cache
