@@ -52,9 +52,9 @@ TEST_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 # Named subsets (--subset). "tf-compat" is what CI runs on the other supported
-# TensorFlow stack: every version switch in tfhybrid/_tf_internals.py (the checkpoint
-# writer's view of the saver, an optimizer's cached checkpoint children, the Keras 2
-# check that every import makes) and each module that broke when TF moved on
+# TensorFlow stack: every version switch and hook in tfhybrid/_tf_internals.py (the
+# checkpoint writer's view of the saver, an optimizer's cached checkpoint children, the
+# Keras 2 check that every import makes) and each module that broke when TF moved on
 # (checkpoints, optimizer slots, FIITED, tiers), plus the op library, which is built
 # against each TF's C++ ABI.
 SUBSETS = {
@@ -63,6 +63,7 @@ SUBSETS = {
         "tests/test_checkpoint_single.py",
         "tests/test_keras_checkpoint.py",
         "tests/test_keras_version.py",
+        "tests/test_tf_internals.py",
         "tests/test_optimizers.py",
         "tests/test_fiited.py",
         "tests/test_tiers.py",

@@ -29,10 +29,12 @@ import horovod.tensorflow as hvd
 from tensorflow.python.ops import io_ops
 
 import tfhybrid
-from tfhybrid import _resharding
+from tfhybrid.checkpoint import resharding
+from tfhybrid.checkpoint import slots as checkpoint_slots
 from tfhybrid import mesh as mesh_lib
-from tfhybrid.layers import DistributedEmbedding, Embedding, _checkpointing
+from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
+from tfhybrid.testing import faults
 from tfhybrid.train import checkpoint
 
 HOROVOD_NP = (4,)
@@ -120,7 +122,7 @@ def gather_slots(layer, optimizer) -> list[list[tuple[tuple, dict]]]:
                      if mesh.replica == 0 and (t, s) in layer._shard_vars]
         for var, shard in pairs:
             slots = {key: s.numpy() for key, s in
-                     _checkpointing._slots_of(optimizer, var).items()}
+                     checkpoint_slots.slots_of(optimizer, var).items()}
             items.append((t, (shard.row_start, shard.row_end, shard.col_start, shard.col_end),
                           slots))
     out: list[list] = [[] for _ in TABLES]
@@ -151,8 +153,8 @@ def snapshot(model, optimizer) -> dict:
 
 
 def expected_row_slot(saved: dict, cols: tuple[int, int]) -> np.ndarray:
-    """A new column slice's accumulator from the saved ones (see _resharding.rowwise_weights)."""
-    weights = _resharding.rowwise_weights(cols, list(saved))
+    """A new column slice's accumulator from the saved ones (see resharding.rowwise_weights)."""
+    weights = resharding.rowwise_weights(cols, list(saved))
     total = sum(np.asarray(values, np.float64) * w
                 for w, values in zip(weights, saved.values()) if w > 0)
     return total.astype(np.float32)
@@ -189,6 +191,7 @@ def load_snapshot(path: str) -> dict:
 def _child_main(argv: list[str]) -> int:
     """Child processes of the tests: one plain process, a 1x1 mesh."""
     mode = argv[0]
+    faults.install_from_env()   # the parent's pause of a save, if it asks for one
     mesh = tfhybrid.init(model_parallel=1)
     model = build_model(mesh)
     optimizer = make_optimizer(mesh)
@@ -341,7 +344,7 @@ class ReshardTest(tf.test.TestCase):
 
     def test_1x4_with_a_new_column_split(self):
         # wide is cut into 3 column slices instead of 2: its row-wise accumulators become
-        # column-weighted means (see _resharding.rowwise_weights)
+        # column-weighted means (see resharding.rowwise_weights)
         mesh, model, optimizer = self._restore(4, column_slice_threshold=300)
         plan = embedding_of(model).plan
         self.assertEqual((mesh.data_parallel, mesh.model_parallel), (1, 4))

@@ -14,7 +14,7 @@ import time
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid import _checkpoint_writer
+from tfhybrid.testing import faults
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.train import checkpoint
@@ -66,7 +66,7 @@ class CrashTest(_Base):
 
         # the child trains 2 steps and saves step 2, sleeping once its part is written
         env = child_env()
-        env[_checkpoint_writer.PAUSE_ENV] = "1:600"
+        env.update(faults.pause_save_env(1, 600))
         log = open(os.path.join(self.directory, "child.log"), "w")
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.test_checkpoint", "child-save", self.directory,

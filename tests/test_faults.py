@@ -1,7 +1,7 @@
 """Faults end a multi-rank training job instead of hanging it, and leave a checkpoint that restores.
 
 Runs `python -m tfhybrid.train` under `horovodrun -np 2` (a 1 x 2 mesh of a tiny DLRM) with
-the app's test-only faults (`tfhybrid.train.app.TEST_FAULT_ENV`, `TEST_SHORT_INPUT_ENV`)
+the test-only faults of `tfhybrid.testing.faults` (through the app's extension point)
 and small stall limits, and checks that every rank exits non-zero, that the output names
 the cause, and that the job ended within the stall shutdown limit of the fault plus a
 margin (a "did not hang" bound, not a speed target). The module runs in one plain process
@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tests.runner import TEST_ENV
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.testing import faults
 from tfhybrid.train import app as train_app
 from tfhybrid.train import checkpoint
 
@@ -139,7 +140,7 @@ class FaultTest(tf.test.TestCase):
         # rank 1's input holds only 4 batches; without the app's check rank 1 would leave
         # fit early and rank 0 would wait for it in step 5's collectives
         code, output, end = _horovodrun(TINY + STALL_FLAGS + ["--steps=12", "--nopipeline"],
-                                        env={train_app.TEST_SHORT_INPUT_ENV: "1:4"})
+                                        env=faults.short_input_env(1, 4))
         self.assertJobFailed(code, output, end,
                              "rank 1: the training input ran out after 4 of 12 steps",
                              fault_line="Your input ran out of data")
@@ -147,7 +148,7 @@ class FaultTest(tf.test.TestCase):
     def test_pipelined_input_that_runs_out_on_one_rank_fails_every_rank(self):
         # the pipeline reads a batch ahead, so its ranks find out together, one step early
         code, output, end = _horovodrun(TINY + STALL_FLAGS + ["--steps=12"],
-                                        env={train_app.TEST_SHORT_INPUT_ENV: "1:4"})
+                                        env=faults.short_input_env(1, 4))
         cause = ("TrainPipeline: the input of ranks [1] ended while the other ranks had "
                  "another batch")
         self.assertJobFailed(code, output, end, cause, fault_line=cause)
@@ -157,7 +158,7 @@ class FaultTest(tf.test.TestCase):
         # end the job, and its limit is the flag's, not the variable the user had set
         users_limit = str(STALL_SHUTDOWN_S * 10)
         code, output, end = _horovodrun(TINY + STALL_FLAGS + ["--steps=12"],
-                                        env={train_app.TEST_FAULT_ENV: "1:6:hang",
+                                        env={**faults.fault_env(1, 6, hang=True),
                                              mesh_lib.STALL_SHUTDOWN_ENV: users_limit})
         self.assertIn(f"--stall_shutdown_seconds={STALL_SHUTDOWN_S} replaces "
                       f"{mesh_lib.STALL_SHUTDOWN_ENV}={users_limit}", output)
@@ -174,7 +175,7 @@ class FaultTest(tf.test.TestCase):
         code, output, end = _horovodrun(
             TINY + STALL_FLAGS + ["--steps=16", f"--checkpoint_dir={ckpt}",
                                   "--checkpoint_every=5"],
-            env={train_app.TEST_FAULT_ENV: "1:12"})
+            env=faults.fault_env(1, 12))
         self.assertJobFailed(code, output, end, "fault injected on rank 1 after step 12",
                              fault_line="rank 1 raises after step 12")
 
@@ -253,13 +254,15 @@ class StallSettingsTest(tf.test.TestCase):
                                  "from the environment"])
 
     def test_test_hooks_name_a_malformed_value(self):
-        with mock.patch.dict(os.environ, {train_app.TEST_FAULT_ENV: "1:x"}):
+        with mock.patch.dict(os.environ, {faults.FAULT_ENV: "1:x"}):
             with self.assertRaisesRegex(ValueError, "TFHYBRID_TEST_FAIL_AT_STEP='1:x'"):
-                train_app._test_hook(train_app.TEST_FAULT_ENV, 1, modes=("hang",))
-        with mock.patch.dict(os.environ, {train_app.TEST_FAULT_ENV: "1:3:hang"}):
-            self.assertEqual(train_app._test_hook(train_app.TEST_FAULT_ENV, 1, ("hang",)),
-                             (3, "hang"))
-            self.assertIsNone(train_app._test_hook(train_app.TEST_FAULT_ENV, 0, ("hang",)))
+                faults.hook(faults.FAULT_ENV, 1, modes=("hang",))
+        with mock.patch.dict(os.environ, {faults.FAULT_ENV: "1:3:hang"}):
+            self.assertEqual(faults.hook(faults.FAULT_ENV, 1, ("hang",)), (3, "hang"))
+            self.assertIsNone(faults.hook(faults.FAULT_ENV, 0, ("hang",)))
+        self.assertEqual(faults.fault_env(1, 3, hang=True),
+                         {faults.FAULT_ENV: "1:3:hang",
+                          train_app.EXTENSIONS_ENV: "tfhybrid.testing.faults"})
 
 
 if __name__ == "__main__":

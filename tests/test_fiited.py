@@ -523,10 +523,10 @@ class CompactCheckpointTest(unittest.TestCase):
     def test_compact_layout_places_every_shard_in_one_run_per_chunk(self):
         import doctest
         import sys
-        from tfhybrid.layers import _checkpointing
-        self.assertEqual(doctest.testmod(sys.modules[_checkpointing.__name__]).failed, 0)
+        from tfhybrid.checkpoint import tables
+        self.assertEqual(doctest.testmod(sys.modules[tables.__name__]).failed, 0)
         counts = np.random.default_rng(3).integers(0, CHUNKS + 1, ROWS)
-        layout = _checkpointing._CompactLayout.of(counts, CHUNKS)
+        layout = tables._CompactLayout.of(counts, CHUNKS)
         # chunk-major: every (row, chunk) present exactly once, in order
         order = [(j, i) for j in range(CHUNKS) for i in range(ROWS) if counts[i] > j]
         self.assertEqual(layout.present, len(order))

@@ -113,7 +113,9 @@ def _callbacks(directory: str) -> list:
 
 def _job_main(mode: str, directory: str) -> int:
     import tfhybrid
+    from tfhybrid.testing import faults
 
+    faults.install_from_env()   # the parent's pause of a save, if it asks for one
     mesh = tfhybrid.init(model_parallel=4 if mode == "child-1x4" else 2)
     reference = os.path.join(directory, "reference")
     if mode == "child-rank0-only":
@@ -211,12 +213,12 @@ class KillAndResumeTest(tf.test.TestCase):
             self.assertAllClose(a, b, atol=tolerance, rtol=tolerance, msg=f"{what}: dense")
 
     def test_fit_killed_mid_save_resumes_on_1x4_like_the_uninterrupted_run(self):
-        from tfhybrid import _checkpoint_writer
+        from tfhybrid.testing import faults
         chief = os.path.join(self.directory, "backup", "chief")
 
         # 1. 2x2: every rank pauses after writing its part of epoch 3's backup; kill all
         job, log = _start("child-2x2", self.directory,
-                          {_checkpoint_writer.PAUSE_ENV: f"{PAUSED_SAVE}:600"})
+                          faults.pause_save_env(PAUSED_SAVE, 600))
         deadline, parts = time.time() + JOB_TIMEOUT_S, []
         try:
             while len(parts) < 2 and time.time() < deadline and job.poll() is None:
@@ -264,11 +266,11 @@ class KillAndResumeTest(tf.test.TestCase):
 class RankZeroOnlyTest(tf.test.TestCase):
 
     def test_model_checkpoint_on_rank_0_only_fails_instead_of_hanging(self):
-        from tfhybrid import _checkpoint_writer
+        from tfhybrid.checkpoint import writer
         directory = tempfile.mkdtemp(prefix="tfhybrid-keras-rank0-")
         self.addCleanup(shutil.rmtree, directory, True)
         job, log = _start("child-rank0-only", directory,
-                          {_checkpoint_writer.JOIN_SECONDS_ENV: "5"}, ranks=2)
+                          {writer.JOIN_SECONDS_ENV: "5"}, ranks=2)
         try:
             code = job.wait(timeout=JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -1,4 +1,4 @@
-"""The resharding math of checkpoints (tfhybrid/_resharding.py): pure Python, no TensorFlow."""
+"""The resharding math of checkpoints (tfhybrid/checkpoint/resharding.py): pure Python, no TensorFlow."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import itertools
 import sys
 import unittest
 
-from tfhybrid import _resharding
+from tfhybrid.checkpoint import resharding
 from tfhybrid import planner
-from tfhybrid._resharding import Rect
+from tfhybrid.checkpoint.resharding import Rect
 
 
 def _tables() -> list[planner.TableConfig]:
@@ -26,7 +26,7 @@ def _plan(data_parallel: int, model_parallel: int, **thresholds) -> planner.Shar
 
 
 def _held(plan: planner.ShardingPlan, position: int) -> list[list[Rect]]:
-    return [[rect for _, rect in _resharding.held_pieces(p.kind, p.shards, position)]
+    return [[rect for _, rect in resharding.held_pieces(p.kind, p.shards, position)]
             for p in plan.tables]
 
 
@@ -61,7 +61,7 @@ class HeldPiecesTest(unittest.TestCase):
                     # every position holds the whole table; one copy tiles it
                     self.assertEqual(set(rects), {Rect(0, config.rows, 0, config.dim)})
                     rects = rects[:1]
-                _resharding.check_tiling(config.name, [config.rows, config.dim], rects)
+                resharding.check_tiling(config.name, [config.rows, config.dim], rects)
 
     def test_kinds_on_2x2_and_1x4(self):
         self.assertEqual([t.kind for t in _plan(2, 2).tables],
@@ -74,21 +74,21 @@ class HeldPiecesTest(unittest.TestCase):
 class SliceSpecTest(unittest.TestCase):
 
     def test_round_trip_in_tensorflow_format(self):
-        self.assertEqual(_resharding.slice_spec((300, 8), Rect(75, 150, 0, 8)),
+        self.assertEqual(resharding.slice_spec((300, 8), Rect(75, 150, 0, 8)),
                          "300 8 75,75:0,8")
-        self.assertEqual(_resharding.slice_spec([300], Rect(75, 150, 0, 8)), "300 75,75")
+        self.assertEqual(resharding.slice_spec([300], Rect(75, 150, 0, 8)), "300 75,75")
         for spec in ["300 8 75,75:0,8", "10 2,3", "4 2 0,4:1,1"]:
-            shape, rect = _resharding.parse_slice_spec(spec)
-            self.assertEqual(_resharding.slice_spec(shape, rect), spec)
+            shape, rect = resharding.parse_slice_spec(spec)
+            self.assertEqual(resharding.slice_spec(shape, rect), spec)
 
     def test_errors(self):
         with self.assertRaisesRegex(ValueError, r"does not fit in shape \[10, 4\]"):
-            _resharding.slice_spec([10, 4], Rect(0, 11, 0, 4))
+            resharding.slice_spec([10, 4], Rect(0, 11, 0, 4))
         with self.assertRaisesRegex(ValueError, r"full_shape=\[1, 2, 3\]"):
-            _resharding.slice_spec([1, 2, 3], Rect(0, 1, 0, 1))
+            resharding.slice_spec([1, 2, 3], Rect(0, 1, 0, 1))
         for bad in ["", "10 4 a,b:0,4", "10 4 0,4"]:
             with self.assertRaisesRegex(ValueError, "slice spec"):
-                _resharding.parse_slice_spec(bad)
+                resharding.parse_slice_spec(bad)
 
 
 class WritersTest(unittest.TestCase):
@@ -100,7 +100,7 @@ class WritersTest(unittest.TestCase):
             return [("kernel", "", "float32[4, 1]"), ("tiny", "20 4 0,20:0,4", "f[20, 4]"),
                     ("big", f"300 8 {150 * shard},150:0,8", "f[150, 8]")]
 
-        writes = _resharding.assign_writers([rank(0), rank(1), rank(0), rank(1)])
+        writes = resharding.assign_writers([rank(0), rank(1), rank(0), rank(1)])
         self.assertEqual(writes, [
             [("kernel", ""), ("tiny", "20 4 0,20:0,4"), ("big", "300 8 0,150:0,8")],
             [("big", "300 8 150,150:0,8")], [], []])
@@ -108,21 +108,21 @@ class WritersTest(unittest.TestCase):
     def test_copies_that_disagree_raise_naming_both_ranks(self):
         with self.assertRaisesRegex(ValueError, r"'kernel' \(slice ''\) is float32\[4, 1\] on "
                                                 r"rank 0 but float32\[4, 2\] on rank 1"):
-            _resharding.assign_writers([[("kernel", "", "float32[4, 1]")],
+            resharding.assign_writers([[("kernel", "", "float32[4, 1]")],
                                         [("kernel", "", "float32[4, 2]")]])
 
 
 class TilingTest(unittest.TestCase):
 
     def test_gaps_overlaps_and_strays(self):
-        _resharding.check_tiling("t", [4, 2], [Rect(2, 4, 0, 2), Rect(0, 2, 0, 2)])
-        _resharding.check_tiling("slot", [4], [Rect(0, 4, 0, 1)])
+        resharding.check_tiling("t", [4, 2], [Rect(2, 4, 0, 2), Rect(0, 2, 0, 2)])
+        resharding.check_tiling("slot", [4], [Rect(0, 4, 0, 1)])
         with self.assertRaisesRegex(ValueError, "cover 4 of its 8 elements"):
-            _resharding.check_tiling("t", [4, 2], [Rect(0, 2, 0, 2)])
+            resharding.check_tiling("t", [4, 2], [Rect(0, 2, 0, 2)])
         with self.assertRaisesRegex(ValueError, "overlap"):
-            _resharding.check_tiling("t", [4, 2], [Rect(0, 3, 0, 2), Rect(2, 4, 0, 2)])
+            resharding.check_tiling("t", [4, 2], [Rect(0, 3, 0, 2), Rect(2, 4, 0, 2)])
         with self.assertRaisesRegex(ValueError, "lies outside it"):
-            _resharding.check_tiling("t", [4, 2], [Rect(0, 4, 0, 3)])
+            resharding.check_tiling("t", [4, 2], [Rect(0, 4, 0, 3)])
 
 
 class ReadsTest(unittest.TestCase):
@@ -137,7 +137,7 @@ class ReadsTest(unittest.TestCase):
                 for target in _held(new_plan, position)[t]:
                     rows, cols = target.shape
                     got = [[None] * cols for _ in range(rows)]
-                    for index, inside_piece, inside_target in _resharding.reads(target, saved):
+                    for index, inside_piece, inside_target in resharding.reads(target, saved):
                         values = _fill(inside_piece, _fill(saved[index], table))
                         for i, row in enumerate(values):
                             got[inside_target.row_start + i][
@@ -153,32 +153,32 @@ class ReadsTest(unittest.TestCase):
 
     def test_uncovered_target_raises(self):
         with self.assertRaisesRegex(ValueError, "cover 8 of the 16 elements"):
-            _resharding.reads(Rect(0, 4, 0, 4), [Rect(0, 2, 0, 4)])
+            resharding.reads(Rect(0, 4, 0, 4), [Rect(0, 2, 0, 4)])
 
 
 class RowwiseSlotTest(unittest.TestCase):
 
     def test_layout_of_slots(self):
         rect = Rect(10, 15, 2, 6)
-        self.assertEqual(_resharding.slot_layout([5, 4], rect), "full")
-        self.assertEqual(_resharding.slot_layout([5], rect), "rowwise")
+        self.assertEqual(resharding.slot_layout([5, 4], rect), "full")
+        self.assertEqual(resharding.slot_layout([5], rect), "rowwise")
         with self.assertRaisesRegex(ValueError, r"shape \[4\] belongs to no shard of \[5, 4\]"):
-            _resharding.slot_layout([4], rect)
+            resharding.slot_layout([4], rect)
 
     def test_weights_of_new_column_splits(self):
         old = [(0, 4), (4, 8)]
-        self.assertEqual(_resharding.rowwise_weights((0, 4), old), [1.0, 0.0])  # unchanged
-        self.assertEqual(_resharding.rowwise_weights((0, 8), old), [0.5, 0.5])  # merged
+        self.assertEqual(resharding.rowwise_weights((0, 4), old), [1.0, 0.0])  # unchanged
+        self.assertEqual(resharding.rowwise_weights((0, 8), old), [0.5, 0.5])  # merged
         for c0, c1 in itertools.combinations(range(9), 2):
-            self.assertAlmostEqual(sum(_resharding.rowwise_weights((c0, c1), old)), 1.0)
+            self.assertAlmostEqual(sum(resharding.rowwise_weights((c0, c1), old)), 1.0)
         with self.assertRaisesRegex(ValueError, r"target_cols=\(3, 3\)"):
-            _resharding.rowwise_weights((3, 3), old)
+            resharding.rowwise_weights((3, 3), old)
 
 
 class DocTest(unittest.TestCase):
 
     def test_docstring_examples(self):
-        failed, _ = doctest.testmod(sys.modules["tfhybrid._resharding"])
+        failed, _ = doctest.testmod(sys.modules["tfhybrid.checkpoint.resharding"])
         self.assertEqual(failed, 0)
 
     def test_no_tensorflow(self):

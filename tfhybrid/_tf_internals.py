@@ -1,28 +1,40 @@
-"""Where tfhybrid depends on TensorFlow's and Keras' private structures, by version.
+"""The one door between tfhybrid and TensorFlow's and Keras' private structures.
 
-TensorFlow upgrades break exactly these places, so each switch names the versions it
-covers and why the private structure is read at all. Supported: TensorFlow 2.15 and
-2.21 (with tf-keras of the same version).
+This is the only module of tfhybrid that imports ``tensorflow.python`` (or Keras'
+``src``) and the only one that patches a TensorFlow or Keras class or instance. TF
+upgrades break exactly these places, so each switch names the versions it covers and
+why the private structure is read at all. Supported: TensorFlow 2.15 and 2.21 (with
+tf-keras of the same version); every hook checks that range when it is installed and
+refuses another version, naming it and the hook.
 
 Checkpoints hold tables and their slots under mesh-independent keys through TF's own
 extension points: ``_gather_saveables_for_checkpoint`` nodes (the layer's ``tables``,
 the optimizer's ``tfhybrid_table_slots``) and ``Trackable`` children that stand in for
-an optimizer's numbered lists. Five patches remain, each where TF has no public hook:
+an optimizer's numbered lists. Four hooks remain, each where TF has no public one, each
+installed by an explicit, idempotent call, never by an import:
 
-- ``MultiDeviceSaver.save`` (``_checkpoint_writer.install``): every Keras and TF save
-  path ends there, and a save of sharded tables needs every rank to write its part of
-  one checkpoint; TF's savers write a whole checkpoint per process. Reads the saver's
-  entries through ``saver_entries`` below.
-- ``CheckpointPosition.gather_ops_or_named_saveables`` (``layers/_checkpointing``): a
-  FIITED table's saved shape depends on the checkpoint being read, and TF tells a
-  saveable nothing about it; the hook names the path while TF gathers.
-- the Keras optimizers' slot factories (``tiers``): a slot per entry of a tiered table's
-  cache would be wrong, and Keras has no hook to refuse one.
-- ``build`` of an optimizer instance (``layers/_checkpointing._after_build``): Keras
-  makes tracked lists there, and TF hands a waiting restoration to a new list by
-  position; the wrapper hands it to the mesh-independent view instead.
-- autograph's module rules (``_skip_autograph``): tfhybrid is exempt from conversion,
-  as TF and Keras exempt themselves; there is only a per-function decorator.
+- ``install_saver_hook`` patches ``MultiDeviceSaver.save``: every Keras and TF save path
+  ends there, and a save of sharded tables needs every rank to write its part of one
+  checkpoint; TF's savers write a whole checkpoint per process. The checkpoint writer
+  (``tfhybrid/checkpoint/writer.py``) installs it when a ``DistributedEmbedding`` is
+  built, and reads the saver through ``saver_entries`` / ``registered_savers``.
+- ``install_restore_hook`` patches ``CheckpointPosition.gather_ops_or_named_saveables``:
+  a FIITED table's saved shape depends on the checkpoint being read, and TF tells a
+  saveable nothing about it; the hook names the path (``restoring_path``) while TF
+  gathers. Installed with the saver hook (``tfhybrid/checkpoint/tables.py``).
+- ``install_slot_guard`` wraps the Keras optimizers' slot factories: a slot per entry of
+  a tiered table's cache would be wrong, and Keras has no hook to refuse one. Installed
+  when a ``tfhybrid.tiers.CachedTable`` is made.
+- ``install_build_hook`` replaces ``build`` of an optimizer instance: Keras makes tracked
+  lists there, and TF hands a waiting restoration to a new list by position; the hook
+  holds waiting restorations back so the mesh-independent views get them. Installed
+  when an optimizer is attached (``tfhybrid/checkpoint/slots.py``).
+
+and two read-only uses: autograph's module rules (``_skip_autograph``: tfhybrid is
+exempt from conversion, as TF and Keras exempt themselves; there is only a per-function
+decorator), and the queries ``in_xla_context`` and ``variable_accessed``. TF's legacy
+checkpoint classes (``SaveableObject``, ``SaveSpec``, ``Trackable``, ``ListWrapper``) and
+the raw save ops (``save_v2``, ``merge_v2_checkpoints``) are handed out from here too.
 
 Example::
 
@@ -32,11 +44,20 @@ Example::
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
+from tensorflow.python.checkpoint import functional_saver
+from tensorflow.python.checkpoint import restore as restore_lib
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import gen_io_ops
+from tensorflow.python.ops import io_ops
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.trackable import data_structures
 from tensorflow.python.training.saving import saveable_object
 
 
@@ -46,6 +67,9 @@ def _version(text: str) -> tuple[int, int]:
 
 
 TF_VERSION = _version(tf.__version__)
+# The TensorFlow versions every hook below was written for and tested on (2.15 and 2.21,
+# with the switches between them); another version may have moved what they patch.
+HOOKS_WRITTEN_FOR = ((2, 15), (2, 21))
 
 
 def _require_keras_2() -> None:
@@ -145,3 +169,179 @@ def forget_checkpoint_children(optimizer: Any) -> None:
     """
     if "_coalesced_children" in vars(optimizer):
         del optimizer._coalesced_children
+
+
+def registered_savers(saver: Any) -> dict:
+    """The checkpoint savers registered with a ``MultiDeviceSaver`` (by name), which
+    write their own files and so cannot take part in a save written by all ranks."""
+    return saver._registered_savers
+
+
+# ------------------------------------------------------------------ classes and queries
+# TF's legacy checkpoint classes: a ``SaveableObject`` restores each slice of one name to
+# its own piece, which TF 2.15's ``_serialize_to_tensors`` path gets wrong
+SaveableObject = saveable_object.SaveableObject
+SaveSpec = saveable_object.SaveSpec
+Trackable = trackable_base.Trackable
+SaveType = trackable_base.SaveType
+ListWrapper = data_structures.ListWrapper
+
+
+def save_v2(prefix: Any, tensor_names: list, shape_and_slices: list, tensors: list) -> Any:
+    """TF's raw save of tensors (or slices of them) to one checkpoint part. Looked up at
+    each call, so that a test can replace TF's op to make a write fail."""
+    return io_ops.save_v2(prefix, tensor_names, shape_and_slices, tensors)
+
+
+def merge_v2_checkpoints(checkpoint_prefixes: list, destination_prefix: str,
+                         delete_old_dirs: bool = True) -> Any:
+    """TF's raw merge of checkpoint parts into one checkpoint (as its sharded saves do)."""
+    return gen_io_ops.merge_v2_checkpoints(checkpoint_prefixes, destination_prefix,
+                                           delete_old_dirs=delete_old_dirs)
+
+
+def in_xla_context() -> bool:
+    """True while tracing for XLA (``jit_compile``), in this graph or one it is nested in."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def variable_accessed(variable: Any) -> None:
+    """Lets ``GradientTape`` / ``FuncGraph`` watch ``variable`` when it is read through its
+    handle (what ``ResourceVariable.sparse_read`` does)."""
+    resource_variable_ops.variable_accessed(variable)
+
+
+# ------------------------------------------------------------------ hooks
+def _check_version(hook: str) -> None:
+    """Refuses to patch a TensorFlow the hook was not written for."""
+    low, high = HOOKS_WRITTEN_FOR
+    if not low <= TF_VERSION <= high:
+        raise RuntimeError(
+            f"tfhybrid's {hook} hook patches TensorFlow's private structures and was "
+            f"written for TensorFlow {low[0]}.{low[1]} to {high[0]}.{high[1]}; this is "
+            f"TensorFlow {tf.__version__}, where they may differ")
+
+
+# a hook's mark on what it installed, holding the callback it calls
+_HOOK_MARK = "_tfhybrid_hook"
+SaveCallback = Callable[[Any, Any, Any, Callable[..., Any]], Any]
+
+
+def install_saver_hook(save: SaveCallback) -> None:
+    """Makes every checkpoint write call ``save(saver, file_prefix, options, original)``
+    in place of ``MultiDeviceSaver.save``; ``original(saver, file_prefix, options)`` is
+    TensorFlow's own. Idempotent; one callback per process."""
+    _check_version("MultiDeviceSaver.save")
+    current = functional_saver.MultiDeviceSaver.save
+    installed = getattr(current, _HOOK_MARK, None)
+    if installed is save:
+        return
+    if installed is not None:
+        raise RuntimeError("MultiDeviceSaver.save is hooked already, by another callback")
+
+    def hooked_save(saver: Any, file_prefix: Any, options: Any = None) -> Any:
+        return save(saver, file_prefix, options, current)
+
+    setattr(hooked_save, _HOOK_MARK, save)
+    functional_saver.MultiDeviceSaver.save = hooked_save
+
+
+# The checkpoint a restore is reading, while TensorFlow gathers the objects to restore
+_RESTORING: "contextvars.ContextVar[str | None]" = contextvars.ContextVar(
+    "tfhybrid_restoring", default=None)
+
+
+def install_restore_hook() -> None:
+    """Makes the path of the checkpoint being restored known (``restoring_path``) while
+    TensorFlow asks the objects what they restore: every restore path, eager or
+    deferred, asks there. Idempotent."""
+    _check_version("CheckpointPosition.gather_ops_or_named_saveables")
+    original = restore_lib.CheckpointPosition.gather_ops_or_named_saveables
+    if getattr(original, _HOOK_MARK, False):
+        return
+
+    def gather_ops_or_named_saveables(position):
+        token = _RESTORING.set(position.checkpoint.save_path_string)
+        try:
+            return original(position)
+        finally:
+            _RESTORING.reset(token)
+
+    setattr(gather_ops_or_named_saveables, _HOOK_MARK, True)
+    restore_lib.CheckpointPosition.gather_ops_or_named_saveables = \
+        gather_ops_or_named_saveables
+
+
+def restoring_path() -> str | None:
+    """The checkpoint being restored while TensorFlow gathers what objects restore (with
+    ``install_restore_hook``), else None."""
+    return _RESTORING.get()
+
+
+# checks that run before a Keras optimizer makes a slot, in the order installed
+_SLOT_GUARDS: list[Callable[[Any, Any, Any], None]] = []
+# the slot factories of the new and the legacy Keras optimizers
+_SLOT_FACTORIES = ((lambda: tf.keras.optimizers.Optimizer, "add_variable_from_reference"),
+                   (lambda: tf.keras.optimizers.legacy.Optimizer, "add_slot"))
+
+
+def install_slot_guard(check: Callable[[Any, Any, Any], None]) -> None:
+    """Runs ``check(optimizer, variable, slot_name)`` before any Keras optimizer (new or
+    legacy) makes a slot for ``variable``; it raises to refuse the slot. Idempotent."""
+    _check_version("Keras optimizer slot factory")
+    for base, name in _SLOT_FACTORIES:
+        owner = next(k for k in base().__mro__ if name in vars(k))
+        if not getattr(vars(owner)[name], _HOOK_MARK, False):
+            setattr(owner, name, _guarded_slots(vars(owner)[name]))
+    if check not in _SLOT_GUARDS:
+        _SLOT_GUARDS.append(check)
+
+
+def _guarded_slots(create: Callable) -> Callable:
+    """``create`` (an optimizer's slot factory) behind the installed guards."""
+    def create_slot(self, *args, **kwargs):
+        # new optimizers: (model_variable, variable_name); legacy ones: (var, slot_name)
+        variable = args[0] if args else kwargs.get("model_variable", kwargs.get("var"))
+        slot_name = args[1] if len(args) > 1 else kwargs.get(
+            "variable_name", kwargs.get("slot_name"))
+        for check in _SLOT_GUARDS:
+            check(self, variable, slot_name)
+        return create(self, *args, **kwargs)
+    setattr(create_slot, _HOOK_MARK, True)
+    return create_slot
+
+
+def install_build_hook(optimizer: Any, after_build: Callable[[], None]) -> None:
+    """Replaces ``optimizer``'s build (legacy Keras: ``_create_all_weights``, where they
+    make slots) by one that holds back the restorations waiting for its children while
+    Keras builds, puts them back, then calls ``after_build()`` (each callback installed,
+    in order). Idempotent per optimizer and callback.
+
+    Keras creates some tracked lists in ``build``; TensorFlow would hand a restoration
+    waiting for such a list to the new list itself, whose positions are mesh-dependent;
+    ``after_build`` hands them to the mesh-independent views instead.
+    """
+    _check_version("optimizer build")
+    method = "_create_all_weights" if hasattr(optimizer, "get_slot_names") else "build"
+    own_build = getattr(optimizer, method)
+    callbacks = getattr(own_build, _HOOK_MARK, None)
+    if callbacks is not None:
+        if after_build not in callbacks:
+            callbacks.append(after_build)
+        return
+    callbacks = [after_build]
+
+    def build(*args, **kwargs):
+        waiting = dict(optimizer._deferred_dependencies)
+        optimizer._deferred_dependencies.clear()
+        try:
+            return own_build(*args, **kwargs)
+        finally:
+            for name, positions in waiting.items():
+                optimizer._deferred_dependencies.setdefault(name, []).extend(positions)
+            for callback in callbacks:
+                callback()
+
+    setattr(build, _HOOK_MARK, callbacks)
+    # an instance attribute, past Keras' __setattr__, which would track it
+    object.__setattr__(optimizer, method, build)

@@ -90,7 +90,10 @@ from tfhybrid import collectives
 from tfhybrid import compression as compression_lib
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import tiers
+from tfhybrid.checkpoint import slots as checkpoint_slots
 from tfhybrid.plan.traffic import sync_is_sparse
+from tfhybrid.slot_owners import base_optimizer, is_embedding, mark_embedding, slot_owner
+from tfhybrid.slot_owners import is_loss_scaling as _is_loss_scaling
 
 _LOG = logging.getLogger("tfhybrid")
 
@@ -108,8 +111,6 @@ _SYNC_EVERY_ATTR = "_tfhybrid_sync_every"
 _MOMENTUM_SCALE_ATTR = "_tfhybrid_momentum_scale"
 # Never synced (the layer's empty alltoall anchor).
 _LOCAL_ONLY_ATTR = "_tfhybrid_local_only"
-# Variables of DistributedEmbedding (tables, shards, anchor): an embedding optimizer's.
-_EMBEDDING_ATTR = "_tfhybrid_embedding"
 # On a shard: the key of its whole table, whose norm the shards share (clipnorm).
 _TABLE_KEY_ATTR = "_tfhybrid_table_key"
 # On the anchor, which every rank has: the keys of all sharded tables of the layer, so
@@ -135,10 +136,6 @@ def mark_model_parallel(variable: tf.Variable, mesh: mesh_lib.Mesh,
         setattr(variable, _MOMENTUM_SCALE_ATTR, float(mesh.data_parallel))
 
 
-def mark_embedding(variable: tf.Variable) -> None:
-    setattr(variable, _EMBEDDING_ATTR, True)
-
-
 def mark_anchor(variable: tf.Variable, sharded_table_keys: Sequence[str]) -> None:
     """The layer's alltoall anchor: never synced, and it names the layer's sharded tables."""
     setattr(variable, _LOCAL_ONLY_ATTR, True)
@@ -152,10 +149,6 @@ def mark_sparse_sync(variable: tf.Variable, sparse: bool) -> None:
 
 def is_model_parallel(variable: tf.Variable) -> bool:
     return bool(getattr(variable, _MODEL_PARALLEL_ATTR, False))
-
-
-def is_embedding(variable: tf.Variable) -> bool:
-    return bool(getattr(variable, _EMBEDDING_ATTR, False))
 
 
 def weight_sync_every(variable: tf.Variable) -> int | None:
@@ -445,17 +438,6 @@ def _plus(grad, value):
     return grad + tf.cast(value, grad.dtype)
 
 
-def _is_loss_scaling(optimizer: Any) -> bool:
-    return isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
-
-
-def base_optimizer(optimizer: Any) -> Any:
-    """The optimizer a loss-scale optimizer wraps (it holds the slots and the clipping)."""
-    while optimizer is not None and _is_loss_scaling(optimizer):
-        optimizer = optimizer.inner_optimizer
-    return optimizer
-
-
 # ------------------------------------------------------------------ 3. clipping
 def _clip_settings(optimizer: Any) -> dict[str, float]:
     """The optimizer's clipping, as Keras applies it: ``clipnorm`` or ``global_clipnorm``
@@ -555,10 +537,7 @@ def _map_values(grad, fn):
 def _optimizer_state_of(optimizer: Any, variable: tf.Variable) -> list[tf.Variable]:
     """The optimizer's slot variables for ``variable`` (accumulators, momenta...), from
     the embedding optimizer where one holds the tables."""
-    embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
-    if embedding_optimizer is not None and is_embedding(variable):
-        optimizer = embedding_optimizer
-    optimizer = base_optimizer(optimizer)
+    optimizer = slot_owner(optimizer, variable)
     if optimizer is None:
         return []
     if hasattr(optimizer, "get_slot_names"):  # legacy Keras optimizers
@@ -986,9 +965,8 @@ class DistributedGradientTape:
 def _keep_table_state_in_checkpoints(optimizer: Any) -> None:
     """Checkpoints keep the optimizer's slots of DistributedEmbedding tables under
     mesh-independent names, so they restore onto another mesh
-    (tfhybrid/layers/_checkpointing.py)."""
-    from tfhybrid.layers import _checkpointing   # tfhybrid.layers imports this module
-    _checkpointing.attach_optimizer(optimizer)
+    (tfhybrid/checkpoint/slots.py)."""
+    checkpoint_slots.attach_optimizer(optimizer)
 
 
 def _route_optimizer(optimizer: Any, mesh: mesh_lib.Mesh | None) -> None:

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid.custom_ops import coalesce_rows
 from tfhybrid.fiited import MIN_CHUNKS, POSITION_POWER, ChunkOptions, checked_int, \
@@ -83,42 +84,23 @@ def _momentum_free_sgd(optimizer: Any) -> bool:
         float(optimizer.momentum) == 0.0
 
 
-def _refusing_slots(create: Callable) -> Callable:
-    """``create`` (an optimizer's slot factory) that refuses a tiered table's cache: a
-    slot per cache entry would stay put while rows move between the cache and the file."""
-    def create_slot(self, *args, **kwargs):
-        # new optimizers: (model_variable, variable_name); legacy ones: (var, slot_name)
-        variable = args[0] if args else kwargs.get("model_variable", kwargs.get("var"))
-        slot_name = args[1] if len(args) > 1 else kwargs.get(
-            "variable_name", kwargs.get("slot_name"))
-        table = table_of(variable)
-        if table is not None and getattr(table, "chunks", None):
-            raise ValueError(
-                f"{type(self).__name__} would update every entry of table {table.name!r}, "
-                "whose rows keep FIITED chunk prefixes (dims='adaptive') in a DRAM cache "
-                "(cache_rows): train it with tfhybrid.optimizers.RowWiseAdagrad, which "
-                "updates the chunks each row holds")
-        if table is not None and not _momentum_free_sgd(self):
-            raise ValueError(
-                f"{type(self).__name__} keeps a {slot_name!r} slot per entry of table "
-                f"{table.name!r}, whose rows move between a DRAM cache and its file "
-                "(cache_rows): train it with tfhybrid.optimizers.RowWiseAdagrad (its row "
-                "state moves with the rows) or SGD without momentum")
-        return create(self, *args, **kwargs)
-    create_slot._tfhybrid_refuses_tiered = True
-    return create_slot
-
-
-def _install_slot_guards() -> None:
-    """Wraps the slot factories of Keras' optimizers (new and legacy) once."""
-    for base, name in ((tf.keras.optimizers.Optimizer, "add_variable_from_reference"),
-                       (tf.keras.optimizers.legacy.Optimizer, "add_slot")):
-        owner = next(k for k in base.__mro__ if name in vars(k))
-        if not getattr(vars(owner)[name], "_tfhybrid_refuses_tiered", False):
-            setattr(owner, name, _refusing_slots(vars(owner)[name]))
-
-
-_install_slot_guards()
+def _refuse_cache_slots(optimizer: Any, variable: Any, slot_name: Any) -> None:
+    """A Keras optimizer's slot for a tiered table's cache is refused (the slot guard of
+    ``_tf_internals``): a slot per cache entry would stay put while rows move between
+    the cache and the file."""
+    table = table_of(variable)
+    if table is not None and getattr(table, "chunks", None):
+        raise ValueError(
+            f"{type(optimizer).__name__} would update every entry of table "
+            f"{table.name!r}, whose rows keep FIITED chunk prefixes (dims='adaptive') in a "
+            "DRAM cache (cache_rows): train it with tfhybrid.optimizers.RowWiseAdagrad, "
+            "which updates the chunks each row holds")
+    if table is not None and not _momentum_free_sgd(optimizer):
+        raise ValueError(
+            f"{type(optimizer).__name__} keeps a {slot_name!r} slot per entry of table "
+            f"{table.name!r}, whose rows move between a DRAM cache and its file "
+            "(cache_rows): train it with tfhybrid.optimizers.RowWiseAdagrad (its row "
+            "state moves with the rows) or SGD without momentum")
 
 
 class CachedTable(tf.Module):
@@ -145,6 +127,9 @@ class CachedTable(tf.Module):
                  seed: int | None = None, policy: str = "lru", name: str | None = None,
                  pinned_calls: int = 1):
         super().__init__(name=name)
+        # optimizers refuse slots for the cache from now on (no slot exists before a
+        # table does)
+        _tf_internals.install_slot_guard(_refuse_cache_slots)
         # the calls of slots() whose rows are never evicted: 1, the call itself; 2, also
         # the call before (a pipeline loads a batch's rows while the step of the batch
         # before, loaded by the previous call, still runs on its slots)

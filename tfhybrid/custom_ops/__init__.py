@@ -196,8 +196,10 @@ def _use_op(use_custom_op, *placed) -> bool:
 def _variable_accessed(var) -> None:
     """Lets GradientTape / FuncGraph watch `var` when it is read through its handle
     (what ResourceVariable.sparse_read does)."""
-    from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-import-not-at-top
-    resource_variable_ops.variable_accessed(var)
+    # the door to TF's internals checks tf.keras when imported: only on first use here,
+    # so the op library loads without Keras
+    from tfhybrid import _tf_internals  # pylint: disable=g-import-not-at-top
+    _tf_internals.variable_accessed(var)
 
 
 def _num_rows(params):

@@ -22,12 +22,14 @@ from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
+from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import compression
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import slot_owners
+from tfhybrid.checkpoint import tables as checkpoint_tables
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.plan.planner import plan_sharding
@@ -518,7 +520,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 var = self._add_store(t, 0, table.name, placement.shards[0],
                                       on_host[(t, 0)]).variable
                 self._table_vars[t] = var
-                distributed.mark_embedding(var)
+                slot_owners.mark_embedding(var)
                 distributed.mark_sparse_sync(var, bool(table.chunks) or
                                              sync_is_sparse(table.rows, table.dim,
                                                                     ids_per_step, mesh.size))
@@ -534,7 +536,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 distributed.mark_model_parallel(
                     var, mesh, self.sync_every if self.replica_sync == "weights" else None,
                     table_key=self._table_key(t))
-                distributed.mark_embedding(var)
+                slot_owners.mark_embedding(var)
                 # a pool's gradient is rows at logical ids, which only the sparse sync
                 # (and the pool's own apply) can place
                 distributed.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
@@ -628,7 +630,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     # ------------------------------------------------------------------ call
     def call(self, inputs):
-        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        if _tf_internals.in_xla_context():
             raise ValueError(
                 f"DistributedEmbedding {self.name!r} is being compiled with XLA "
                 "(jit_compile=True), but its Horovod alltoall/allgather cannot be compiled. "
@@ -781,18 +783,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     # ---------------------------------------- checkpoints (issue 12): delegation only
     # A checkpoint holds each table whole, under a name that does not depend on the mesh,
-    # so it restores onto any mesh; see tfhybrid/layers/_checkpointing.py. Imported
-    # here, not at the top, so that this block stays the only checkpoint code here.
+    # so it restores onto any mesh; see tfhybrid/checkpoint/tables.py.
     def _register_for_checkpoints(self) -> None:
-        from tfhybrid.layers import _checkpointing
-        _checkpointing.register_layer(self)
+        checkpoint_tables.register_layer(self)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
-        from tfhybrid.layers import _checkpointing
         if save_type != "checkpoint" and getattr(self._mesh, "size", 1) > 1:
             self._refuse_whole_model_save("a SavedModel (model.save, or ModelCheckpoint "
                                           "with save_weights_only=False)")
-        return _checkpointing.layer_children(
+        return checkpoint_tables.layer_children(
             self, super()._trackable_children(save_type, **kwargs), save_type)
 
     def save_own_variables(self, store):

@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
+from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.plan.types import COMBINERS
@@ -401,7 +401,7 @@ def _in_xla_context() -> bool:
     """True while tracing for XLA (jit_compile): neither the fused op nor the range checks
     of custom_ops' pure-TF path (StringFormat, Assert) have XLA kernels, so lookups there
     are plain gathers, which XLA compiles (clamping out-of-range ids, as for Keras)."""
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    return _tf_internals.in_xla_context()
 
 
 def _combine_dense_plain(params, ids, combiner: str):

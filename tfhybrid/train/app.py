@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -36,14 +37,12 @@ STALL_FLAGS = {"stall_check_seconds": mesh_lib.STALL_CHECK_ENV,
 # the text of the error every pending collective gets once Horovod has shut down
 _HOROVOD_SHUT_DOWN = "Horovod has been shut down"
 
-# Test-only fault injection for tests/test_faults.py; a real run never sets these.
-# "RANK:STEP": rank RANK raises at the end of global training step STEP (before any
-# checkpoint of that step). "RANK:STEP:hang": it blocks there instead, as a rank stuck
-# in I/O would, so that only the stall shutdown (_StallWatchdog) can end the job.
-TEST_FAULT_ENV = "TFHYBRID_TEST_FAIL_AT_STEP"
-# "RANK:BATCHES": rank RANK's training input ends after BATCHES batches, whatever
-# --steps asks for (input that runs out early on one rank).
-TEST_SHORT_INPUT_ENV = "TFHYBRID_TEST_TRAIN_BATCHES"
+# The run's extension point: modules named here (comma-separated) are imported by the
+# run; each may define ``train_input(dataset, rank) -> dataset`` (wraps the training
+# input, before it is prefetched) and ``train_callbacks(rank, first_step) -> list`` (Keras
+# callbacks, run right after the input check). tfhybrid.testing.faults injects faults
+# this way; a run without the variable has no extension.
+EXTENSIONS_ENV = "TFHYBRID_TRAIN_EXTENSIONS"
 
 
 @dataclasses.dataclass
@@ -488,51 +487,10 @@ def _input_check_callback(steps: int, rank: int):
     return InputRanOut()
 
 
-def _test_hook(name: str, rank: int, modes: Sequence[str] = ()) -> tuple[int, str] | None:
-    """(NUMBER, MODE) of a test-only hook variable "RANK:NUMBER[:MODE]" naming this rank."""
-    value = os.environ.get(name, "")
-    if not value:
-        return None
-    fields = value.split(":")
-    if not (len(fields) in (2, 3) and all(f.isdigit() for f in fields[:2])
-            and (len(fields) == 2 or fields[2] in modes)):
-        expected = "RANK:NUMBER" + "".join(f"[:{mode}]" for mode in modes)
-        raise ValueError(f"{name}={value!r} must be {expected} (a test-only hook)")
-    if int(fields[0]) != rank:
-        return None
-    return int(fields[1]), (fields[2] if len(fields) == 3 else "")
-
-
-def _fault_callback(first_step: int, rank: int):
-    """Test only: the TEST_FAULT_ENV fault on this rank, or None."""
-    hook = _test_hook(TEST_FAULT_ENV, rank, modes=("hang",))
-    if hook is None:
-        return None
-    fault_step, mode = hook
-    import tensorflow as tf
-
-    class InjectedFault(tf.keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.step = first_step
-
-        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-            self.step += 1
-            if self.step != fault_step:
-                return
-            # marks the moment of the fault in the log, for a test to time the job's end
-            print(f"{TEST_FAULT_ENV}: rank {rank} {'hangs' if mode else 'raises'} after "
-                  f"step {fault_step}", flush=True)
-            if mode == "hang":
-                time.sleep(_TEST_HANG_SECONDS)
-            raise RuntimeError(f"{TEST_FAULT_ENV}: fault injected on rank {rank} after "
-                               f"step {fault_step}")
-
-    return InjectedFault()
-
-
-# far beyond any stall limit a test sets: the job must end before the hang does
-_TEST_HANG_SECONDS = 3600
+def _extensions() -> list:
+    """The modules ``EXTENSIONS_ENV`` names, imported."""
+    names = [n.strip() for n in os.environ.get(EXTENSIONS_ENV, "").split(",") if n.strip()]
+    return [importlib.import_module(name) for name in names]
 
 
 class _StallWatchdog:
@@ -744,9 +702,10 @@ def run(config: TrainConfig) -> dict:
         malformed = None
     # a restored run continues with the batches it has not seen
     train = train.repeat().skip(first_step)
-    short_input = _test_hook(TEST_SHORT_INPUT_ENV, mesh.rank)
-    if short_input:
-        train = train.take(short_input[0])
+    extensions = _extensions()
+    for extension in extensions:
+        if hasattr(extension, "train_input"):
+            train = extension.train_input(train, mesh.rank)
     train = train.prefetch(2)
 
     throughput = _Throughput(config.batch_size, min(config.warmup_steps,
@@ -759,9 +718,9 @@ def run(config: TrainConfig) -> dict:
     fit_callbacks = [_input_check_callback(steps, mesh.rank)]
     if watchdog:
         fit_callbacks.insert(0, watchdog.callback)
-    fault = _fault_callback(first_step, mesh.rank)
-    if fault:
-        fit_callbacks.append(fault)
+    for extension in extensions:
+        if hasattr(extension, "train_callbacks"):
+            fit_callbacks += extension.train_callbacks(mesh.rank, first_step)
     fit_callbacks += callbacks.defaults(mesh) + [throughput.callback]
     if config.fiited_target is not None:
         fit_callbacks.append(callbacks.FiitedAdjust(config.fiited_every, config.fiited_ramp))

@@ -9,9 +9,9 @@ write the same format:
 
 - each ``DistributedEmbedding`` table, and each optimizer slot of a table, is one tensor
   of the table's full shape under a mesh-independent name, written in pieces and read
-  back in the pieces of the current plan (``tfhybrid/layers/_checkpointing.py``);
+  back in the pieces of the current plan (``tfhybrid/checkpoint/tables.py``, ``slots.py``);
 - every rank takes part in a save and each piece is written once; nothing is recorded as
-  the latest checkpoint before all of it is on disk (``tfhybrid/_checkpoint_writer.py``).
+  the latest checkpoint before all of it is on disk (``tfhybrid/checkpoint/writer.py``).
 
 So a checkpoint written on one mesh restores onto any other (2x2 -> 1x4, 4x1, one
 process), tables may change placement, and a crash during a save leaves the previous
@@ -34,9 +34,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfhybrid import _checkpoint_writer
-from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import slot_owners
+from tfhybrid.checkpoint import writer
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 
 __all__ = ["save", "restore", "latest", "CHECKPOINT_NAME"]
@@ -113,8 +113,8 @@ def restore(directory_or_path: str, model: tf.keras.Model,
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     # a rank that failed alone would leave the others waiting in their first step
-    _checkpoint_writer.agree(mesh, "tfhybrid_checkpoint_restore", local_error,
-                             f"restoring checkpoint {directory_or_path!r}")
+    writer.agree(mesh, "tfhybrid_checkpoint_restore", local_error,
+                 f"restoring checkpoint {directory_or_path!r}")
     return step
 
 
@@ -170,10 +170,10 @@ def _build_optimizer(model: Any, optimizer: Any) -> None:
     embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
     groups = [(optimizer, variables)]
     if embedding_optimizer is not None:
-        groups = [(optimizer, [v for v in variables if not distributed.is_embedding(v)]),
-                  (embedding_optimizer, [v for v in variables if distributed.is_embedding(v)])]
+        groups = [(optimizer, [v for v in variables if not slot_owners.is_embedding(v)]),
+                  (embedding_optimizer, [v for v in variables if slot_owners.is_embedding(v)])]
     for owner, owned in groups:
-        owner = distributed.base_optimizer(owner)   # a loss scale's inner optimizer
+        owner = slot_owners.base_optimizer(owner)   # a loss scale's inner optimizer
         if hasattr(owner, "get_slot_names"):         # legacy Keras optimizers
             owner._create_all_weights(owned)
         else:

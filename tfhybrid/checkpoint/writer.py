@@ -6,7 +6,8 @@ TensorFlow's saver writes a whole checkpoint from each process that calls it: N 
 would write over each other's files, each without the shards it does not hold. Every
 Keras and TensorFlow path (``save_weights``, ``tf.train.Checkpoint.write``/``save``,
 ``CheckpointManager``, ``ModelCheckpoint``, ``BackupAndRestore``) writes through
-``MultiDeviceSaver.save``; ``install`` makes that step run this protocol for any save
+``MultiDeviceSaver.save``; ``install`` makes that step run this protocol (through the
+saver hook of ``tfhybrid._tf_internals``) for any save
 that holds slices of sharded tables (``PieceSpec``), and leave every other save alone:
 
 1. **join**: one allgather, with a time limit, where the ranks agree on the path and
@@ -14,7 +15,7 @@ that holds slices of sharded tables (``PieceSpec``), and leave every other save 
    rank 0 only) raises ``ValueError`` after ``JOIN_SECONDS_ENV`` seconds instead of
    hanging; ranks that save to different paths raise at once.
 2. **write**: each distinct piece is written once, by the lowest rank that holds it
-   (``_resharding.assign_writers``): dense variables and the object graph by rank 0,
+   (``resharding.assign_writers``): dense variables and the object graph by rank 0,
    each shard by its first replica. Each rank writes its own part,
    ``<prefix>_temp-<token>/part-<rank>``; the slices of every table must tile it,
    checked before any file is written.
@@ -43,37 +44,31 @@ import json
 import os
 import secrets
 import threading
-import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.checkpoint import functional_saver
-from tensorflow.python.ops import gen_io_ops
-from tensorflow.python.ops import io_ops
-from tensorflow.python.training.saving import saveable_object
 
-from tfhybrid import _resharding
 from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.checkpoint import resharding
 
 # Seconds a rank waits in step 1 for the others (a straggler may be a whole step
 # behind); past it, the save raises instead of hanging.
 JOIN_SECONDS_ENV = "TFHYBRID_CHECKPOINT_JOIN_SECONDS"
 DEFAULT_JOIN_SECONDS = 300.0
-# Tests set "<n>:<seconds>": the n-th coordinated save of the process sleeps after
-# writing its part, so a test can kill the job in the middle of a save.
-PAUSE_ENV = "TFHYBRID_CHECKPOINT_TEST_PAUSE"
 
-_ORIGINAL_SAVE = functional_saver.MultiDeviceSaver.save
 _saves_started = 0
+# Called on every rank with the number of the process's coordinated save, once the rank
+# has written its part and before the ranks agree it was written (add_part_observer).
+_PART_OBSERVERS: list[Callable[[int], None]] = []
 # exception types a failing rank's error is raised as on every rank
 _ERROR_TYPES = {cls.__name__: cls for cls in (
     FileNotFoundError, FileExistsError, PermissionError, OSError, ValueError, TypeError)}
 
 
-class PieceSpec(saveable_object.SaveSpec):
+class PieceSpec(_tf_internals.SaveSpec):
     """A slice of a full tensor that ranks hold different parts of (a sharded table).
 
     ``shape`` is the slice's own shape, so ranks can compare their copies of a piece
@@ -87,23 +82,33 @@ class PieceSpec(saveable_object.SaveSpec):
 
 
 def install() -> None:
-    """Routes TensorFlow's checkpoint writes through ``_save`` (once per process)."""
-    functional_saver.MultiDeviceSaver.save = _save
+    """Routes TensorFlow's checkpoint writes through ``_save`` (idempotent)."""
+    _tf_internals.install_saver_hook(_save)
 
 
-def _save(self: Any, file_prefix: Any, options: Any = None) -> Any:
+def add_part_observer(observer: Callable[[int], None]) -> None:
+    """Calls ``observer(n)`` on every rank once it has written its part of the process's
+    n-th coordinated save (n from 1), before the ranks agree that every part was
+    written: the moment a save is under way on disk and not yet committed. Idempotent.
+    ``tfhybrid.testing.faults`` pauses saves there to kill a job mid-save."""
+    if observer not in _PART_OBSERVERS:
+        _PART_OBSERVERS.append(observer)
+
+
+def _save(self: Any, file_prefix: Any, options: Any, original: Callable[..., Any]) -> Any:
     """``MultiDeviceSaver.save``: the protocol above when the save holds pieces of
     sharded tables, else TensorFlow's own. One process runs the same protocol (its
     agreements are no-ops), so a save behaves alike on any mesh."""
     entries = _entries(self)
     mesh = mesh_lib.initialized_mesh()
     if mesh is None or not any(isinstance(value, PieceSpec) for _, _, value in entries):
-        return _ORIGINAL_SAVE(self, file_prefix, options)
+        return original(self, file_prefix, options)
     if not tf.executing_eagerly():
         raise RuntimeError("a checkpoint of sharded DistributedEmbedding tables is written "
                            "by all ranks together; save eagerly, not inside a tf.function")
-    if self._registered_savers:
-        raise ValueError(f"checkpoint savers registered for {sorted(self._registered_savers)}"
+    if _tf_internals.registered_savers(self):
+        raise ValueError(f"checkpoint savers registered for "
+                         f"{sorted(_tf_internals.registered_savers(self))}"
                          " cannot be combined with sharded DistributedEmbedding tables")
     prefix = file_prefix.numpy().decode() if hasattr(file_prefix, "numpy") else str(
         file_prefix)
@@ -120,7 +125,7 @@ def _signature(value: Any) -> str:
     """What copies of one piece on different ranks must agree on."""
     if isinstance(value, PieceSpec):
         return f"{tf.as_dtype(value.dtype).name}{list(value.shape)}"
-    if isinstance(value, saveable_object.SaveSpec):
+    if isinstance(value, _tf_internals.SaveSpec):
         return tf.as_dtype(value.dtype).name
     return f"{value.dtype.name}{value.shape.as_list()}"
 
@@ -139,7 +144,7 @@ def _write_together(mesh: mesh_lib.Mesh, prefix: str, entries: list) -> None:
             "the ranks save one checkpoint of sharded tables to different paths: "
             + ", ".join(f"rank {i}: {r['prefix']!r}" for i, r in enumerate(joined))
             + "; give every rank the same path (tfhybrid makes one rank write each piece)")
-    writes = _resharding.assign_writers(
+    writes = resharding.assign_writers(
         [[tuple(p) for p in r["pieces"]] for r in joined])
     _check_tilings(writes)
     staging = f"{prefix}_temp-{joined[0]['token']}"
@@ -151,12 +156,13 @@ def _write_together(mesh: mesh_lib.Mesh, prefix: str, entries: list) -> None:
         chosen = [(key, spec, value) for key, spec, value in entries if (key, spec) in mine]
         if chosen:
             tf.io.gfile.makedirs(staging)
-            io_ops.save_v2(_part(staging, mesh.rank, mesh.size),
+            _tf_internals.save_v2(_part(staging, mesh.rank, mesh.size),
                            [key for key, _, _ in chosen], [spec for _, spec, _ in chosen],
-                           [v.tensor if isinstance(v, saveable_object.SaveSpec) else v
+                           [v.tensor if isinstance(v, _tf_internals.SaveSpec) else v
                             for _, _, v in chosen])
             wrote = True
-        _test_pause()
+        for observer in _PART_OBSERVERS:
+            observer(_saves_started)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     # 3. agree; every rank has stopped writing once it reaches the allgather
@@ -174,7 +180,7 @@ def _write_together(mesh: mesh_lib.Mesh, prefix: str, entries: list) -> None:
         try:
             parts = [_part(staging, r, mesh.size) for r, rec in enumerate(written)
                      if rec["wrote"]]
-            gen_io_ops.merge_v2_checkpoints(parts, prefix, delete_old_dirs=True)
+            _tf_internals.merge_v2_checkpoints(parts, prefix, delete_old_dirs=True)
             _remove_leftovers(prefix, staging)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             local_error = e
@@ -194,12 +200,12 @@ def _check_tilings(writes: list[list[tuple[str, str]]]) -> None:
             if spec:
                 sliced.setdefault(key, []).append(spec)
     for key, specs in sliced.items():
-        parsed = [_resharding.parse_slice_spec(s) for s in specs]
+        parsed = [resharding.parse_slice_spec(s) for s in specs]
         shapes = {shape for shape, _ in parsed}
         if len(shapes) != 1:
             raise ValueError(f"checkpoint tensor {key!r} has slices of different full "
                              f"shapes {sorted(shapes)}")
-        _resharding.check_tiling(key, parsed[0][0], [rect for _, rect in parsed])
+        resharding.check_tiling(key, parsed[0][0], [rect for _, rect in parsed])
 
 
 def _remove_leftovers(prefix: str, staging: str) -> None:
@@ -223,14 +229,6 @@ def _join_seconds() -> float:
     if not seconds > 0:
         raise ValueError(f"{JOIN_SECONDS_ENV}={value!r} must be > 0")
     return seconds
-
-
-def _test_pause() -> None:
-    value = os.environ.get(PAUSE_ENV, "")
-    if value:
-        save, seconds = value.split(":")
-        if int(save) == _saves_started:
-            time.sleep(float(seconds))
 
 
 # ------------------------------------------------------------------ agreement

@@ -1,0 +1,94 @@
+"""The hooks of tfhybrid's one door to TF's private structures (tfhybrid/_tf_internals.py):
+each installs only when called, once however often it is called, and refuses a
+TensorFlow it was not written for, naming the version and the hook."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import unittest
+from unittest import mock
+
+import tensorflow as tf
+from tensorflow.python.checkpoint import functional_saver
+from tensorflow.python.checkpoint import restore as restore_lib
+
+from tfhybrid import _tf_internals
+from tfhybrid.checkpoint import writer
+
+
+def _never(*args) -> None:
+    del args
+
+
+class HooksTest(unittest.TestCase):
+
+    def test_importing_tfhybrid_patches_nothing(self):
+        script = (
+            "import tensorflow as tf\n"
+            "from tensorflow.python.checkpoint import functional_saver, restore\n"
+            "before = (functional_saver.MultiDeviceSaver.save,\n"
+            "          restore.CheckpointPosition.gather_ops_or_named_saveables,\n"
+            "          vars(tf.keras.optimizers.Optimizer).get('add_variable_from_reference'))\n"
+            "import tfhybrid, tfhybrid.layers, tfhybrid.tiers, tfhybrid.distributed\n"
+            "import tfhybrid.train.checkpoint\n"
+            "after = (functional_saver.MultiDeviceSaver.save,\n"
+            "         restore.CheckpointPosition.gather_ops_or_named_saveables,\n"
+            "         vars(tf.keras.optimizers.Optimizer).get('add_variable_from_reference'))\n"
+            "print('SAME' if all(a is b for a, b in zip(before, after)) else 'PATCHED')\n")
+        env = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             env={**os.environ, **env}, timeout=300)
+        self.assertIn("SAME", out.stdout, out.stderr[-3000:])
+
+    def test_every_hook_is_idempotent(self):
+        writer.install()
+        saved = functional_saver.MultiDeviceSaver.save
+        writer.install()
+        self.assertIs(functional_saver.MultiDeviceSaver.save, saved)
+        with self.assertRaisesRegex(RuntimeError, "hooked already"):
+            _tf_internals.install_saver_hook(_never)
+
+        _tf_internals.install_restore_hook()
+        gather = restore_lib.CheckpointPosition.gather_ops_or_named_saveables
+        _tf_internals.install_restore_hook()
+        self.assertIs(restore_lib.CheckpointPosition.gather_ops_or_named_saveables, gather)
+
+        _tf_internals.install_slot_guard(_never)
+        factory = vars(tf.keras.optimizers.Optimizer)["add_variable_from_reference"]
+        _tf_internals.install_slot_guard(_never)
+        self.assertIs(vars(tf.keras.optimizers.Optimizer)["add_variable_from_reference"],
+                      factory)
+
+        optimizer = tf.keras.optimizers.Adam()
+        calls = []
+
+        def after_build() -> None:
+            calls.append("built")
+
+        _tf_internals.install_build_hook(optimizer, after_build)
+        build = optimizer.build
+        _tf_internals.install_build_hook(optimizer, after_build)
+        self.assertIs(optimizer.build, build)
+        optimizer.build([tf.Variable([1.0])])
+        self.assertEqual(calls, ["built"])
+
+    def test_a_hook_refuses_a_tensorflow_it_was_not_written_for(self):
+        installs = {"MultiDeviceSaver.save": lambda: _tf_internals.install_saver_hook(_never),
+                    "CheckpointPosition.gather_ops_or_named_saveables":
+                        _tf_internals.install_restore_hook,
+                    "slot factory": lambda: _tf_internals.install_slot_guard(_never),
+                    "optimizer build": lambda: _tf_internals.install_build_hook(
+                        tf.keras.optimizers.SGD(), lambda: None)}
+        for version in ((2, 14), (2, 22), (3, 0)):
+            with mock.patch.object(_tf_internals, "TF_VERSION", version):
+                for hook, install in installs.items():
+                    with self.assertRaisesRegex(
+                            RuntimeError, rf"{hook}.*TensorFlow 2\.15 to 2\.21.*this is "
+                                          rf"TensorFlow {tf.__version__}"):
+                        install()
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,292 @@
+"""What a checkpoint holds of an optimizer's state of ``DistributedEmbedding`` tables:
+their slots, under names that do not depend on the mesh.
+
+Keras optimizers track their slots by position in a list, and both the positions and
+the shapes of table slots depend on the mesh. ``attach_optimizer`` (called by
+``tfhybrid.DistributedOptimizer``) takes them out of the optimizer's lists (the views
+below keep every other entry, numbered as before minus the table slots, which is the
+same on every mesh) and adds the child ``tfhybrid_table_slots``: per
+``DistributedEmbedding`` (``layer_<k>``, k its order among the optimizer's layers) the
+attribute ``table_<t>_<slot>``, a full-table tensor like the tables (``tables``). A
+row-wise slot (``[rows]``, row-wise AdaGrad) is stored broadcast over its shard's columns
+and read back as the mean over the new shard's columns
+(``tfhybrid.checkpoint.resharding.rowwise_weights``).
+
+**Restore before build.** ``BackupAndRestore`` and ``load_weights`` may restore before
+the optimizer has slots. TensorFlow then defers the missing children, as it does for
+Keras' own lists; the optimizer's ``build`` (hooked by ``attach_optimizer`` through
+``_tf_internals.install_build_hook``) hands the deferred restorations their new
+objects, before the first step uses them.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any
+
+import tensorflow as tf
+
+from tfhybrid import _tf_internals
+from tfhybrid import fiited
+from tfhybrid import slot_owners
+from tfhybrid import tiers
+from tfhybrid.checkpoint import pieces
+from tfhybrid.checkpoint import tables
+from tfhybrid.optimizers import ROW_STATE_SLOT
+
+# The optimizer's checkpoint child (part of the checkpoint format).
+SLOTS_CHILD = "tfhybrid_table_slots"
+
+# optimizer -> its _OptimizerState (weak: the state dies with its optimizer)
+_STATES: "weakref.WeakKeyDictionary[Any, _OptimizerState]" = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------- optimizer slots
+def _variables_of(optimizer: Any) -> list:
+    # new Keras optimizers: a (callable) list property; legacy ones: a method
+    found = optimizer.variables
+    return list(found() if callable(found) and not isinstance(found, list) else found)
+
+
+def slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
+    """``variable``'s optimizer slots by slot name ("m", "accumulator", ...), from the
+    optimizer that holds them (``slot_owners.slot_owner``)."""
+    owner = slot_owners.slot_owner(optimizer, variable)
+    if owner is None:
+        return {}
+    chunked, cached = fiited.table_of(variable), tiers.table_of(variable)
+    if chunked is not None or cached is not None:
+        # a FIITED pool's or tiered shard's only state is its rows' accumulator, which
+        # the table holds
+        state = chunked.accumulator if chunked is not None else cached.cache_accumulator
+        return ({ROW_STATE_SLOT: state}
+                if any(v is state for v in _variables_of(owner)) else {})
+    if hasattr(owner, "get_slot_names"):   # legacy Keras optimizers
+        slots = {}
+        for name in owner.get_slot_names():
+            try:
+                slots[name] = owner.get_slot(variable, name)
+            except KeyError:   # no slot for this variable (yet)
+                pass
+        return slots
+    # new Keras optimizers: only variables they were built with (a name check alone
+    # would take another model's layer of the same name for this one)
+    if owner._var_key(variable) not in getattr(owner, "_index_dict", {}):
+        return {}
+    shared = variable._shared_name
+    pattern = re.compile(r"(^|/)" + re.escape(shared) + r"(/|:|$)")
+    slots = {}
+    for slot in _variables_of(owner):
+        name = slot.name.split(":")[0]
+        match = pattern.search(name)
+        if slot is variable or match is None:
+            continue
+        # "m/<var>" -> "m", "<var>/accumulator" -> "accumulator"; name scopes in front
+        # ("Adam/m/<var>" when built inside apply_gradients) are dropped
+        suffix = name[match.end():].strip("/")
+        slot_name = suffix or name[:match.start()].strip("/").rsplit("/", 1)[-1]
+        if slot_name in slots:
+            raise ValueError(f"optimizer {type(owner).__name__} has two slots named "
+                             f"{slot_name!r} for variable {variable.name!r}")
+        slots[slot_name] = slot
+    return slots
+
+
+class _LayerSlots(_tf_internals.Trackable):
+    """One layer's table slots in one optimizer: ``table_<t>_<slot>`` per table."""
+
+    def __init__(self, optimizer: Any, layer: Any):
+        self._optimizer = weakref.ref(optimizer)
+        self._layer = weakref.ref(layer)
+
+    def _gather_saveables_for_checkpoint(self) -> dict:
+        optimizer, layer = self._optimizer(), self._layer()
+        if optimizer is None or layer is None:
+            return {}
+        # the anchor is on every rank, so its slot names are the same everywhere even
+        # where a rank holds no shard of a table
+        names = sorted(slots_of(optimizer, layer._anchor))
+        factories = {}
+        for t, (table, held) in enumerate(zip(layer._tables, pieces.layer_pieces(layer))):
+            # a FIITED pool's or tiered table's only state is its rows' accumulator
+            # (slots_of): a momentum-free SGD's "m", which carries nothing from step to
+            # step, has no place there. Every rank knows which tables these are.
+            table_names = ([n for n in names if n == ROW_STATE_SLOT]
+                           if table.chunks or table.cache_rows else names)
+            per_slot: dict[str, list[pieces.Piece]] = {name: [] for name in table_names}
+            # a FIITED table's row-wise slot is saved per chunk column (its column
+            # slices hold whole chunks), not broadcast over every column
+            full_shape = (table.rows, table.chunks) if table.chunks else (table.rows,
+                                                                            table.dim)
+            for rect, var in held:
+                if table.chunks:
+                    rect = pieces.in_chunks(table, rect)
+                slots = slots_of(optimizer, var)
+                if sorted(slots) != table_names:
+                    raise ValueError(
+                        f"the optimizer gives table {table.name!r} of layer "
+                        f"{layer.name!r} the slots {sorted(slots)} but tfhybrid saves "
+                        f"{table_names} for it (the layer's anchor has {names})")
+                for name, slot in slots.items():
+                    per_slot[name].append(pieces.slot_piece(rect, slot))
+            for name, slot_pieces in per_slot.items():
+                factories[f"table_{t}_{name}"] = pieces.full_tensor_factory(full_shape,
+                                                                            slot_pieces)
+        return factories
+
+
+class _DerivedChildren(_tf_internals.Trackable):
+    """A checkpoint node whose children are computed (``_trackable_children``), so a
+    lookup asks that, and a restore that ran before they existed reaches them later."""
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        children = cached_dependencies or self._trackable_children()
+        return children.get(name)
+
+    def restore_deferred(self) -> None:
+        for name, child in self._trackable_children().items():
+            self._handle_deferred_dependencies(name, child)
+
+
+class _WithoutTableSlots(_DerivedChildren):
+    """An optimizer's tracked list, minus the slots of tables, numbered as a list.
+
+    It stands in for the list in checkpoints: the other entries (iterations, the slots
+    of dense variables) keep positions that are the same on every mesh.
+    """
+
+    def __init__(self, state: "_OptimizerState", source: Any):
+        self._state = state
+        self.source = source
+
+    def entries(self) -> list:
+        table_slots = self._state.table_slot_ids()
+        return [v for v in self.source if id(v) not in table_slots]
+
+    def _trackable_children(self, save_type=_tf_internals.SaveType.CHECKPOINT, **kwargs):
+        return {str(i): v for i, v in enumerate(self.entries())}
+
+
+
+class _TableSlots(_DerivedChildren):
+    """The optimizer's ``tfhybrid_table_slots`` node: ``layer_<k>`` per layer it holds
+    table slots of, k in the order the optimizer holds them (the same on every mesh:
+    every rank holds each layer's anchor)."""
+
+    def __init__(self, state: "_OptimizerState"):
+        self._state = state
+        self._children: "weakref.WeakKeyDictionary[Any, _LayerSlots]" = \
+            weakref.WeakKeyDictionary()
+
+    def _trackable_children(self, save_type=_tf_internals.SaveType.CHECKPOINT, **kwargs):
+        optimizer = self._state.optimizer()
+        if optimizer is None:
+            return {}
+        children = {}
+        for k, layer in enumerate(self._state.layers()):
+            if layer not in self._children:
+                self._children[layer] = _LayerSlots(optimizer, layer)
+            children[f"layer_{k}"] = self._children[layer]
+        return children
+
+
+
+class _OptimizerState:
+    """What ``attach_optimizer`` keeps for one optimizer (and the ones inside it)."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = weakref.ref(optimizer)
+        self.slots_node = _TableSlots(self)
+        # (optimizer, child name) -> its view; kept across builds, because restorations
+        # that wait for entries are registered on the view
+        self._views: dict[tuple[int, str], _WithoutTableSlots] = {}
+        # the optimizers' variable counts when the views were last placed: Keras calls
+        # build on every apply_gradients, and only a build that made slots matters
+        self._built_counts: tuple[int, ...] | None = None
+
+    def members(self) -> list:
+        """The optimizer, the optimizers a loss scale wraps, and the embedding optimizer."""
+        optimizer = self.optimizer()
+        found, todo = [], [optimizer]
+        while todo:
+            current = todo.pop(0)
+            if current is None or any(current is f for f in found):
+                continue
+            found.append(current)
+            todo += [getattr(current, "inner_optimizer", None),
+                     getattr(current, "embedding_optimizer", None)]
+        return found
+
+    def layers(self) -> list:
+        """The built layers whose tables have slots here, in slot order."""
+        optimizer = self.optimizer()
+        order = []
+        for layer in tables.built_layers():
+            slots = list(slots_of(optimizer, layer._anchor).values())
+            if slots:
+                owner = slot_owners.slot_owner(optimizer, layer._anchor)
+                position = next(i for i, v in enumerate(_variables_of(owner))
+                                if v is slots[0])
+                order.append((position, id(layer), layer))
+        return [layer for _, _, layer in sorted(order)]
+
+    def table_slot_ids(self) -> set[int]:
+        optimizer = self.optimizer()
+        ids = set()
+        for layer in self.layers():
+            for var in layer.weights:
+                ids.update(id(s) for s in slots_of(optimizer, var).values())
+        return ids
+
+    def install_views(self) -> None:
+        """Puts a view in place of each list the optimizers track (Keras re-assigns
+        some lists when it builds, so this runs again after every build)."""
+        for member in self.members():
+            # a cache of the children from before a build would hide the lists it made
+            _tf_internals.forget_checkpoint_children(member)
+            for name in list(member._trackable_children()):
+                # the tracked list itself: the children may hold a copy of it
+                child = member._lookup_dependency(name)
+                if not isinstance(child, _tf_internals.ListWrapper):
+                    continue
+                view = self._views.setdefault((id(member), name),
+                                              _WithoutTableSlots(self, child))
+                view.source = child
+                member._track_trackable(view, name=name, overwrite=True)
+            _tf_internals.forget_checkpoint_children(member)
+
+    def after_build(self) -> None:
+        """Slots exist now: re-place the views, then restore what waited for them."""
+        counts = tuple(len(_variables_of(m)) for m in self.members())
+        if counts == self._built_counts:
+            return
+        self._built_counts = counts
+        self.install_views()
+        for member in self.members():
+            children = member._trackable_children()
+            for name in list(member._deferred_dependencies):
+                if name in children:
+                    member._handle_deferred_dependencies(name, children[name])
+        for view in self._views.values():
+            view.restore_deferred()
+        self.slots_node.restore_deferred()
+
+
+def attach_optimizer(optimizer: Any) -> None:
+    """Makes ``optimizer``'s checkpoints hold the slots of ``DistributedEmbedding`` tables
+    under mesh-independent names (see the module doc). Idempotent.
+
+    ``tfhybrid.DistributedOptimizer`` calls it; so does ``DistributedGradientTape`` for
+    the optimizer it is given.
+    """
+    if optimizer in _STATES:
+        return
+    state = _OptimizerState(optimizer)
+    _STATES[optimizer] = state
+    optimizer._track_trackable(state.slots_node, name=SLOTS_CHILD, overwrite=True)
+    state.install_views()
+    for member in state.members():
+        # Keras builds inside the first apply_gradients, before it steps: restorations
+        # that waited for the slots reach them through the views
+        _tf_internals.install_build_hook(member, state.after_build)
