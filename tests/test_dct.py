@@ -18,6 +18,7 @@ import horovod.tensorflow as hvd
 
 import tfhybrid
 from tfhybrid import collectives
+from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.compression import DCT
 from tfhybrid.layers import DistributedEmbedding, Embedding
@@ -174,7 +175,7 @@ class ResidualTest(tf.test.TestCase):
             # the kept entries went as pairs: a small share of the whole
             self.assertLess(np.count_nonzero(synced.numpy()), 0.5 * 1000)
             optimizer.apply_gradients([(synced, w)])
-        residual = optimizer._tfhybrid_route.thresholder.residual(w)
+        residual = distributed.route_of(optimizer).thresholder.residual(w)
         mean_residual = hvd.allreduce(tf.convert_to_tensor(residual), op=hvd.Average,
                                       name="test_dct_residual").numpy()
         self.assertAllClose(applied, raw - mean_residual, atol=1e-6, rtol=0)
@@ -353,7 +354,7 @@ class LossScaleTest(tf.test.TestCase):
             tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer, dct=dct)
             synced = optimizer.get_unscaled_gradients(tape.gradient(loss, [w]))
             optimizer.apply_gradients(zip(synced, [w]))
-            residuals.append(optimizer._tfhybrid_route.thresholder.residual(w).numpy())
+            residuals.append(distributed.route_of(optimizer).thresholder.residual(w).numpy())
         # the skipped step left every rank's residual (what waits to be sent) as it was
         self.assertGreater(np.abs(residuals[0]).max(), 0)
         self.assertAllEqual(residuals[1], residuals[0])

@@ -85,6 +85,36 @@ def private_tf_imports(path: str) -> list[str]:
     return found
 
 
+# the prefix of the attributes that once carried facts on TF objects (tfhybrid.roles
+# carries them now)
+TAG_PREFIX = "_tfhybrid_"
+
+
+def tags_set(path: str) -> list[str]:
+    """Where the module at ``path`` sets a ``_tfhybrid_*`` attribute on an object: an
+    assignment to ``x._tfhybrid_y``, or ``setattr(x, "_tfhybrid_y", ...)`` with the
+    name written out or held in a module constant."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                 for t in n.targets if isinstance(t, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        found += [f"{node.lineno}: .{t.attr}" for t in targets
+                  if isinstance(t, ast.Attribute) and t.attr.startswith(TAG_PREFIX)]
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "setattr" and len(node.args) >= 2):
+            name = node.args[1]
+            text = (name.value if isinstance(name, ast.Constant) else
+                    constants.get(name.id) if isinstance(name, ast.Name) else None)
+            if isinstance(text, str) and text.startswith(TAG_PREFIX):
+                found.append(f"{node.lineno}: setattr {text}")
+    return found
+
+
 def package_files() -> list[str]:
     return sorted(os.path.join(d, f) for d, _, files in os.walk(PACKAGE)
                   for f in files if f.endswith(".py") and not f.endswith("_test.py"))
@@ -102,6 +132,20 @@ class PrivateNamesTest(unittest.TestCase):
         self.assertTrue(reaches[DOOR])   # the check reads the door too
         # the checkpoint package is scanned
         self.assertIn("tfhybrid.checkpoint.writer", reaches)
+
+    def test_no_module_tags_objects_with_attributes(self):
+        # the door marks its own wrapper functions (a hook installed once); nothing else
+        tagged = {_module_name(p): tags_set(p) for p in package_files()}
+        self.assertEqual({m: t for m, t in tagged.items() if t and m != DOOR}, {})
+
+    def test_the_tag_check_sees_a_tag(self):
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write('_A = "_tfhybrid_a"\nv._tfhybrid_b = 1\nsetattr(v, _A, 2)\n'
+                    'setattr(v, "_tfhybrid_c", 3)\nsetattr(v, "plain", 4)\n')
+        self.addCleanup(os.remove, f.name)
+        self.assertEqual(tags_set(f.name), ["2: ._tfhybrid_b", "3: setattr _tfhybrid_a",
+                                            "4: setattr _tfhybrid_c"])
 
     def test_the_check_sees_a_reach(self):
         # the rule's own check must be able to fail

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+from tfhybrid import roles
 from tfhybrid.custom_ops import custom_ops_available
 from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad, RowWiseAdagrad
 
@@ -121,7 +122,7 @@ class RowWiseAdagradNumericsTest(tf.test.TestCase, parameterized.TestCase):
         w0 = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
         var = tf.Variable(w0)
         if attr is not None:
-            var._tfhybrid_momentum_scale = attr
+            roles.assign(var, momentum_scale=attr)
         opt = cls(learning_rate=lr, use_custom_op=use_op, **kwargs)
         eps = kwargs.get("epsilon", 1e-8)
         wd = kwargs.get("weight_decay", 0.0)
@@ -287,7 +288,7 @@ class RowWiseAdagradNumericsTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_bad_momentum_scale_attribute(self):
         var = tf.Variable(tf.ones([4, 2]))
-        var._tfhybrid_momentum_scale = -3.0
+        roles.assign(var, momentum_scale=-3.0)
         opt = MomentumScaledRowWiseAdagrad(use_custom_op=False)
         with self.assertRaisesRegex(ValueError, re.escape("-3.0")):
             opt.apply_gradients([(tf.ones([4, 2]), var)])

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import roles
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad, RowWiseAdagrad
 from tfhybrid.train.step import click_train_step
@@ -93,7 +94,7 @@ class WeightSyncTest(tf.test.TestCase):
         shards = [v for v in layer.trainable_variables if "shard" in v.name]
         self.assertNotEmpty(shards)
         for v in shards:
-            self.assertEqual(v._tfhybrid_momentum_scale, 2.0)
+            self.assertEqual(roles.role_of(v).momentum_scale, 2.0)
 
         def spread(variables):
             # largest difference between this shard's two replicas, seen by every rank

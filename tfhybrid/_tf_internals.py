@@ -345,3 +345,26 @@ def install_build_hook(optimizer: Any, after_build: Callable[[], None]) -> None:
     setattr(build, _HOOK_MARK, callbacks)
     # an instance attribute, past Keras' __setattr__, which would track it
     object.__setattr__(optimizer, method, build)
+
+
+def wrap_apply_gradients(optimizer: Any, apply: Callable[..., Any]) -> None:
+    """Makes ``optimizer.apply_gradients(...)`` call ``apply(own_apply, ...)`` on this
+    instance (``own_apply`` is its method before), for an optimizer whose class is the
+    user's. Idempotent per optimizer."""
+    _check_version("optimizer apply_gradients")
+    own_apply = optimizer.apply_gradients
+    if getattr(own_apply, _HOOK_MARK, False):
+        return
+
+    def apply_gradients(*args, **kwargs):
+        return apply(own_apply, *args, **kwargs)
+
+    setattr(apply_gradients, _HOOK_MARK, True)
+    # an instance attribute, past Keras' __setattr__, which would track it
+    object.__setattr__(optimizer, "apply_gradients", apply_gradients)
+
+
+def track_child(parent: Any, name: str, child: Any) -> None:
+    """Makes ``child`` a checkpoint dependency of ``parent`` named ``name``, as an
+    attribute assignment would, without the attribute."""
+    parent._track_trackable(child, name=name, overwrite=True)

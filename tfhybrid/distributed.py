@@ -80,6 +80,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import weakref
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
@@ -89,6 +90,7 @@ from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Ker
 from tfhybrid import collectives
 from tfhybrid import compression as compression_lib
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import roles
 from tfhybrid import tiers
 from tfhybrid.checkpoint import slots as checkpoint_slots
 from tfhybrid.plan.traffic import sync_is_sparse
@@ -97,63 +99,42 @@ from tfhybrid.slot_owners import is_loss_scaling as _is_loss_scaling
 
 _LOG = logging.getLogger("tfhybrid")
 
-# ------------------------------------------------------------------ variable tags
-# DistributedEmbedding tags its variables; the route reads the tags.
-# Shards live on one position of every model group: reduced over their data group,
-# broadcast from its first member.
-_MODEL_PARALLEL_ATTR = "_tfhybrid_model_parallel"
-# Whether this variable's gradient is synced sparse (allgather), from the plan.
-_SPARSE_SYNC_ATTR = "_tfhybrid_sparse_sync"
-# Shards in weight-sync mode: each replica steps alone, and every K steps the weights and
-# optimizer state are averaged over the data group.
-_SYNC_EVERY_ATTR = "_tfhybrid_sync_every"
-# read by tfhybrid.optimizers.MomentumScaledRowWiseAdagrad: c = D in weight-sync mode
-_MOMENTUM_SCALE_ATTR = "_tfhybrid_momentum_scale"
-# Never synced (the layer's empty alltoall anchor).
-_LOCAL_ONLY_ATTR = "_tfhybrid_local_only"
-# On a shard: the key of its whole table, whose norm the shards share (clipnorm).
-_TABLE_KEY_ATTR = "_tfhybrid_table_key"
-# On the anchor, which every rank has: the keys of all sharded tables of the layer, so
-# every rank joins the same norm allreduce even where it owns no shard.
-_SHARDED_TABLES_ATTR = "_tfhybrid_sharded_tables"
+# ------------------------------------------------------------------ variable roles
+# DistributedEmbedding records what each of its variables is (tfhybrid.roles); the route
+# reads those roles.
 # Without a static row count, a sparse gradient is sent sparse when its table is at least
 # this many elements: every rank sees the same static shapes, so all choose alike.
 _SPARSE_DEFAULT_MIN_ELEMENTS = 1 << 16
-# On a gradient a DistributedGradientTape returned: synced already, never synced again.
-_SYNCED_ATTR = "_tfhybrid_synced"
-# On an optimizer slot of a model-parallel shard (tagged when the route first applies):
-# it lives on the shard's position, so it is broadcast inside the shard's data group.
-_SHARD_STATE_ATTR = "_tfhybrid_shard_state"
 
 
 def mark_model_parallel(variable: tf.Variable, mesh: mesh_lib.Mesh,
                         sync_every: int | None = None, table_key: str | None = None) -> None:
-    setattr(variable, _MODEL_PARALLEL_ATTR, True)
+    """A variable on one position of every model group (a shard, or its row state)."""
+    roles.assign(variable, model_parallel=True)
     if table_key is not None:
-        setattr(variable, _TABLE_KEY_ATTR, table_key)
+        roles.assign(variable, table_key=table_key)
     if sync_every is not None:
-        setattr(variable, _SYNC_EVERY_ATTR, int(sync_every))
-        setattr(variable, _MOMENTUM_SCALE_ATTR, float(mesh.data_parallel))
+        roles.assign(variable, sync_every=int(sync_every),
+                     momentum_scale=float(mesh.data_parallel))
 
 
 def mark_anchor(variable: tf.Variable, sharded_table_keys: Sequence[str]) -> None:
     """The layer's alltoall anchor: never synced, and it names the layer's sharded tables."""
-    setattr(variable, _LOCAL_ONLY_ATTR, True)
-    setattr(variable, _SHARDED_TABLES_ATTR, tuple(sharded_table_keys))
+    roles.assign(variable, local_only=True, sharded_tables=tuple(sharded_table_keys))
     mark_embedding(variable)
 
 
 def mark_sparse_sync(variable: tf.Variable, sparse: bool) -> None:
-    setattr(variable, _SPARSE_SYNC_ATTR, bool(sparse))
+    roles.assign(variable, sparse_sync=bool(sparse))
 
 
 def is_model_parallel(variable: tf.Variable) -> bool:
-    return bool(getattr(variable, _MODEL_PARALLEL_ATTR, False))
+    return roles.role_of(variable).model_parallel
 
 
 def weight_sync_every(variable: tf.Variable) -> int | None:
     """K for a shard in weight-sync mode, else None (gradients are synced every step)."""
-    return getattr(variable, _SYNC_EVERY_ATTR, None)
+    return roles.role_of(variable).sync_every
 
 
 # ------------------------------------------------------------ Horovod's options
@@ -250,7 +231,7 @@ def sync_options(*, op: Any = hvd.Average, compression: Any = hvd.Compression.no
 # ------------------------------------------------------------------ 1. sync
 def _sparse_is_cheaper(grad: tf.IndexedSlices, variable: tf.Variable, group_size: int
                        ) -> bool:
-    planned = getattr(variable, _SPARSE_SYNC_ATTR, None)
+    planned = roles.role_of(variable).sparse_sync
     if planned is not None:
         return planned
     rows = variable.shape[0]
@@ -317,7 +298,7 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
     # (process set key, wire dtype) -> (process set, group size, [(index, wire, ctx)])
     dense_groups: dict[tuple[str, str], tuple[Any, int, list]] = {}
     for i, (grad, var) in enumerate(zip(grads, variables)):
-        if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
+        if grad is None or roles.role_of(var).local_only:
             continue
         if options.sparse_as_dense and isinstance(grad, tf.IndexedSlices):
             grad = reduced[i] = tf.convert_to_tensor(grad)
@@ -384,14 +365,14 @@ def _mark_synced(grad: Any) -> Any:
     untagged tensor."""
     if grad is not None:
         try:
-            setattr(grad, _SYNCED_ATTR, True)
+            roles.assign(grad, synced=True)
         except (AttributeError, TypeError):
             pass
     return grad
 
 
 def _is_synced(grad: Any) -> bool:
-    return bool(getattr(grad, _SYNCED_ATTR, False))
+    return roles.role_of(grad).synced
 
 
 def _scaled(grad, factor):
@@ -486,13 +467,13 @@ def _clip(grads: list, variables: Sequence[tf.Variable], settings: dict[str, flo
         return [None if g is None else _map_values(
             g, lambda v: tf.clip_by_value(v, -limit, limit)) for g in grads]
     table_keys = sorted({key for v in variables
-                         for key in getattr(v, _SHARDED_TABLES_ATTR, ())})
+                         for key in roles.role_of(v).sharded_tables})
     shard_sums = {key: [] for key in table_keys}
     own_norms: list = [None] * len(grads)
     for i, (grad, var) in enumerate(zip(grads, variables)):
-        if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
+        if grad is None or roles.role_of(var).local_only:
             continue
-        key = getattr(var, _TABLE_KEY_ATTR, None)
+        key = roles.role_of(var).table_key
         if key is None:
             own_norms[i] = _squared_norm(grad)
         elif key not in shard_sums:
@@ -519,10 +500,10 @@ def _clip(grads: list, variables: Sequence[tf.Variable], settings: dict[str, flo
     limit = settings["clipnorm"]
     clipped = list(grads)
     for i, (grad, var) in enumerate(zip(grads, variables)):
-        if grad is None or getattr(var, _LOCAL_ONLY_ATTR, False):
+        if grad is None or roles.role_of(var).local_only:
             continue
         square = own_norms[i] if own_norms[i] is not None else table_norms[
-            getattr(var, _TABLE_KEY_ATTR)]
+            roles.role_of(var).table_key]
         clipped[i] = _scaled(grad, limit / tf.maximum(tf.sqrt(square), limit))
     return clipped
 
@@ -635,7 +616,7 @@ def _tag_shard_state(optimizer: Any, variables: Sequence[tf.Variable],
             continue
         slots = _optimizer_state_of(optimizer, var)
         for slot in slots:
-            setattr(slot, _SHARD_STATE_ATTR, True)
+            roles.assign(slot, shard_state=True)
         if slots:
             done.add((id(optimizer), var.ref()))
 
@@ -923,7 +904,7 @@ class DistributedGradientTape:
         if optimizer is not None:
             _route_optimizer(optimizer, mesh)
         # the optimizer's own route where it has one, so both halves share one object
-        self._route = getattr(optimizer, "_tfhybrid_route", None) or GradientRoute(mesh)
+        self._route = route_of(optimizer) or GradientRoute(mesh)
         self._route.use_dct(dct)
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=None,
@@ -972,41 +953,50 @@ def _keep_table_state_in_checkpoints(optimizer: Any) -> None:
 def _route_optimizer(optimizer: Any, mesh: mesh_lib.Mesh | None) -> None:
     """Makes ``optimizer.apply_gradients`` run the route's steps 3-5 (once per optimizer):
     the tape that was given the optimizer has synced its gradients already."""
-    if getattr(optimizer, "_tfhybrid_route", None) is not None:
+    if route_of(optimizer) is not None:
         return
     route = GradientRoute(mesh, sync_in_apply=False)
-    own_apply = optimizer.apply_gradients
-
-    def apply_gradients(grads_and_vars, *args, **kwargs):
-        return route.apply(optimizer, own_apply, grads_and_vars, *args, **kwargs)
-
-    optimizer._tfhybrid_route = route
-    optimizer.apply_gradients = apply_gradients
+    _ADDED_ROUTES[optimizer] = route
+    _tf_internals.wrap_apply_gradients(
+        optimizer, lambda own_apply, grads_and_vars, *args, **kwargs: route.apply(
+            optimizer, own_apply, grads_and_vars, *args, **kwargs))
     _keep_table_state_in_checkpoints(optimizer)
+
+
+# The routes of optimizers a DistributedGradientTape was given (their own class is the
+# user's; a DistributedOptimizer's class carries its route).
+_ADDED_ROUTES: "weakref.WeakKeyDictionary[Any, GradientRoute]" = weakref.WeakKeyDictionary()
+
+
+def route_of(optimizer: Any) -> "GradientRoute | None":
+    """The gradient route that ``optimizer`` applies through: a DistributedOptimizer's,
+    or the one a DistributedGradientTape gave it; None for a plain optimizer."""
+    route = getattr(type(optimizer), "_gradient_route", None)
+    return route if route is not None else _ADDED_ROUTES.get(optimizer)
 
 
 # -------------------------------------------------------------- optimizer
 class _RoutedApply:
-    _tfhybrid_route: GradientRoute
+    _gradient_route: GradientRoute
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        return self._tfhybrid_route.apply(self, super().apply_gradients, grads_and_vars,
+        return self._gradient_route.apply(self, super().apply_gradients, grads_and_vars,
                                           *args, **kwargs)
 
     @property
     def embedding_optimizer(self) -> Any:
         """The optimizer of the embedding tables, or None (this one applies them too)."""
-        return self._tfhybrid_route.embedding_optimizer
+        return self._gradient_route.embedding_optimizer
 
 
 class _RoutedBuild:
     """``build`` of a new Keras optimizer with an embedding optimizer: Keras may build
     an optimizer with every trainable variable (tf-keras >= 2.16's BackupAndRestore does,
     before it restores), and the tables' slots belong to the embedding optimizer."""
-    _tfhybrid_route: GradientRoute
+    _gradient_route: GradientRoute
 
     def build(self, var_list):
-        embedding_optimizer = self._tfhybrid_route.embedding_optimizer
+        embedding_optimizer = self._gradient_route.embedding_optimizer
         var_list = list(var_list)
         if embedding_optimizer is not None:
             tables = [v for v in var_list if is_embedding(v)]
@@ -1103,11 +1093,13 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                           average_aggregated_gradients, dct=dct)
     # legacy Keras optimizers make their slots per variable, in apply_gradients
     mixins = (_RoutedApply, _RoutedBuild) if hasattr(base, "build") else (_RoutedApply,)
-    cls = type(base.__name__, mixins + (base,), {"_tfhybrid_route": route})
+    cls = type(base.__name__, mixins + (base,), {"_gradient_route": route})
     routed = cls.from_config(optimizer.get_config())
     if embedding_optimizer is not None:
-        # an attribute, so checkpoints of the optimizer track its slots too
-        routed._tfhybrid_embedding_optimizer = embedding_optimizer
+        # a checkpoint child, so checkpoints of the optimizer hold its slots too (under
+        # the name checkpoints have always used for it)
+        _tf_internals.track_child(routed, "_tfhybrid_embedding_optimizer",
+                                  embedding_optimizer)
     _keep_table_state_in_checkpoints(routed)
     return routed
 
@@ -1132,7 +1124,7 @@ def _lives_on_one_position(variables: Sequence[tf.Variable]) -> list[bool]:
     Slots are known by the tag the route sets when it first applies, or else by name (a
     slot's name holds its variable's, as Keras and tfhybrid's optimizers name them).
     """
-    flags = [is_model_parallel(v) or bool(getattr(v, _SHARD_STATE_ATTR, False))
+    flags = [is_model_parallel(v) or roles.role_of(v).shard_state
              for v in variables]
     shard_names = {v._shared_name for v in variables
                    if is_model_parallel(v) and hasattr(v, "_shared_name")}
@@ -1220,7 +1212,7 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
     one_position = _lives_on_one_position(variables)
     replicated, shards = [], []
     for var, local in zip(variables, one_position):
-        if getattr(var, _LOCAL_ONLY_ATTR, False) or var.shape.num_elements() == 0:
+        if roles.role_of(var).local_only or var.shape.num_elements() == 0:
             continue
         (shards if local else replicated).append(var)
     if mesh.size == 1:

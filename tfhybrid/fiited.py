@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid import custom_ops
+from tfhybrid import roles
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 
 __all__ = ["ChunkedTable", "ChunkOptions", "plan_chunk_counts", "table_of"]
@@ -58,7 +59,7 @@ POSITION_POWER = 3.0
 
 def table_of(variable: Any) -> "ChunkedTable | None":
     """The ChunkedTable whose pool ``variable`` is, else None."""
-    return getattr(variable, "_tfhybrid_chunked_table", None)
+    return roles.role_of(variable).chunked_table
 
 
 def checked_int(name: str, value: Any, low: int) -> int:
@@ -290,7 +291,7 @@ class ChunkedTable(ChunkOptions, tf.Module):
                                        name="accumulator")
         self.utility = tf.Variable(tf.zeros([self.rows]), trainable=False, name="utility")
         # how an optimizer finds the table of a pool gradient (table_of)
-        self.pool._tfhybrid_chunked_table = self
+        roles.assign(self.pool, chunked_table=self)
 
     @property
     def storage(self) -> tf.Variable:

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
 from tfhybrid import fiited
+from tfhybrid import roles
 from tfhybrid import tiers
 from tfhybrid.custom_ops import custom_ops_available, rowwise_adagrad_apply
 
@@ -38,9 +39,6 @@ _LOG = logging.getLogger(__name__)
 
 _LearningRateSchedule = tf.keras.optimizers.schedules.LearningRateSchedule
 
-# Attribute DistributedEmbedding sets on shard variables in weight-sync mode (= number of
-# data-parallel replicas D); read by MomentumScaledRowWiseAdagrad when momentum_scale=None.
-MOMENTUM_SCALE_ATTR = "_tfhybrid_momentum_scale"
 
 
 def _is_real_number(x: Any) -> bool:
@@ -297,10 +295,11 @@ class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
 
     Same update as :class:`RowWiseAdagrad` but with ``w_i -= lr * g_i / (sqrt(v_i / c) +
     epsilon)``. ``c`` is ``momentum_scale`` when given; when None it is read per variable
-    (at trace time, as a Python float) from the ``_tfhybrid_momentum_scale`` attribute,
-    which ``tfhybrid.layers.DistributedEmbedding`` sets to the number of data-parallel
-    replicas D on its shard variables in weight-sync mode; variables without it use 1.
-    Changing the attribute after a ``tf.function`` has traced the step needs a retrace.
+    (at trace time, as a Python float) from the variable's role
+    (``tfhybrid.roles.role_of(variable).momentum_scale``), which
+    ``tfhybrid.layers.DistributedEmbedding`` sets to the number of data-parallel replicas
+    D on its shard variables in weight-sync mode; variables without it use 1. Changing
+    it after a ``tf.function`` has traced the step needs a retrace.
 
     Args:
       momentum_scale: None or a float > 0.
@@ -309,9 +308,10 @@ class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
     Example::
 
         import tensorflow as tf
+        from tfhybrid import roles
         from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad
         table = tf.Variable(tf.ones([4, 2]))
-        table._tfhybrid_momentum_scale = 4.0      # what DistributedEmbedding would set
+        roles.assign(table, momentum_scale=4.0)   # what DistributedEmbedding would set
         opt = MomentumScaledRowWiseAdagrad(learning_rate=0.1)
         grad = tf.IndexedSlices(tf.constant([[1.0, 1.0]]), tf.constant([1]),
                                 tf.constant([4, 2]))
@@ -334,11 +334,12 @@ class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
     def _momentum_scale(self, variable) -> float:
         if self.momentum_scale is not None:
             return self.momentum_scale
-        value = _find_attr(variable, MOMENTUM_SCALE_ATTR)
+        value = _momentum_scale_role(variable)
         if value is None:
             return 1.0
         return _check_momentum_scale(
-            value, f"{MOMENTUM_SCALE_ATTR} of variable {getattr(variable, 'name', variable)!r}")
+            value, f"the momentum_scale role of variable "
+                   f"{getattr(variable, 'name', variable)!r}")
 
     def get_config(self) -> dict:
         config = super().get_config()
@@ -347,9 +348,9 @@ class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
 
 
 # ----------------------------------------------------------------- helpers
-def _find_attr(variable, attr: str) -> Any:
-    """`attr` on `variable`, or on its tf.distribute container (strategies hand
-    update_step the per-device component, which lacks the layer-set attribute)."""
+def _momentum_scale_role(variable) -> Any:
+    """The momentum scale recorded for `variable`, or for its tf.distribute container
+    (strategies hand update_step the per-device component, which has no role)."""
     candidates = [variable]
     container = getattr(variable, "_distributed_container", None)
     if callable(container):
@@ -359,7 +360,7 @@ def _find_attr(variable, attr: str) -> Any:
     if callable(handle_container):
         candidates.append(handle_container())
     for candidate in candidates:
-        value = getattr(candidate, attr, None)
+        value = roles.role_of(candidate).momentum_scale
         if value is not None:
             return value
     return None

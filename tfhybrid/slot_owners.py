@@ -23,17 +23,16 @@ from typing import Any
 import tensorflow as tf
 
 from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
-
-# Variables of DistributedEmbedding (tables, shards, anchor): an embedding optimizer's.
-_EMBEDDING_ATTR = "_tfhybrid_embedding"
-
+from tfhybrid import roles
 
 def mark_embedding(variable: tf.Variable) -> None:
-    setattr(variable, _EMBEDDING_ATTR, True)
+    """A variable of DistributedEmbedding (tables, shards, anchor): an embedding
+    optimizer's."""
+    roles.assign(variable, embedding=True)
 
 
 def is_embedding(variable: tf.Variable) -> bool:
-    return bool(getattr(variable, _EMBEDDING_ATTR, False))
+    return roles.role_of(variable).embedding
 
 
 def is_loss_scaling(optimizer: Any) -> bool:

@@ -50,6 +50,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
+from tfhybrid import roles
 from tfhybrid.custom_ops import coalesce_rows
 from tfhybrid.fiited import MIN_CHUNKS, POSITION_POWER, ChunkOptions, checked_int, \
     chunked_rowwise_rows, combine_bags, update_utility
@@ -69,12 +70,12 @@ _OPEN_STORES: "weakref.WeakValueDictionary[str, CachedTable]" = weakref.WeakValu
 
 def table_of(variable: Any) -> "CachedTable | None":
     """The CachedTable whose cache ``variable`` is, else None."""
-    return getattr(variable, "_tfhybrid_cached_table", None)
+    return roles.role_of(variable).cached_table
 
 
 def accumulator_table_of(variable: Any) -> "CachedTable | None":
     """The CachedTable whose ``cache_accumulator`` ``variable`` is, else None."""
-    return getattr(variable, "_tfhybrid_cached_state", None)
+    return roles.role_of(variable).cached_state_of
 
 
 def _momentum_free_sgd(optimizer: Any) -> bool:
@@ -169,8 +170,8 @@ class CachedTable(tf.Module):
                                                  trainable=False, name="cache_accumulator")
         # how an optimizer finds the table of a cache gradient (table_of), and a
         # checkpoint the table of an accumulator (accumulator_table_of)
-        self.cache._tfhybrid_cached_table = self
-        self.cache_accumulator._tfhybrid_cached_state = self
+        roles.assign(self.cache, cached_table=self)
+        roles.assign(self.cache_accumulator, cached_state_of=self)
         self._slot_of_row = np.full(self.rows, -1, np.int32)   # 4 bytes per row
         self._row_of_slot = np.full(self.cache_rows, -1, np.int64)
         self._stamp = np.zeros(self.cache_rows, np.int64)      # LFU: steps used since loaded
@@ -556,7 +557,7 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
             self.slot_chunks = tf.Variable(tf.zeros([self.cache_rows], tf.int32),
                                            trainable=False, name="slot_chunks")
         # the optimizer's route: a FIITED table's gradient goes to apply_pool_gradient
-        self.cache._tfhybrid_chunked_table = self
+        roles.assign(self.cache, chunked_table=self)
 
     @property
     def accumulator(self) -> tf.Variable:

@@ -257,7 +257,7 @@ def register_layer(layer: Any) -> None:
     _LAYERS.add(layer)
     node = _LayerTables(layer)
     # set past Keras' __setattr__, which would track it as a child of its own
-    object.__setattr__(layer, "_tfhybrid_tables", node)
+    object.__setattr__(layer, "_checkpoint_tables", node)
     layer._handle_deferred_dependencies(TABLES_CHILD, node)
 
 
@@ -270,7 +270,7 @@ def layer_children(layer: Any, children: dict, save_type: Any) -> dict:
     """
     if save_type != _tf_internals.SaveType.CHECKPOINT:
         return children
-    node = layer.__dict__.get("_tfhybrid_tables")
+    node = layer.__dict__.get("_checkpoint_tables")
     return {TABLES_CHILD: node} if node is not None else {}
 
 

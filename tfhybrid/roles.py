@@ -1,0 +1,124 @@
+"""What each variable (or gradient) is to tfhybrid, in one registry.
+
+``DistributedEmbedding`` builds its variables from the plan and records here what the plan
+says of each: a table of the layer, a model-parallel shard (of which table, synced how),
+the anchor, a FIITED pool or a tiered shard's cache. The gradient route, broadcasts,
+weight syncs, optimizers and checkpoints ask :func:`role_of` instead of reading attributes
+stuck on TensorFlow objects, so the facts have one writer, one reader API, and a Keras 3
+variable can take a ``tf.Variable``'s place.
+
+Entries are keyed by object identity and dropped when the object is collected.
+
+Example::
+
+    import tensorflow as tf
+    from tfhybrid import roles
+    shard = tf.Variable(tf.zeros([4, 2]))
+    roles.assign(shard, model_parallel=True, table_key="layer/users")
+    assert roles.role_of(shard).model_parallel
+    assert roles.role_of(tf.Variable(1.0)) == roles.Role()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+
+@dataclasses.dataclass
+class Role:
+    """The facts recorded for one object (defaults: none of them).
+
+    Example::
+
+        from tfhybrid.roles import Role
+        assert not Role().embedding and Role(sync_every=3).sync_every == 3
+    """
+    # a DistributedEmbedding variable (tables, shards, anchor): an embedding optimizer's
+    embedding: bool = False
+    # lives on one position of every model group: reduced over its data group,
+    # broadcast from its first member
+    model_parallel: bool = False
+    # a shard: the key of its whole table, whose norm the shards share (clipnorm)
+    table_key: str | None = None
+    # a shard in weight-sync mode: K, the steps between averages over its data group
+    sync_every: int | None = None
+    # MomentumScaledRowWiseAdagrad's c for this variable (D in weight-sync mode)
+    momentum_scale: float | None = None
+    # never synced (the layer's empty alltoall anchor)
+    local_only: bool = False
+    # the anchor, which every rank has: the keys of all sharded tables of the layer, so
+    # every rank joins the same norm allreduce even where it owns no shard
+    sharded_tables: tuple[str, ...] = ()
+    # whether the gradient is synced sparse (allgather), as the plan chose; None: decide
+    # from the shape
+    sparse_sync: bool | None = None
+    # an optimizer slot of a model-parallel shard: broadcast inside its data group
+    shard_state: bool = False
+    # a gradient a DistributedGradientTape returned: synced already, never again
+    synced: bool = False
+    # The tables a variable belongs to, held weakly (a table holds its variables, and
+    # the registry must not keep either alive): the FIITED table whose chunk pool it is,
+    # the tiered table whose DRAM cache it is, and the one whose cache accumulator it is.
+    chunked_table_ref: weakref.ref | None = None
+    cached_table_ref: weakref.ref | None = None
+    cached_state_of_ref: weakref.ref | None = None
+
+    @property
+    def chunked_table(self) -> Any:
+        return None if self.chunked_table_ref is None else self.chunked_table_ref()
+
+    @property
+    def cached_table(self) -> Any:
+        return None if self.cached_table_ref is None else self.cached_table_ref()
+
+    @property
+    def cached_state_of(self) -> Any:
+        return None if self.cached_state_of_ref is None else self.cached_state_of_ref()
+
+
+_ROLES: dict[int, tuple[weakref.ref, Role]] = {}
+_HELD_WEAKLY = ("chunked_table", "cached_table", "cached_state_of")
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _ROLES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _ROLES[key]
+
+
+def role_of(obj: Any) -> Role:
+    """The facts recorded for ``obj`` (a fresh default ``Role()`` when none are)."""
+    entry = _ROLES.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        return Role()
+    return entry[1]
+
+
+def assign(obj: Any, **facts: Any) -> Role:
+    """Records ``facts`` (``Role`` field names; ``chunked_table``, ``cached_table`` and
+    ``cached_state_of`` take the table, kept weakly) for ``obj``, keeping those set
+    before; returns its role. ValueError names an unknown fact."""
+    for name in _HELD_WEAKLY:
+        if name in facts:
+            table = facts.pop(name)
+            facts[f"{name}_ref"] = None if table is None else weakref.ref(table)
+    unknown = sorted(set(facts) - {f.name for f in dataclasses.fields(Role)})
+    if unknown:
+        raise ValueError(f"unknown role facts {unknown}; expected fields of "
+                         f"tfhybrid.roles.Role")
+    key = id(obj)
+    entry = _ROLES.get(key)
+    if entry is None or entry[0]() is not obj:
+        ref = weakref.ref(obj, lambda dead, key=key: _forget(key, dead))
+        entry = (ref, Role())
+        _ROLES[key] = entry
+    for name, value in facts.items():
+        setattr(entry[1], name, value)
+    return entry[1]
+
+
+def recorded() -> int:
+    """How many live objects have roles recorded (entries leave with their objects)."""
+    return len(_ROLES)
