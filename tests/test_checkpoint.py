@@ -115,11 +115,12 @@ def gather_slots(layer, optimizer) -> list[list[tuple[tuple, dict]]]:
     items = []
     for t, placement in enumerate(layer.plan.tables):
         if placement.kind == "data_parallel":
-            pairs = [(layer._table_vars[t], placement.shards[0])] if mesh.rank == 0 else []
+            pairs = ([(layer.stores.get(t, 0).variable, placement.shards[0])]
+                     if mesh.rank == 0 else [])
         else:
-            pairs = [(layer._shard_vars[(t, s)], shard)
+            pairs = [(layer.stores.get(t, s).variable, shard)
                      for s, shard in enumerate(placement.shards)
-                     if mesh.replica == 0 and (t, s) in layer._shard_vars]
+                     if mesh.replica == 0 and layer.stores.get(t, s) is not None]
         for var, shard in pairs:
             slots = {key: s.numpy() for key, s in
                      checkpoint_slots.slots_of(optimizer, var).items()}

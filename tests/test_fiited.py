@@ -497,8 +497,10 @@ class CompactCheckpointTest(unittest.TestCase):
                         reader.get_tensor([k for k, _ in tf.train.list_variables(path)
                                            if k.endswith(f"table_{t}_chunk_counts")][0]),
                         counts[t])
+                pools = [store.fiited for _, store in layer.stores.items()
+                         if store.fiited is not None]
                 wanted = {t: (table.accumulator.numpy(), table.utility.numpy())
-                          for t, table in enumerate(layer._chunked_tables.values())}
+                          for t, table in enumerate(pools)}
                 mesh_lib.reset()
                 tfhybrid.init(model_parallel=1)
                 fresh, fresh_optimizer = self._layer(dims="adaptive", seed=9)

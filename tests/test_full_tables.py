@@ -38,7 +38,7 @@ class FullTablesTest(tf.test.TestCase):
             layer([tf.constant([[1]])] * 4)
             rng = np.random.default_rng(3)
             full = [rng.standard_normal([t.rows, t.dim]).astype(np.float32)
-                    for t in layer._tables]
+                    for t in layer.table_specs]
             layer.set_weights(full)
             got = layer.get_weights(all_ranks=True)
             for want, have in zip(full, got):

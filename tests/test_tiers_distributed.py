@@ -76,6 +76,16 @@ def _weights(model):
     return hc.table_weights(_layer(model)) + hc.dense_weights(model)
 
 
+def _tiered_by_key(layer) -> dict:
+    """This rank's tiered shards of ``layer``, by "<table>_<shard>"."""
+    return {f"{t}_{s}": store.cache for (t, s), store in layer.stores.items()
+            if store.cache is not None}
+
+
+def _tiered(layer) -> list:
+    return list(_tiered_by_key(layer).values())
+
+
 class _TierDir(tf.test.TestCase):
 
     def setUp(self):
@@ -129,7 +139,7 @@ class ShardedTierTest(_TierDir):
                     self.assert_same(_weights(tiered), _weights(memory))
                     # the comparison means something only if rows were written back and
                     # reloaded
-                    stats = [t.stats() for t in layer._cached_tables.values()]
+                    stats = [t.stats() for t in _tiered(layer)]
                     moved = hvd.allgather_object(sum(s["writebacks"] for s in stats))
                     self.assertGreater(sum(moved), 0)
                     self.assertGreater(sum(hvd.allgather_object(
@@ -138,7 +148,7 @@ class ShardedTierTest(_TierDir):
                     # dense tables they would take what the layer in memory takes
                     held = layer.memory_bytes()
                     self.assertEqual(held["store"], sum(
-                        t.rows * (t.dim + 1) * 4 for t in layer._cached_tables.values()))
+                        t.rows * (t.dim + 1) * 4 for t in _tiered(layer)))
                     self.assertEqual(held["dense"], _layer(memory).memory_bytes()["dense"])
 
     def test_replicas_load_each_others_ids_and_keep_one_cache(self):
@@ -149,7 +159,7 @@ class ShardedTierTest(_TierDir):
         layer = _layer(model)
         # every replica of a shard (its data group) holds the same rows in the same
         # slots, with the same values
-        for key, table in sorted(layer._cached_tables.items()):
+        for key, table in sorted(_tiered_by_key(layer).items()):
             mine = (table._row_of_slot.copy(), table.cache.numpy(),
                     table.cache_accumulator.numpy())
             everyone = hvd.allgather_object(mine, process_set=mesh.data_process_set)
@@ -221,7 +231,7 @@ class MemoryBudgetTest(_TierDir):
         self.assertEqual(loss, memory_loss)
         self.assert_same(_weights(model), _weights(memory))
         moved = sum(hvd.allgather_object(
-            sum(t.stats()["writebacks"] for t in layer._cached_tables.values())))
+            sum(t.stats()["writebacks"] for t in _tiered(layer))))
         self.assertGreater(moved, 0)
         # the layer's config carries the budget and folder; a bad budget fails at once
         config = layer.get_config()
@@ -307,14 +317,15 @@ class AdaptiveTierTest(_TierDir):
                 self.assertEqual(tiered_loss, memory_loss)
                 self.assert_same(_weights(tiered), _weights(memory))
                 counts = layer.chunks_per_row()
-                for got, want, table in zip(counts, want_counts, layer._tables):
+                for got, want, table in zip(counts, want_counts, layer.table_specs):
                     self.assertAllEqual(got, want)
                     # pruning happened, and unevenly
                     self.assertEqual(got.sum(), int(self.TARGET * table.rows * table.dim))
                     self.assertGreater(len(set(got.tolist())), 1)
-                tiered_shards = [t for t in layer._cached_tables.values()]
-                self.assertTrue(all(t is layer._chunked_tables[k]
-                                    for k, t in layer._cached_tables.items()))
+                tiered_shards = [t for t in _tiered(layer)]
+                self.assertTrue(all(store.cache is store.fiited
+                                    for _, store in layer.stores.items()
+                                    if store.cache is not None))
                 self.assertGreater(sum(hvd.allgather_object(
                     sum(t.stats()["writebacks"] for t in tiered_shards))), 0)
 
@@ -323,7 +334,7 @@ class AdaptiveTierTest(_TierDir):
         mesh = tfhybrid.init(model_parallel=2)
         model, _ = self._trained(self._case(world, 83, steps=8), mesh)
         layer = _layer(model)
-        for table in layer._cached_tables.values():   # make the replicas differ
+        for table in _tiered(layer):   # make the replicas differ
             table.write_rows(0, np.full([table.rows, table.dim], float(mesh.rank),
                                         np.float32))
             table.utility.assign(tf.fill([table.rows], float(mesh.rank)))
@@ -331,7 +342,7 @@ class AdaptiveTierTest(_TierDir):
                                      root_rank=0)
         root_replica = next(d for d, group in enumerate(mesh.model_groups) if 0 in group)
         root = mesh.model_groups[root_replica][mesh.model_position]
-        for table in layer._cached_tables.values():
+        for table in _tiered(layer):
             held = table.chunks_per_row()[:, None] * table.chunk_dim
             want = np.where(np.arange(table.dim)[None, :] < held, float(root), 0.0)
             self.assertAllEqual(table.read_rows(0, table.rows), want)
@@ -388,7 +399,7 @@ class TierErrorsTest(_TierDir):
         model, _ = _trained(case, mesh, lambda: RowWiseAdagrad(0.1))
         layer = _layer(model)
         # make the replicas differ, in rows that are cached and rows that are not
-        for table in layer._cached_tables.values():
+        for table in _tiered(layer):
             table.write_rows(0, np.full([table.rows, table.dim], float(mesh.rank),
                                         np.float32),
                              np.full([table.rows], float(mesh.rank), np.float32))
@@ -396,7 +407,7 @@ class TierErrorsTest(_TierDir):
                                      root_rank=0)
         root_replica = next(d for d, group in enumerate(mesh.model_groups) if 0 in group)
         root = mesh.model_groups[root_replica][mesh.model_position]
-        for table in layer._cached_tables.values():
+        for table in _tiered(layer):
             self.assertAllEqual(table.read_rows(0, table.rows),
                                 np.full([table.rows, table.dim], float(root)))
             self.assertAllEqual(table.read_accumulator(0, table.rows),

@@ -364,6 +364,12 @@ def wrap_apply_gradients(optimizer: Any, apply: Callable[..., Any]) -> None:
     object.__setattr__(optimizer, "apply_gradients", apply_gradients)
 
 
+def restore_waiting_child(parent: Any, name: str, child: Any) -> None:
+    """Hands ``child`` a restoration that waits for ``parent``'s child ``name`` (a
+    checkpoint read before the child existed), as TF does for a tracked attribute."""
+    parent._handle_deferred_dependencies(name, child)
+
+
 def track_child(parent: Any, name: str, child: Any) -> None:
     """Makes ``child`` a checkpoint dependency of ``parent`` named ``name``, as an
     attribute assignment would, without the attribute."""

@@ -106,12 +106,13 @@ def slot_piece(rect: resharding.Rect, slot: tf.Variable) -> Piece:
 
 def layer_pieces(layer: Any) -> list[list[tuple[resharding.Rect, tf.Variable]]]:
     """Per table, the (rectangle, variable) pairs this rank holds under the layer's plan."""
-    position = layer._mesh.model_position
+    position = layer.mesh.model_position
     held = []
     for t, placement in enumerate(layer.plan.tables):
         pieces = resharding.held_pieces(placement.kind, placement.shards, position)
-        held.append([(rect, layer._table_vars[t] if placement.kind == Kind.DATA_PARALLEL
-                      else layer._shard_vars[(t, s)]) for s, rect in pieces])
+        replicated = placement.kind == Kind.DATA_PARALLEL
+        held.append([(rect, layer.stores.get(t, 0 if replicated else s).variable)
+                     for s, rect in pieces])
     return held
 
 

@@ -106,9 +106,9 @@ class _LayerSlots(_tf_internals.Trackable):
             return {}
         # the anchor is on every rank, so its slot names are the same everywhere even
         # where a rank holds no shard of a table
-        names = sorted(slots_of(optimizer, layer._anchor))
+        names = sorted(slots_of(optimizer, layer.anchor))
         factories = {}
-        for t, (table, held) in enumerate(zip(layer._tables, pieces.layer_pieces(layer))):
+        for t, (table, held) in enumerate(zip(layer.table_specs, pieces.layer_pieces(layer))):
             # a FIITED pool's or tiered table's only state is its rows' accumulator
             # (slots_of): a momentum-free SGD's "m", which carries nothing from step to
             # step, has no place there. Every rank knows which tables these are.
@@ -223,9 +223,9 @@ class _OptimizerState:
         optimizer = self.optimizer()
         order = []
         for layer in tables.built_layers():
-            slots = list(slots_of(optimizer, layer._anchor).values())
+            slots = list(slots_of(optimizer, layer.anchor).values())
             if slots:
-                owner = slot_owners.slot_owner(optimizer, layer._anchor)
+                owner = slot_owners.slot_owner(optimizer, layer.anchor)
                 position = next(i for i, v in enumerate(_variables_of(owner))
                                 if v is slots[0])
                 order.append((position, id(layer), layer))

@@ -65,7 +65,7 @@ class _LayerTables(_tf_internals.Trackable):
                     pieces.full_tensor_factory((table.rows, table.dim),
                                                [pieces.variable_piece(rect, var)
                                                 for rect, var in held]))
-                for t, (table, held) in enumerate(zip(layer._tables,
+                for t, (table, held) in enumerate(zip(layer.table_specs,
                                                       pieces.layer_pieces(layer)))}
 
 
@@ -241,10 +241,10 @@ def _chunked_factory(layer: Any, t: int, variables: list) -> Callable:
     held = [(rect, fiited.table_of(var)) for rect, var in variables]
 
     def record(counts: np.ndarray) -> None:
-        layer._whole_chunk_counts[t] = counts.astype(layer._whole_chunk_counts[t].dtype)
+        layer.whole_chunk_counts[t] = counts.astype(layer.whole_chunk_counts[t].dtype)
 
-    return lambda name: _ChunkedTableSaveable(name, layer._tables[t], held,
-                                              layer._whole_chunk_counts[t], record)
+    return lambda name: _ChunkedTableSaveable(name, layer.table_specs[t], held,
+                                              layer.whole_chunk_counts[t], record)
 
 
 def register_layer(layer: Any) -> None:
@@ -258,7 +258,7 @@ def register_layer(layer: Any) -> None:
     node = _LayerTables(layer)
     # set past Keras' __setattr__, which would track it as a child of its own
     object.__setattr__(layer, "_checkpoint_tables", node)
-    layer._handle_deferred_dependencies(TABLES_CHILD, node)
+    _tf_internals.restore_waiting_child(layer, TABLES_CHILD, node)
 
 
 def layer_children(layer: Any, children: dict, save_type: Any) -> dict:

@@ -360,6 +360,38 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return self._mesh
 
     @property
+    def embedding_layers(self) -> list:
+        """The Keras embedding layers that describe the tables (their weights unused)."""
+        return list(self._embedding_layers)
+
+    @property
+    def table_specs(self) -> list[TableSpec]:
+        """Each table as the layer shards it (after the plan: with its tier)."""
+        return list(self._tables)
+
+    @property
+    def stores(self) -> StoreSet:
+        """The built layer's stores on this rank, by (table, shard); a replicated table
+        is shard 0 (``tfhybrid.sharding.stores``)."""
+        self._whole("stores")
+        return self._stores
+
+    @property
+    def anchor(self) -> tf.Variable:
+        """The built layer's empty variable that every rank has (it rides along with the
+        rows so every tape runs the backward alltoall, and names the optimizer's slots
+        alike on every rank)."""
+        self._whole("anchor")
+        return self._anchor
+
+    @property
+    def whole_chunk_counts(self) -> dict:
+        """Per FIITED table, every row's chunk count as every rank planned it at the last
+        adjustment (or read it from a restored checkpoint); checkpoints update it."""
+        self._whole("whole_chunk_counts")
+        return self._whole_chunk_counts
+
+    @property
     def strategy(self) -> "ShardingStrategy":
         """The placement in DE's terms: ``.name``, ``.input_ids_list``, ``.table_ids``.
 

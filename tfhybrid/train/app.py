@@ -311,7 +311,7 @@ def _fiited_figures(model) -> dict | None:
     row offsets, one replica) against dense tables. Every rank must call it. A table the
     planner put in the disk tier keeps the same widths but holds a cache of full-width
     rows instead of its pool: the metrics' ``embedding_memory`` is what a rank holds."""
-    tables = model.embedding._embedding_layers
+    tables = model.embedding.embedding_layers
     counts = model.embedding.chunks_per_row()
     kept = sum(int(c.sum()) for c in counts if c is not None)
     pool = index = dense = 0
@@ -788,7 +788,8 @@ def run(config: TrainConfig) -> dict:
             if not distributed_lib.is_embedding(v)))
         # this rank's tables in DRAM and on disk, and its tiered shards' cache hits
         results["embedding_memory"] = model.embedding.memory_bytes()
-        cached = list(model.embedding._cached_tables.values())
+        cached = [store.cache for _, store in model.embedding.stores.items()
+                  if store.cache is not None]
         if cached:
             looked = sum(t.stats()["hits"] + t.stats()["misses"] for t in cached)
             results["tier_hit_rate"] = (sum(t.stats()["hits"] for t in cached) / looked

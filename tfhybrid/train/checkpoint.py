@@ -188,7 +188,7 @@ def _check_model(model: Any, mesh: mesh_lib.Mesh) -> None:
         if layer.plan is None or not layer.built:
             raise ValueError(f"DistributedEmbedding {layer.name!r} is not built; call the "
                              "model on a batch (or build it) before saving or restoring")
-        if layer._mesh.shape != mesh.shape or layer._mesh.layout != mesh.layout:
+        if layer.mesh.shape != mesh.shape or layer.mesh.layout != mesh.layout:
             raise ValueError(f"DistributedEmbedding {layer.name!r} was built on mesh "
-                             f"{layer._mesh.shape} ({layer._mesh.layout}), not on the given "
+                             f"{layer.mesh.shape} ({layer.mesh.layout}), not on the given "
                              f"mesh {mesh.shape} ({mesh.layout})")
