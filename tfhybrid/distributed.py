@@ -1,7 +1,10 @@
 """The route of a gradient over the mesh, in one place, and the broadcast.
 
 ``DistributedOptimizer`` and ``DistributedGradientTape`` both hand their gradients to one
-``GradientRoute``, so the two cannot differ. The route, in the order it runs:
+``GradientRoute``, so the two cannot differ. The module is long because the route is one
+piece of arithmetic that must be read whole to be checked against the design notes (sync,
+clipping, weight sync, broadcast share its process-set rules). The route, in the order it
+runs:
 
 1. **sync** (``allreduce_gradients``): each gradient is averaged over its process set.
    Why that equals single-process training on the global batch (see the design notes):

@@ -8,7 +8,9 @@ batch's shapes, or given), the build that makes this rank's stores
 
 Gradients flow back through the route's alltoalls to the owners' shard variables;
 ``tfhybrid.DistributedGradientTape`` / ``DistributedOptimizer`` (``tfhybrid/distributed.py``)
-allreduce them over the right process set before the optimizer applies them.
+allreduce them over the right process set before the optimizer applies them. Most of
+this module's length is the layer's argument checks and docstring: NVIDIA
+distributed-embeddings' whole constructor, each argument checked with its own message.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 ``python -m tfhybrid.train`` (``tfhybrid/train/__main__.py``) turns absl flags into a
 ``TrainConfig`` and calls ``run``. ``run`` builds the mesh, the sharded input, the model
 and the distributed optimizer, trains with ``model.fit``, evaluates exactly over all
-ranks (AUC, log loss), and saves, restores and exports as asked. Rank 0 prints.
+ranks (AUC, log loss), and saves, restores and exports as asked. Rank 0 prints. It is
+one module because ``run`` is one sequence a reader follows top to bottom; its parts
+(models, data, checkpoints, metrics, precision) live in the modules beside it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Input pipelines of the training app: synthetic Criteo-like clicks, Criteo TSV, MovieLens-100k.
 
+One module for all datasets because they share one sharding contract (below) and one
+element format; each dataset is a few functions that follow it.
+
 Every dataset gives ``tf.data`` elements ``({"dense": float32 [b, dense_features],
 "categorical": int32 [b, n_cat]}, labels float32 [b, 1])`` where ``b = global_batch_size //
 size`` is this rank's local batch. Batches have static shapes (the remainder is dropped).
