@@ -6,12 +6,14 @@ through `--restore`, and the exported SavedModels. The runs are small (a few doz
 of a small DLRM on synthetic data) so the module stays within a couple of minutes.
 """
 
+import concurrent.futures
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -40,6 +42,9 @@ COMMON_FLAGS = ["--model=dlrm", "--dataset=synthetic", f"--steps={PARITY_STEPS}"
                 "--embedding_optimizer=rowwise_adagrad", "--embedding_learning_rate=0.1"]
 
 
+# DRAM for a fraction of the "one" run's tables: the planner tiers the largest
+DRAM_BUDGET = 1_500_000
+
 # DCT at keep fractions that still learn in 60 steps, with thresholds refreshed often
 DCT_FLAGS = ["--dct_dp_keep=0.05", "--dct_mp_keep=0.25", "--dct_refresh_every=10"]
 # FIITED: half of the tables' chunks (of 2 floats) kept, adjusted every 10 batches
@@ -54,9 +59,30 @@ def _cli(flags, np_=1, timeout=420):
     if np_ > 1:
         command = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
                    "--start-timeout", "60"] + command
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    started = time.time()
+    try:
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        # a job started in setUpClass fails the test that checks it, not the whole class
+        done = subprocess.CompletedProcess(command, -9, str(e.stdout or ""),
+                                           f"{e.stderr or ''}\nkilled after {timeout} s")
+    # where the module's time goes (the runner's log keeps it): no assertion on it
+    print(f"app job np={np_} {' '.join(flags[:1] + flags[-2:])}: "
+          f"{time.time() - started:.1f} s", flush=True)
     return done
+
+
+def _side_by_side(jobs):
+    """{name: finished job} for one-process app jobs {name: flags}, two at a time.
+
+    Each such job runs on one thread (TEST_ENV), so two of them share the machine's two
+    cores, as tests/runner.py pairs one-process modules. Jobs of several ranks do not:
+    they already fill the cores.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_cli, flags) for name, flags in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 class TrainAppTest(tf.test.TestCase):
@@ -65,24 +91,54 @@ class TrainAppTest(tf.test.TestCase):
     def setUpClass(cls):
         super().setUpClass()
         cls.work = tempfile.mkdtemp(prefix="tfhybrid-app-")
+        work = cls.work
+        # The one-process jobs run two at a time (_side_by_side), so every job is
+        # started here, in the order its inputs exist; each test still checks its own
+        # job's exit code and output. First the one-process jobs that need nothing:
+        # the "one" run, its tiered twin and the bad flags.
+        cls.jobs = _side_by_side({
+            "one": COMMON_FLAGS + [f"--metrics_json={work}/one.json",
+                                   f"--export_dir={work}/one_export",
+                                   f"--checkpoint_dir={work}/one_ckpt"],
+            "tiered": COMMON_FLAGS + [f"--dram_budget={DRAM_BUDGET}",
+                                      f"--store_dir={work}/tiered_store",
+                                      f"--metrics_json={work}/tiered.json"],
+            "bad_bottom": ["--model=dlrm", "--embedding_dim=16", "--bottom_mlp_dims=32,8"],
+            "bad_top": ["--top_mlp_dims=8,x"],
+        })
         cls.runs = {}
+        cls._keep("one")
+        # the 2x2 runs, one after another (four ranks fill the cores)
         # "dct": the 2x2 run with both halves of DCT on (fit through the one gradient path)
-        for name, np_, extra in [("one", 1, []),
-                                 ("mesh", 4, ["--model_parallel=2", "--count_traffic"]),
-                                 ("dct", 4, ["--model_parallel=2", "--count_traffic"]
-                                  + DCT_FLAGS),
-                                 ("fiited", 4, ["--model_parallel=2"] + FIITED_FLAGS)]:
-            out = os.path.join(cls.work, name)
+        for name, extra in [("mesh", ["--model_parallel=2", "--count_traffic"]),
+                            ("dct", ["--model_parallel=2", "--count_traffic"] + DCT_FLAGS),
+                            ("fiited", ["--model_parallel=2"] + FIITED_FLAGS)]:
+            out = os.path.join(work, name)
             # the DCT run's checkpoint and export would check nothing the others do not
             saved = [] if name == "dct" else [f"--export_dir={out}_export",
                                               f"--checkpoint_dir={out}_ckpt"]
-            done = _cli(COMMON_FLAGS + extra + [f"--metrics_json={out}.json"] + saved,
-                        np_=np_)
-            if done.returncode != 0:
-                raise AssertionError(f"the {name} run failed:\n{done.stdout[-3000:]}\n"
-                                     f"{done.stderr[-5000:]}")
-            with open(f"{out}.json") as f:
-                cls.runs[name] = (json.load(f), done.stdout)
+            cls.jobs[name] = _cli(COMMON_FLAGS + extra + [f"--metrics_json={out}.json"]
+                                  + saved, np_=4)
+            cls._keep(name)
+        # --steps=0: restore a 2x2 run's final checkpoint in one process and only evaluate
+        restore = COMMON_FLAGS[:2] + ["--steps=0"] + COMMON_FLAGS[3:]
+        cls.jobs.update(_side_by_side({
+            "restored": restore + ["--restore", f"--checkpoint_dir={work}/mesh_ckpt",
+                                   f"--metrics_json={work}/restored.json"],
+            "fiited_restored": restore + FIITED_FLAGS + [
+                "--restore", f"--checkpoint_dir={work}/fiited_ckpt",
+                f"--metrics_json={work}/fiited_restored.json"],
+        }))
+
+    @classmethod
+    def _keep(cls, name):
+        """Keeps a run every test compares with: the module cannot go on without it."""
+        done = cls.jobs[name]
+        if done.returncode != 0:
+            raise AssertionError(f"the {name} run failed:\n{done.stdout[-3000:]}\n"
+                                 f"{done.stderr[-5000:]}")
+        with open(os.path.join(cls.work, f"{name}.json")) as f:
+            cls.runs[name] = (json.load(f), done.stdout)
 
     @classmethod
     def tearDownClass(cls):
@@ -143,8 +199,7 @@ class TrainAppTest(tf.test.TestCase):
     def test_restore_2x2_checkpoint_in_one_process(self):
         # --steps=0: restore the 2x2 run's final checkpoint and only evaluate
         out = os.path.join(self.work, "restored.json")
-        done = _cli(COMMON_FLAGS[:2] + ["--steps=0"] + COMMON_FLAGS[3:] + [
-            "--restore", f"--checkpoint_dir={self.work}/mesh_ckpt", f"--metrics_json={out}"])
+        done = self.jobs["restored"]
         self.assertEqual(done.returncode, 0, done.stderr[-5000:])
         with open(out) as f:
             restored = json.load(f)
@@ -169,9 +224,7 @@ class TrainAppTest(tf.test.TestCase):
         self.assertGreater(fiited["auc"], 0.6)
         # the 2x2 checkpoint (pools, layouts, utilities) restores in one process
         out = os.path.join(self.work, "fiited_restored.json")
-        done = _cli(COMMON_FLAGS[:2] + ["--steps=0"] + COMMON_FLAGS[3:] + FIITED_FLAGS + [
-            "--restore", f"--checkpoint_dir={self.work}/fiited_ckpt",
-            f"--metrics_json={out}"])
+        done = self.jobs["fiited_restored"]
         self.assertEqual(done.returncode, 0, done.stderr[-5000:])
         with open(out) as f:
             restored = json.load(f)
@@ -185,9 +238,7 @@ class TrainAppTest(tf.test.TestCase):
         # one process, the "one" run's flags, with DRAM for a fraction of the tables: the
         # planner moves the largest to the disk tier, and nothing else may change
         out = os.path.join(self.work, "tiered")
-        budget = 1_500_000
-        done = _cli(COMMON_FLAGS + [f"--dram_budget={budget}", f"--store_dir={out}_store",
-                                    f"--metrics_json={out}.json"])
+        done = self.jobs["tiered"]   # --dram_budget=DRAM_BUDGET
         self.assertEqual(done.returncode, 0, done.stderr[-5000:])
         with open(f"{out}.json") as f:
             tiered = json.load(f)
@@ -250,10 +301,10 @@ class TrainAppTest(tf.test.TestCase):
         self.assertAllClose(binary_run["logloss"], tsv_run["logloss"], atol=1e-6)
 
     def test_bad_flags_name_the_value(self):
-        done = _cli(["--model=dlrm", "--embedding_dim=16", "--bottom_mlp_dims=32,8"])
+        done = self.jobs["bad_bottom"]   # --embedding_dim=16 --bottom_mlp_dims=32,8
         self.assertNotEqual(done.returncode, 0)
         self.assertIn("--bottom_mlp_dims=[32, 8]", done.stderr)
-        done = _cli(["--top_mlp_dims=8,x"])
+        done = self.jobs["bad_top"]   # --top_mlp_dims=8,x
         self.assertNotEqual(done.returncode, 0)
         self.assertIn("--top_mlp_dims=8,x", done.stderr)
 
