@@ -6,7 +6,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
-from tfhybrid.layers import distributed_embedding as de_module
+from tfhybrid.sharding import full_tables as full_tables_lib
 
 HOROVOD_NP = (1, 2, 4)
 
@@ -15,11 +15,11 @@ class FullTablesTest(tf.test.TestCase):
 
     def setUp(self):
         super().setUp()
-        self._chunk = de_module._CHUNK_BYTES
-        de_module._CHUNK_BYTES = 48  # a few rows per chunk, so every path is chunked
+        self._chunk = full_tables_lib.CHUNK_BYTES
+        full_tables_lib.CHUNK_BYTES = 48  # a few rows per chunk, so every path is chunked
 
     def tearDown(self):
-        de_module._CHUNK_BYTES = self._chunk
+        full_tables_lib.CHUNK_BYTES = self._chunk
         mesh_lib.reset()
         super().tearDown()
 

@@ -974,6 +974,8 @@ _ADDED_ROUTES: "weakref.WeakKeyDictionary[Any, GradientRoute]" = weakref.WeakKey
 def route_of(optimizer: Any) -> "GradientRoute | None":
     """The gradient route that ``optimizer`` applies through: a DistributedOptimizer's,
     or the one a DistributedGradientTape gave it; None for a plain optimizer."""
+    if optimizer is None:
+        return None
     route = getattr(type(optimizer), "_gradient_route", None)
     return route if route is not None else _ADDED_ROUTES.get(optimizer)
 
