@@ -16,6 +16,7 @@ from tfhybrid import collectives as collectives_lib
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import pipeline as pipeline_lib
 from tfhybrid import optimizers
+from tfhybrid.layers import DistributedEmbedding
 from tfhybrid.pipeline import TrainPipeline
 from tests import _hybrid_case as hc
 
@@ -138,6 +139,20 @@ def _assert_route_beside_step(test, pipeline) -> None:
                                    "test_pipeline_chosen").numpy().reshape(-1)
     test.assertAllEqual(chosen, [int(pipeline_lib.PLACEMENTS[
         int(medians.mean(axis=0).argmin())])] * world)
+
+
+class _Subclassed(tf.keras.Model):
+    """A subclassed model: its DistributedEmbedding is built by the first batch."""
+
+    def __init__(self, case, mesh):
+        super().__init__()
+        self.embedding = DistributedEmbedding(case.embedding_layers(), mesh=mesh,
+                                              **hc.PLANNERS.get(case.tables, {}))
+        self.flat = tf.keras.layers.Flatten()
+        self.head = tf.keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.head(tf.concat([self.flat(x) for x in self.embedding(list(ids))], 1))
 
 
 class self_raises_stop_iteration:
@@ -276,6 +291,29 @@ class PipelineErrorsTest(tf.test.TestCase):
                                                 rf"\['{layer.name}'\]"):
             pipeline.progress(iter(data))
         del optimizer
+
+    def test_a_pipeline_made_before_the_model_is_built_equals_the_plain_loop(self):
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=4, world=hc.world_size(),
+                       seed=10)
+        mesh = tfhybrid.init(model_parallel=min(2, hc.world_size()))
+        ids, labels = case.local_data(mesh.rank)
+        losses, weights = {}, {}
+        for piped in (False, True):
+            tf.keras.utils.set_random_seed(3)   # the same head in both runs
+            model = _Subclassed(case, mesh)
+            model.compile(optimizer=tfhybrid.DistributedOptimizer(
+                tf.keras.optimizers.SGD(0.1)), loss=hc.loss_fn)
+            if piped:
+                # before any batch: a subclassed model builds its layers on the first one
+                self.assertFalse(model.embedding.built)
+                TrainPipeline(model)
+            losses[piped] = model.fit(ids, labels, batch_size=case.local_batch,
+                                      shuffle=False, verbose=0).history["loss"]
+            weights[piped] = model.embedding.get_weights(all_ranks=True)
+        self.assertEqual(losses[True], losses[False])
+        self.assertEqual(len(weights[True]), len(weights[False]))
+        for piped_table, plain_table in zip(weights[True], weights[False]):
+            self.assertAllEqual(piped_table, plain_table)
 
     def test_bad_arguments_name_the_value(self):
         with self.assertRaisesRegex(ValueError, "needs a tf.keras.Model; got 3"):

@@ -237,7 +237,9 @@ class TrainPipeline:
                             else getattr(train_step, "python_function", train_step))
         self._model_inputs = model_inputs or (
             lambda batch: tf.keras.utils.unpack_x_y_sample_weight(batch)[0])
-        self._layers = [m for m in model.submodules if hasattr(m, "route")]
+        # found by their class (a layer's route exists once it is built, and a subclassed
+        # model builds its layers on the first batch)
+        self._layers = [m for m in model.submodules if hasattr(type(m), "route")]
         # (iterator, batch t and its routed ids, batch t+1 and what its route sends)
         self._pending: tuple | None = None
         self._last_batch = None   # stands in for a batch once this rank's input ended
