@@ -182,9 +182,10 @@ class TieredCache:
                 "dense": self.cache.rows * self.cache.dim * 4, "store": memory["store"]}
 
 
-class CustomLayerTable:
+class CustomLayerTable(KernelTable):
     """A shard that is an instance of the user's own embedding layer (one
-    ``[rows, width]`` weight), called on the shard's ids.
+    ``[rows, width]`` weight), called on the shard's ids; its rows are read and written
+    as a kernel table's.
 
     Example::
 
@@ -197,28 +198,15 @@ class CustomLayerTable:
         assert store.lookup_sum(ids, lengths).numpy().tolist() == [[1.0, 1.0]]
     """
 
-    fiited = None
-    cache = None
-
     def __init__(self, layer: tf.keras.layers.Layer, combiner: str | None):
+        super().__init__(layer.weights[0], layer.name, use_custom_kernel=False)
         self.layer = layer
-        self.variable = layer.weights[0]
         self._combiner = combiner
 
     def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
         # without a combiner every bag is one id (checked when the layer is built)
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
         return tf.cast(self.layer(ragged if self._combiner else ids), tf.float32)
-
-    def read_rows(self, start: int, stop: int) -> tf.Tensor:
-        return tf.gather(self.variable, tf.range(start, stop))
-
-    def write_rows(self, start: int, values: np.ndarray) -> None:
-        self.variable.scatter_update(
-            tf.IndexedSlices(values, tf.range(start, start + len(values))))
-
-    def memory_bytes(self) -> dict[str, int]:
-        return _dense_bytes(self.variable)
 
 
 @dataclasses.dataclass(frozen=True)
