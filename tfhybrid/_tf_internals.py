@@ -211,6 +211,75 @@ def variable_accessed(variable: Any) -> None:
     resource_variable_ops.variable_accessed(variable)
 
 
+# ------------------------------------------------------------------ Keras' structures
+# Read here, not at the call sites, so a Keras whose structures differ is met in this
+# one module.
+def variable_path(variable: Any) -> str:
+    """A variable's full name without the ``:0`` output index (TF's ``_shared_name``):
+    the prefix of the names Keras gives its slots."""
+    return variable._shared_name
+
+
+def layers_in(model: Any) -> list:
+    """Every layer inside ``model``, nested ones too, each once, in Keras' order (what
+    ``model.layers`` would list if it recursed)."""
+    return list(model._flatten_layers(include_self=False))
+
+
+def build_optimizer(optimizer: Any, variables: list) -> None:
+    """Makes ``optimizer``'s slots for ``variables`` now, as Keras does at its first step
+    (legacy optimizers: ``_create_all_weights``; the others: ``build``)."""
+    if hasattr(optimizer, "get_slot_names"):
+        optimizer._create_all_weights(variables)
+    else:
+        optimizer.build(variables)
+
+
+def built_for(optimizer: Any, variable: Any) -> bool:
+    """Whether a (non-legacy) Keras ``optimizer`` was built with ``variable``: its slots
+    are indexed by the variable's key."""
+    return optimizer._var_key(variable) in getattr(optimizer, "_index_dict", {})
+
+
+def count_train_step(model: Any) -> Any:
+    """Adds one to ``model``'s step counter, as Keras' own train function does after each
+    ``train_step`` (``model.fit``'s callbacks and logs read it)."""
+    return model._train_counter.assign_add(1)
+
+
+def steps_per_execution(model: Any) -> int:
+    """How many steps ``model.fit`` runs per call of its train function (compile's
+    ``steps_per_execution``; 1 when unset)."""
+    steps = model._steps_per_execution
+    return 1 if steps is None else int(steps.numpy())
+
+
+def call_concrete(concrete: Any, flat_args: list) -> Any:
+    """Calls a traced ``ConcreteFunction`` with its flattened arguments, skipping the
+    argument checks and flattening of ``__call__`` (see ``has_flat_call``)."""
+    return concrete._call_flat(flat_args, concrete.captured_inputs)
+
+
+def has_flat_call(concrete: Any) -> bool:
+    """Whether ``call_concrete`` can call ``concrete``."""
+    return hasattr(concrete, "_call_flat")
+
+
+def children_of(parent: Any) -> dict:
+    """``parent``'s checkpoint children by name."""
+    return parent._trackable_children()
+
+
+def child_named(parent: Any, name: str) -> Any:
+    """``parent``'s checkpoint child ``name`` (None when it has none)."""
+    return parent._lookup_dependency(name)
+
+
+def waiting_children(parent: Any) -> list:
+    """Names of ``parent``'s children that a checkpoint read before they existed."""
+    return list(parent._deferred_dependencies)
+
+
 # ------------------------------------------------------------------ hooks
 def _check_version(hook: str) -> None:
     """Refuses to patch a TensorFlow the hook was not written for."""

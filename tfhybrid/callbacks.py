@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
+from tfhybrid import _tf_internals  # first: checks tf.keras is Keras 2
 from tfhybrid import collectives
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
@@ -230,7 +230,7 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
     def _layers(self) -> list:
         # adaptive Embedding layers and DistributedEmbedding layers with adaptive tables
         # (whose own Embedding layers only describe tables: never built)
-        return [layer for layer in self.model._flatten_layers(include_self=False)
+        return [layer for layer in _tf_internals.layers_in(self.model)
                 if getattr(layer, "has_adaptive_tables", False)]
 
     def on_train_begin(self, logs: dict | None = None) -> None:

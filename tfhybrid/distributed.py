@@ -89,7 +89,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
-from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
+from tfhybrid import _tf_internals  # first: checks tf.keras is Keras 2
 from tfhybrid import collectives
 from tfhybrid import compression as compression_lib
 from tfhybrid import mesh as mesh_lib
@@ -534,7 +534,7 @@ def _optimizer_state_of(optimizer: Any, variable: tf.Variable) -> list[tf.Variab
         return slots
     # New Keras optimizers name slots "<prefix>/<var>" (tfhybrid's "<var>/accumulator");
     # the boundaries keep shard_1 from matching shard_10.
-    pattern = re.compile(r"(^|/)" + re.escape(variable._shared_name) + r"(/|:|$)")
+    pattern = re.compile(r"(^|/)" + re.escape(_tf_internals.variable_path(variable)) + r"(/|:|$)")
     return [v for v in optimizer.variables if v is not variable and pattern.search(v.name)]
 
 
@@ -1131,7 +1131,7 @@ def _lives_on_one_position(variables: Sequence[tf.Variable]) -> list[bool]:
     """
     flags = [is_model_parallel(v) or roles.role_of(v).shard_state
              for v in variables]
-    shard_names = {v._shared_name for v in variables
+    shard_names = {_tf_internals.variable_path(v) for v in variables
                    if is_model_parallel(v) and hasattr(v, "_shared_name")}
     patterns = [re.compile(r"(^|/)" + re.escape(name) + r"(/|:|$)") for name in shard_names]
     if patterns:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
+from tfhybrid import _tf_internals  # first: checks tf.keras is Keras 2
 from tfhybrid import fiited
 from tfhybrid import roles
 from tfhybrid import tiers
@@ -183,7 +183,7 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
         # optimizer.variables and be checkpointed with the optimizer.
         strategy = tf.distribute.get_strategy()
         with strategy.extended.colocate_vars_with(var):
-            acc = tf.Variable(initial, name=f"{var._shared_name}/{ROW_STATE_SLOT}",
+            acc = tf.Variable(initial, name=f"{_tf_internals.variable_path(var)}/{ROW_STATE_SLOT}",
                               dtype=dtype, trainable=False)
         self._variables.append(acc)
         return acc

@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
+
 _STATE = threading.local()
 _LOG = logging.getLogger("tfhybrid")
 
@@ -337,7 +339,7 @@ class TrainPipeline:
             self._fused_fns[placement], self._fused_flat[placement] = fn, None
             if signature is not None:
                 concrete = fn.get_concrete_function(*args)
-                if hasattr(concrete, "_call_flat"):   # TF's flat call (2.x internals)
+                if _tf_internals.has_flat_call(concrete):
                     self._fused_flat[placement] = (concrete, tf.nest.flatten(
                         signature, expand_composites=True))
         fused_flat = self._fused_flat[placement]
@@ -346,7 +348,7 @@ class TrainPipeline:
                 t.dtype == spec.dtype and spec.shape.is_compatible_with(t.shape)
                 for t, spec in zip(flat, fused_flat[1])):
             concrete = fused_flat[0]
-            return concrete._call_flat(flat, concrete.captured_inputs)
+            return _tf_internals.call_concrete(concrete, flat)
         return self._fused_fns[placement](*args)
 
     def detach(self) -> None:
@@ -486,7 +488,7 @@ class TrainPipeline:
         """Keras' step as its own train function runs it (and counts it)."""
         outputs = self.model.train_step(batch)
         with tf.control_dependencies([t for t in tf.nest.flatten(outputs) if tf.is_tensor(t)]):
-            self.model._train_counter.assign_add(1)
+            _tf_internals.count_train_step(self.model)
         return outputs
 
     def _make_train_function(self, force: bool = False) -> Callable:
@@ -494,8 +496,7 @@ class TrainPipeline:
             return self._keras_make_train_function(force=force)
 
         def train_function(iterator):
-            steps = self.model._steps_per_execution
-            steps = 1 if steps is None else int(steps.numpy())
+            steps = _tf_internals.steps_per_execution(self.model)
             outputs = None
             for _ in range(steps):
                 try:

@@ -72,9 +72,9 @@ def slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
         return slots
     # new Keras optimizers: only variables they were built with (a name check alone
     # would take another model's layer of the same name for this one)
-    if owner._var_key(variable) not in getattr(owner, "_index_dict", {}):
+    if not _tf_internals.built_for(owner, variable):
         return {}
-    shared = variable._shared_name
+    shared = _tf_internals.variable_path(variable)
     pattern = re.compile(r"(^|/)" + re.escape(shared) + r"(/|:|$)")
     slots = {}
     for slot in _variables_of(owner):
@@ -245,15 +245,15 @@ class _OptimizerState:
         for member in self.members():
             # a cache of the children from before a build would hide the lists it made
             _tf_internals.forget_checkpoint_children(member)
-            for name in list(member._trackable_children()):
+            for name in list(_tf_internals.children_of(member)):
                 # the tracked list itself: the children may hold a copy of it
-                child = member._lookup_dependency(name)
+                child = _tf_internals.child_named(member, name)
                 if not isinstance(child, _tf_internals.ListWrapper):
                     continue
                 view = self._views.setdefault((id(member), name),
                                               _WithoutTableSlots(self, child))
                 view.source = child
-                member._track_trackable(view, name=name, overwrite=True)
+                _tf_internals.track_child(member, name, view)
             _tf_internals.forget_checkpoint_children(member)
 
     def after_build(self) -> None:
@@ -264,10 +264,10 @@ class _OptimizerState:
         self._built_counts = counts
         self.install_views()
         for member in self.members():
-            children = member._trackable_children()
-            for name in list(member._deferred_dependencies):
+            children = _tf_internals.children_of(member)
+            for name in _tf_internals.waiting_children(member):
                 if name in children:
-                    member._handle_deferred_dependencies(name, children[name])
+                    _tf_internals.restore_waiting_child(member, name, children[name])
         for view in self._views.values():
             view.restore_deferred()
         self.slots_node.restore_deferred()
@@ -284,7 +284,7 @@ def attach_optimizer(optimizer: Any) -> None:
         return
     state = _OptimizerState(optimizer)
     _STATES[optimizer] = state
-    optimizer._track_trackable(state.slots_node, name=SLOTS_CHILD, overwrite=True)
+    _tf_internals.track_child(optimizer, SLOTS_CHILD, state.slots_node)
     state.install_views()
     for member in state.members():
         # Keras builds inside the first apply_gradients, before it steps: restorations

@@ -46,7 +46,8 @@ from tfhybrid.checkpoint import writer
 TABLES_CHILD = "tables"
 
 # Built layers, so that an optimizer can tell which of its slots belong to tables.
-_LAYERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# each built layer and its checkpoint node (held weakly: a dropped model leaves)
+_NODES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 # ------------------------------------------------------------------ the layer
@@ -254,10 +255,8 @@ def register_layer(layer: Any) -> None:
     # restore names the checkpoint it reads (a FIITED table's saved shape depends on it)
     writer.install()
     _tf_internals.install_restore_hook()
-    _LAYERS.add(layer)
     node = _LayerTables(layer)
-    # set past Keras' __setattr__, which would track it as a child of its own
-    object.__setattr__(layer, "_checkpoint_tables", node)
+    _NODES[layer] = node
     _tf_internals.restore_waiting_child(layer, TABLES_CHILD, node)
 
 
@@ -270,10 +269,10 @@ def layer_children(layer: Any, children: dict, save_type: Any) -> dict:
     """
     if save_type != _tf_internals.SaveType.CHECKPOINT:
         return children
-    node = layer.__dict__.get("_checkpoint_tables")
+    node = _NODES.get(layer)
     return {TABLES_CHILD: node} if node is not None else {}
 
 
 def built_layers() -> list:
     """The built ``DistributedEmbedding`` layers that are alive, in no particular order."""
-    return list(_LAYERS)
+    return list(_NODES)

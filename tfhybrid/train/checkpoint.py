@@ -34,6 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import slot_owners
 from tfhybrid.checkpoint import writer
@@ -174,15 +175,12 @@ def _build_optimizer(model: Any, optimizer: Any) -> None:
                   (embedding_optimizer, [v for v in variables if slot_owners.is_embedding(v)])]
     for owner, owned in groups:
         owner = slot_owners.base_optimizer(owner)   # a loss scale's inner optimizer
-        if hasattr(owner, "get_slot_names"):         # legacy Keras optimizers
-            owner._create_all_weights(owned)
-        else:
-            owner.build(owned)
+        _tf_internals.build_optimizer(owner, owned)
 
 
 def _check_model(model: Any, mesh: mesh_lib.Mesh) -> None:
     """Every DistributedEmbedding of ``model`` is built, on ``mesh``."""
-    layers = [layer for layer in model._flatten_layers(include_self=False)
+    layers = [layer for layer in _tf_internals.layers_in(model)
               if isinstance(layer, DistributedEmbedding)]
     for layer in layers:
         if layer.plan is None or not layer.built:
