@@ -16,6 +16,8 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.sharding.placement import on_host
+from tfhybrid.sharding.stores import CustomLayerTable
 from tests import _de_case as de
 
 # four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
@@ -177,11 +179,11 @@ class DeCompatTest(tf.test.TestCase):
                                                   gpu_embedding_size=0)
             layer.strategy
             position = layer.mesh.model_position
-            self.assertTrue(all(layer._memory_tiers(position).values()))
+            self.assertTrue(all(on_host(layer.plan, position, 0).values()))
             first = [4 * r * d for t, (r, d) in enumerate(TABLES)
                      if layer.plan.tables[t].shards[0].owner == position][0]
             layer.gpu_embedding_size = first
-            tiers = list(layer._memory_tiers(position).values())
+            tiers = list(on_host(layer.plan, position, first).values())
             self.assertEqual(tiers, [False] + [True] * (len(tiers) - 1))
             layer.gpu_embedding_size = 0   # every rank then has a table on the host
             with self.assertLogs("tfhybrid", logging.INFO) as logs:
@@ -195,7 +197,9 @@ class DeCompatTest(tf.test.TestCase):
             self, TABLES, strategy="basic",
             layer_factory=lambda: [GatherEmbedding(r, d, name=f"g{i}")
                                    for i, (r, d) in enumerate(TABLES)])
-        self.assertTrue(layer._custom_shards or hvd.size() > len(TABLES))
+        custom = [store for _, store in layer.stores.items()
+                  if isinstance(store, CustomLayerTable)]
+        self.assertTrue(custom or hvd.size() > len(TABLES))
 
     def test_custom_layer_that_pools_is_refused(self):
         class Pooling(GatherEmbedding):

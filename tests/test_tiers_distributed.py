@@ -196,7 +196,8 @@ class WeightSyncTierTest(_TierDir):
                     self.assert_same(_weights(tiered), _weights(memory))
                     # rows left the caches between syncs, and the syncs averaged them in
                     # the files: the equality above needed the files' half
-                    stats = [t.stats() for t in _layer(tiered)._cached_tables.values()]
+                    stats = [store.cache.stats() for _, store in _layer(tiered).stores.items()
+                             if store.cache is not None]
                     for key in ("writebacks", "synced_rows"):
                         self.assertGreater(sum(hvd.allgather_object(
                             sum(s[key] for s in stats))), 0, key)

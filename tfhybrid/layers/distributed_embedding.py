@@ -1,56 +1,43 @@
 """DistributedEmbedding: embedding tables sharded over the model groups of the mesh.
 
 The Keras layer: its configuration, the plan (made once, from the mesh and the first
-batch's shapes, or given), the build that makes this rank's stores
-(``tfhybrid.sharding.stores``) and tags their variables for the gradient route, ``call``
-(the route's stages, ``tfhybrid.sharding.route``), whole-table weights
-(``tfhybrid.sharding.full_tables``) and ``get_config``.
+batch's shapes, or given: ``tfhybrid.sharding.placement``), the build that makes this
+rank's stores (``tfhybrid.sharding.rank_stores``), ``call`` (the route's stages,
+``tfhybrid.sharding.route``), whole-table weights (``tfhybrid.sharding.full_tables``)
+and ``get_config``.
 
 Gradients flow back through the route's alltoalls to the owners' shard variables;
 ``tfhybrid.DistributedGradientTape`` / ``DistributedOptimizer`` (``tfhybrid/distributed.py``)
-allreduce them over the right process set before the optimizer applies them. Most of
-this module's length is the layer's argument checks and docstring: NVIDIA
-distributed-embeddings' whole constructor, each argument checked with its own message.
+allreduce them over the right process set before the optimizer applies them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
-import logging
-import os
 from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
-from tfhybrid import collectives
 from tfhybrid import compression
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
-from tfhybrid import slot_owners
 from tfhybrid.checkpoint import tables as checkpoint_tables
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.layers.embedding import Embedding
-from tfhybrid.plan.planner import plan_sharding
 from tfhybrid.plan.tiers import dram_budget_bytes
-from tfhybrid.plan.traffic import sync_is_sparse
 from tfhybrid.plan.types import (COST_STRATEGY, DEFAULT_STRATEGY, Kind, OPTIMIZERS,
-                                 REPLICA_SYNC, STRATEGIES, Shard, ShardingPlan, TableConfig,
-                                 TablePlacement, input_ids_per_position,
-                                 table_ids_per_position)
-from tfhybrid.sharding import stores as stores_lib
+                                 PlannerOptions, REPLICA_SYNC, STRATEGIES, ShardingPlan)
 from tfhybrid.sharding.full_tables import WholeTables
+from tfhybrid.sharding.placement import (LayerPlanner, ShardingStrategy, dp_to_mp_input,
+                                         ids_per_sample, load_plan, mesh_for_layer, on_host)
+from tfhybrid.sharding.rank_stores import make_rank_stores, table_key
 from tfhybrid.sharding.route import EmbeddingRoute
 from tfhybrid.sharding.stores import StoreSet
 from tfhybrid.sharding.tables import (TableSpec, check_custom_table, check_table_config,
                                       table_from_layer)
-from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
-
-_LOG = logging.getLogger("tfhybrid")
+__all__ = ["DistributedEmbedding", "ShardingStrategy"]
 
 _LOOKUP_CALLS = (tf.keras.layers.Embedding.call, Embedding.call)
 
@@ -61,121 +48,60 @@ def _as_layer(layer: Any) -> Any:
     return layer
 
 
-def _mesh_for_layer() -> mesh_lib.Mesh:
-    """The current mesh; without one, ``tfhybrid.init()``'s default, said in one line."""
-    mesh = mesh_lib.initialized_mesh()
-    if mesh is not None:
-        return mesh
-    mesh = mesh_lib.init()
-    if mesh.model_parallel != mesh.size:
-        _LOG.warning(
-            "DistributedEmbedding: no tfhybrid.init() call; using model_parallel=%d "
-            "(ranks per node) on %d ranks, mesh %dx%d. NVIDIA distributed-embeddings shards "
-            "over all ranks: call tfhybrid.init(model_parallel=hvd.size()) first for that.",
-            mesh.model_parallel, mesh.size, mesh.data_parallel, mesh.model_parallel)
-    return mesh
+# NVIDIA distributed-embeddings' private helper, by its name there, for scripts that
+# import it (``tfhybrid._dp_to_mp_input``)
+_dp_to_mp_input = dp_to_mp_input
 
 
-def _dp_to_mp_input(dp_inputs: dict, rank_to_local_features: dict,
-                    mesh: mesh_lib.Mesh | None = None) -> dict:
-    """NVIDIA distributed-embeddings' helper: data-parallel ids to model-parallel ones.
-
-    ``dp_inputs`` maps each feature to this rank's ids (a ``tf.Tensor`` or a
-    ``tf.RaggedTensor``); ``rank_to_local_features`` maps each global rank to the
-    features it should receive. Returns ``{feature: ids}`` for this rank's features, for
-    its model group's batch (the global batch when M = N, DE's only layout), samples in
-    rank order. Every rank must call it with the same ``rank_to_local_features``: each
-    wanted feature is one allgather in the model group (two for a ragged one).
-    """
-    mesh = mesh or _mesh_for_layer()
-    if set(rank_to_local_features) - set(range(mesh.size)):
-        raise ValueError(f"rank_to_local_features has ranks "
-                         f"{sorted(set(rank_to_local_features) - set(range(mesh.size)))}; "
-                         f"expected ranks in [0, {mesh.size})")
-    wanted = sorted({f for features in rank_to_local_features.values() for f in features})
-    missing = [f for f in wanted if f not in dp_inputs]
-    if missing:
-        raise ValueError(f"dp_inputs has no features {missing}, which "
-                         "rank_to_local_features asks for")
-    gathered = {}
-    for f in wanted:     # the same order on every rank: the collectives pair up by name
-        def gather(x, part):
-            return collectives.allgather(x, mesh.model_parallel,
-                                         f"tfhybrid_dp_to_mp_{f}_{part}",
-                                         mesh.model_process_set)
-        ids = dp_inputs[f]
-        if isinstance(ids, tf.RaggedTensor):
-            gathered[f] = tf.RaggedTensor.from_row_lengths(
-                gather(ids.flat_values, "values"), gather(ids.row_lengths(), "lengths"))
-        else:
-            gathered[f] = gather(tf.convert_to_tensor(ids), "ids")
-    return {f: gathered[f] for f in rank_to_local_features.get(mesh.rank, [])}
-
-
-class ShardingStrategy:
-    """A plan as NVIDIA distributed-embeddings' ``layer.strategy`` shows it.
-
-    ``input_ids_list[rank]``: the input features rank feeds with ``dp_input=False`` (its
-    position's shards' features in the position's table order, then the features of
-    data-parallel tables), for its model group's batch. ``table_ids[rank]``: the tables
-    rank holds a shard of. Both have one entry per global rank. It compares equal to its
-    strategy name.
-
-    Example::
-
-        import tensorflow as tf
-        import tfhybrid
-        from tfhybrid.layers import DistributedEmbedding
-        tfhybrid.init(model_parallel=1)
-        layer = DistributedEmbedding([tf.keras.layers.Embedding(10, 4)], strategy="basic")
-        assert layer.strategy == "basic" and layer.strategy.input_ids_list == [[0]]
-    """
-
-    def __init__(self, name: str, plan: ShardingPlan, mesh: mesh_lib.Mesh,
-                 input_table_map: Sequence[int]):
-        self.name = name
-        self.plan = plan
-        by_position = input_ids_per_position(plan, input_table_map)
-        tables_by_position = table_ids_per_position(plan)
-        replicated = [f for f, t in enumerate(input_table_map)
-                      if plan.tables[t].kind == Kind.DATA_PARALLEL]
-        position_of = {rank: p for group in mesh.model_groups for p, rank in enumerate(group)}
-        self.input_ids_list = [list(by_position[position_of[r]]) + replicated
-                               for r in range(mesh.size)]
-        self.table_ids = [list(tables_by_position[position_of[r]]) for r in range(mesh.size)]
-
-    def __eq__(self, other: Any) -> bool:
-        if isinstance(other, ShardingStrategy):
-            return self.name == other.name and self.plan == other.plan
-        return self.name == other
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-    def __str__(self) -> str:
-        return self.name
-
-    def __repr__(self) -> str:
-        return f"ShardingStrategy({self.name!r}, input_ids_list={self.input_ids_list})"
-
-
-def _load_plan(plan: Any) -> ShardingPlan | None:
-    """``plan=``: a ShardingPlan, its JSON, or the path of a JSON file."""
-    if plan is None or isinstance(plan, ShardingPlan):
-        return plan
-    if isinstance(plan, dict):
-        return ShardingPlan.from_json(json.dumps(plan))
-    if isinstance(plan, (str, os.PathLike)):
-        text = str(plan)
-        if not text.lstrip().startswith("{"):
-            if not os.path.exists(text):
-                raise ValueError(f"plan={text!r} is neither a ShardingPlan's JSON nor the "
-                                 "path of a file")
-            with open(text) as f:
-                text = f.read()
-        return ShardingPlan.from_json(text)
-    raise ValueError(f"plan={plan!r} must be a tfhybrid.planner.ShardingPlan, its JSON, or "
-                     "the path of a JSON file")
+def _checked_arguments(embeddings: Sequence[Any], strategy: str,
+                       given_plan: ShardingPlan | None, dp_input: Any, replica_sync: Any,
+                       sync_every: Any, gpu_embedding_size: Any, use_custom_kernel: Any,
+                       row_slice: Any, optimizer: Any, memory_budget: Any,
+                       store_dir: Any) -> str:
+    """ValueError naming the first of ``DistributedEmbedding``'s arguments that is wrong;
+    else the strategy that places the tables (a given plan's own)."""
+    dram_budget_bytes(memory_budget, None)   # ValueError naming a bad budget
+    if memory_budget is not None and not (isinstance(store_dir, str) and store_dir):
+        raise ValueError(f"memory_budget={memory_budget!r} may move tables into the "
+                         "disk tier, which needs store_dir (the folder of their files); "
+                         f"got store_dir={store_dir!r}")
+    if row_slice is not None:
+        # DE 0.1's placeholder argument, which DE itself rejected when set
+        raise ValueError(f"row_slice={row_slice!r} is not supported; use "
+                         "row_slice_threshold (elements above which a table is split "
+                         "by rows)")
+    if replica_sync not in REPLICA_SYNC:
+        raise ValueError(f"replica_sync={replica_sync!r} is unknown; expected one of "
+                         f"{REPLICA_SYNC}")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
+    if not embeddings:
+        raise ValueError("embeddings is empty; expected at least one Embedding layer")
+    if not isinstance(dp_input, bool):
+        raise ValueError(f"dp_input={dp_input!r} must be True (each rank feeds its own "
+                         "local batch of every feature) or False (each rank feeds the "
+                         "features of its own shards for its model group's batch)")
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is unknown; expected None or one of "
+                         f"{OPTIMIZERS}")
+    if strategy == COST_STRATEGY and given_plan is None:
+        raise ValueError(
+            f"strategy={strategy!r} needs the cluster and workload: make the plan with "
+            "tfhybrid.cost_model.plan_for_cluster(tables, cluster, workload) and pass "
+            "it as plan=")
+    if given_plan is not None:
+        strategy = given_plan.strategy
+    elif strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is unknown; expected one of "
+                         f"{STRATEGIES}")
+    if gpu_embedding_size is not None and (
+            isinstance(gpu_embedding_size, bool) or not isinstance(gpu_embedding_size, int)
+            or gpu_embedding_size < 0):
+        raise ValueError(f"gpu_embedding_size={gpu_embedding_size!r} must be None or an "
+                         "int >= 0 (bytes of tables per GPU; the rest live in host memory)")
+    if not isinstance(use_custom_kernel, bool):
+        raise ValueError(f"use_custom_kernel={use_custom_kernel!r} must be True or False")
+    return strategy
 
 
 class DistributedEmbedding(tf.keras.layers.Layer):
@@ -263,56 +189,19 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  memory_budget: dict[str, int] | None = None, store_dir: str | None = None,
                  **kwargs: Any):
         super().__init__(**kwargs)
-        dram_budget_bytes(memory_budget, None)   # ValueError naming a bad budget now
-        if memory_budget is not None and not (isinstance(store_dir, str) and store_dir):
-            raise ValueError(f"memory_budget={memory_budget!r} may move tables into the "
-                             "disk tier, which needs store_dir (the folder of their files); "
-                             f"got store_dir={store_dir!r}")
+        self._given_plan = load_plan(plan)
+        strategy = _checked_arguments(
+            embeddings, strategy, self._given_plan, dp_input, replica_sync, sync_every,
+            gpu_embedding_size, use_custom_kernel, row_slice, optimizer, memory_budget,
+            store_dir)
         self.memory_budget = None if memory_budget is None else dict(memory_budget)
         self.store_dir = store_dir
         self.dct = compression.as_dct(dct)
         # DCT-MP: the share of each sample's returned rows the alltoall carries
         self._mp_keep = None if self.dct is None else self.dct.mp_keep
-        if row_slice is not None:
-            # DE 0.1's placeholder argument, which DE itself rejected when set
-            raise ValueError(f"row_slice={row_slice!r} is not supported; use "
-                             "row_slice_threshold (elements above which a table is split "
-                             "by rows)")
-        if replica_sync not in REPLICA_SYNC:
-            raise ValueError(f"replica_sync={replica_sync!r} is unknown; expected one of "
-                             f"{REPLICA_SYNC}")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every={sync_every!r} must be an int >= 1")
         self.replica_sync = replica_sync
         self.sync_every = sync_every
-        if not embeddings:
-            raise ValueError("embeddings is empty; expected at least one Embedding layer")
-        if not isinstance(dp_input, bool):
-            raise ValueError(f"dp_input={dp_input!r} must be True (each rank feeds its own "
-                             "local batch of every feature) or False (each rank feeds the "
-                             "features of its own shards for its model group's batch)")
-        if optimizer is not None and optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={optimizer!r} is unknown; expected None or one of "
-                             f"{OPTIMIZERS}")
         self.optimizer_name = optimizer
-        self._given_plan = _load_plan(plan)
-        if strategy == COST_STRATEGY and self._given_plan is None:
-            raise ValueError(
-                f"strategy={strategy!r} needs the cluster and workload: make the plan with "
-                "tfhybrid.cost_model.plan_for_cluster(tables, cluster, workload) and pass "
-                "it as plan=")
-        if self._given_plan is not None:
-            strategy = self._given_plan.strategy
-        elif strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} is unknown; expected one of "
-                             f"{STRATEGIES}")
-        if gpu_embedding_size is not None and (
-                isinstance(gpu_embedding_size, bool) or not isinstance(gpu_embedding_size, int)
-                or gpu_embedding_size < 0):
-            raise ValueError(f"gpu_embedding_size={gpu_embedding_size!r} must be None or an "
-                             "int >= 0 (bytes of tables per GPU; the rest live in host memory)")
-        if not isinstance(use_custom_kernel, bool):
-            raise ValueError(f"use_custom_kernel={use_custom_kernel!r} must be True or False")
         self._embedding_layers = [_as_layer(e) for e in embeddings]
         self._tables = [table_from_layer(e, custom=type(e).call not in _LOOKUP_CALLS)
                         for e in self._embedding_layers]
@@ -334,16 +223,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 raise ValueError(f"input_table_map[{feature}]={table} is not a table index "
                                  f"in [0, {len(self._tables)})")
         self.input_table_map = input_table_map
-        self._strategy_name = strategy
-        self.column_slice_threshold = column_slice_threshold
-        self.row_slice_threshold = row_slice_threshold
-        self.data_parallel_threshold = data_parallel_threshold
+        # the planner's options travel as one object (ValueError naming a bad threshold)
+        self.planner_options = PlannerOptions(strategy, column_slice_threshold,
+                                              row_slice_threshold, data_parallel_threshold)
         self.dp_input = dp_input
         self.gpu_embedding_size = gpu_embedding_size
         self.use_custom_kernel = use_custom_kernel
         self._mesh = mesh
         self.plan: ShardingPlan | None = None
-        self._strategy: ShardingStrategy | None = None
+        self._placement = None
         masked = [layer.name for layer in self._embedding_layers
                   if getattr(layer, "mask_zero", False)]
         if not dp_input and masked:
@@ -354,6 +242,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             # a model-parallel input is chosen by the plan, which the user needs before
             # the first batch (``layer.strategy.input_ids_list``)
             self._make_plan(hotness=[1.0] * len(self._tables), local_batch=1)
+
+    @property
+    def column_slice_threshold(self) -> int | None:
+        return self.planner_options.column_slice_threshold
+
+    @property
+    def row_slice_threshold(self) -> int | None:
+        return self.planner_options.row_slice_threshold
+
+    @property
+    def data_parallel_threshold(self) -> int | None:
+        return self.planner_options.data_parallel_threshold
 
     @property
     def mesh(self) -> mesh_lib.Mesh | None:
@@ -400,86 +300,22 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         The plan is fixed the first time it is needed (this property, or the first
         batch); it compares equal to its strategy name.
         """
-        if self._strategy is None:
+        if self._placement is None:
             self._make_plan(hotness=[1.0] * len(self._tables), local_batch=1)
-        return self._strategy
+        return self._placement.strategy
 
     def _make_plan(self, hotness: Sequence[float], local_batch: int) -> None:
         if self._mesh is None:
-            self._mesh = _mesh_for_layer()
-        mesh = self._mesh
-        features = [max(1, self.input_table_map.count(t)) for t in range(len(self._tables))]
-        if self._given_plan is not None:
-            self.plan = self._checked_plan(self._given_plan, mesh)
-        else:
-            self.plan = self._planned(mesh, hotness, local_batch, features)
-        self._tables = [self._in_tier(table, placement)
-                        for table, placement in zip(self._tables, self.plan.tables)]
-        self._strategy = ShardingStrategy(self._strategy_name, self.plan, mesh,
-                                          self.input_table_map)
-        # the features this rank's inputs hold, in order
-        self._fed_features = (list(range(len(self.input_table_map))) if self.dp_input
-                              else self._strategy.input_ids_list[mesh.rank])
-        # every rank checks every rank, so all raise together (none waits in a collective)
-        idle = [r for r, ids in enumerate(self._strategy.input_ids_list) if not ids]
-        if not self.dp_input and idle:
-            raise ValueError(
-                f"dp_input=False: ranks {idle} would feed no feature (their positions hold "
-                f"no table; plan: {self.plan.describe()}); lower column_slice_threshold, use "
-                "strategy='basic' or 'memory_balanced' (they slice tables so every position "
-                "holds one), or use fewer ranks per model group")
-
-    def _in_tier(self, table: TableSpec, placement: TablePlacement) -> TableSpec:
-        """``table`` with the tier the plan gives it (a plan that names none keeps the
-        layer's own ``cache_rows``)."""
-        if placement.cache_rows is None or placement.cache_rows == table.cache_rows:
-            return table
-        store_dir = table.store_dir or self.store_dir
-        if not store_dir:
-            raise ValueError(f"the plan puts table {table.name!r} in the disk tier "
-                             f"(cache_rows={placement.cache_rows}); pass store_dir=, the "
-                             "folder of its files")
-        return dataclasses.replace(table, cache_rows=placement.cache_rows,
-                                   store_dir=store_dir)
-
-    def _planned(self, mesh: mesh_lib.Mesh, hotness: Sequence[float], local_batch: int,
-                 features: Sequence[int]) -> ShardingPlan:
-        compute = tf.as_dtype(self.compute_dtype)
-        return plan_sharding(
-            [TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0),
-                                 combiner=t.combiner, features=f, cache_rows=t.cache_rows,
-                                 adaptive=bool(t.chunks))
-             for t, h, f in zip(self._tables, hotness, features)],
-            mesh.data_parallel, mesh.model_parallel, strategy=self._strategy_name,
-            column_slice_threshold=self.column_slice_threshold,
-            row_slice_threshold=self.row_slice_threshold,
-            data_parallel_threshold=self.data_parallel_threshold,
-            local_batch_size=local_batch, optimizer=self.optimizer_name or "sgd",
-            replica_sync=self.replica_sync, sync_every=self.sync_every,
-            comm_dtype=(compute.name if compute in (tf.float16, tf.bfloat16) else None),
-            layout=mesh.layout, memory_budget=self.memory_budget)
-
-    def _checked_plan(self, plan: ShardingPlan, mesh: mesh_lib.Mesh
-                      ) -> ShardingPlan:
-        """``plan`` if it fits this mesh and these tables; ValueError naming what differs."""
-        if (plan.data_parallel, plan.model_parallel) != (mesh.data_parallel,
-                                                         mesh.model_parallel):
-            raise ValueError(
-                f"plan is for a D x M = {plan.data_parallel} x {plan.model_parallel} mesh; "
-                f"this mesh is {mesh.data_parallel} x {mesh.model_parallel} (start with "
-                f"tfhybrid.init(model_parallel={plan.model_parallel}))")
-        # a cost plan's predictions hold for one layout; other plans place alike in both
-        if (plan.strategy == COST_STRATEGY and plan.layout
-                and plan.layout != mesh.layout):
-            raise ValueError(f"plan is for layout={plan.layout!r}; this mesh is "
-                             f"{mesh.layout!r}")
-        got = [(p.name, max(s.row_end for s in p.shards), max(s.col_end for s in p.shards))
-               for p in plan.tables]
-        want = [(t.name, t.rows, t.dim) for t in self._tables]
-        if got != want:
-            raise ValueError(f"plan's tables (name, rows, dim) {got} are not this layer's "
-                             f"{want}")
-        return plan
+            self._mesh = mesh_for_layer()
+        planner = LayerPlanner(
+            self.name, self._tables, self.input_table_map, self.dp_input,
+            self.planner_options, self._given_plan, self.optimizer_name, self.replica_sync,
+            self.sync_every, self.memory_budget, self.store_dir)
+        placement = planner.place(self._mesh, hotness, local_batch, self.compute_dtype)
+        # plain data: set past Keras' __setattr__, which would track its lists
+        object.__setattr__(self, "_placement", placement)
+        self.plan = placement.plan
+        self._tables = placement.tables
 
     # ------------------------------------------------------------------ build
     def build(self, input_shape):
@@ -489,103 +325,46 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                 raise ValueError(f"DistributedEmbedding got {len(shapes)} inputs; expected "
                                  f"{len(self.input_table_map)} (one per input_table_map "
                                  "entry)")
-            hotness = [0.0] * len(self._tables)
-            local_batch = 1
-            for feature, shape in enumerate(shapes):
-                shape = tf.TensorShape(shape)
-                h = shape[1] if shape.rank == 2 and shape[1] is not None else 1
-                hotness[self.input_table_map[feature]] += float(h)
-                local_batch = shape[0] or local_batch
-            self._make_plan(hotness, local_batch)
-        if len(shapes) != len(self._fed_features):
+            self._make_plan(*ids_per_sample(shapes, range(len(shapes)), self.input_table_map,
+                                            len(self._tables)))
+        fed = self._placement.fed_features
+        mesh = self._mesh
+        if len(shapes) != len(fed):
             raise ValueError(
-                f"DistributedEmbedding got {len(shapes)} inputs; expected "
-                f"{len(self._fed_features)}: "
+                f"DistributedEmbedding got {len(shapes)} inputs; expected {len(fed)}: "
                 + ("one per input_table_map entry" if self.dp_input else
                    f"with dp_input=False, the features "
-                   f"layer.strategy.input_ids_list[{self._mesh.rank}]="
-                   f"{self._fed_features}"))
-        mesh = self._mesh
-        # ids per step per table, for choosing sparse or dense gradient syncs
-        hotness = [0.0] * len(self._tables)
-        local_batch = 1
-        for feature, shape in zip(self._fed_features, shapes):
-            shape = tf.TensorShape(shape)
-            h = shape[1] if shape.rank == 2 and shape[1] is not None else 1
-            hotness[self.input_table_map[feature]] += float(h)
-            if shape[0]:
-                local_batch = shape[0] if self.dp_input else max(
-                    1, shape[0] // mesh.model_parallel)
-        position = mesh.model_position
-        for t in range(len(self._tables)):
-            check_table_config(self._embedding_layers[t], self._tables[t],
-                                self.plan.tables[t])
-            if self._tables[t].custom_class is not None:
-                check_custom_table(self._tables[t], self.plan.tables[t])
+                   f"layer.strategy.input_ids_list[{mesh.rank}]={fed}"))
+        for t, table in enumerate(self._tables):
+            check_table_config(self._embedding_layers[t], table, self.plan.tables[t])
+            if table.custom_class is not None:
+                check_custom_table(table, self.plan.tables[t])
+        # ids per step per table, as this rank is fed: sparse or dense gradient syncs
+        hotness, local_batch = ids_per_sample(
+            shapes, fed, self.input_table_map, len(self._tables),
+            1 if self.dp_input else mesh.model_parallel)
+        made = make_rank_stores(
+            self.name, mesh, self.plan, self._tables, self._embedding_layers, hotness,
+            local_batch, self.sync_every if self.replica_sync == "weights" else None,
+            self.use_custom_kernel, self.add_weight,
+            on_host(self.plan, mesh.model_position, self.gpu_embedding_size, self.name),
+            self.data_parallel_threshold)
         # Tracked, so their variables are this layer's weights: a custom table's shards
-        # (instances of its layer) keyed like _table_vars / _shard_vars; FIITED tables and
-        # shards, and tiered ones (cache_rows), keyed "<table>_<shard>"
-        self._custom_shards: dict[tuple[int, int], Any] = {}
-        on_host = self._memory_tiers(position)
-        # variables: one per data-parallel table, one per model-parallel shard we own
-        self._table_vars: dict[int, tf.Variable] = {}
-        self._shard_vars: dict[tuple[int, int], tf.Variable] = {}
-        self._chunked_tables: dict[str, ChunkedTable | ChunkedCachedTable] = {}
-        self._cached_tables: dict[str, CachedTable] = {}
-        # the stores themselves, by (table, shard): plain objects over the tracked ones
-        # (set past Keras' __setattr__, like the plain data below)
-        object.__setattr__(self, "_stores", StoreSet())
-        # per FIITED table, every row's chunk count as every rank planned it at the last
-        # adjustment (or read it from a restored checkpoint): where a shard's chunks go
-        # in the compact checkpoint depends on the rows other ranks hold (plain data:
-        # set past Keras' __setattr__, which would track the dict)
+        # (instances of its layer), the variables of replicated tables and of the shards
+        # this rank owns, FIITED and tiered stores
+        self._custom_shards = made.custom_shards
+        self._table_vars = made.table_vars
+        self._shard_vars = made.shard_vars
+        self._chunked_tables = made.chunked_tables
+        self._cached_tables = made.cached_tables
+        # plain objects: set past Keras' __setattr__, which would track them. Per FIITED
+        # table, every row's chunk count as every rank planned it at the last adjustment
+        # (or read it from a restored checkpoint): where a shard's chunks go in the
+        # compact checkpoint depends on the rows other ranks hold
+        object.__setattr__(self, "_stores", made.stores)
         object.__setattr__(self, "_whole_chunk_counts", {
             t: np.full([table.rows], table.chunks, np.min_scalar_type(table.chunks))
             for t, table in enumerate(self._tables) if table.chunks})
-        for t, (table, placement) in enumerate(zip(self._tables, self.plan.tables)):
-            ids_per_step = local_batch * hotness[t]
-            if placement.kind == Kind.DATA_PARALLEL and table.cache_rows:
-                raise ValueError(
-                    f"table {table.name!r} has cache_rows={table.cache_rows} (a disk tier) "
-                    "but the plan replicates it (data_parallel): raise its size above "
-                    f"data_parallel_threshold={self.data_parallel_threshold} or keep it in "
-                    "memory (a replicated table is small)")
-            if placement.kind == Kind.DATA_PARALLEL:
-                var = self._add_store(t, 0, table.name, placement.shards[0],
-                                      on_host[(t, 0)]).variable
-                self._table_vars[t] = var
-                slot_owners.mark_embedding(var)
-                distributed.mark_sparse_sync(var, bool(table.chunks) or
-                                             sync_is_sparse(table.rows, table.dim,
-                                                                    ids_per_step, mesh.size))
-                continue
-            if placement.kind == Kind.ROW_WISE:
-                ids_per_step /= len(placement.shards)
-            for s, shard in enumerate(placement.shards):
-                if shard.owner != position:
-                    continue
-                store = self._add_store(t, s, f"{table.name}/shard_{s}", shard,
-                                        on_host[(t, s)])
-                var = store.variable
-                distributed.mark_model_parallel(
-                    var, mesh, self.sync_every if self.replica_sync == "weights" else None,
-                    table_key=self._table_key(t))
-                slot_owners.mark_embedding(var)
-                # a pool's gradient is rows at logical ids, which only the sparse sync
-                # (and the pool's own apply) can place
-                distributed.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
-                    shard.row_end - shard.row_start, shard.col_end - shard.col_start,
-                    mesh.model_parallel * ids_per_step, mesh.data_parallel))
-                if store.fiited is not None:
-                    # the pool's row state lives on the shard's position too (broadcast
-                    # and checkpointed with the shard)
-                    for state in store.fiited.row_state:
-                        distributed.mark_model_parallel(state, mesh)
-                if store.cache is not None:
-                    distributed.mark_model_parallel(store.cache.cache_accumulator, mesh)
-                    # a cache's gradient rows are at slots, which the replicas share
-                    distributed.mark_sparse_sync(var, True)
-                self._shard_vars[(t, s)] = var
         # The backward alltoall must run on every rank of the model group, but the tape
         # skips it on a rank whose sent rows touch no trainable variable (a position that
         # owns no shard). This empty variable rides along with the rows, so every rank's
@@ -595,72 +374,17 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # it also names the sharded tables, so every rank (owner or not) joins the same
         # norm allreduce when the optimizer clips
         distributed.mark_anchor(self._anchor, [
-            self._table_key(t) for t, placement in enumerate(self.plan.tables)
-            if placement.kind != Kind.DATA_PARALLEL])
-        # plain objects over the plan and the stores (past Keras' __setattr__)
+            table_key(self.name, self._tables[t]) for t, placement in
+            enumerate(self.plan.tables) if placement.kind != Kind.DATA_PARALLEL])
         object.__setattr__(self, "_route_stages", EmbeddingRoute(
-            self.name, mesh, self.plan, self._tables, self.input_table_map,
-            self._fed_features, self.dp_input, self._stores, self._anchor,
-            self.compute_dtype, self._mp_keep, self.replica_sync))
+            self.name, mesh, self.plan, self._tables, self.input_table_map, fed,
+            self.dp_input, self._stores, self._anchor, self.compute_dtype, self._mp_keep,
+            self.replica_sync))
         object.__setattr__(self, "_whole_tables", WholeTables(
             self.name, mesh, self.plan, self._tables, self._stores,
             self._whole_chunk_counts))
         super().build(input_shape)
         self._register_for_checkpoints()
-
-    def _add_store(self, table: int, shard: int, name: str, placement: Shard,
-                   on_host: bool) -> stores_lib.TableStore:
-        """One table's (or shard's) store, with its Keras layer's regularizer and
-        constraint; each shard lives on one position, so a regularizer's loss is counted
-        once per replica, and the gradient sync averages the replicas."""
-        layer = self._embedding_layers[table]
-        context = stores_lib.StoreContext(self.name, self._mesh.rank, self.use_custom_kernel,
-                                          self.add_weight)
-        with tf.device("/CPU:0") if on_host else contextlib.nullcontext():
-            store = stores_lib.create_store(
-                self._tables[table], placement, name, context,
-                regularizer=getattr(layer, "embeddings_regularizer", None),
-                constraint=getattr(layer, "embeddings_constraint", None))
-        key = f"{table}_{shard}"
-        if store.fiited is not None:
-            self._chunked_tables[key] = store.fiited
-        if store.cache is not None:
-            self._cached_tables[key] = store.cache
-        if isinstance(store, stores_lib.CustomLayerTable):
-            self._custom_shards[(table, shard)] = store.layer
-        self._stores.add(table, shard, store)
-        return store
-
-    def _table_key(self, table: int) -> str:
-        return f"{self.name}/{self._tables[table].name}"
-
-    def _memory_tiers(self, position: int) -> dict[tuple[int, int], bool]:
-        """Which of this rank's tables and shards live in host memory (DE's
-        ``gpu_embedding_size``: past that many bytes per GPU, tables go to the host)."""
-        mine = []   # (table, shard, bytes), in plan order
-        for t, placement in enumerate(self.plan.tables):
-            for s, shard in enumerate(placement.shards):
-                if placement.kind == Kind.DATA_PARALLEL or shard.owner == position:
-                    mine.append(((t, s), 4 * (shard.row_end - shard.row_start)
-                                 * (shard.col_end - shard.col_start)))
-                if placement.kind == Kind.DATA_PARALLEL:
-                    break
-        if not tf.config.list_logical_devices("GPU"):
-            if self.gpu_embedding_size is not None:
-                _LOG.info("DistributedEmbedding %r: no GPU is visible, so every table is in "
-                          "host memory (gpu_embedding_size=%d is not needed)", self.name,
-                          self.gpu_embedding_size)
-            return {key: False for key, _ in mine}
-        budget = float("inf") if self.gpu_embedding_size is None else self.gpu_embedding_size
-        on_host, used = {}, 0
-        for key, nbytes in mine:
-            on_host[key] = used + nbytes > budget
-            used += 0 if on_host[key] else nbytes
-        if any(on_host.values()):
-            _LOG.info("DistributedEmbedding %r: %d of this rank's %d tables/shards exceed "
-                      "gpu_embedding_size=%d bytes and live in host memory", self.name,
-                      sum(on_host.values()), len(mine), self.gpu_embedding_size)
-        return on_host
 
     # ------------------------------------------------------------------ call
     def call(self, inputs):
@@ -718,7 +442,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                              f"{len(self.input_table_map)} (one per input_table_map entry)")
         strategy = self.strategy
         wanted = dict(enumerate(strategy.input_ids_list))
-        mine = _dp_to_mp_input(dict(enumerate(dp_inputs)), wanted, self._mesh)
+        mine = dp_to_mp_input(dict(enumerate(dp_inputs)), wanted, self._mesh)
         return [mine[f] for f in strategy.input_ids_list[self._mesh.rank]]
 
     # ------------------------------------------------------- full tables
@@ -794,7 +518,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         config = super().get_config()
         config.update(
             embeddings=[tf.keras.layers.serialize(e) for e in self._embedding_layers],
-            strategy=self._strategy_name,
+            strategy=self.planner_options.strategy,
             column_slice_threshold=self.column_slice_threshold,
             row_slice_threshold=self.row_slice_threshold,
             data_parallel_threshold=self.data_parallel_threshold,
