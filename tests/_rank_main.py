@@ -72,9 +72,17 @@ def _flatten(suite):
             yield item
 
 
+def runs_at_this_size(test: unittest.TestCase) -> bool:
+    """A TestCase class may name the rank counts it runs at (``HOROVOD_NP``, a subset of
+    its module's): at the others it is not collected, so one module holds tests of one
+    subject whatever sizes they need."""
+    sizes = getattr(type(test), "HOROVOD_NP", None)
+    return sizes is None or int(os.environ.get("HOROVOD_SIZE", "1")) in sizes
+
+
 def run_module(path: str, selected: list[str], rank: int) -> tuple[dict[str, dict], float]:
-    """Runs the module's tests (those whose id contains one of ``selected``, or all);
-    returns ({test_id: outcome}, seconds)."""
+    """Runs the module's tests (those whose id contains one of ``selected``, or all; at
+    this size); returns ({test_id: outcome}, seconds)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     module_name = os.path.relpath(os.path.abspath(path), root)[:-3].replace(os.sep, ".")
     start = time.time()
@@ -87,7 +95,7 @@ def run_module(path: str, selected: list[str], rank: int) -> tuple[dict[str, dic
         suite = unittest.TestSuite(
             test for test in _flatten(unittest.defaultTestLoader.loadTestsFromModule(module))
             # tf.test.TestCase inherits a deprecated `test_session` that only skips
-            if test.id().rsplit(".", 1)[-1] != "test_session"
+            if test.id().rsplit(".", 1)[-1] != "test_session" and runs_at_this_size(test)
             and (not selected or any(name in test.id() for name in selected)))
         result = unittest.TextTestRunner(
             stream=sys.stderr, verbosity=2 if rank == 0 else 0,

@@ -1,8 +1,9 @@
 """The test command: runs every tf.test module, single-process and under horovodrun.
 
-Modules are ``tests/test_*.py`` and ``tfhybrid/**/*_test.py``. A module that declares
+Modules are ``tests/test_*.py``. A module that declares
 ``HOROVOD_NP = (2, 4)`` at top level runs once per listed size under
-``horovodrun -np N -H localhost:N --gloo``: all modules of one size share one job, one
+``horovodrun -np N -H localhost:N --gloo`` (a TestCase class may narrow its sizes with
+its own ``HOROVOD_NP``): all modules of one size share one job, one
 after another (a start-up of TensorFlow and Horovod on four ranks costs about 10 s of
 the machine), unless a module sets ``OWN_PROCESS = True``. Others run in one plain
 process, two such modules at a time unless the module sets ``RUN_ALONE = True``. A test
@@ -68,7 +69,7 @@ SUBSETS = {
         "tests/test_fiited.py",
         "tests/test_tiers.py",
         "tests/test_mixed_precision.py",
-        "tfhybrid/custom_ops/embedding_ops_test.py",
+        "tests/test_custom_ops.py",
     ),
 }
 SINGLE_TIMEOUT_S = 480
@@ -78,10 +79,7 @@ SLOWEST_SHOWN = 15
 
 
 def discover() -> list[str]:
-    files = sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
-    files += sorted(glob.glob(os.path.join(ROOT, "tfhybrid", "**", "*_test.py"),
-                              recursive=True))
-    return files
+    return sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
 
 
 def _declared(path: str, name: str):

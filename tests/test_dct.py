@@ -1,8 +1,9 @@
-"""DCT on the mesh (issue 14): the route's thresholded gradient sync (DCT-DP) and the
-layer's thresholded alltoall (DCT-MP).
+"""DCT on the mesh: the route's thresholded gradient sync (DCT-DP) and the layer's
+thresholded alltoall (DCT-MP).
 
-- keep = 1 trains bit for bit like no DCT, on every kind of placement, 1D and 2D (an
-  mp_keep that drops nothing sends as without DCT; MaskTest covers the kept positions);
+- keep = 1, forced through both halves' thresholding code (unforced, DCT would not
+  engage: nothing can be left out), trains like no DCT on every kind of placement, 1D and
+  2D, to 1e-6 (the kept pairs are summed in another order than the dense allreduce);
 - the applied updates sum to the raw gradients minus the residuals (1e-6);
 - per sample, the returned rows are the full rows at the kept positions, and the
   tables' gradient is the full gradient masked by the same positions (column slices,
@@ -12,12 +13,15 @@ layer's thresholded alltoall (DCT-MP).
 - under loss scaling a tape thresholds the unscaled gradient.
 """
 
+from unittest import mock
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
 from tfhybrid import collectives
+from tfhybrid import compression
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.compression import DCT
@@ -94,12 +98,32 @@ def _trained(mesh, dct, tables, batches, dtype=None):
 
 
 class KeepOneTest(tf.test.TestCase):
+    """At keep = 1.0 neither half of DCT engages by itself (nothing can be left out), so
+    the test forces both onto their thresholding code: every entry then passes, and the
+    run must train as without DCT."""
 
     def tearDown(self):
         mesh_lib.reset()
         super().tearDown()
 
-    def test_keep_one_trains_bit_for_bit_like_no_dct(self):
+    def test_forced_thresholding_at_keep_one_trains_like_no_dct(self):
+        calls = {"keep_largest": 0, "select": 0}
+        keep_largest, select = compression.keep_largest, compression.GradientThresholder.select
+
+        def counted_keep_largest(*args, **kwargs):
+            calls["keep_largest"] += 1
+            return keep_largest(*args, **kwargs)
+
+        def counted_select(self, *args, **kwargs):
+            calls["select"] += 1
+            return select(self, *args, **kwargs)
+
+        forced = [mock.patch.object(compression, "may_drop", lambda size, keep: True),
+                  mock.patch.object(compression.GradientThresholder, "goes_sparse",
+                                    lambda self, variable, group_size: True),
+                  mock.patch.object(compression, "keep_largest", counted_keep_largest),
+                  mock.patch.object(compression.GradientThresholder, "select",
+                                    counted_select)]
         meshes = _meshes()
         for m in meshes:
             # fp16 changes what travels, not where: on the last mesh (2 x 2) only
@@ -108,11 +132,21 @@ class KeepOneTest(tf.test.TestCase):
                     mesh = tfhybrid.init(model_parallel=m)
                     tables, batches = _data(100 + m, mesh.size, 4)
                     start, off = _trained(mesh, None, tables, batches, dtype)
-                    _, on = _trained(mesh, DCT(dp_keep=1.0, mp_keep=1.0), tables,
-                                     batches, dtype)
+                    before = dict(calls)
+                    for patch in forced:
+                        patch.start()
+                    try:
+                        _, on = _trained(mesh, DCT(dp_keep=1.0, mp_keep=1.0), tables,
+                                         batches, dtype)
+                    finally:
+                        for patch in forced:
+                            patch.stop()
+                    # both halves' thresholding ran (traced into the step)
+                    self.assertGreater(calls["keep_largest"], before["keep_largest"])
+                    self.assertGreater(calls["select"], before["select"])
                     self.assertEqual(len(off), len(on))
                     for a, b in zip(off, on):
-                        self.assertAllEqual(a, b)
+                        self.assertAllClose(a, b, atol=1e-6, rtol=1e-6)
                     # training moved the weights, so the equality is not trivial
                     self.assertGreater(max(np.abs(a - b).max() for a, b in zip(off, start)
                                            if a.size), 1e-3)

@@ -418,7 +418,7 @@ class KerasFitTest(tf.test.TestCase, parameterized.TestCase):
         # In fit, a DistributedEmbedding table's gradient reaches the optimizer untouched,
         # so its backward and the row-wise AdaGrad run as one kernel; the result matches
         # the pure-TF path (bitwise equality with the two-kernel route is tested beside
-        # the kernels, in tfhybrid/custom_ops/embedding_ops_test.py).
+        # the kernels, in tests/test_custom_ops.py).
         _require_path(self, True)
         import tfhybrid
         from tfhybrid.layers import DistributedEmbedding, Embedding

@@ -1,12 +1,12 @@
 """Tests of the portable op library: runtime dispatch of the kernels' hot loops
 (cc/kernels/isa_kernels.h) and the baseline code around them.
 
-- Every dispatch level this CPU supports passes the op tests of embedding_ops_test.py
+- Every dispatch level this CPU supports passes the op tests of tests/test_custom_ops.py
   (lookup + combine forward and backward, row-wise AdaGrad; against numpy and the
   pure-TF path; duplicates, weight decay, float16 / bfloat16, odd row widths). The
   level is fixed per process, so each level runs them in its own process with
   TFHYBRID_KERNEL_ISA set. (That all levels give the same bits is
-  embedding_ops_test.DeterminismTest.test_bitwise_identical_across_kernel_isas.)
+  test_custom_ops.DeterminismTest.test_bitwise_identical_across_kernel_isas.)
 - The best level found matches the CPU's flags; a bad TFHYBRID_KERNEL_ISA is an error
   naming it.
 - The library's baseline code has no AVX instruction: only the dispatched AVX2 / AVX-512
@@ -15,7 +15,7 @@
 - build.py builds the portable library by default (-march=native is opt-in), and
   Bazel's BUILD mirrors its flags.
 
-Run: OMP_NUM_THREADS=1 python tfhybrid/custom_ops/kernel_isa_test.py
+Run: OMP_NUM_THREADS=1 python -m tests.test_kernel_isa
 """
 
 import os
@@ -29,7 +29,7 @@ import unittest
 from pathlib import Path
 from unittest import mock
 
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
@@ -37,7 +37,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfhybrid import custom_ops as co  # noqa: E402
 from tfhybrid.custom_ops import build  # noqa: E402
-from tfhybrid.custom_ops import embedding_ops_test as ops_test  # noqa: E402
+from tests import test_custom_ops as ops_test  # noqa: E402
 
 # The op tests each level runs: the kernels' checks against numpy and the pure-TF path.
 # (DeterminismTest's subprocesses run at the default level, and its cross-level digest
@@ -255,7 +255,6 @@ class BuildFlagsTest(tf.test.TestCase):
         self.assertIn("build:native --define=tfhybrid_march=native", bazelrc)
         for flag in ("-ffp-contract=off", "-Wno-sign-compare", "-fvisibility-inlines-hidden"):
             self.assertIn(f'"{flag}"', rule)
-
 
 if __name__ == "__main__":
     tf.test.main()

@@ -2,12 +2,12 @@
 the table-batched ResourceEmbeddingLookupCombineConcat, RowwiseAdagradApply), against
 the pure-TF path and numpy references.
 
-Run: OMP_NUM_THREADS=1 python tfhybrid/custom_ops/embedding_ops_test.py
+Run: OMP_NUM_THREADS=1 python -m tests.test_custom_ops
 
 The custom-op tests FAIL if the library cannot be loaded. With
 TFHYBRID_DISABLE_CUSTOM_OPS=1 only the pure-TF tests run (op tests are skipped).
 The kernels run at this process's dispatch level (TFHYBRID_KERNEL_ISA, default the best
-the CPU has); kernel_isa_test.py runs these tests once per level.
+the CPU has); tests/test_kernel_isa.py runs these tests once per level.
 """
 
 import hashlib
@@ -17,7 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 

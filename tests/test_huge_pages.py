@@ -6,7 +6,7 @@ Each case runs in a fresh process that keeps every buffer alive and measures how
 process's memory in huge pages grows while one kernel call runs: within one test process
 a new buffer may land in memory that an earlier one left advised.
 
-Run: python tfhybrid/custom_ops/huge_pages_test.py
+Run: python -m tests.test_huge_pages
 """
 
 import json
@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
