@@ -13,7 +13,7 @@
   variants do, and the AVX2 variant has no AVX-512 instruction, so the library cannot
   die with SIGILL on an older x86-64 CPU.
 - build.py builds the portable library by default (-march=native is opt-in), and
-  Bazel's BUILD mirrors its flags.
+  Bazel's BUILD takes its flags from the same file (flags.bzl).
 
 Run: OMP_NUM_THREADS=1 python -m tests.test_kernel_isa
 """
@@ -247,14 +247,22 @@ class BuildFlagsTest(tf.test.TestCase):
                                                 "TFHYBRID_NO_MARCH_NATIVE=1 contradict"):
             self._command(TFHYBRID_MARCH_NATIVE="1", TFHYBRID_NO_MARCH_NATIVE="1")
 
-    def test_bazel_build_mirrors_build_py(self):
+    def test_bazel_and_build_py_share_one_set_of_flags(self):
         rule = (_REPO / "BUILD").read_text()
         bazelrc = (_REPO / ".bazelrc").read_text()
-        self.assertIn(f'"-march={build.PORTABLE_MARCH_X86_64}"', rule)
+        # BUILD takes the flags from flags.bzl, which build.py reads too
+        self.assertIn('load("//:tfhybrid/custom_ops/flags.bzl", "KERNEL_COPTS", '
+                      '"PORTABLE_MARCH_X86_64")', rule)
+        self.assertIn('copts = KERNEL_COPTS + select(', rule)
+        self.assertIn('"-march=" + PORTABLE_MARCH_X86_64', rule)
+        self.assertNotIn('"-ffp-contract=off"', rule)   # no copy of a shared flag
         self.assertIn('"-march=native"', rule)
         self.assertIn("build:native --define=tfhybrid_march=native", bazelrc)
-        for flag in ("-ffp-contract=off", "-Wno-sign-compare", "-fvisibility-inlines-hidden"):
-            self.assertIn(f'"{flag}"', rule)
+        for flag in ("-ffp-contract=off", "-Wno-sign-compare", "-fvisibility-inlines-hidden",
+                     "-frecord-gcc-switches"):
+            self.assertIn(flag, build.COMMON_FLAGS)
+        self.assertEqual(build.PORTABLE_MARCH_X86_64, "x86-64-v2")
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -22,6 +22,7 @@ default build.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shlex
@@ -40,19 +41,18 @@ CC_DIR = HERE / "cc"
 LIB_NAME = library_name(tf.__version__)
 LIB_PATH = HERE / LIB_NAME
 
-# Baseline of the portable build on x86-64 (SSSE3, SSE4.2, POPCNT): every CPU with AVX
-# has it, and TensorFlow's own wheels need AVX, so it excludes no CPU TF runs on.
-# BUILD (Bazel) mirrors it.
-PORTABLE_MARCH_X86_64 = "x86-64-v2"
-NATIVE_MARCH = "native"
+# The flags BUILD (Bazel) uses too, defined once in flags.bzl
+def _bzl_constants(path: Path) -> dict:
+    tree = ast.parse(path.read_text(), str(path))
+    return {target.id: ast.literal_eval(node.value) for node in tree.body
+            if isinstance(node, ast.Assign) for target in node.targets
+            if isinstance(target, ast.Name)}
 
-# Every build: -ffp-contract=off keeps FMA contraction out of every dispatch level (and
-# of -march=native builds), so all of them give bitwise-identical results
-# (cc/kernels/isa_kernels.h); -frecord-gcc-switches records the flags in the library,
-# which is_up_to_date() reads to notice a library built for another target CPU.
-COMMON_FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", "-fPIC", "-shared", "-Wall",
-                "-Wno-sign-compare", "-Wno-unused-function", "-fvisibility-inlines-hidden",
-                "-ffp-contract=off", "-frecord-gcc-switches"]
+
+_SHARED = _bzl_constants(HERE / "flags.bzl")
+PORTABLE_MARCH_X86_64 = _SHARED["PORTABLE_MARCH_X86_64"]
+NATIVE_MARCH = "native"
+COMMON_FLAGS = _SHARED["OPT_COPTS"] + ["-fPIC", "-shared"] + _SHARED["KERNEL_COPTS"]
 
 _TRUE = ("1", "true", "yes")
 _FALSE = ("", "0", "false", "no")
