@@ -402,29 +402,51 @@ class EmbeddingRoute:
         """This rank's row of the id check (:meth:`_id_checks`): [batch, (bad?, first
         bad id, bad input?, bags per sample) per feature] (zeros for a feature it does not
         feed), and with ``ended`` (``TrainPipeline``'s read-ahead) whether its input has
-        ended."""
+        ended.
+
+        Every fed feature's ids are checked at once, as one list with each id's feature
+        beside it: a trace then holds a few ops for all features, not a dozen per feature
+        (a step's graph is built on every rank, and this check was most of the layer's).
+        """
         num_features = len(self.input_table_map)
-        report = [tf.reshape(tf.cast(batch, tf.int64), [1])]
-        for f in range(num_features):
-            if f not in bags:
-                report.append(tf.zeros([_REPORT_FIELDS], tf.int64))
-                continue
-            bag = bags[f]
-            rows = self.tables[self.input_table_map[f]].rows
-            # padded with one good id, so a rank with no ids for this feature (empty
-            # bags, zero hotness) still has an element to take the argmax of
-            values = tf.concat([bag.values, tf.zeros([1], bag.values.dtype)], 0)
-            bad = tf.logical_or(values < 0, values >= rows)
-            first_bad = tf.gather(values, tf.argmax(tf.cast(bad, tf.int32)))
-            any_bad = tf.reduce_any(bad)
-            report += [tf.reshape(tf.cast(any_bad, tf.int64), [1]),
-                       tf.reshape(tf.where(any_bad, first_bad, 0), [1]),
-                       tf.reshape(tf.cast(tf.logical_or(bool(invalid.get(f)),
-                                                        bag.unsupported), tf.int64), [1]),
-                       tf.reshape(tf.cast(bag.per_sample, tf.int64), [1])]
-        if ended is not None:
-            report.append(tf.reshape(tf.cast(ended, tf.int64), [1]))
-        return tf.reshape(tf.concat(report, 0), [1, -1])
+        fed = [f for f in range(num_features) if f in bags]
+        head = [tf.reshape(tf.cast(batch, tf.int64), [1])]
+        tail = [] if ended is None else [tf.reshape(tf.cast(ended, tf.int64), [1])]
+        if not fed:
+            return tf.reshape(tf.concat(
+                head + [tf.zeros([num_features * _REPORT_FIELDS], tf.int64)] + tail, 0), [1, -1])
+        values = tf.concat([tf.cast(bags[f].values, tf.int64) for f in fed], 0)
+        sizes = tf.stack([tf.size(bags[f].values, out_type=tf.int64) for f in fed])
+        feature_of = tf.repeat(tf.range(len(fed), dtype=tf.int64), sizes)
+        limits = tf.constant([self.tables[self.input_table_map[f]].rows for f in fed],
+                             tf.int64)
+        bad = tf.logical_or(values < 0, values >= tf.gather(limits, feature_of))
+        # each feature's first bad id, by its place in the list (past the end: none; the
+        # list is padded with one good id there, so an empty list has an element too)
+        total = tf.size(values, out_type=tf.int64)
+        first_place = tf.math.unsorted_segment_min(
+            tf.where(bad, tf.range(total), total), feature_of, len(fed))
+        first_place = tf.minimum(first_place, total)   # a feature without ids: past the end
+        any_bad = first_place < total
+        first_bad = tf.where(any_bad, tf.gather(tf.concat([values, [0]], 0), first_place),
+                             tf.zeros([], tf.int64))
+
+        def scalars(items: list) -> tf.Tensor:
+            # one constant when every item is known now, else one stacked tensor
+            if not any(tf.is_tensor(x) for x in items):
+                return tf.constant([int(x) for x in items], tf.int64)
+            return tf.stack([tf.cast(x, tf.int64) for x in items])
+
+        bad_input = scalars([tf.logical_or(bool(invalid.get(f)), bags[f].unsupported)
+                             if tf.is_tensor(bags[f].unsupported)
+                             else bool(invalid.get(f)) or bool(bags[f].unsupported)
+                             for f in fed])
+        per_sample = scalars([bags[f].per_sample for f in fed])
+        rows = tf.stack([tf.cast(any_bad, tf.int64), first_bad, bad_input, per_sample], 1)
+        if len(fed) < num_features:   # zeros for the features this rank does not feed
+            rows = tf.scatter_nd(tf.constant(fed, tf.int64)[:, None], rows,
+                                 [num_features, _REPORT_FIELDS])
+        return tf.reshape(tf.concat(head + [tf.reshape(rows, [-1])] + tail, 0), [1, -1])
 
     def _id_checks(self, report: tf.Tensor, reasons: tuple, read_ahead: bool
                    ) -> tuple[list, Any]:
