@@ -28,9 +28,12 @@ else
   HOROVOD_FLAGS="$HOROVOD_FLAGS HOROVOD_WITHOUT_MPI=1"
 fi
 
-# The stamp covers everything whose change must trigger a re-install.
+# The stamp covers everything whose change must trigger a re-install, this checkout's
+# path too: the editable install points at it, so a venv set up from another checkout
+# (or a copy) is installed again here.
 stamp_inputs() {
-  cat "$REQUIREMENTS" pyproject.toml setup.py scripts/setup.sh
+  cat "$REQUIREMENTS" pyproject.toml setup.py scripts/setup.sh tfhybrid/custom_ops/flags.bzl
+  pwd -P
   echo "$HOROVOD_FLAGS"
   find tfhybrid/custom_ops/cc -type f \( -name '*.cc' -o -name '*.h' \) -print0 2>/dev/null | sort -z | xargs -0 cat 2>/dev/null || true
 }
