@@ -510,7 +510,10 @@ class CompactCheckpointTest(unittest.TestCase):
                 np.testing.assert_array_equal(got, want)
             for got, want in zip(fresh.get_weights(), weights):
                 np.testing.assert_array_equal(got, want)
-            for t, table in enumerate(fresh._chunked_tables.values()):
+            pools = [store.fiited for _, store in fresh.stores.items()
+                     if store.fiited is not None]
+            self.assertEqual(len(pools), len(counts))
+            for t, table in enumerate(pools):
                 np.testing.assert_array_equal(table.accumulator.numpy(), wanted[t][0])
                 np.testing.assert_array_equal(table.utility.numpy(), wanted[t][1])
                 self.assertEqual(table.pool_slots(), int(counts[t].sum()))

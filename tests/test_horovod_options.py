@@ -252,7 +252,7 @@ class SyncOptionsTest(tf.test.TestCase):
 
     def test_horovods_keywords_are_accepted_or_refused_by_value(self):
         mesh = _mesh()
-        distributed._LOGGED.clear()
+        distributed.forget_logged_notes()
         with self.assertLogs("tfhybrid", logging.INFO) as logs:
             opt = tfhybrid.DistributedOptimizer(
                 tf.keras.optimizers.SGD(0.1), name="DistributedSGD", device_dense="/cpu:0",

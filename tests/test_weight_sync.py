@@ -106,7 +106,7 @@ class WeightSyncTest(tf.test.TestCase):
 
         _train(layer, head, optimizer, batches[:1])
         accumulators = [a for v in shards
-                        for a in tfhybrid.distributed._optimizer_state_of(optimizer, v)]
+                        for a in tfhybrid.distributed.optimizer_state_of(optimizer, v)]
         self.assertLen(accumulators, len(shards))
         self.assertGreater(spread(shards), 1e-4)        # stepped alone
         self.assertGreater(spread(accumulators), 1e-6)

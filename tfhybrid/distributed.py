@@ -152,6 +152,12 @@ def _log_once(message: str) -> None:
         _LOG.info(message)
 
 
+def forget_logged_notes() -> None:
+    """Forgets which one-time notes (how Horovod's options were taken) were logged, so
+    the next use logs them again, as in a new process."""
+    _LOGGED.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncOptions:
     """How step 1 sends gradients: Horovod's allreduce options (see the module doc).
@@ -518,7 +524,7 @@ def _map_values(grad, fn):
 
 
 # ------------------------------------------------------------------ 5. weight sync
-def _optimizer_state_of(optimizer: Any, variable: tf.Variable) -> list[tf.Variable]:
+def optimizer_state_of(optimizer: Any, variable: tf.Variable) -> list[tf.Variable]:
     """The optimizer's slot variables for ``variable`` (accumulators, momenta...), from
     the embedding optimizer where one holds the tables."""
     optimizer = slot_owner(optimizer, variable)
@@ -563,7 +569,7 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
     shards = [v for v in variables if weight_sync_every(v) is not None]
     if mesh.data_parallel == 1 or not shards:
         return
-    state = [s for v in shards for s in [v] + _optimizer_state_of(optimizer, v)]
+    state = [s for v in shards for s in [v] + optimizer_state_of(optimizer, v)]
     tiered = [tiers.table_of(v) for v in shards if tiers.table_of(v) is not None]
     # a tiered shard's cache holds its rows' row state, whatever the optimizer
     state += [t.cache_accumulator for t in tiered
@@ -617,7 +623,7 @@ def _tag_shard_state(optimizer: Any, variables: Sequence[tf.Variable],
     for var in variables:
         if not is_model_parallel(var) or (id(optimizer), var.ref()) in done:
             continue
-        slots = _optimizer_state_of(optimizer, var)
+        slots = optimizer_state_of(optimizer, var)
         for slot in slots:
             roles.assign(slot, shard_state=True)
         if slots:
