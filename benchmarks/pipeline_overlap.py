@@ -139,7 +139,7 @@ def worker(steps: int, blocks: int, warmup: int, out: str, towers: str) -> None:
     def forced(after_rows: bool) -> TrainPipeline:
         """A TrainPipeline with its placement fixed instead of chosen by timing."""
         chosen = TrainPipeline(model)
-        chosen._placement = after_rows
+        chosen.placement = after_rows
         return chosen
 
     pipelines = {"pipelined": pipeline, "after_rows": forced(True),
@@ -169,7 +169,7 @@ def worker(steps: int, blocks: int, warmup: int, out: str, towers: str) -> None:
 
     for mode in MODES:
         run(mode, warmup)
-    while pipeline._placement is None:   # TrainPipeline times both placements first
+    while pipeline.placement is None:   # TrainPipeline times both placements first
         run("pipelined", 2 * pipeline_lib.TRIAL_STEPS)
     # short blocks, the modes in turn: a drift of the machine or the link falls on every
     # mode alike, and the statistics resample whole blocks
@@ -181,7 +181,7 @@ def worker(steps: int, blocks: int, warmup: int, out: str, towers: str) -> None:
     if mesh.rank == 0:
         with open(out, "w") as f:
             json.dump({"workload": w, "times": times, "cpu": cpu,
-                       "placement": "after_rows" if pipeline._placement else "at_start"}, f)
+                       "placement": "after_rows" if pipeline.placement else "at_start"}, f)
 
 
 # ------------------------------------------------------------------ launcher

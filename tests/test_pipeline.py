@@ -95,8 +95,8 @@ def _assert_route_beside_step(test, pipeline) -> None:
     towers compute; in the other for nothing of the step, so they cross while it looks
     up. The preparation of batch t+2 waits for the step's rows to go into their
     alltoall. The pipeline times both and every rank keeps the same, faster one."""
-    test.assertCountEqual(pipeline._fused_fns, pipeline_lib.PLACEMENTS)
-    for after_rows, fn in pipeline._fused_fns.items():
+    test.assertCountEqual(pipeline.traced_steps, pipeline_lib.PLACEMENTS)
+    for after_rows, fn in pipeline.traced_steps.items():
         concrete = fn.get_concrete_function()
         collectives = [op for op in concrete.graph.get_operations()
                        if op.type.startswith("Horovod")]
@@ -125,17 +125,17 @@ def _assert_route_beside_step(test, pipeline) -> None:
             shared = {op for op in (_ancestors(made) | {made}) & before_rows
                       if op.type not in ("Placeholder", "Const", "ReadVariableOp", "NoOp")}
             test.assertNotEmpty(shared, msg=made.name)
-    if pipeline._placement is None:
+    if pipeline.placement is None:
         return   # fewer steps than the timing takes
     # every rank chose the placement of the least mean of the ranks' median step times
-    trial = pipeline._trial
+    trial = pipeline.trial_seconds
     test.assertEqual([len(trial[p]) for p in pipeline_lib.PLACEMENTS],
                      [pipeline_lib.TRIAL_STEPS + 1] * 2)
-    world = pipeline._layers[0].mesh.size
+    world = pipeline.layers[0].mesh.size
     medians = collectives_lib.allgather(tf.constant(
         [[statistics.median(trial[p][1:]) for p in pipeline_lib.PLACEMENTS]], tf.float64),
         world, "test_pipeline_medians").numpy()
-    chosen = collectives_lib.allgather(tf.constant([[int(pipeline._placement)]]), world,
+    chosen = collectives_lib.allgather(tf.constant([[int(pipeline.placement)]]), world,
                                    "test_pipeline_chosen").numpy().reshape(-1)
     test.assertAllEqual(chosen, [int(pipeline_lib.PLACEMENTS[
         int(medians.mean(axis=0).argmin())])] * world)
@@ -321,6 +321,8 @@ class PipelineErrorsTest(tf.test.TestCase):
         model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
         with self.assertRaisesRegex(ValueError, "train_step='step' must be callable"):
             TrainPipeline(model, "step")
+        with self.assertRaisesRegex(ValueError, r"placement='late' is not one of"):
+            TrainPipeline(model).placement = "late"
 
     def test_detach_gives_fit_back_to_keras(self):
         case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=4, world=hc.world_size(),

@@ -351,6 +351,38 @@ class TrainPipeline:
             return _tf_internals.call_concrete(concrete, flat)
         return self._fused_fns[placement](*args)
 
+    # ------------------------------------------------------------ what it chose
+    @property
+    def placement(self) -> bool | None:
+        """Where the next batch's route goes in the step (a member of ``PLACEMENTS``:
+        True once the step's rows have arrived, False with the step), the same on every
+        rank; None while both are being timed."""
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: bool) -> None:
+        # a fixed placement instead of the timed choice (to measure one placement alone)
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
+        self._placement = placement
+
+    @property
+    def trial_seconds(self) -> dict[bool, list]:
+        """Per placement, the step times the choice is made from (the first step of each,
+        which traces, is None and not counted)."""
+        return {p: list(times) for p, times in self._trial.items()}
+
+    @property
+    def traced_steps(self) -> dict[bool, Any]:
+        """Per placement timed or chosen so far, the traced pipelined step (a
+        ``tf.function``: its graph shows what the route waits for)."""
+        return dict(self._fused_fns)
+
+    @property
+    def layers(self) -> list:
+        """The DistributedEmbedding layers whose routes it runs ahead."""
+        return list(self._layers)
+
     def detach(self) -> None:
         """``model.fit`` runs Keras' own train function again (a read-ahead is dropped)."""
         if self._keras and self.model.make_train_function == self._make_train_function:
