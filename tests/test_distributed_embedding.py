@@ -443,6 +443,10 @@ class ConfigTest(tf.test.TestCase):
             DistributedEmbedding([Embedding(5, 2)], input_table_map=[0, 3])
         with self.assertRaisesRegex(ValueError, r"dp_input='no' must be True"):
             DistributedEmbedding([Embedding(5, 2)], dp_input="no")
+        # the planner's options are checked when the layer is made, not at its first batch
+        with self.assertRaisesRegex(ValueError, r"column_slice_threshold must be an int "
+                                                r">= 1, got -3"):
+            DistributedEmbedding([Embedding(5, 2)], column_slice_threshold=-3)
         with self.assertRaisesRegex(ValueError, r"combiner='max' is unknown"):
             Embedding(5, 2, combiner="max")
 
