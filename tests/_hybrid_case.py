@@ -98,7 +98,7 @@ class Case:
     def local_data(self, rank: int):
         """All steps of this rank's input, in order (for ``fit`` with ``batch_size``)."""
         parts = [self.local_batch_of(s, rank) for s in range(self.steps)]
-        ids = [_concat([p[0][f] for p in parts]) for f in range(len(self.tables))]
+        ids = [concat_samples([p[0][f] for p in parts]) for f in range(len(self.tables))]
         return ids, np.concatenate([p[1] for p in parts])
 
     # ------------------------------------------------------------- models
@@ -158,7 +158,7 @@ class Case:
         model.get_layer("logit").set_weights(self.dense_values[2:])
 
 
-def _concat(parts):
+def concat_samples(parts):
     if isinstance(parts[0], tf.RaggedTensor):
         return tf.concat(parts, axis=0)
     return np.concatenate(parts)

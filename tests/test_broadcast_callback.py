@@ -50,7 +50,7 @@ def _perturb(variables, rank):
 
 def _local_steps(case, rank, steps):
     parts = [case.local_batch_of(s, rank) for s in steps]
-    ids = [hc._concat([p[0][f] for p in parts]) for f in range(len(case.tables))]
+    ids = [hc.concat_samples([p[0][f] for p in parts]) for f in range(len(case.tables))]
     return ids, np.concatenate([p[1] for p in parts])
 
 

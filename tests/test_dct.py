@@ -64,10 +64,10 @@ class _Model(tf.keras.Model):
 
 
 def _data(seed, world, steps):
-    tables = de._make_tables(seed)
+    tables = de.make_tables(seed)
     rng = np.random.default_rng(seed + 1)
     batch = LOCAL_BATCH * world
-    return tables, [(de._make_batch(rng, tables, batch),
+    return tables, [(de.make_batch(rng, tables, batch),
                      rng.integers(0, 2, size=[batch, 1]).astype(np.float32))
                     for _ in range(steps)]
 
@@ -79,7 +79,7 @@ def _trained(mesh, dct, tables, batches, dtype=None):
     full = [np.random.default_rng(i).normal(size=[rows, dim]).astype(np.float32) * 0.1
             for i, (_, rows, dim, _) in enumerate(tables)]
     model = _Model(tables, mesh, dct, dtype)
-    model(de._to_tensors(batches[0][0], lo, hi))
+    model(de.to_tensors(batches[0][0], lo, hi))
     model.embedding.set_weights(full)
     before = [v.numpy() for v in model.trainable_variables]
     optimizer = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), mesh=mesh,
@@ -88,12 +88,12 @@ def _trained(mesh, dct, tables, batches, dtype=None):
     @tf.function(reduce_retracing=True)
     def step(inputs, labels):
         with tf.GradientTape() as tape:
-            loss = de._loss(labels, model(inputs))
+            loss = de.logistic_loss(labels, model(inputs))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
     for features, labels in batches:
-        step(de._to_tensors(features, lo, hi), tf.constant(labels[lo:hi]))
+        step(de.to_tensors(features, lo, hi), tf.constant(labels[lo:hi]))
     return before, [v.numpy() for v in model.trainable_variables]
 
 
@@ -232,7 +232,7 @@ class MaskTest(tf.test.TestCase):
         thresholds = dict(data_parallel_threshold=400, column_slice_threshold=1000,
                           row_slice_threshold=10 ** 9)
         tables, batches = _data(300 + m, mesh.size, 1)
-        inputs = de._to_tensors(batches[0][0], lo, hi)
+        inputs = de.to_tensors(batches[0][0], lo, hi)
         models = [_Model(tables, mesh, dct, dtype, thresholds)
                   for dct in (None, DCT(dp_keep=None, mp_keep=0.3))]
         full = [np.random.default_rng(i).normal(size=[rows, dim]).astype(np.float32)
@@ -304,7 +304,7 @@ class BytesTest(tf.test.TestCase):
         def step(ids, labels):
             with tf.GradientTape() as tape:
                 flat = tf.concat(layer(ids), axis=1)
-                loss = de._loss(labels, head(hidden(flat)))
+                loss = de.logistic_loss(labels, head(hidden(flat)))
             variables = (layer.trainable_variables + hidden.trainable_variables
                          + head.trainable_variables)
             grads = tape.gradient(loss, variables)

@@ -52,13 +52,13 @@ def _world():
     return hvd.size() if hvd.is_initialized() else 1
 
 
-def _make_tables(seed):
+def make_tables(seed):
     rng = np.random.default_rng(seed)
     return [(name, int(rng.integers(lo, hi + 1)), dim, combiner)
             for name, (lo, hi), dim, combiner in TABLES]
 
 
-def _make_batch(rng, tables, batch):
+def make_batch(rng, tables, batch):
     features = []
     for t, kind in FEATURES:
         rows = tables[t][1]
@@ -73,7 +73,7 @@ def _make_batch(rng, tables, batch):
     return features
 
 
-def _to_tensors(features, start=0, stop=None):
+def to_tensors(features, start=0, stop=None):
     out = []
     for f in features:
         if isinstance(f, tuple):
@@ -132,7 +132,7 @@ class _Distributed(tf.keras.Model):
         return self.head(flat)
 
 
-def _loss(labels, logits):
+def logistic_loss(labels, logits):
     return tf.reduce_mean(tf.keras.losses.binary_crossentropy(labels, logits,
                                                               from_logits=True))
 
@@ -150,18 +150,18 @@ class ParityTest(tf.test.TestCase):
         seed = 1000 * model_parallel + (7 if layout == "data_major" else 0)
         # every rank's reference must start alike, whatever earlier subtests drew
         tf.keras.utils.set_random_seed(seed)
-        tables = _make_tables(seed)
+        tables = make_tables(seed)
         rng = np.random.default_rng(seed + 1)
         global_batch = LOCAL_BATCH * world
-        batches = [(_make_batch(rng, tables, global_batch),
+        batches = [(make_batch(rng, tables, global_batch),
                     rng.integers(0, 2, size=[global_batch, 1]).astype(np.float32))
                    for _ in range(STEPS)]
 
         reference = _Reference(tables)
-        reference(_to_tensors(batches[0][0]))
+        reference(to_tensors(batches[0][0]))
         model = _Distributed(tables, mesh)
         lo, hi = mesh.rank * LOCAL_BATCH, (mesh.rank + 1) * LOCAL_BATCH
-        model(_to_tensors(batches[0][0], lo, hi))
+        model(to_tensors(batches[0][0], lo, hi))
         full_tables = [layer.embeddings.numpy() for layer in reference.tables]
         model.embedding.set_weights(full_tables)
         model.head.set_weights(reference.head.get_weights())
@@ -172,8 +172,8 @@ class ParityTest(tf.test.TestCase):
                                      "table_wise"})
 
         # forward parity on this rank's slice
-        local_out = model.embedding(_to_tensors(batches[0][0], lo, hi))
-        ref_out = reference.embed(_to_tensors(batches[0][0]))
+        local_out = model.embedding(to_tensors(batches[0][0], lo, hi))
+        ref_out = reference.embed(to_tensors(batches[0][0]))
         for f, (got, want) in enumerate(zip(local_out, ref_out)):
             self.assertAllClose(got, want[lo:hi], atol=1e-6, rtol=1e-6,
                                 msg=f"feature {f} forward")
@@ -187,14 +187,14 @@ class ParityTest(tf.test.TestCase):
 
         def ref_step(inputs, labels):
             with tf.GradientTape() as tape:
-                loss = _loss(labels, reference(inputs))
+                loss = logistic_loss(labels, reference(inputs))
             grads = tape.gradient(loss, reference.trainable_variables)
             ref_opt.apply_gradients(zip(grads, reference.trainable_variables))
             return loss
 
         def dist_step(inputs, labels):
             with tf.GradientTape() as tape:
-                loss = _loss(labels, model(inputs))
+                loss = logistic_loss(labels, model(inputs))
             grads = tape.gradient(loss, model.trainable_variables)
             dist_opt.apply_gradients(zip(grads, model.trainable_variables))
             return loss
@@ -203,8 +203,8 @@ class ParityTest(tf.test.TestCase):
             # ragged shapes change every step; one relaxed trace serves them all
             dist_step = tf.function(dist_step, reduce_retracing=True)
         for features, labels in batches:
-            ref_step(_to_tensors(features), tf.constant(labels))
-            dist_step(_to_tensors(features, lo, hi), tf.constant(labels[lo:hi]))
+            ref_step(to_tensors(features), tf.constant(labels))
+            dist_step(to_tensors(features, lo, hi), tf.constant(labels[lo:hi]))
 
         gathered = model.embedding.get_weights(all_ranks=True)
         for t, (got, layer) in enumerate(zip(gathered, reference.tables)):

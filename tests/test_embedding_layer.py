@@ -126,7 +126,7 @@ class EmbeddingTest(tf.test.TestCase):
 
     def test_one_d_ids_with_combiner_are_one_id_per_sample(self):
         # tfhybrid's documented behaviour (DE raises ValueError here; an INFO line says so)
-        with self.assertLogs(embedding_module._LOG, level="INFO") as logs:
+        with self.assertLogs("tfhybrid.layers.embedding", level="INFO") as logs:
             out = _layer("mean")(np.array([2, 0], np.int64))
         self.assertAllEqual(out, TABLE[[2, 0]])
         self.assertIn("distributed-embeddings raises", logs.output[0])

@@ -245,7 +245,7 @@ class StallSettingsTest(tf.test.TestCase):
         config = train_app.TrainConfig(stall_check_seconds=5, stall_shutdown_seconds=20)
         with mock.patch.dict(os.environ, {self.SHUTDOWN: "45"}):
             os.environ.pop(self.CHECK, None)
-            limits, notes = train_app._apply_stall_settings(config)
+            limits, notes = train_app.apply_stall_settings(config)
             self.assertEqual(os.environ[self.CHECK], "5")
             self.assertEqual(os.environ[self.SHUTDOWN], "20")
         self.assertEqual(limits, {self.CHECK: 5, self.SHUTDOWN: 20})

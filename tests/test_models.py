@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid import mesh as mesh_lib
-from tfhybrid.train.models import (DCNv2, DLRM, _DotInteraction, build_model,
+from tfhybrid.train.models import (DCNv2, DLRM, DotInteraction, build_model,
                                    export_for_serving, serving_copy)
 
 ROWS = [50, 7, 300]
@@ -42,7 +42,7 @@ class ModelsTest(tf.test.TestCase):
     def test_dot_interaction_is_pairwise_dots(self):
         rng = np.random.default_rng(1)
         vectors = [rng.normal(size=[3, 4]).astype(np.float32) for _ in range(4)]
-        out = _DotInteraction()([tf.constant(v) for v in vectors]).numpy()
+        out = DotInteraction()([tf.constant(v) for v in vectors]).numpy()
         pairs = [np.sum(vectors[i] * vectors[j], axis=1) for i in range(4) for j in range(i)]
         expected = np.concatenate([vectors[0], np.stack(pairs, 1)], axis=1)
         self.assertAllClose(out, expected, atol=1e-5)

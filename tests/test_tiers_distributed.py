@@ -160,7 +160,7 @@ class ShardedTierTest(_TierDir):
         # every replica of a shard (its data group) holds the same rows in the same
         # slots, with the same values
         for key, table in sorted(_tiered_by_key(layer).items()):
-            mine = (table._row_of_slot.copy(), table.cache.numpy(),
+            mine = (table.rows_in_slots(), table.cache.numpy(),
                     table.cache_accumulator.numpy())
             everyone = hvd.allgather_object(mine, process_set=mesh.data_process_set)
             for other in everyone[1:]:

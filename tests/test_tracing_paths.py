@@ -229,7 +229,7 @@ class BuildOrderTest(tf.test.TestCase):
         x = rng.normal(size=[8, 5]).astype(np.float32)
         model.fit(x[mesh.rank::mesh.size], np.ones([8 // mesh.size, 1], np.float32),
                   batch_size=2, verbose=0, callbacks=[callback])
-        self.assertTrue(callback._done)
+        self.assertTrue(callback.broadcast_done)
         everyone = hvd.allgather_object([w for w in model.get_weights()])
         for other in everyone[1:]:
             for got, want in zip(other, everyone[0]):

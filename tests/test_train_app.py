@@ -344,14 +344,15 @@ class TrainConfigTest(tf.test.TestCase):
     def test_separate_optimizers_for_tables_and_dense_layers(self):
         from tfhybrid import mesh as mesh_lib
         from tfhybrid import optimizers
-        from tfhybrid.train.app import TrainConfig, _optimizer
+        from tfhybrid.train.app import TrainConfig, distributed_optimizer
         import tfhybrid
         tfhybrid.init(model_parallel=1)
         try:
-            both = _optimizer(TrainConfig(optimizer="rowwise_adagrad", learning_rate=0.05))
+            both = distributed_optimizer(TrainConfig(optimizer="rowwise_adagrad",
+                                                     learning_rate=0.05))
             self.assertIsInstance(both, optimizers.RowWiseAdagrad)
             self.assertIsNone(both.embedding_optimizer)
-            pair = _optimizer(TrainConfig(
+            pair = distributed_optimizer(TrainConfig(
                 optimizer="sgd", learning_rate=0.3, embedding_optimizer="rowwise_adagrad",
                 embedding_learning_rate=0.05, dense_optimizer="adam",
                 dense_learning_rate=0.003))
@@ -360,8 +361,8 @@ class TrainConfigTest(tf.test.TestCase):
             self.assertIsInstance(pair.embedding_optimizer, optimizers.RowWiseAdagrad)
             self.assertAllClose(float(pair.embedding_optimizer.learning_rate), 0.05)
             # a learning rate not given falls back to --learning_rate
-            fallback = _optimizer(TrainConfig(optimizer="sgd", learning_rate=0.3,
-                                              embedding_optimizer="adagrad"))
+            fallback = distributed_optimizer(TrainConfig(optimizer="sgd", learning_rate=0.3,
+                                                         embedding_optimizer="adagrad"))
             self.assertAllClose(float(fallback.embedding_optimizer.learning_rate), 0.3)
         finally:
             mesh_lib.reset()

@@ -146,7 +146,7 @@ class SyntheticTest(ShardingMixin, tf.test.TestCase):
             hottest.append(values[counts.argmax()])
         self.assertGreater(max(hottest), 100)
         # best_auc is the teacher's AUC on exactly these eval samples
-        _, teacher_ids, teacher_labels, probs = data._teacher(0, CRITEO_ROWS).generate(
+        _, teacher_ids, teacher_labels, probs = data.SyntheticTeacher(0, CRITEO_ROWS).generate(
             "eval", 0, data.SYNTHETIC_EVAL_SAMPLES)
         np.testing.assert_array_equal(teacher_labels, labels)
         np.testing.assert_array_equal(teacher_ids, ids)

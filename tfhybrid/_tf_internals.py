@@ -265,6 +265,11 @@ def has_flat_call(concrete: Any) -> bool:
     return hasattr(concrete, "_call_flat")
 
 
+def traced_functions(function: Any) -> list:
+    """Every ``ConcreteFunction`` a ``tf.function`` has traced so far."""
+    return list(function._list_all_concrete_functions())
+
+
 def children_of(parent: Any) -> dict:
     """``parent``'s checkpoint children by name."""
     return parent._trackable_children()

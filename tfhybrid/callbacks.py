@@ -41,10 +41,6 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         self.broadcast_done = False
         self._local_vars: set = set()
 
-    @property
-    def _done(self) -> bool:
-        return self.broadcast_done
-
     def register_local_var(self, var: tf.Variable) -> None:
         """Keeps ``var`` out of the broadcast (Horovod's worker-local variables)."""
         self._local_vars.add(var.ref())

@@ -156,6 +156,11 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
         for var in var_list:
             self._accumulators.append(self._add_accumulator(var))
 
+    def accumulator_of(self, variable: tf.Variable) -> tf.Variable:
+        """The squared-gradient accumulator of ``variable`` (one value per row of a 2-D
+        variable; for a FIITED pool or a tiered cache, the one its table keeps)."""
+        return self._accumulators[self._index_dict[self._var_key(variable)]]
+
     def _add_accumulator(self, var: tf.Variable) -> tf.Variable:
         table = fiited.table_of(var)
         if table is not None:
@@ -207,7 +212,7 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
     # ---------------------------------------------------------------- update
     def update_step(self, gradient, variable):
         """Applies one row-wise (2-D) or element-wise (other ranks) AdaGrad step."""
-        accumulator = self._accumulators[self._index_dict[self._var_key(variable)]]
+        accumulator = self.accumulator_of(variable)
         lr = tf.cast(self.learning_rate, tf.float32)
         scale = self._momentum_scale(variable)  # Python float, fixed at trace time
         wd = self.rowwise_weight_decay if self._use_weight_decay(variable) else 0.0

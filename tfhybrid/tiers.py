@@ -394,6 +394,10 @@ class CachedTable(tf.Module):
                 "cached_rows": self._filled,
                 "hit_rate": self._hits / looked if looked else 0.0}
 
+    def rows_in_slots(self) -> np.ndarray:
+        """A copy of the table row each cache slot holds (-1: an empty slot)."""
+        return self._row_of_slot.copy()
+
     def memory_bytes(self) -> dict:
         """Bytes in DRAM (the cache, its accumulator and the host index) and in the
         store."""

@@ -74,14 +74,14 @@ class _LayerTables(_tf_internals.Trackable):
 COUNTS_SUFFIX, UTILITY_SUFFIX = "_chunk_counts", "_utility"
 
 
-class _CompactLayout(NamedTuple):
+class CompactLayout(NamedTuple):
     """Where the rows of a FIITED table sit in its checkpoint's compact values tensor.
 
     The tensor is ``[present chunks, chunk_dim]``, chunk-major: chunk 0 of every row that
     holds it (rows in order), then chunk 1, ... So any shard's part of one chunk column
     (its rows that hold that chunk) is one contiguous run of rows, whatever the mesh.
 
-    >>> layout = _CompactLayout.of(np.array([2, 0, 1, 2]), 2)
+    >>> layout = CompactLayout.of(np.array([2, 0, 1, 2]), 2)
     >>> layout.present, layout.runs(2, 4, 0, 2)   # rows 2..3, chunks 0..1: (chunk, start, n)
     (5, [(0, 1, 2), (1, 4, 1)])
     """
@@ -90,10 +90,10 @@ class _CompactLayout(NamedTuple):
     present: int            # the tensor's rows
 
     @staticmethod
-    def of(counts: np.ndarray, chunks: int) -> "_CompactLayout":
+    def of(counts: np.ndarray, chunks: int) -> "CompactLayout":
         counts = np.asarray(counts, np.int64)
         holding = _rows_holding(counts, chunks)
-        return _CompactLayout(counts, np.concatenate([[0], np.cumsum(holding)[:-1]]),
+        return CompactLayout(counts, np.concatenate([[0], np.cumsum(holding)[:-1]]),
                              int(holding.sum()))
 
     def runs(self, row_start: int, row_end: int, chunk_start: int, chunk_end: int
@@ -117,7 +117,7 @@ class _ChunkedTableSaveable(_tf_internals.SaveableObject):
     """A FIITED table (``dims="adaptive"``) as three tensors that fit any mesh:
 
     - its values under the table's own key, compact: only the present chunks,
-      ``[present chunks, chunk_dim]`` in :class:`_CompactLayout`'s order;
+      ``[present chunks, chunk_dim]`` in :class:`CompactLayout`'s order;
     - each row's chunk count, ``<key>_chunk_counts``: ``[rows]`` int32 (a row holds a
       prefix of its chunks);
     - its utility, ``<key>_utility``: ``[rows, chunks]``, each shard's row utility spread
@@ -138,7 +138,7 @@ class _ChunkedTableSaveable(_tf_internals.SaveableObject):
         restoring = _tf_internals.restoring_path()
         if restoring is not None:
             whole_counts = _saved_counts(restoring, name, table)
-        self._layout = _CompactLayout.of(whole_counts, table.chunks)
+        self._layout = CompactLayout.of(whole_counts, table.chunks)
         self._runs = []
         for rect, _ in held:
             chunk_rect = self._chunk_rect(rect)

@@ -220,7 +220,7 @@ def _stall_check_disabled(environ=os.environ) -> bool:
     return value.lstrip("+-").isdigit() and int(value) > 0
 
 
-def _apply_stall_settings(config: TrainConfig) -> tuple[dict[str, int], list[str]]:
+def apply_stall_settings(config: TrainConfig) -> tuple[dict[str, int], list[str]]:
     """Puts the stall flags into the environment, where hvd.init reads them.
 
     Returns the limits in force ({variable: seconds}) and notes for rank 0 about flags
@@ -263,7 +263,7 @@ def _configure_threads(config: TrainConfig) -> None:
         pass  # the runtime already started (run() called twice in one process): keep it
 
 
-def _optimizer(config: TrainConfig):
+def distributed_optimizer(config: TrainConfig) -> Any:
     """The distributed optimizer: one for everything, or one for the dense layers and
     another for the tables (``--dense_optimizer`` / ``--embedding_optimizer``)."""
     import tfhybrid
@@ -640,7 +640,7 @@ def run(config: TrainConfig) -> dict:
     from tfhybrid import distributed as distributed_lib
     from tfhybrid.train.models import build_model, example_batch, export_for_serving
 
-    stall, stall_notes = _apply_stall_settings(config)
+    stall, stall_notes = apply_stall_settings(config)
     mesh = tfhybrid.init(model_parallel=config.model_parallel, layout=config.layout)
     mixed_precision, precision_note = _choose_precision(config, mesh)
     tf.keras.mixed_precision.set_global_policy(MIXED_PRECISION[mixed_precision])
@@ -673,7 +673,7 @@ def run(config: TrainConfig) -> dict:
     model = build_model(config.model, spec.table_rows, spec.dense_features, **model_options)
     local_batch = config.batch_size // mesh.size
     model(example_batch(model, local_batch))
-    optimizer = _optimizer(config)
+    optimizer = distributed_optimizer(config)
     # jit_compile stays off: the collectives cannot be compiled (xla=True compiles towers)
     model.compile(optimizer=optimizer,
                   loss=tf.keras.losses.BinaryCrossentropy(from_logits=True),

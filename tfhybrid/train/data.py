@@ -216,7 +216,7 @@ def dataset_spec(name: str, *, data_dir: str | None = None, max_table_rows: int 
     if name == "criteo_binary":
         rows = tuple(int(r) for r in _criteo_binary_split(data_dir, "train", rows,
                                                           max_table_rows).rows)
-    best = _teacher(int(seed), rows).best_auc() if name == "synthetic" else None
+    best = SyntheticTeacher(int(seed), rows).best_auc() if name == "synthetic" else None
     return DatasetSpec(name, CRITEO_DENSE_FEATURES, rows, CRITEO_FEATURE_NAMES, best)
 
 
@@ -340,8 +340,17 @@ _PAIR_TABLES = (2, 4)          # the teacher's one pairwise term
 _TEACHER_CAT, _TEACHER_DENSE, _TEACHER_PAIR = 1.25, 0.7, 0.6
 
 
-class _Teacher:
-    """The synthetic dataset's generator and planted click model for one seed and table set."""
+class SyntheticTeacher:
+    """The synthetic dataset's generator and planted click model for one seed and the
+    rows of Criteo's 26 tables.
+
+    Example::
+
+        >>> teacher = SyntheticTeacher(seed=0, rows=scaled_cardinalities(1e-4))
+        >>> dense, ids, labels, probabilities = teacher.generate("eval", 0, 4)
+        >>> dense.shape, ids.shape, labels.shape
+        ((4, 13), (4, 26), (4, 1))
+    """
 
     def __init__(self, seed: int, rows: tuple[int, ...]):
         self.seed, self.rows = seed, rows
@@ -433,14 +442,10 @@ def _hash_ids(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _teacher(seed: int, rows: tuple[int, ...]) -> _Teacher:
-    return _Teacher(seed, rows)
-
-
 def _synthetic_dataset(split: str, global_batch: int, rank: int, local: int,
                        rows: tuple[int, ...], seed: int, num_batches: int | None
                        ) -> tf.data.Dataset:
-    teacher = _teacher(seed, rows)
+    teacher = SyntheticTeacher(seed, rows)
     if split == "train":
         batches = tf.data.Dataset.range(num_batches) if num_batches else tf.data.Dataset.counter()
     else:

@@ -70,9 +70,16 @@ class _LocalTables(tf.keras.layers.Layer):
                 table.set_weights([w])
 
 
-class _DotInteraction(tf.keras.layers.Layer):
-    """DLRM's interaction: the dot products of every pair of feature vectors, and the
-    bottom MLP's output itself."""
+class DotInteraction(tf.keras.layers.Layer):
+    """DLRM's interaction: the bottom MLP's output (the first vector) and the dot
+    products of every pair of feature vectors.
+
+    Example::
+
+        >>> out = DotInteraction()([tf.ones([2, 4]), tf.ones([2, 4]), tf.ones([2, 4])])
+        >>> out.shape   # 4 + the 3 pairs of 3 vectors
+        TensorShape([2, 7])
+    """
 
     def call(self, vectors):
         stacked = tf.stack(vectors, axis=1)                        # [b, f, d]
@@ -176,7 +183,7 @@ class DLRM(_ClickModel):
         self.bottom_mlp_dims = bottom
         self.bottom_mlp = self._compiled(_mlp(self.bottom_mlp_dims, "bottom_mlp",
                                               last_linear=False, seed=self.seed))
-        self.interaction = self._compiled(_DotInteraction(name="interaction"))
+        self.interaction = self._compiled(DotInteraction(name="interaction"))
 
     def call(self, inputs, training=None):
         embedded = self._embed(inputs)
@@ -308,4 +315,4 @@ def export_for_serving(model: _ClickModel, export_dir: str, rank: int = 0) -> st
     return export_dir
 
 
-__all__ = ["DLRM", "DCNv2", "MODELS", "build_model", "export_for_serving"]
+__all__ = ["DLRM", "DCNv2", "DotInteraction", "MODELS", "build_model", "export_for_serving"]
