@@ -417,15 +417,20 @@ class EmbeddingRoute:
                 head + [tf.zeros([num_features * _REPORT_FIELDS], tf.int64)] + tail, 0), [1, -1])
         values = tf.concat([tf.cast(bags[f].values, tf.int64) for f in fed], 0)
         sizes = tf.stack([tf.size(bags[f].values, out_type=tf.int64) for f in fed])
-        feature_of = tf.repeat(tf.range(len(fed), dtype=tf.int64), sizes)
+        total = tf.size(values, out_type=tf.int64)
+        places = tf.range(total)
+        # each id's feature: how many features end at or before its place (a dozen ops,
+        # where tf.repeat builds a hundred)
+        feature_of = tf.reshape(tf.raw_ops.UpperBound(
+            sorted_inputs=tf.reshape(tf.cumsum(sizes), [1, -1]),
+            values=tf.reshape(places, [1, -1]), out_type=tf.int64), [-1])
         limits = tf.constant([self.tables[self.input_table_map[f]].rows for f in fed],
                              tf.int64)
         bad = tf.logical_or(values < 0, values >= tf.gather(limits, feature_of))
         # each feature's first bad id, by its place in the list (past the end: none; the
         # list is padded with one good id there, so an empty list has an element too)
-        total = tf.size(values, out_type=tf.int64)
         first_place = tf.math.unsorted_segment_min(
-            tf.where(bad, tf.range(total), total), feature_of, len(fed))
+            tf.where(bad, places, total), feature_of, len(fed))
         first_place = tf.minimum(first_place, total)   # a feature without ids: past the end
         any_bad = first_place < total
         first_bad = tf.where(any_bad, tf.gather(tf.concat([values, [0]], 0), first_place),
@@ -519,10 +524,15 @@ class EmbeddingRoute:
         if self.plan.tables[route.table].kind != Kind.ROW_WISE:
             return bag.values, bag.lengths
         inside = tf.logical_and(bag.values >= route.row_start, bag.values < route.row_end)
-        bag_index = tf.repeat(tf.range(tf.size(bag.lengths, out_type=tf.int64)), bag.lengths)
-        return (tf.boolean_mask(bag.values, inside) - route.row_start,
-                tf.math.unsorted_segment_sum(tf.cast(inside, tf.int64), bag_index,
-                                             tf.size(bag.lengths)))
+        # a bag's count is the difference of the running count of inside ids at its two
+        # ends: a third of the ops of tf.repeat + a segment sum, built at every trace
+        lengths = tf.cast(bag.lengths, tf.int64)
+        inside_before = tf.concat([tf.zeros([1], tf.int64),
+                                   tf.cumsum(tf.cast(inside, tf.int64))], 0)
+        ends = tf.cumsum(lengths)
+        counts = tf.gather(inside_before, ends) - tf.gather(inside_before, ends - lengths)
+        return (tf.gather(bag.values, tf.reshape(tf.where(inside), [-1])) - route.row_start,
+                counts)
 
     def _ids_payload(self, bags: dict) -> tuple[tf.Tensor, tf.Tensor]:
         """dp_input=True, step 2's input: to each position of the model group, the bag
