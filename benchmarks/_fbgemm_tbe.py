@@ -25,8 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _tbe_workload as workload_lib  # noqa: E402  (after the path it lives in)
+import _tbe_workload as workload_lib  # beside this script (run as one: its folder is on sys.path)
 
 
 def send(kind: str, payload: object) -> None:

@@ -1,19 +1,41 @@
-"""Where a benchmark writes its results: its folder under ``benchmarks/results/`` for a
-full run, and a scratch folder for ``--quick``, so that checking a script never
+"""Where a benchmark's paths and child environment come from: the checkout (``ROOT``), the
+results folders, and the environment of the processes a benchmark starts.
+
+A benchmark writes its results into its folder under ``benchmarks/results/`` for a full
+run, and into a scratch folder for ``--quick``, so that checking a script never
 overwrites the figures the docs quote. ``--out`` still chooses any folder.
 
 >>> out_dir("dct_quality", quick=False).endswith("benchmarks/results/dct_quality")
 True
 >>> "benchmarks/results" in out_dir("dct_quality", quick=True)
 False
+>>> RESULTS == os.path.join(ROOT, "benchmarks", "results")
+True
+
+A child gets this checkout as its import path, one OpenMP thread and TF's C++ logs from
+errors up, unless the caller says otherwise (``None``: as this process has it):
+
+>>> env = child_env(TF_NUM_INTRAOP_THREADS="1")
+>>> env["PYTHONPATH"] == ROOT, env["OMP_NUM_THREADS"], env["TF_NUM_INTRAOP_THREADS"]
+(True, '1', '1')
+>>> child_env(OMP_NUM_THREADS=None).get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
+True
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# The scripts import this checkout's tfhybrid (not one installed elsewhere, nor another
+# tree's on PYTHONPATH) and their helpers as ``benchmarks._stats`` etc., which only this
+# folder on sys.path makes importable: importing this module puts it first, for them all.
+# (dlrm_throughput.py imports it only in its parent process for that reason.)
+sys.path.insert(0, ROOT)
 
 
 def out_dir(name: str, quick: bool, given: str | None = None) -> str:
@@ -24,3 +46,15 @@ def out_dir(name: str, quick: bool, given: str | None = None) -> str:
     if quick:
         return tempfile.mkdtemp(prefix=f"tfhybrid-{name}-quick-")
     return os.path.join(RESULTS, name)
+
+
+def child_env(**extra: str | None) -> dict[str, str]:
+    """This process's environment for a benchmark's child (a worker, or the horovodrun of
+    a job): ``PYTHONPATH`` is ROOT alone (an inherited one is replaced, so the child runs
+    this tree's tfhybrid), ``OMP_NUM_THREADS=1`` (ranks share the machine's cores) and
+    ``TF_CPP_MIN_LOG_LEVEL=2``. ``extra`` adds variables or overrides these; a ``None``
+    value leaves that variable as this process has it (set or not)."""
+    chosen = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT,
+              **extra}
+    return dict(os.environ, **{name: value for name, value in chosen.items()
+                               if value is not None})

@@ -37,9 +37,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+try:
+    import _results  # beside this script; it puts the checkout first on sys.path
+except ImportError:  # imported as benchmarks.cluster_comm, its folder not on sys.path
+    from benchmarks import _results
 from tfhybrid.testing import cluster as cluster_lib  # noqa: E402
 
 PYTHON = sys.executable
@@ -50,8 +51,6 @@ WORKLOAD = dict(global_batch=2048, embedding_dim=32, bottom_mlp_dims="64,32",
                 top_mlp_dims="64,32,1", max_table_rows=20000, embedding_optimizer=
                 "rowwise_adagrad", dense_optimizer="adam")
 SYNC_EVERY = 8
-ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
-       "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
 
 
 def configurations(nodes: int, ranks_per_node: int, dct: bool = False) -> list[dict]:
@@ -103,7 +102,8 @@ def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
     started = time.time()
     measured = cluster.run_for_json(
         [PYTHON, "-m", "tfhybrid.train", "--model=dlrm", "--dataset=synthetic", *flags],
-        metrics, timeout, config["name"], env=ENV, cwd=ROOT)
+        metrics, timeout, config["name"], cwd=_results.ROOT,
+        env=_results.child_env(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1"))
     return {**config, "wall_seconds": time.time() - started, **measured}
 
 
@@ -177,8 +177,7 @@ def main() -> int:
                         help="2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
     parser.add_argument("--dct", action="store_true",
                         help="1D and 2D-mm, each without and with DCT (issue 14)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "cluster_comm"))
+    parser.add_argument("--out", default=os.path.join(_results.RESULTS, "cluster_comm"))
     args = parser.parse_args()
     if args.quick:
         args.topologies, args.bandwidths, args.only = "2x2", "loopback,250", "1D,2D-mm"

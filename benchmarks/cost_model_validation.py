@@ -38,9 +38,7 @@ import os
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+import _results  # beside this script; it puts the checkout first on sys.path
 from tfhybrid import cost_model  # noqa: E402
 from tfhybrid.planner import TableConfig  # noqa: E402
 
@@ -147,7 +145,7 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_dir = os.path.join(ROOT, "benchmarks", "results", "cluster_comm")
+    default_dir = os.path.join(_results.RESULTS, "cluster_comm")
     parser.add_argument("--points", nargs="+",
                         default=[os.path.join(default_dir, "points.json")],
                         help="one points.json per repeat of the grid; a point's measured "

@@ -26,17 +26,15 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import _results  # noqa: E402  (beside this script)
+import _results  # beside this script; it puts the checkout first on sys.path
 
 from benchmarks._stats import summarize  # noqa: E402
 
 PYTHON = sys.executable
 HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
-ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
-       "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT,
-       "HOROVOD_STALL_CHECK_TIME_SECONDS": "30", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120"}
+# the jobs' variables besides _results.child_env's
+EXTRA_ENV = dict(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+                 HOROVOD_STALL_CHECK_TIME_SECONDS="30", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="120")
 # the training both arms share: the Makefile's pair of optimizers
 COMMON = ["--embedding_optimizer=rowwise_adagrad", "--embedding_learning_rate=0.05",
           "--dense_optimizer=adam", "--dense_learning_rate=0.003", "--embedding_dim=16",
@@ -70,7 +68,7 @@ def train(model: str, dataset: str, seed: int, dct: dict | None, args) -> dict:
                    f"--model={model}", "--model_parallel=2", f"--seed={seed}",
                    f"--metrics_json={metrics}", *COMMON, *DATASETS[dataset], *length,
                    *dct_flags]
-        done = subprocess.run(command, env=dict(os.environ, **ENV), cwd=ROOT,
+        done = subprocess.run(command, env=_results.child_env(**EXTRA_ENV), cwd=_results.ROOT,
                               capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0 or not os.path.exists(metrics):
             raise RuntimeError(f"{model}/{dataset}/seed {seed}/dct {dct} failed "
@@ -111,7 +109,8 @@ def main() -> int:
     if "movielens" in datasets:
         # fetched once here, not by two ranks at once
         subprocess.run([PYTHON, "-m", "tfhybrid.train.data", "--fetch", "movielens"],
-                       env=dict(os.environ, **ENV), cwd=ROOT, check=True, timeout=600)
+                       env=_results.child_env(**EXTRA_ENV), cwd=_results.ROOT, check=True,
+                       timeout=600)
     dct = dict(dp_keep=args.dp_keep, mp_keep=args.mp_keep,
                refresh_every=args.refresh_every)
     print(f"DCT {dct} vs uncompressed; 2 ranks (1D mesh, M=2); synthetic {args.steps} "

@@ -44,10 +44,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCHMARKS)
-sys.path.insert(0, BENCHMARKS)
-import _stats  # noqa: E402  (after the path it lives in)
+import _stats  # beside this script
+# _results is imported only in the parent's functions: it puts this checkout first on
+# sys.path, and a case's child (this file, --child) must import the tfhybrid of the tree
+# its PYTHONPATH names (a case's @TREE)
 
 BASELINE_MESH = "keras"
 DEFAULT_CASES = (f"{BASELINE_MESH}:fp32",) + tuple(
@@ -224,7 +224,9 @@ def _run_case(case: Case, args: argparse.Namespace) -> dict:
             command = [os.path.join(os.path.dirname(case.python), "horovodrun"), "-np",
                        str(case.processes), "-H", f"localhost:{case.processes}",
                        "--gloo"] + command
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=case.tree or ROOT)
+        import _results
+        # OMP_NUM_THREADS as inherited: a case sets its own thread counts
+        env = _results.child_env(OMP_NUM_THREADS=None, PYTHONPATH=case.tree or _results.ROOT)
         done = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
         if done.returncode != 0 or not os.path.exists(out):
@@ -372,7 +374,7 @@ def _stack(venv: str) -> dict[str, str]:
 
 def _header(cases: list[Case]) -> str:
     """The results file's header: how to rerun it, on what code, machine and stacks."""
-    sys.path.insert(0, ROOT)
+    import _results  # noqa: F401  (puts this checkout first on sys.path)
     from tfhybrid.testing import provenance
     lines = provenance.header(sys.argv)
     for venv in dict.fromkeys(c.venv for c in cases):

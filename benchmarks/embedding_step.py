@@ -28,10 +28,8 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCHMARKS)
-sys.path.insert(0, BENCHMARKS)
-import _stats  # noqa: E402  (after the path it lives in)
+import _results  # beside this script, as is _stats
+import _stats
 
 # name, rows (before --rows_scale), dim, hotness
 TABLES = [("t0", 200_000, 32, 4), ("t1", 100_000, 64, 2), ("t2", 50_000, 32, 8),
@@ -126,8 +124,8 @@ def launch(processes: int, model_parallel: int, local_batch: int, threads: int,
            "--rows_scale", str(args.rows_scale)] + (["--describe"] if args.describe else [])
     if args.eager:
         cmd.append("--eager")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=ROOT, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="120")
+    env = _results.child_env(OMP_NUM_THREADS=str(threads),
+                             HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="120")
     if processes > 1:
         cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np",
                str(processes), "-H", f"localhost:{processes}", "--gloo"] + cmd

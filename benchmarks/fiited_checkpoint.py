@@ -21,12 +21,10 @@ import argparse
 import glob
 import os
 import re
-import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _results  # noqa: F401  (beside this script; puts the checkout first on sys.path)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402

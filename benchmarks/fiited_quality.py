@@ -35,8 +35,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _results  # beside this script; it puts the checkout first on sys.path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -240,8 +239,7 @@ def main() -> int:
     parser.add_argument("--arms", nargs="*", default=["uniform", "frequency"],
                         help="the same-bytes baselines to run beside dense and FIITED")
     parser.add_argument("--steps", type=int, default=0, help="override the training steps")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                      "fiited_quality"))
+    parser.add_argument("--out", default=os.path.join(_results.RESULTS, "fiited_quality"))
     args = parser.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(2)
     results = []

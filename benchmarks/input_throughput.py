@@ -53,8 +53,7 @@ import tempfile
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _results  # beside this script; it puts the checkout first on sys.path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -277,7 +276,7 @@ def main() -> int:
                         help="each rank's timed window, in whole passes, at least this long")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a run's rank processes get to report before being killed")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--out", default=_results.RESULTS)
     args = parser.parse_args()
     if args.cpu_share < 0 or 0 < args.cpu_share < 0.01:
         parser.error(f"--cpu_share={args.cpu_share}: expected 0 or at least 0.01 (the "

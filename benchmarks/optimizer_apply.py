@@ -65,14 +65,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-BENCHMARKS = Path(__file__).resolve().parent
-ROOT = BENCHMARKS.parent
-sys.path.insert(0, str(BENCHMARKS))
-import _stats  # noqa: E402  (after the path it lives in)
-import _tbe_workload as workload_lib  # noqa: E402
+# beside this script; _results puts the checkout first on sys.path (for tfhybrid)
+import _results
+import _stats
+import _tbe_workload as workload_lib
 
-BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"  # made by `make bench-setup`
-FBGEMM_WORKER = BENCHMARKS / "_fbgemm_tbe.py"
+BENCH_PYTHON = Path(_results.ROOT) / ".venv-bench" / "bin" / "python"  # `make bench-setup`
+FBGEMM_WORKER = Path(__file__).resolve().parent / "_fbgemm_tbe.py"
 FULL_ROWS, FULL_BATCH = 1_000_000, 4096  # --scale 1
 QUICK_SCALE = 1 / 16
 # Differences of outputs relative to max(1, |reference|): float32 sums in another order
@@ -225,7 +224,6 @@ def _cpu_model() -> str:
 def _import_tf(args: argparse.Namespace):
     """TensorFlow with the benchmark's thread settings."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.path.insert(0, str(ROOT))
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -709,7 +707,6 @@ def build_worker(args: argparse.Namespace) -> int:
 
 
 def compare_builds(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT))
     from tfhybrid.custom_ops import build as ops_build
 
     workload = workload_of(args)

@@ -45,18 +45,16 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import _results  # noqa: E402  (beside this script)
+import _results  # beside this script; it puts the checkout first on sys.path
 
 PYTHON = sys.executable
 # 1D: one model group over both nodes, so the ids alltoall crosses the link
 WORKLOAD = dict(tables=16, rows=20000, dim=32, hotness=8, dense=13, global_batch=2048,
                 zipf=1.05)
-# one compute thread per rank; two inter-op threads, so that the read-ahead's function can
-# run beside the step's (with one they take turns), as the app sets them when pipelining
-ENV = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
-       "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
+# the jobs' variables besides _results.child_env's: one compute thread per rank; two
+# inter-op threads, so that the read-ahead's function can run beside the step's (with one
+# they take turns), as the app sets them when pipelining
+EXTRA_ENV = dict(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="2")
 MODES = ("plain", "route", "step", "after_rows", "at_start", "pipelined")
 PIPELINED = ("after_rows", "at_start", "pipelined")
 LABELS = {"after_rows": "route collectives once the rows arrive",
@@ -335,8 +333,9 @@ def main() -> int:
                 command = [PYTHON, os.path.abspath(__file__), f"--worker={result}",
                            f"--steps={args.steps}", f"--blocks={args.blocks}",
                            f"--warmup={args.warmup}", f"--towers={args.towers}"]
-                measured = cluster.run_for_json(command, result, args.timeout,
-                                                f"{topology} {link}", env=ENV, cwd=ROOT)
+                measured = cluster.run_for_json(
+                    command, result, args.timeout, f"{topology} {link}",
+                    env=_results.child_env(**EXTRA_ENV), cwd=_results.ROOT)
                 name = f"{topology} " + (link if link == "loopback" else f"{link} Mb/s")
                 points.append(dict(link=name, **measured,
                                    summary=_summary(measured)))

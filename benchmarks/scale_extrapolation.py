@@ -30,11 +30,9 @@ Usage: python benchmarks/scale_extrapolation.py [--png scale_extrapolation.png]
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _results  # noqa: F401  (beside this script; puts the checkout first on sys.path)
 
 from tfhybrid import cost_model, planner  # noqa: E402
 from tfhybrid.cost_model import ClusterSpec, ComputeRates, Workload  # noqa: E402

@@ -26,11 +26,9 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-import _results  # noqa: E402  (beside this script)
+import _results  # beside this script
 PYTHON = sys.executable
 HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
-ENV = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
 
 
 def _flags(args) -> list[str]:
@@ -47,7 +45,7 @@ def _run(args, work: str, label: str, extra: list[str]) -> dict:
     out = os.path.join(work, f"{label}.json")
     command = [HOROVODRUN, "-np", "4", "-H", "localhost:4", "--gloo", PYTHON, "-m",
                "tfhybrid.train"] + _flags(args) + extra + [f"--metrics_json={out}"]
-    done = subprocess.run(command, env=dict(os.environ, **ENV), cwd=ROOT,
+    done = subprocess.run(command, env=_results.child_env(), cwd=_results.ROOT,
                           capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{label} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")

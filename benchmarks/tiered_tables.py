@@ -45,8 +45,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _results  # beside this script; it puts the checkout first on sys.path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -355,7 +354,8 @@ def scale(args) -> dict:
 
 def _report(args, tput: dict | None, big: dict | None, started: float) -> str:
     mib = 2**20
-    lines = [f"Command: {' '.join([os.path.relpath(sys.executable, ROOT)] + sys.argv)}",
+    python = os.path.relpath(sys.executable, _results.ROOT)
+    lines = [f"Command: {' '.join([python] + sys.argv)}",
              f"date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; {os.cpu_count()} CPUs; run "
              f"time {(time.perf_counter() - started) / 60:.1f} min"]
     if tput is not None:

@@ -22,7 +22,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _results  # beside this script
+
 TABLES = [("a", 5000, 8), ("b", 2000, 8), ("c", 20000, 8), ("d", 800, 8)]
 HOTNESS = 2
 
@@ -116,8 +117,7 @@ def main() -> None:
                "--model_parallel", str(model_parallel), "--local_batch", str(args.local_batch),
                "--steps", str(args.steps), "--sync_every", str(args.sync_every),
                "--learning_rate", str(args.learning_rate)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TF_NUM_INTRAOP_THREADS="1",
-                   TF_NUM_INTEROP_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+        env = _results.child_env(TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1")
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         line = next((l for l in out.stdout.splitlines() if "RESULT " in l), None)
         if line is None:
