@@ -11,7 +11,8 @@ import tensorflow as tf
 import tfhybrid  # noqa: F401 - before tf.keras is used: checks it is Keras 2
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
-from tfhybrid.sharding import full_tables, placement, rank_stores, route, stores, tables
+from tfhybrid.sharding import (bags, full_tables, id_check, placement, rank_stores, route,
+                               stores, tables)
 from tfhybrid.tiers import CachedTable
 
 ROWS, WIDTH = 40, 4
@@ -101,7 +102,8 @@ class StoreSetTest(tf.test.TestCase):
 class ExamplesTest(tf.test.TestCase):
 
     def test_module_and_class_examples_run(self):
-        for module in (tables, stores, route, full_tables, placement, rank_stores):
+        for module in (tables, stores, route, bags, id_check, full_tables, placement,
+                       rank_stores):
             self.assertEqual(doctest.testmod(module).failed, 0, module.__name__)
             docs = [inspect.getdoc(module)] + [
                 inspect.getdoc(cls) for _, cls in inspect.getmembers(module, inspect.isclass)
@@ -112,7 +114,7 @@ class ExamplesTest(tf.test.TestCase):
                     exec(textwrap.dedent(doc.split("Example::", 1)[1]), {})  # pylint: disable=exec-used
 
     def test_public_classes_have_examples(self):
-        for module in (stores, route, full_tables, placement, rank_stores):
+        for module in (stores, route, bags, id_check, full_tables, placement, rank_stores):
             for name, cls in inspect.getmembers(module, inspect.isclass):
                 if cls.__module__ != module.__name__ or name.startswith("_"):
                     continue

@@ -3,8 +3,9 @@
 One step of the forward, as :meth:`EmbeddingRoute.forward` runs it:
 
 1. ``bags_of``: the fed features as bags (ids and bag lengths);
-2. ``prepare`` (this rank alone): the id check's report and the ids for their owners,
-   what the collectives will send; ``TrainPipeline`` runs it a batch ahead;
+2. ``prepare`` (this rank alone): the id check's report (``sharding/id_check.py``) and
+   the ids for their owners, what the collectives will send; ``TrainPipeline`` runs it
+   a batch ahead;
 3. ``exchange`` (collectives): every rank checks every rank's report (one allgather, so
    bad input fails on every rank at once instead of hanging a collective), then the ids
    travel to the position owning each shard (one ``alltoall`` in the model group);
@@ -35,7 +36,6 @@ Example (one process: a 1x1 mesh routes to itself)::
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Sequence
 
 import tensorflow as tf
@@ -45,14 +45,11 @@ from tfhybrid import compression
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import pipeline as pipeline_lib
 from tfhybrid.plan.types import Kind, ShardingPlan
+from tfhybrid.sharding.bags import BagReader, Bags
+from tfhybrid.sharding.id_check import IdCheck, first_failure
 from tfhybrid.sharding.stores import StoreSet
 from tfhybrid.sharding.tables import TableSpec
 from tfhybrid.tiers import CachedTable
-
-_LOG = logging.getLogger("tfhybrid")
-
-# per feature in a rank's id report: bad id?, the first bad id, bad input?, bags per sample
-_REPORT_FIELDS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,23 +62,6 @@ class RouteEntry:
     row_start: int
     row_end: int
     width: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Bags:
-    """One feature as bags: ``values`` ids, ``lengths`` ids per bag."""
-    values: tf.Tensor
-    lengths: tf.Tensor       # [batch * per_sample]
-    batch: tf.Tensor         # samples (int64): per_sample may be 0 (zero hotness)
-    # bags per sample: hotness for combiner=None, else 1; an int64 scalar tensor when
-    # the hotness is known only at run time
-    per_sample: int | tf.Tensor
-    out_shape: Any           # None, or the trailing shape for combiner=None
-    combiner: str | None
-    # dp_input=False: whether this rank's input turns out unsupported at run time (a
-    # bool tensor), and why; the validation reports it with the static reasons
-    unsupported: Any = False
-    unsupported_reason: str = ""
 
 
 class EmbeddingRoute:
@@ -113,7 +93,6 @@ class EmbeddingRoute:
         self.plan = plan
         self.tables = list(tables)
         self.input_table_map = list(input_table_map)
-        self.fed_features = list(fed_features)
         self.dp_input = dp_input
         self.stores = stores
         # the empty variable that rides along with the rows (the layer's build says why)
@@ -122,6 +101,9 @@ class EmbeddingRoute:
         # DCT-MP: the share of each sample's returned rows the alltoall carries
         self.mp_keep = mp_keep
         self.replica_sync = replica_sync
+        self.bag_reader = BagReader(name, mesh, plan, tables, input_table_map,
+                                    fed_features, dp_input)
+        self.id_check = IdCheck(name, mesh, tables, input_table_map, dp_input)
         # the (feature, shard) pairs each position serves, in one fixed order that every
         # rank derives from the same plan
         self.routes: list[list[RouteEntry]] = [[] for _ in range(mesh.model_parallel)]
@@ -181,27 +163,9 @@ class EmbeddingRoute:
         return outputs, local_batch
 
     def bags_of(self, inputs) -> tuple[dict, Any, dict]:
-        """The fed features as bags, the local batch, and dp_input=False's bad inputs."""
-        inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-        fed = self.fed_features
-        if len(inputs) != len(fed):
-            raise ValueError(f"DistributedEmbedding got {len(inputs)} inputs; expected "
-                             f"{len(fed)}" + ("" if self.dp_input else
-                                              f" (features {fed}, dp_input=False)"))
-        raw = dict(zip(fed, inputs))
-        invalid: dict[int, str] = {}
-        if self.dp_input:
-            bags = {f: self._as_bags(f, x) for f, x in raw.items()}
-            return bags, bags[0].batch, invalid
-        local_batch = self._local_batch_of_group(inputs[0])
-        start = tf.cast(self.mesh.model_position, local_batch.dtype) * local_batch
-        bags = {}
-        for f, x in raw.items():
-            if self.plan.tables[self.input_table_map[f]].kind == Kind.DATA_PARALLEL:
-                # a replicated table looks up only this rank's share of the batch
-                x = x[start:start + local_batch]
-            bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
-        return bags, local_batch, invalid
+        """Step 1 (:class:`~tfhybrid.sharding.bags.BagReader`): the fed features as bags,
+        the local batch, and dp_input=False's bad inputs."""
+        return self.bag_reader.bags_of(inputs)
 
     def checked_route(self, bags: dict, batch, invalid: dict) -> tuple[dict, list]:
         """Steps 1-2: the checked bags and the ids of the routes this position owns.
@@ -230,7 +194,7 @@ class EmbeddingRoute:
         allgather that checks the ids. A pipeline prepares batch t+2 during step t and
         sends it during step t+1, so nothing here may touch a variable.
         """
-        report = self._id_report(bags, batch, invalid, ended)
+        report = self.id_check.report(bags, batch, invalid, ended)
         mine = self.routes[self.mesh.model_position]
         parts = []
         if any(self.routes):
@@ -270,11 +234,11 @@ class EmbeddingRoute:
         bags_per_route = tuple(next(run_time) if k is None else k for k in static_per_route)
         report, batch = sending[0], sending[1]
         parts = list(sending[2:len(sending) - static_per_route.count(None)])
-        checks, all_ended = self._id_checks(report, reasons, read_ahead)
+        checks, all_ended = self.id_check.checks(report, reasons, read_ahead)
         if read_ahead:
             # TrainPipeline raises after the step it runs beside has finished, so that a
             # bad batch read ahead cannot cut that step's update short
-            failure, asserts = _first_failure(checks), []
+            failure, asserts = first_failure(checks), []
         else:
             failure = None
             asserts = [tf.debugging.Assert(holds, [message]) for holds, message in checks]
@@ -309,217 +273,7 @@ class EmbeddingRoute:
                            else tf.cast(zeros, self.compute_dtype))
         return outputs
 
-    def _local_batch_of_group(self, ids) -> tf.Tensor:
-        """dp_input=False: the model group's batch G fed here, divided by M (int64)."""
-        group = self.mesh.model_parallel
-        rows = ids.nrows() if isinstance(ids, tf.RaggedTensor) else None
-        static = (ids.shape[0] if not isinstance(ids, tf.RaggedTensor) else
-                  tf.get_static_value(rows))
-        if static is not None and int(static) % group:
-            raise ValueError(
-                f"DistributedEmbedding {self.name!r} (dp_input=False): the model group's "
-                f"batch size {int(static)} is not divisible by the {group} ranks of the "
-                "model group; feed a batch that splits evenly")
-        if rows is None:
-            rows = tf.shape(tf.convert_to_tensor(ids), out_type=tf.int64)[0]
-        rows = tf.cast(rows, tf.int64)
-        with tf.control_dependencies([tf.debugging.assert_equal(
-                rows % group, tf.constant(0, tf.int64),
-                message=f"DistributedEmbedding {self.name!r} (dp_input=False): the model "
-                        f"group's batch size is not divisible by the {group} ranks of the "
-                        "model group")]):
-            return tf.identity(rows // group)
-
-    def _as_model_parallel_bags(self, feature: int, ids) -> tuple["Bags", str]:
-        """dp_input=False: this rank's bags, or a stand-in and the reason they are bad.
-
-        Only this rank sees this feature, so raising here would leave the other ranks
-        waiting in a collective; the reason travels in the validation instead.
-        """
-        table = self.tables[self.input_table_map[feature]]
-        one_per_sample = ("with dp_input=False a table without a combiner takes one id per "
-                          "sample ([batch] ids), because the other ranks must know its "
-                          "output shape")
-        try:
-            bags = self._as_bags(feature, ids)
-            if not isinstance(bags.per_sample, int):
-                # the hotness is known only at run time: one id per sample holds or the
-                # validation stops every rank (the bags are read as one id per sample)
-                return dataclasses.replace(
-                    bags, lengths=tf.ones_like(bags.values), per_sample=1, out_shape=None,
-                    unsupported=tf.not_equal(bags.per_sample, 1),
-                    unsupported_reason=f"feature {feature} (table {table.name!r}, "
-                    f"combiner=None) has a hotness other than 1 at run time; "
-                    f"{one_per_sample}"), ""
-            if bags.per_sample != 1:
-                raise ValueError(
-                    f"feature {feature} (table {table.name!r}, combiner=None) has shape "
-                    f"{ids.shape}; {one_per_sample}")
-            return bags, ""
-        except ValueError as error:
-            _LOG.error("DistributedEmbedding %r: %s", self.name, error)
-            batch = (ids.nrows() if isinstance(ids, tf.RaggedTensor)
-                     else tf.shape(tf.convert_to_tensor(ids), out_type=tf.int64)[0])
-            return self._as_bags(feature, tf.zeros([batch], tf.int64)), str(error)
-
-    def _as_bags(self, feature: int, ids) -> "Bags":
-        table = self.tables[self.input_table_map[feature]]
-        if isinstance(ids, tf.RaggedTensor):
-            if table.combiner is None:
-                raise ValueError(
-                    f"feature {feature} (table {table.name!r}) is ragged, which needs a "
-                    "combiner ('sum' or 'mean'); the table has combiner=None")
-            values = tf.cast(ids.flat_values, tf.int64)
-            lengths = tf.cast(ids.row_lengths(), tf.int64)
-            return Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
-                              table.combiner)
-        ids = tf.convert_to_tensor(ids)
-        if not ids.dtype.is_integer:
-            raise ValueError(f"feature {feature} (table {table.name!r}) has dtype "
-                             f"{ids.dtype.name}; expected integer ids")
-        if ids.shape.rank not in (1, 2):
-            raise ValueError(f"feature {feature} (table {table.name!r}) has shape "
-                             f"{ids.shape}; expected [batch] or [batch, hotness]")
-        values = tf.reshape(tf.cast(ids, tf.int64), [-1])
-        if ids.shape.rank == 1:
-            return Bags(values, tf.ones_like(values), tf.size(values, out_type=tf.int64),
-                              1, None, table.combiner)
-        # A pipeline traced from a Sequence or a generator knows only the rank: the
-        # hotness is then read at run time, as tf.keras.layers.Embedding does.
-        hotness = ids.shape[1]
-        if hotness is None:
-            hotness = tf.shape(ids, out_type=tf.int64)[1]
-        if table.combiner is None:
-            # no combiner: each id is a bag of one, reshaped to [batch, hotness, dim]
-            return Bags(values, tf.ones_like(values),
-                              tf.shape(ids, out_type=tf.int64)[0], hotness, hotness, None)
-        lengths = tf.fill([tf.shape(ids, out_type=tf.int64)[0]],
-                          tf.cast(hotness, tf.int64))
-        return Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
-                          table.combiner)
-
-    def _id_report(self, bags: dict, batch, invalid: dict, ended=None) -> tf.Tensor:
-        """This rank's row of the id check (:meth:`_id_checks`): [batch, (bad?, first
-        bad id, bad input?, bags per sample) per feature] (zeros for a feature it does not
-        feed), and with ``ended`` (``TrainPipeline``'s read-ahead) whether its input has
-        ended.
-
-        Every fed feature's ids are checked at once, as one list with each id's feature
-        beside it: a trace then holds a few ops for all features, not a dozen per feature
-        (a step's graph is built on every rank, and this check was most of the layer's).
-        """
-        num_features = len(self.input_table_map)
-        fed = [f for f in range(num_features) if f in bags]
-        head = [tf.reshape(tf.cast(batch, tf.int64), [1])]
-        tail = [] if ended is None else [tf.reshape(tf.cast(ended, tf.int64), [1])]
-        if not fed:
-            return tf.reshape(tf.concat(
-                head + [tf.zeros([num_features * _REPORT_FIELDS], tf.int64)] + tail, 0), [1, -1])
-        values = tf.concat([tf.cast(bags[f].values, tf.int64) for f in fed], 0)
-        sizes = tf.stack([tf.size(bags[f].values, out_type=tf.int64) for f in fed])
-        total = tf.size(values, out_type=tf.int64)
-        places = tf.range(total)
-        # each id's feature: how many features end at or before its place (a dozen ops,
-        # where tf.repeat builds a hundred)
-        feature_of = tf.reshape(tf.raw_ops.UpperBound(
-            sorted_inputs=tf.reshape(tf.cumsum(sizes), [1, -1]),
-            values=tf.reshape(places, [1, -1]), out_type=tf.int64), [-1])
-        limits = tf.constant([self.tables[self.input_table_map[f]].rows for f in fed],
-                             tf.int64)
-        bad = tf.logical_or(values < 0, values >= tf.gather(limits, feature_of))
-        # each feature's first bad id, by its place in the list (past the end: none; the
-        # list is padded with one good id there, so an empty list has an element too)
-        first_place = tf.math.unsorted_segment_min(
-            tf.where(bad, places, total), feature_of, len(fed))
-        first_place = tf.minimum(first_place, total)   # a feature without ids: past the end
-        any_bad = first_place < total
-        first_bad = tf.where(any_bad, tf.gather(tf.concat([values, [0]], 0), first_place),
-                             tf.zeros([], tf.int64))
-
-        def scalars(items: list) -> tf.Tensor:
-            # one constant when every item is known now, else one stacked tensor
-            if not any(tf.is_tensor(x) for x in items):
-                return tf.constant([int(x) for x in items], tf.int64)
-            return tf.stack([tf.cast(x, tf.int64) for x in items])
-
-        bad_input = scalars([tf.logical_or(bool(invalid.get(f)), bags[f].unsupported)
-                             if tf.is_tensor(bags[f].unsupported)
-                             else bool(invalid.get(f)) or bool(bags[f].unsupported)
-                             for f in fed])
-        per_sample = scalars([bags[f].per_sample for f in fed])
-        rows = tf.stack([tf.cast(any_bad, tf.int64), first_bad, bad_input, per_sample], 1)
-        if len(fed) < num_features:   # zeros for the features this rank does not feed
-            rows = tf.scatter_nd(tf.constant(fed, tf.int64)[:, None], rows,
-                                 [num_features, _REPORT_FIELDS])
-        return tf.reshape(tf.concat(head + [tf.reshape(rows, [-1])] + tail, 0), [1, -1])
-
-    def _id_checks(self, report: tf.Tensor, reasons: tuple, read_ahead: bool
-                   ) -> tuple[list, Any]:
-        """Checks that every id is in range and every rank has the same batch size (and,
-        with ``dp_input=True``, the same bags per sample: an owner reads every rank's
-        ids by its own).
-
-        After one allgather of every rank's :meth:`_id_report` every rank holds the same
-        ``(holds, message)`` checks, so all raise alike and none is left in a collective.
-        ``reasons``: why this rank's input is not supported, if it is not. For a
-        read-ahead the ranks must also agree on whether their input has ended, and the
-        second value is whether they all have (else None).
-        """
-        num_features = len(self.input_table_map)
-        everyone = collectives.allgather(report, self.mesh.size,
-                                         f"tfhybrid_{self.name}_validate")
-        sizes = everyone[:, 0]
-        flags = tf.reshape(everyone[:, 1:1 + _REPORT_FIELDS * num_features],
-                           [self.mesh.size, num_features, _REPORT_FIELDS])
-        names = tf.constant([self.tables[t].name for t in self.input_table_map])
-        rows = tf.constant([self.tables[t].rows for t in self.input_table_map], tf.int64)
-
-        def first(mask):
-            where = tf.argmax(tf.cast(tf.reshape(mask, [-1]), tf.int32))
-            return where, where // num_features, where % num_features
-
-        bad_any = flags[:, :, 0] > 0
-        where, bad_rank, bad_feature = first(bad_any)
-        id_message = tf.strings.join([
-            "DistributedEmbedding: embedding table '", tf.gather(names, bad_feature),
-            "' got id ",
-            tf.strings.as_string(tf.reshape(flags, [-1, _REPORT_FIELDS])[where, 1]),
-            " on rank ", tf.strings.as_string(bad_rank), "; expected ids in [0, ",
-            tf.strings.as_string(tf.gather(rows, bad_feature)), ")"])
-        bad_input = flags[:, :, 2] > 0
-        _, input_rank, input_feature = first(bad_input)
-        input_message = tf.strings.join([
-            "DistributedEmbedding: feature ", tf.strings.as_string(input_feature),
-            " (table '", tf.gather(names, input_feature), "') on rank ",
-            tf.strings.as_string(input_rank), " is not a supported input; that rank's log "
-            "says why"] + [f" (here: {reason})" for reason in reasons])
-        batch_message = tf.strings.format(
-            "DistributedEmbedding: {} batch sizes differ across ranks; batch size of "
-            "rank 0..{}: {}", ["local" if self.dp_input else "model-group",
-                               self.mesh.size - 1, sizes], summarize=-1)
-        checks = [(tf.logical_not(tf.reduce_any(bad_input)), input_message),
-                  (tf.logical_not(tf.reduce_any(bad_any)), id_message),
-                  (tf.reduce_all(tf.equal(sizes, sizes[0])), batch_message)]
-        if self.dp_input:
-            per_sample = flags[:, :, 3]
-            checks.append((tf.reduce_all(tf.equal(per_sample, per_sample[:1])),
-                           tf.strings.format(
-                               "DistributedEmbedding: the hotness of a table without a "
-                               "combiner differs across ranks; bags per sample of each "
-                               "feature on rank 0..{}: {}",
-                               [self.mesh.size - 1, per_sample], summarize=-1)))
-        all_ended = None
-        if read_ahead:
-            ended_ranks = everyone[:, -1] > 0
-            checks.append((tf.equal(tf.reduce_any(ended_ranks), tf.reduce_all(ended_ranks)),
-                           tf.strings.format(
-                               pipeline_lib.ENDED_MESSAGE,
-                               [tf.boolean_mask(tf.range(self.mesh.size), ended_ranks)],
-                               summarize=-1)))
-            all_ended = tf.reduce_all(ended_ranks)
-        return checks, all_ended
-
-    def _shard_ids(self, bag: "Bags", route: RouteEntry) -> tuple[tf.Tensor, tf.Tensor]:
+    def _shard_ids(self, bag: Bags, route: RouteEntry) -> tuple[tf.Tensor, tf.Tensor]:
         """The route's ids (relative to its shard) and the number of them in each bag."""
         if self.plan.tables[route.table].kind != Kind.ROW_WISE:
             return bag.values, bag.lengths
@@ -744,14 +498,6 @@ class EmbeddingRoute:
             # the batch, not -1: with zero hotness the size says nothing about it
             summed = tf.reshape(summed, [bag.batch, bag.out_shape, summed.shape[-1]])
         return tf.cast(summed, self.compute_dtype)
-
-
-def _first_failure(checks: list) -> tf.Tensor:
-    """The message of the first ``(holds, message)`` check that fails, or ""."""
-    holds = tf.stack([h for h, _ in checks])
-    messages = tf.stack([m for _, m in checks])
-    return tf.where(tf.reduce_all(holds), tf.constant(""),
-                    tf.gather(messages, tf.argmin(tf.cast(holds, tf.int32))))
 
 
 @tf.custom_gradient
