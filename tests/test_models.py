@@ -104,5 +104,18 @@ class ModelsTest(tf.test.TestCase):
                             "categorical": tf.zeros([16, 2], tf.int32)})
 
 
+class ExamplesTest(tf.test.TestCase):
+
+    def test_docstring_examples_run(self):
+        # the examples of the app's models and of the test helpers tests rely on
+        import doctest
+        from tfhybrid.testing import graphs
+        from tfhybrid.train import data, models
+        for module in (models, data, graphs):
+            result = doctest.testmod(module)
+            self.assertGreater(result.attempted, 0, module.__name__)
+            self.assertEqual(result.failed, 0, module.__name__)
+
+
 if __name__ == "__main__":
     tf.test.main()
