@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import tempfile
@@ -32,7 +33,7 @@ def _dense_reference(initial):
 class NothingPrunedTest(unittest.TestCase):
 
     def test_lookup_and_adagrad_equal_a_dense_table_bit_for_bit(self):
-        # the pure-TF paths of both (the C++ kernels sum squares in another order)
+        # the pure-TF paths of both (CppPathTest holds the C++ kernels to a reference)
         table = ChunkedTable(ROWS, DIM, CHUNKS, seed=3, use_custom_op=False)
         var, accum = _dense_reference(table.to_dense())
         for ids, grad in _batches():
@@ -45,16 +46,6 @@ class NothingPrunedTest(unittest.TestCase):
         np.testing.assert_array_equal(table.lookup(ids).numpy(),
                                       tf.gather(var, ids).numpy())
         self.assertEqual(table.present_chunks(), ROWS * CHUNKS)
-
-    def test_matches_the_fused_kernel(self):
-        table = ChunkedTable(ROWS, DIM, CHUNKS, seed=4, use_custom_op=True)
-        var, accum = _dense_reference(table.to_dense())
-        for ids, grad in _batches(seed=1):
-            table.apply(ids, grad, learning_rate=0.05)
-            custom_ops.rowwise_adagrad_apply(var, accum, ids, grad, 0.05, 1e-8,
-                                             use_custom_op=True)
-        np.testing.assert_allclose(table.to_dense().numpy(), var.numpy(), rtol=1e-6,
-                                   atol=1e-7)
 
     def test_chunked_kernels_equal_the_pure_tf_path_after_pruning(self):
         tables = [ChunkedTable(ROWS, DIM, CHUNKS, seed=8, min_chunks=0, use_custom_op=op)
@@ -114,6 +105,101 @@ class NothingPrunedTest(unittest.TestCase):
             eager.apply(ids, grad, learning_rate=0.1)
             step(ids, grad)
         np.testing.assert_array_equal(eager.to_dense().numpy(), traced.to_dense().numpy())
+
+
+def _float32_rowwise_adagrad(w, v, held, ids, grad, lr, eps, scale, wd):
+    """Row-wise AdaGrad on a dense float32 numpy table, step by step in the order the C++
+    kernels document (cc/kernels/sum_squares_impl.h): a row's gradient rows added in
+    input order; the squares of its first ``held[i]`` entries into 16 lanes (entry d into
+    lane d % 16 while 16 remain, the rest into lane 0), the lanes added as a tree, times
+    1/held; then the step and the decay on those entries. Every operation is one float32
+    operation, so the result is exact, not approximate."""
+    f = np.float32
+    w, v = w.copy(), v.copy()
+    lr, eps, scale = f(lr), f(eps), f(scale)
+    decay = lr * f(wd)
+    for i in dict.fromkeys(ids.tolist()):
+        rows = grad[ids == i]
+        g = rows[0].copy()
+        for row in rows[1:]:
+            g = g + row
+        h = int(held[i])
+        if h == 0:
+            continue
+        lanes = np.zeros(16, f)
+        whole = h - h % 16
+        for d in range(0, whole, 16):
+            lanes = lanes + g[d:d + 16] * g[d:d + 16]
+        for d in range(whole, h):
+            lanes[0] = lanes[0] + g[d] * g[d]
+        for width in (8, 4, 2, 1):
+            lanes[:width] = lanes[:width] + lanes[width:2 * width]
+        v[i] = v[i] + lanes[0] * (f(1) / f(h))
+        mult = lr / (np.sqrt(v[i] / scale) + eps)
+        stepped = w[i, :h] - mult * g[:h]
+        w[i, :h] = stepped - decay * stepped if wd else stepped
+    return w, v
+
+
+class CppPathTest(unittest.TestCase):
+    """FIITED's C++ kernels (the path users run) against a dense float32 numpy table:
+    equal bit for bit until pruning, and on the held entries after it, at widths under,
+    over and at whole multiples of the kernels' 16 lanes."""
+
+    SHAPES = ((12, 4), (40, 8), (64, 8))   # (dim, chunks)
+    SETTINGS = ((0.05, 1e-8, 1.0, 0.0), (0.2, 1e-3, 4.0, 0.01))   # lr, eps, scale, decay
+
+    def _batches(self, dim, seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(4):
+            ids = rng.integers(0, ROWS // 2, size=40)   # duplicates, rows never touched
+            yield ids, rng.normal(size=(40, dim)).astype(np.float32)
+
+    def test_a_pool_holding_every_entry_updates_as_a_dense_table_bit_for_bit(self):
+        for (dim, chunks), (lr, eps, scale, wd) in itertools.product(self.SHAPES,
+                                                                     self.SETTINGS):
+            with self.subTest(dim=dim, chunks=chunks, scale=scale, weight_decay=wd):
+                table = ChunkedTable(ROWS, dim, chunks, seed=dim, use_custom_op=True)
+                w = start = table.to_dense().numpy()
+                v = np.zeros([ROWS], np.float32)
+                var, accum = tf.Variable(w), tf.Variable(v)
+                held = np.full([ROWS], dim)
+                for ids, grad in self._batches(dim, seed=dim + 1):
+                    table.apply(tf.constant(ids), tf.constant(grad), learning_rate=lr,
+                                epsilon=eps, scale=scale, weight_decay=wd)
+                    custom_ops.rowwise_adagrad_apply(var, accum, tf.constant(ids),
+                                                     tf.constant(grad), lr, eps, scale=scale,
+                                                     weight_decay=wd, use_custom_op=True)
+                    w, v = _float32_rowwise_adagrad(w, v, held, ids, grad, lr, eps, scale,
+                                                    wd)
+                np.testing.assert_array_equal(table.to_dense().numpy(), w)
+                np.testing.assert_array_equal(table.accumulator.numpy(), v)
+                # the dense kernel too: so the pool equals the dense table users replace
+                np.testing.assert_array_equal(var.numpy(), w)
+                np.testing.assert_array_equal(accum.numpy(), v)
+                # the rows moved: the equality is not of untouched tables
+                self.assertGreater(np.abs(w - start).max(), 1e-3)
+
+    def test_a_pruned_pool_updates_its_held_entries_as_the_dense_reference(self):
+        for dim, chunks in self.SHAPES:
+            with self.subTest(dim=dim, chunks=chunks):
+                table = ChunkedTable(ROWS, dim, chunks, seed=dim, min_chunks=0,
+                                     use_custom_op=True)
+                batches = list(self._batches(dim, seed=dim + 2))
+                table.apply(tf.constant(batches[0][0]), tf.constant(batches[0][1]),
+                            learning_rate=0.1)
+                table.adjust(target_memory=0.45)
+                held = table.chunks_per_row() * (dim // chunks)
+                # held counts that are not powers of two: a reciprocal that rounds
+                self.assertTrue(set(held.tolist()) - {0, 1, 2, 4, 8, 16, 32, 64})
+                w, v = table.to_dense().numpy(), table.accumulator.numpy()
+                for ids, grad in batches[1:]:
+                    table.apply(tf.constant(ids), tf.constant(grad), learning_rate=0.1,
+                                weight_decay=0.01)
+                    w, v = _float32_rowwise_adagrad(w, v, held, ids, grad, 0.1, 1e-8, 1.0,
+                                                    0.01)
+                np.testing.assert_array_equal(table.to_dense().numpy(), w)
+                np.testing.assert_array_equal(table.accumulator.numpy(), v)
 
 
 class PruningTest(unittest.TestCase):

@@ -188,10 +188,12 @@ class ChunkedEmbeddingLookupCombineOp : public OpKernel {
   std::string table_name_;
 };
 
+#include "sum_squares_impl.h"
+
 // FIITED's row-wise AdaGrad, whatever holds the rows. Each distinct index i of
 // [0, num_ids) gets its gradient rows summed in input order (g, [dim]); with h =
-// layout.held(i) entries at layout.weights(i): accum[i] += mean over the h entries of g^2,
-// those entries step by -lr * g / (sqrt(accum[i] / scale) + eps), then weight decay.
+// layout.held(i) entries at layout.weights(i): accum[i] += SumSquares(those h entries of
+// g) * (1/h), those entries step by -lr * g / (sqrt(accum[i] / scale) + eps), then weight decay.
 // utility (utility_rows entries) decays everywhere, then utility[layout.utility_row(i)] +=
 // utility_weight * |g|^2. A pool (ChunkedRowwiseAdagradApply) and a tiered table's cache
 // (CachedChunkedRowwiseAdagradApply) differ only in the layout, so a row updates alike in
@@ -250,15 +252,16 @@ void ApplyChunkedRowwise(OpKernelContext* ctx, const Tidx* indices, int64 n, int
       }
       const int64 i = g.unique_ids[u];
       const int64 held = layout.held(i);
-      float squares = 0.0f, held_squares = 0.0f;
-      for (int64 d = 0; d < dim; ++d) {
-        squares += acc[d] * acc[d];
-        if (d + 1 == held) held_squares = squares;
-      }
-      if (held == 0) held_squares = 0.0f;
+      float squares = 0.0f;
+      for (int64 d = 0; d < dim; ++d) squares += acc[d] * acc[d];
       // utility: the row's squared summed gradient, weighted (after the decay above)
       utility[layout.utility_row(i)] += s.utility_weight * squares;
-      const float v = accum[i] + (held > 0 ? held_squares / static_cast<float>(held) : 0.0f);
+      // the held entries' mean square as the dense kernel takes a row's (its lanes, then
+      // a multiply by the reciprocal), so a row holding every entry updates bit for bit
+      // like a dense table's
+      const float v = accum[i] + (held > 0 ? SumSquares(acc.data(), held) *
+                                                 (1.0f / static_cast<float>(held))
+                                           : 0.0f);
       accum[i] = v;
       const float mult = s.lr / (std::sqrt(v / s.scale) + s.eps);
       float* w = layout.weights(i);

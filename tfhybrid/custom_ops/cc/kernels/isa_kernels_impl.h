@@ -414,21 +414,7 @@ void GradSegmentsRange(const GradSegmentsArgs<T>& a, int64_t begin, int64_t end,
 
 // ---------------------------------------------------------------- row-wise AdaGrad
 
-// Sum of squares in 16 fixed lanes, reduced in a fixed tree: the same float result at
-// every vector width (and it vectorizes).
-inline float SumSquares(const float* __restrict g, int64_t D) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes] = {0};
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    for (int j = 0; j < kLanes; ++j) lanes[j] += g[d + j] * g[d + j];
-  }
-  for (; d < D; ++d) lanes[0] += g[d] * g[d];
-  for (int w = kLanes / 2; w >= 1; w /= 2) {
-    for (int j = 0; j < w; ++j) lanes[j] += lanes[j + w];
-  }
-  return lanes[0];
-}
+#include "sum_squares_impl.h"
 
 template <typename Tgrad, Combiner C>
 void RowwiseAdagradRangeFor(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int64_t end,
