@@ -58,7 +58,12 @@ class Case:
     def __post_init__(self):
         rng = np.random.default_rng(self.seed)
         n = self.local_batch * self.world * self.steps
-        self.ids = [self._ids(rng, t, n, self._empty_rows(n)) for t in self.tables]
+        # ragged tables' bags as numpy (values, lengths): batches are cut from these, as
+        # cutting a tf.RaggedTensor in eager runs dozens of small ops per call
+        ids = [self._ids(rng, t, n, self._empty_rows(n)) for t in self.tables]
+        self._bags = {f: x for f, x in enumerate(ids) if isinstance(x, tuple)}
+        self.ids = [tf.RaggedTensor.from_row_lengths(*x) if isinstance(x, tuple) else x
+                    for x in ids]
         self.labels = rng.integers(0, 2, size=[n, 1]).astype(np.float32)
         self.table_values = [rng.normal(0, 0.3, [t.rows, t.dim]).astype(np.float32)
                              for t in self.tables]
@@ -80,26 +85,37 @@ class Case:
         if table.hotness > 0:
             return rng.integers(0, table.rows, size=[n, table.hotness])
         lengths = np.where(empty_rows, 0, rng.integers(0, 4, size=[n]))  # some bags empty
-        return tf.RaggedTensor.from_row_lengths(
-            rng.integers(0, table.rows, size=[int(lengths.sum())]), lengths)
+        return rng.integers(0, table.rows, size=[int(lengths.sum())]), lengths
 
     # ------------------------------------------------------------- batches
+    def _samples(self, rows: np.ndarray):
+        """The ids of every table and the labels of the samples ``rows``, in that order."""
+        ids = []
+        for f, x in enumerate(self.ids):
+            if f not in self._bags:
+                ids.append(x[rows])
+                continue
+            values, lengths = self._bags[f]
+            starts = np.concatenate([[0], np.cumsum(lengths)])[rows]
+            kept = lengths[rows]
+            # value positions of the kept bags, each bag's run shifted to where it lands
+            at = np.repeat(starts - (np.cumsum(kept) - kept), kept) + np.arange(kept.sum())
+            ids.append(tf.RaggedTensor.from_row_lengths(values[at], kept))
+        return ids, self.labels[rows]
+
     def global_batch(self, step: int):
         size = self.local_batch * self.world
-        rows = slice(step * size, (step + 1) * size)
-        return [x[rows] for x in self.ids], self.labels[rows]
+        return self._samples(np.arange(step * size, (step + 1) * size))
 
     def local_batch_of(self, step: int, rank: int):
-        ids, labels = self.global_batch(step)
-        pick = lambda x: (tf.gather(x, tf.range(rank, x.nrows(), self.world))  # noqa: E731
-                          if isinstance(x, tf.RaggedTensor) else x[rank::self.world])
-        return [pick(x) for x in ids], pick(labels)
+        size = self.local_batch * self.world
+        return self._samples(np.arange(step * size + rank, (step + 1) * size, self.world))
 
     def local_data(self, rank: int):
-        """All steps of this rank's input, in order (for ``fit`` with ``batch_size``)."""
-        parts = [self.local_batch_of(s, rank) for s in range(self.steps)]
-        ids = [concat_samples([p[0][f] for p in parts]) for f in range(len(self.tables))]
-        return ids, np.concatenate([p[1] for p in parts])
+        """All steps of this rank's input, in order (for ``fit`` with ``batch_size``):
+        samples rank, rank + N, rank + 2N, ... of every global batch in turn."""
+        return self._samples(np.arange(rank, self.local_batch * self.world * self.steps,
+                                       self.world))
 
     # ------------------------------------------------------------- models
     def _inputs(self):
