@@ -1,5 +1,5 @@
 """FIITED's chunked table against the dense table it replaces: forward and train-step time
-at 0%, 65% and 90% of the chunks pruned (issue 15, "Speed").
+at 0%, 65% and 90% of the chunks pruned.
 
 Every path runs the same step on the same ids (the kernel benchmark's workload,
 benchmarks/_tbe_workload.py: Zipf ids, sum combiner, a fixed upstream gradient, the exact
@@ -15,11 +15,12 @@ row-wise AdaGrad step with duplicate ids summed first):
   (a random utility per row, so which rows shrink does not follow the ids);
 * ``chunked pure TF, 0% pruned``: the same table on its plain-TF path.
 
-Prints per path the median [p25, p75] (min, max) milliseconds over --repeats timed runs
-of --iters steps each, and each path's ratio to the fused dense path measured in the same
-run; the pool's bytes beside each chunked path.
+Each path in turn builds its tables, times --repeats runs of --iters steps and frees
+them. Writes ``benchmarks/results/fiited_speed/table.txt`` (``--quick``: a small
+workload into a scratch folder) and prints it: per path the median [p25, p75] (min, max)
+milliseconds over the rounds, its ratio to the fused dense path, and the pool's bytes.
 
-Usage: .venv/bin/python benchmarks/fiited_speed.py [--tables 4 --rows 250000 --dim 64]
+Usage: .venv/bin/python benchmarks/fiited_speed.py [--quick] [--tables 4 --rows 250000 --dim 64]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os
 import sys
 import time
 
-import _results  # noqa: F401  (beside this script; puts the checkout first on sys.path)
+import _results  # beside this script; puts the checkout first on sys.path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -39,6 +40,7 @@ from benchmarks import _tbe_workload as workload_lib  # noqa: E402
 from benchmarks._stats import SPREAD_LEGEND, summarize  # noqa: E402
 from tfhybrid import custom_ops  # noqa: E402
 from tfhybrid.fiited import ChunkedTable  # noqa: E402
+from tfhybrid.testing import provenance  # noqa: E402
 
 LR, EPS = workload_lib.LEARNING_RATE, workload_lib.EPSILON
 
@@ -75,17 +77,13 @@ def chunked_fns(tables):
     return tf.function(forward), tf.function(train)
 
 
-def time_fn(fn, args_of, iters: int, repeats: int, warmup: int) -> list[float]:
-    for k in range(warmup):
-        fn(*args_of(k))
-    out = []
-    for r in range(repeats):
-        start = time.perf_counter()
-        for k in range(iters):
-            result = fn(*args_of(warmup + r * iters + k))
-        _ = result.numpy() if hasattr(result, "numpy") else None
-        out.append((time.perf_counter() - start) / iters)
-    return out
+def timed(fn, args_of, first: int, iters: int) -> float:
+    """Mean seconds per call of ``fn`` over ``iters`` calls on steps first, first + 1..."""
+    start = time.perf_counter()
+    for k in range(iters):
+        result = fn(*args_of(first + k))
+    _ = result.numpy() if hasattr(result, "numpy") else None
+    return (time.perf_counter() - start) / iters
 
 
 def main() -> int:
@@ -99,10 +97,18 @@ def main() -> int:
     parser.add_argument("--alpha", type=float, default=1.05)
     parser.add_argument("--pruned", type=float, nargs="+", default=[0.0, 0.65, 0.9])
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true",
+                        help="a small workload and 2 repeats, written to a scratch folder")
+    parser.add_argument("--out", help="folder of table.txt (default: "
+                                      "benchmarks/results/fiited_speed)")
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.repeats, args.iters, args.warmup = 20_000, 2, 2, 1
+    out = _results.out_dir("fiited_speed", args.quick, args.out)
+    load = provenance.OtherLoad()
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     if not custom_ops.custom_ops_available():
@@ -114,19 +120,27 @@ def main() -> int:
     upstream = tf.constant(workload_lib.upstream_gradient(work))
     initial = [workload_lib.initial_table(work, t) for t in range(args.tables)]
     ids_t = [tf.constant(ids[b]) for b in range(batches)]
-    print(f"workload: {args.tables} tables x {args.rows} x {args.dim} float32, batch "
-          f"{args.batch}, {args.hotness} ids per bag, Zipf({args.alpha}), sum, row-wise "
-          f"AdaGrad; {args.chunks} chunks per row; {args.threads} threads; "
-          f"{args.repeats} x {args.iters} timed steps\n")
+    lines = [f"workload: {args.tables} tables x {args.rows} x {args.dim} float32, batch "
+             f"{args.batch}, {args.hotness} ids per bag, Zipf({args.alpha}), sum, row-wise "
+             f"AdaGrad; {args.chunks} chunks per row; {args.threads} threads; "
+             f"{args.repeats} x {args.iters} timed steps per path", ""]
 
-    rows_out = []
+    # one path's tables at a time, as a user's process holds one kind: with all six alive
+    # and taking turns, the pure-TF paths' large temporaries slowed whichever ran next
+    forward_args = lambda k: (ids_t[k % batches],)  # noqa: E731
+    train_args = lambda k: (ids_t[k % batches], upstream)  # noqa: E731
+    seconds, pool_bytes = {}, {}
 
-    def measure(label, forward, train, pool_bytes=None):
-        fwd = summarize(time_fn(forward, lambda k: (ids_t[k % batches],), args.iters,
-                                args.repeats, args.warmup))
-        step = summarize(time_fn(train, lambda k: (ids_t[k % batches], upstream),
-                                 args.iters, args.repeats, args.warmup))
-        rows_out.append((label, fwd, step, pool_bytes))
+    def measure(label, forward, train, pool):
+        # the forward's runs back to back, then the train step's, each after its own
+        # warm-up (a pure-TF train step between forwards made them 10x slower)
+        seconds[label] = ([], [])
+        for fn, args_of, out in ((forward, forward_args, seconds[label][0]),
+                                 (train, train_args, seconds[label][1])):
+            timed(fn, args_of, 0, args.warmup)
+            out.extend(timed(fn, args_of, args.warmup + r * args.iters, args.iters)
+                       for r in range(args.repeats))
+        pool_bytes[label] = pool
 
     for use_op, label in ((True, "dense, fused C++"), (False, "dense, pure TF")):
         tables = [tf.Variable(x) for x in initial]
@@ -146,13 +160,17 @@ def main() -> int:
                 sum(t.memory_bytes()["pool"] for t in tables))
         del tables
 
-    base_fwd, base_step = rows_out[0][1].median, rows_out[0][2].median
+    base = next(iter(seconds))
+    base_fwd, base_step = (summarize(x).median for x in seconds[base])
     header = (f"{'path':28} {'forward ms ' + SPREAD_LEGEND:>44} {'x fused':>8}   "
               f"{'train step ms':>40} {'x fused':>8}  pool MB")
-    print(header + "\n" + "-" * len(header))
-    for label, fwd, step, pool in rows_out:
-        print(f"{label:28} {fwd.format(1e3):>44} {fwd.median / base_fwd:8.2f}   "
-              f"{step.format(1e3):>40} {step.median / base_step:8.2f}  {pool / 2**20:7.1f}")
+    lines += [header, "-" * len(header)]
+    for label, (forward_seconds, step_seconds) in seconds.items():
+        fwd, step, pool = summarize(forward_seconds), summarize(step_seconds), pool_bytes[label]
+        lines.append(f"{label:28} {fwd.format(1e3):>44} {fwd.median / base_fwd:8.2f}   "
+                     f"{step.format(1e3):>40} {step.median / base_step:8.2f}  "
+                     f"{pool / 2**20:7.1f}")
+    _results.write_text(os.path.join(out, "table.txt"), lines, load)
     return 0
 
 

@@ -8,6 +8,9 @@ import doctest
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
+import time
 import unittest
 
 from tfhybrid.testing import provenance
@@ -30,6 +33,21 @@ class ProvenanceTest(unittest.TestCase):
         lines = provenance.header(["benchmarks/x.py"])
         self.assertRegex(lines[1], r"^# commit: [0-9a-f]{7}")
         self.assertRegex(lines[3], r"^# CPU: .+, (no )?AVX2.*, \d+ logical cores$")
+        self.assertEqual(len(lines), 4)
+
+    def test_the_load_of_other_work_is_measured(self):
+        # a child process keeps one core busy: other work, as this process sees it
+        load = provenance.OtherLoad()
+        busy = subprocess.Popen([sys.executable, "-c",
+                                 "import time\nend = time.time() + 1.5\n"
+                                 "while time.time() < end: pass"])
+        self.addCleanup(busy.kill)
+        time.sleep(1.5)
+        busy_cores = load.cores()
+        busy.wait()
+        self.assertGreater(busy_cores, 0.5)
+        line = provenance.header(["benchmarks/x.py"], load=load)[4]
+        self.assertRegex(line, r"^# other load: \d+\.\d\d of \d+ cores \(mean over the run\)$")
 
 
 def _load_results_helper():

@@ -11,6 +11,10 @@ Standard library only: a benchmark's parent process imports it without TensorFlo
 ['# command', '# commit', '# date', '# CPU']
 >>> lines[0]
 '# command: .venv/bin/python benchmarks/x.py --quick'
+
+A run also says how busy the machine was with other work while it measured
+(:class:`OtherLoad`): a figure taken beside a compiler or a test suite is not one taken
+on an idle machine, and the header shows which it was.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 # the /proc/cpuinfo flags that decide which kernels run, in the order they are named
@@ -60,14 +65,59 @@ def cpu_description(cpuinfo: dict[str, str] | None = None) -> str:
     return ", ".join([name] + isa + [f"{os.cpu_count()} logical cores"])
 
 
+def _busy_seconds() -> float:
+    """CPU-seconds every core of the machine has spent busy since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    """CPU-seconds of this process and of the children it has waited for."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherLoad:
+    """The cores that work other than this run kept busy while it measured: the
+    machine's busy CPU-seconds minus this process's and its finished children's, per
+    second of the run. Start it before the first measurement; ``cores()`` at the end.
+
+    >>> load = OtherLoad()
+    >>> time.sleep(0.3)
+    >>> 0.0 <= load.cores() <= os.cpu_count()
+    True
+    """
+
+    def __init__(self) -> None:
+        self._start = (time.monotonic(), _busy_seconds(), _own_seconds())
+
+    def cores(self) -> float:
+        """Mean cores busy with other work since this object was made, within [0, the
+        machine's cores] (the machine's and the process's clocks tick apart, by up to a
+        clock tick each: a run of a few seconds or more reads true)."""
+        wall, busy, own = self._start
+        elapsed = max(time.monotonic() - wall, 1e-9)
+        other = (_busy_seconds() - busy) - (_own_seconds() - own)
+        return min(max(other / elapsed, 0.0), float(os.cpu_count() or 1))
+
+    def line(self) -> str:
+        """The header line: ``# other load: 0.03 of 2 cores (mean over the run)``."""
+        return (f"# other load: {self.cores():.2f} of {os.cpu_count()} cores "
+                f"(mean over the run)")
+
+
 def header(argv: Sequence[str], python: str = sys.executable,
-           root: str | None = None) -> list[str]:
-    """``# command``, ``# commit``, ``# date`` and ``# CPU`` lines for a results file.
+           root: str | None = None, load: OtherLoad | None = None) -> list[str]:
+    """``# command``, ``# commit``, ``# date`` and ``# CPU`` lines for a results file,
+    and ``# other load`` when the run's ``load`` is given.
 
     Args:
       argv: the script and its arguments (``sys.argv``), as a user would rerun them.
       python: the interpreter that ran it, shown relative to ``root``.
       root: the repository (default: the one holding this package).
+      load: the :class:`OtherLoad` started with the run's measurements.
     """
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
@@ -76,4 +126,4 @@ def header(argv: Sequence[str], python: str = sys.executable,
     return [f"# command: {shlex.join([os.path.relpath(python, root)] + list(argv))}",
             f"# commit: {commit}",
             f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-            f"# CPU: {cpu_description()}"]
+            f"# CPU: {cpu_description()}"] + ([load.line()] if load else [])
