@@ -1,5 +1,5 @@
 """Checkpoint bytes and save/restore time of FIITED tables against the dense tables they
-replace (issue 15, "checkpoints: save the pool compactly").
+replace.
 
 One process builds a ``DistributedEmbedding`` of ``--tables`` tables of ``--rows`` x
 ``--dim`` trained by ``RowWiseAdagrad``, once with dense tables and once with
@@ -10,9 +10,11 @@ layer takes one training step, so the optimizer's accumulators exist, then is sa
 same kind, ``--repeats`` times. Prints the checkpoint's bytes on disk (``.data`` +
 ``.index`` files), split into the tables' values, the row-wise accumulators and FIITED's
 layout (chunk counts and utility), its ratio to the dense checkpoint measured in the same
-run, and the save and restore times as median [p25, p75] (min, max) ms.
+run, and the save and restore times as median [p25, p75] (min, max) ms. Writes them to
+``benchmarks/results/fiited_checkpoint/table.txt`` (``--quick``: small tables, into a
+scratch folder).
 
-Usage: .venv/bin/python benchmarks/fiited_checkpoint.py [--tables 4 --rows 250000 --dim 64]
+Usage: .venv/bin/python benchmarks/fiited_checkpoint.py [--quick] [--tables 4 --rows 250000 --dim 64]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import re
 import tempfile
 import time
 
-import _results  # noqa: F401  (beside this script; puts the checkout first on sys.path)
+import _results  # beside this script; puts the checkout first on sys.path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -35,6 +37,7 @@ from benchmarks._stats import SPREAD_LEGEND, summarize  # noqa: E402
 from tfhybrid import mesh as mesh_lib  # noqa: E402
 from tfhybrid.layers import Embedding  # noqa: E402
 from tfhybrid.optimizers import RowWiseAdagrad  # noqa: E402
+from tfhybrid.testing import provenance  # noqa: E402
 
 
 def build(args, target: float | None):
@@ -107,21 +110,30 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--targets", default="1.0,0.35,0.1")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="20,000 rows and 1 repeat, written to a scratch folder")
+    parser.add_argument("--out", help="folder of table.txt (default: "
+                                      "benchmarks/results/fiited_checkpoint)")
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.repeats = 20_000, 1
+    out = _results.out_dir("fiited_checkpoint", args.quick, args.out)
+    load = provenance.OtherLoad()
     tf.config.threading.set_intra_op_parallelism_threads(2)
     rows = [("dense", None)] + [(f"FIITED, {100 * (1 - float(t)):.0f}% pruned", float(t))
                                 for t in args.targets.split(",")]
     results = [(name, measure(args, target)) for name, target in rows]
     dense = results[0][1]["disk"]
-    print(f"{args.tables} tables x {args.rows} x {args.dim}, {args.chunks} chunks, "
-          f"RowWiseAdagrad, one process; {args.repeats} repeats; MB; times {SPREAD_LEGEND}")
-    print(f"{'checkpoint':<24}{'on disk':>9}{'x dense':>9}{'values':>9}{'accum':>9}"
-          f"{'layout':>9}   save ms / restore ms")
+    lines = [f"{args.tables} tables x {args.rows} x {args.dim}, {args.chunks} chunks, "
+             f"RowWiseAdagrad, one process; {args.repeats} repeats; MB; times {SPREAD_LEGEND}",
+             f"{'checkpoint':<24}{'on disk':>9}{'x dense':>9}{'values':>9}{'accum':>9}"
+             f"{'layout':>9}   save ms / restore ms"]
     for name, r in results:
         mb = {k: v / 2**20 for k, v in r["kinds"].items()}
-        print(f"{name:<24}{r['disk'] / 2**20:>9.1f}{r['disk'] / dense:>9.3f}"
-              f"{mb['values']:>9.1f}{mb['accumulator']:>9.1f}{mb['layout']:>9.1f}   "
-              f"{r['save'].format(1e3, 0)} / {r['restore'].format(1e3, 0)}")
+        lines.append(f"{name:<24}{r['disk'] / 2**20:>9.1f}{r['disk'] / dense:>9.3f}"
+                     f"{mb['values']:>9.1f}{mb['accumulator']:>9.1f}{mb['layout']:>9.1f}   "
+                     f"{r['save'].format(1e3, 0)} / {r['restore'].format(1e3, 0)}")
+    _results.write_text(os.path.join(out, "table.txt"), lines, load)
 
 
 if __name__ == "__main__":
