@@ -57,8 +57,9 @@ def build(args, target: float | None):
     grads = tape.gradient(loss, layer.trainable_variables)
     optimizer.apply_gradients(zip(grads, layer.trainable_variables))
     if target is not None:
-        for table in layer._chunked_tables.values():
-            table.utility.assign(rng.random(table.rows).astype(np.float32))
+        for (table, shard), _ in layer.stores.items():
+            pool = layer.stores.fiited(table, shard)
+            pool.utility.assign(rng.random(pool.rows).astype(np.float32))
         layer.adjust(target)
     return layer, optimizer
 
