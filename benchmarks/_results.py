@@ -27,7 +27,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from tfhybrid.testing.provenance import OtherLoad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -61,11 +64,10 @@ def child_env(**extra: str | None) -> dict[str, str]:
                                if value is not None})
 
 
-def write_text(path: str, lines: Sequence[str], load) -> None:
+def write_text(path: str, lines: Sequence[str], load: "OtherLoad") -> None:
     """Writes a results file, its provenance header first (the command as this process
     was started, commit, date, CPU and the ``load`` other work put on the machine during
-    the run: a :class:`tfhybrid.testing.provenance.OtherLoad` started with the
-    measurements), then ``lines``; prints the file and where it went."""
+    the run, started with the measurements), then ``lines``; prints the file and where it went."""
     from tfhybrid.testing import provenance   # after sys.path holds this checkout
     text = "\n".join(provenance.header(sys.argv, load=load) + list(lines)) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -57,9 +57,8 @@ def build(args, target: float | None):
     grads = tape.gradient(loss, layer.trainable_variables)
     optimizer.apply_gradients(zip(grads, layer.trainable_variables))
     if target is not None:
-        for (table, shard), _ in layer.stores.items():
-            pool = layer.stores.fiited(table, shard)
-            pool.utility.assign(rng.random(pool.rows).astype(np.float32))
+        for _, store in layer.stores.items():
+            store.fiited.utility.assign(rng.random(store.fiited.rows).astype(np.float32))
         layer.adjust(target)
     return layer, optimizer
 
