@@ -36,6 +36,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=Path, required=True, help="folder the parent wrote")
     parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="back the tables and accumulators with huge pages, as "
+                             "tfhybrid's kernels do with theirs")
     args = parser.parse_args()
 
     import torch
@@ -64,6 +67,12 @@ def main() -> int:
         for t, table in enumerate(weights):
             table.copy_(torch.from_numpy(workload_lib.initial_table(workload, t)))
             accumulators[t].zero_()
+    if args.huge_pages:
+        # the tables are views of one flat buffer, the accumulators of another
+        storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                    for t in weights + accumulators}
+        for address, nbytes in sorted(storages):
+            workload_lib.advise_huge_pages(address, nbytes)
 
     # TBE's input layout: all tables' ids in one flat tensor, table-major, with the offset
     # of every (table, sample) bag; built before timing, like the TF paths' tensors.
@@ -84,7 +93,8 @@ def main() -> int:
     functions: dict[str, Callable[[int], torch.Tensor]] = {"fwd": forward, "step": step}
     send("ready", {"torch": torch.__version__, "fbgemm_gpu": fbgemm_gpu.__version__,
                    "threads": torch.get_num_threads(),
-                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "library default")})
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+                   "huge_pages_mb": workload_lib.anon_huge_mb()})
     for line in sys.stdin:
         command = json.loads(line)
         if command["command"] == "quit":

@@ -8,7 +8,9 @@ gradient and the same EXACT_ROWWISE_ADAGRAD step (duplicate ids summed first, th
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,9 @@ WORKLOAD_FILE = "workload.json"
 FBGEMM_FORWARD_FILE = "fbgemm_forward.npy"
 FBGEMM_ROWS_FILE = "fbgemm_rows.npy"
 FBGEMM_ACCUM_FILE = "fbgemm_accum.npy"
+
+# MADV_COLLAPSE (Linux >= 6.1) is missing from older headers and from Python's mmap module
+MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
 
 # Worker processes answer on stdout in lines "<prefix><kind> <json>"; anything else they
 # print (library warnings) is passed over.
@@ -112,3 +117,35 @@ def parse_worker_line(line: str) -> tuple[str, Any] | None:
         return None
     kind, payload = line[len(WORKER_LINE_PREFIX):].rstrip("\n").split(" ", 1)
     return kind, json.loads(payload)
+
+
+def anon_huge_mb() -> float:
+    """This process's memory in transparent huge pages (AnonHugePages), in MiB."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def advise_huge_pages(address: int, nbytes: int) -> None:
+    """Backs a buffer of another runtime (FBGEMM's torch tensors) with transparent huge
+    pages the way tfhybrid's kernels back its tables
+    (``tfhybrid/custom_ops/cc/kernels/huge_pages.h``): ``MADV_HUGEPAGE``, then
+    ``MADV_COLLAPSE``, which converts the already written pages in place, over the
+    buffer's interior aligned to the huge page size. Raises ``OSError`` when the kernel
+    refuses the advice; whether the pages did collapse shows in :func:`anon_huge_mb`."""
+    with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+        page = int(f.read())
+    first = (address + page - 1) // page * page
+    last = (address + nbytes) // page * page
+    if last <= first:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(ctypes.c_void_p(first), last - first, mmap.MADV_HUGEPAGE) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE) failed")
+    libc.madvise(ctypes.c_void_p(first), last - first, MADV_COLLAPSE)

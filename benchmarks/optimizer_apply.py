@@ -25,9 +25,13 @@ w -= lr * g / (sqrt(v) + eps)), on the same ids, initial tables and upstream gra
   (b) TF composite: tf.gather + tf.math.segment_sum, and the same row-wise AdaGrad written
       with TF ops (tf.unique + unsorted_segment_sum + gathers + scatter updates);
   (c) FBGEMM's CPU TBE (SplitTableBatchedEmbeddingBagsCodegen, EXACT_ROWWISE_ADAGRAD fused
-      into its backward) from `make bench-setup`'s .venv-bench, in a worker process that
-      reads the ids this process saved (.npy): the TF venv never imports torch. Without
-      that venv, (c) is reported as not measured.
+      into its backward) from `make bench-setup`'s .venv-bench, in worker processes that
+      read the ids this process saved (.npy): the TF venv never imports torch. Without
+      that venv, (c) is reported as not measured. It runs in each page policy tfhybrid
+      runs in: small pages (as torch allocates them) beside (n), and huge pages beside
+      (a), its tables and accumulators advised exactly as tfhybrid's kernels advise
+      theirs; and in each OpenMP wait policy (libgomp's default, and PASSIVE), its
+      faster one being its figure (--fbgemm-variants).
 "forward" is a forward pass returning the concat; "train step" is forward + backward +
 optimizer apply, loss = sum(output * upstream). Both return once computed (CPU, eager
 calls of tf.function / torch are synchronous).
@@ -37,7 +41,10 @@ accumulators after one step from the initial state; the touched rows are then pu
 Timing runs in rounds rotating over the paths and over forward / train step, each block
 after one untimed call, so a shared machine's drifting load hits every path alike. It
 prints per path and kind the median with its spread over the timed calls, and ratios of
-those medians: nothing but what this run measured.
+those medians: nothing but what this run measured, then the pairings: FBGEMM against
+tfhybrid in the same page policy. A full run writes
+benchmarks/results/optimizer_apply/table.txt (--quick: a temporary folder; --out: any),
+its provenance header first.
 
 --compare-builds times path (a) with the portable library (baseline x86-64 code, hot
 loops dispatched at run time to AVX2 / AVX-512) against a -march=native build of the same
@@ -46,8 +53,9 @@ share a process), alternating in --ab-rounds rounds; it prints each build's medi
 spread and the median over rounds of the paired ratio portable / native with a bootstrap
 95% interval, and whether the train-step losses are bitwise equal.
 
-Usage: .venv/bin/python benchmarks/optimizer_apply.py [--quick | --scale 0.25]
-           [--threads 2] [--iters 15] [--rounds 3] [--paths a,b,c] [--thp]
+Usage: .venv/bin/python benchmarks/optimizer_apply.py [--quick | --scale 0.25] [--out DIR]
+           [--threads 2] [--iters 15] [--rounds 3] [--paths a,n,b,c] [--thp]
+           [--fbgemm-variants small:default,huge:passive]
        .venv/bin/python benchmarks/optimizer_apply.py --compare-builds [--ab-rounds 60]
 """
 
@@ -81,18 +89,40 @@ PATH_LABELS = {"a": "(a) tfhybrid kernels", "s": "(s) (a), per-table + concat",
                "u": "(u) (a), two kernels",
                "n": "(n) (a), small pages",
                "b": "(b) TF composite", "c": "(c) FBGEMM CPU TBE"}
+# FBGEMM's runs: (pages, OMP_WAIT_POLICY), "default" leaving libgomp's own policy. Each is
+# a worker of its own (a page policy is set when its tables are made).
+FBGEMM_PAGES = ("small", "huge")
+FBGEMM_WAITS = ("default", "passive")
+FBGEMM_VARIANTS = tuple(f"{pages}:{wait}" for pages in FBGEMM_PAGES for wait in FBGEMM_WAITS)
+# each FBGEMM page policy is paired with tfhybrid's path in the same policy
+PAIRED_PATH = {"small": "n", "huge": "a"}
+
+
+def label(name: str) -> str:
+    """A path's label; an FBGEMM variant is named "c:<pages>:<wait>"."""
+    if name.startswith("c:"):
+        _, pages, wait = name.split(":")
+        return f"(c) FBGEMM {pages} pages, OMP {wait}"
+    return PATH_LABELS[name]
+
+
+class Report:
+    """Lines printed as they come and kept for the results file."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.extend(text.splitlines() or [""])
+
+
+say = Report()
 HUGE_PAGES_ENV = "TFHYBRID_HUGE_PAGES"
 BANDWIDTH_BUFFER_MIB = 512  # per buffer (source and target): far beyond the caches
 KINDS = {"fwd": "forward", "step": "train step"}
 # (iters, rounds, warmup, ab_rounds) of a full run and of --quick
-FULL_REPEATS, QUICK_REPEATS = (15, 3, 3, 60), (6, 3, 1, 4)
-# torch's OpenMP threads spin at every barrier by default. On a 2-core machine that other
-# processes also use, a spinning thread holds the core its partner needs: FBGEMM's backward
-# (many parallel regions) then took 2-660 ms per step where it takes ~4 ms with passive
-# waiting (seen here, quick workload, 2 threads). TF's thread pool does not stall like
-# that, so the anchor waits passively unless told otherwise: a stalled anchor would
-# flatter tfhybrid.
-FBGEMM_DEFAULT_OMP_WAIT_POLICY = "PASSIVE"
+FULL_REPEATS, QUICK_REPEATS = (120, 12, 3, 60), (6, 3, 1, 4)
 
 
 def parse_args() -> argparse.Namespace:
@@ -114,14 +144,17 @@ def parse_args() -> argparse.Namespace:
                    f"rotating over the paths (default {FULL_REPEATS[1]})")
     p.add_argument("--warmup", type=int, help="untimed calls per path and kind first "
                    f"(default {FULL_REPEATS[2]}, --quick {QUICK_REPEATS[2]})")
-    p.add_argument("--paths", default="a,s,u,n,b,c", help="comma list of a, s, u, n, b, c")
+    p.add_argument("--paths", default="a,n,b,c", help="comma list of a, s, u, n, b, c "
+                   "(default a,n,b,c: the paths of the pairings, and TF's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench-python", type=Path, default=BENCH_PYTHON,
                    help="python with torch and fbgemm_gpu for path (c)")
-    p.add_argument("--fbgemm-omp-wait-policy", default=FBGEMM_DEFAULT_OMP_WAIT_POLICY,
-                   help="OMP_WAIT_POLICY of the FBGEMM worker, or 'default' for the "
-                        f"library's own (default {FBGEMM_DEFAULT_OMP_WAIT_POLICY}, unless "
-                        "OMP_WAIT_POLICY is set in the environment)")
+    p.add_argument("--fbgemm-variants", default=",".join(FBGEMM_VARIANTS),
+                   help="path (c)'s runs, comma list of <pages>:<wait> with pages in "
+                        f"{FBGEMM_PAGES} and OMP_WAIT_POLICY in {FBGEMM_WAITS} "
+                        "('default': libgomp's own); default: all four")
+    p.add_argument("--out", help="folder of table.txt (default: benchmarks/results/"
+                                 "optimizer_apply, --quick: a new temporary folder)")
     p.add_argument("--thp", action="store_true",
                    help="re-run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 so that large "
                         "allocations (the tables, of every path and worker) use transparent "
@@ -150,6 +183,12 @@ def parse_args() -> argparse.Namespace:
         args.scale = QUICK_SCALE if args.quick else 1.0
     if not 0 < args.scale <= 1:
         p.error(f"--scale must be in (0, 1], got {args.scale}")
+    variants = [v.strip() for v in args.fbgemm_variants.split(",") if v.strip()]
+    wrong = [v for v in variants if v not in FBGEMM_VARIANTS]
+    if wrong or not variants:
+        p.error(f"--fbgemm-variants={args.fbgemm_variants!r}: expected a comma list of "
+                f"{', '.join(FBGEMM_VARIANTS)}")
+    args.fbgemm_variants = variants
     for name in ("iters", "rounds", "warmup", "ab_rounds", "ab_iters", "tables", "hotness",
                  "threads"):
         if getattr(args, name) < 1:
@@ -195,17 +234,6 @@ def _print_other_load(before: tuple, after: tuple, workers_cpu_seconds: float) -
     other = max(0.0, (after[0] - before[0]) - ours) / wall
     print(f"machine load from other processes during timing: {other:.2f} CPUs busy "
           f"(of {os.cpu_count()}); timings are noisy when this is well above 0")
-
-
-def _anon_huge_mb() -> float:
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def _cpu_model() -> str:
@@ -384,15 +412,19 @@ class Worker:
                 self.proc.wait()
 
 
-def start_fbgemm_worker(args: argparse.Namespace, inputs: Path) -> Worker | str:
-    """The FBGEMM worker, or why path (c) is not measured."""
+def start_fbgemm_worker(args: argparse.Namespace, inputs: Path, variant: str
+                        ) -> Worker | str:
+    """FBGEMM's worker in one "<pages>:<wait>" variant, or why path (c) is not measured."""
     if not args.bench_python.exists():
         return f"{args.bench_python} not found (`make bench-setup` creates it)"
+    pages, wait = variant.split(":")
     env = dict(os.environ)
-    if "OMP_WAIT_POLICY" not in env and args.fbgemm_omp_wait_policy != "default":
-        env["OMP_WAIT_POLICY"] = args.fbgemm_omp_wait_policy
-    return Worker("FBGEMM", [str(args.bench_python), str(FBGEMM_WORKER), "--inputs",
-                             str(inputs), "--threads", str(args.threads)], env=env)
+    env.pop("OMP_WAIT_POLICY", None)
+    if wait != "default":
+        env["OMP_WAIT_POLICY"] = wait.upper()
+    return Worker(f"c:{variant}", [str(args.bench_python), str(FBGEMM_WORKER), "--inputs",
+                                   str(inputs), "--threads", str(args.threads)]
+                  + (["--huge-pages"] if pages == "huge" else []), env=env)
 
 
 # ------------------------------------------------------------------ agreement check
@@ -405,7 +437,7 @@ def _max_differences(value: np.ndarray, reference: np.ndarray) -> tuple[float, f
 
 
 def check_agreement(tf, states: dict[str, TfState], tf_fns: dict[str, StepFunctions],
-                    fbgemm: Worker | None, inputs: Path, ids: np.ndarray) -> bool:
+                    workers: dict[str, Worker], inputs: Path, ids: np.ndarray) -> bool:
     """Compares every path's forward output, and its rows and accumulators after one step
     from the initial state, on batch 0; puts the touched rows back afterwards."""
     touched = workload_lib.unique_ids_per_table(ids[0])
@@ -427,17 +459,17 @@ def check_agreement(tf, states: dict[str, TfState], tf_fns: dict[str, StepFuncti
                                                initial_rows):
             table.scatter_update(tf.IndexedSlices(rows, u))
             accumulator.scatter_update(tf.IndexedSlices(np.zeros(u.size, np.float32), u))
-    if fbgemm is not None:
-        fbgemm.command("checked", command="check")
-        results["c"] = {"forward": np.load(inputs / workload_lib.FBGEMM_FORWARD_FILE),
+    for name, worker in workers.items():   # one after another: they share the files
+        worker.command("checked", command="check")
+        results[name] = {"forward": np.load(inputs / workload_lib.FBGEMM_FORWARD_FILE),
                         "rows": np.load(inputs / workload_lib.FBGEMM_ROWS_FILE),
                         "accumulators": np.load(inputs / workload_lib.FBGEMM_ACCUM_FILE)}
     if len(results) < 2:
-        print("agreement: fewer than two paths, nothing to compare")
+        say("agreement: fewer than two paths, nothing to compare")
         return True
     reference_name = next(iter(results))
     reference = results[reference_name]
-    print(f"agreement on batch 0, vs {PATH_LABELS[reference_name]}: max abs difference "
+    say(f"agreement on batch 0, vs {label(reference_name)}: max abs difference "
           f"(max relative to max(1, |value|)); tolerance {AGREEMENT_TOLERANCE:g} relative")
     agree = True
     for name, result in results.items():
@@ -448,9 +480,9 @@ def check_agreement(tf, states: dict[str, TfState], tf_fns: dict[str, StepFuncti
             absolute, relative = _max_differences(result[what], reference[what])
             agree &= relative <= AGREEMENT_TOLERANCE
             parts.append(f"{what} {absolute:.2e} ({relative:.2e})")
-        print(f"  {PATH_LABELS[name]:22s} " + ", ".join(parts))
+        say(f"  {label(name):36s} " + ", ".join(parts))
     workload = next(iter(states.values())).workload
-    print(f"  (forward: the [{workload.batch}, {workload.tables * workload.dim}]"
+    say(f"  (forward: the [{workload.batch}, {workload.tables * workload.dim}]"
           f" output; rows, accumulators: the {reference['accumulators'].size:,} rows one "
           "step updates)")
     return agree
@@ -459,6 +491,8 @@ def check_agreement(tf, states: dict[str, TfState], tf_fns: dict[str, StepFuncti
 # ------------------------------------------------------------------ the comparison
 
 def compare_paths(args: argparse.Namespace) -> int:
+    from tfhybrid.testing import provenance   # after _results put this checkout first
+    load = provenance.OtherLoad()
     paths = [s.strip() for s in args.paths.split(",") if s.strip()]
     unknown = set(paths) - set(PATH_LABELS)
     if unknown:
@@ -468,30 +502,31 @@ def compare_paths(args: argparse.Namespace) -> int:
     ids = workload_lib.zipf_ids(workload, batch_count)
     upstream = workload_lib.upstream_gradient(workload)
 
-    print(f"optimizer_apply: {os.cpu_count()} CPUs ({_cpu_model()}), intra-op threads "
+    say(f"optimizer_apply: {os.cpu_count()} CPUs ({_cpu_model()}), intra-op threads "
           f"{args.threads} (TF and torch), TF inter-op threads {args.inter_threads or 'default'}")
-    print(f"workload: {workload.tables} tables x {workload.rows:,} x {workload.dim} fp32 "
+    say(f"workload: {workload.tables} tables x {workload.rows:,} x {workload.dim} fp32 "
           f"(scale {args.scale:g}), batch {workload.batch}, {workload.hotness} ids/bag, "
           f"Zipf({workload.zipf_alpha}), combiner sum, output [{workload.batch}, "
           f"{workload.tables * workload.dim}]; EXACT_ROWWISE_ADAGRAD lr "
           f"{workload_lib.LEARNING_RATE:g} eps {workload_lib.EPSILON:g}")
     unique_rows = [sum(u.size for u in workload_lib.unique_ids_per_table(batch_ids))
                    for batch_ids in ids]
-    print(f"ids per step: {ids[0].size:,}; unique rows per step (sum over tables), over the "
+    say(f"ids per step: {ids[0].size:,}; unique rows per step (sum over tables), over the "
           f"{batch_count} batches: {_stats.summarize(unique_rows).format(digits=0)}")
 
     with tempfile.TemporaryDirectory(prefix="tfhybrid-optimizer-apply-") as folder:
         inputs = Path(folder)
-        fbgemm: Worker | None = None
+        workers: dict[str, Worker] = {}
         if "c" in paths:
             workload.save(inputs)
             np.save(inputs / workload_lib.IDS_FILE, ids)
             np.save(inputs / workload_lib.UPSTREAM_FILE, upstream)
-            started = start_fbgemm_worker(args, inputs)  # builds its tables meanwhile
-            if isinstance(started, str):
-                print(f"{PATH_LABELS['c']}: NOT MEASURED: {started}")
-            else:
-                fbgemm = started
+            for variant in args.fbgemm_variants:   # they build their tables meanwhile
+                started = start_fbgemm_worker(args, inputs, variant)
+                if isinstance(started, str):
+                    say(f"{PATH_LABELS['c']}: NOT MEASURED: {started}")
+                    break
+                workers[started.name] = started
         try:
             tf = _import_tf(args)
             from tfhybrid import custom_ops as co
@@ -503,7 +538,7 @@ def compare_paths(args: argparse.Namespace) -> int:
                     states["a"] = TfState(tf, workload, ids, upstream)
                     tf_fns["a"] = make_tfhybrid_fns(tf, co, states["a"])
                 else:
-                    print(f"{PATH_LABELS['a']}: NOT MEASURED: custom ops unavailable")
+                    say(f"{PATH_LABELS['a']}: NOT MEASURED: custom ops unavailable")
             variants = {"s": lambda st: make_tfhybrid_fns(tf, co, st, batched=False),
                         "u": lambda st: make_tfhybrid_fns(tf, co, st, fused=False),
                         "n": lambda st: _without_huge_pages(make_tfhybrid_fns(tf, co, st))}
@@ -514,28 +549,33 @@ def compare_paths(args: argparse.Namespace) -> int:
             if "b" in paths:
                 states["b"] = TfState(tf, workload, ids, upstream)
                 tf_fns["b"] = make_composite_fns(tf, states["b"])
-            print(f"TF {tf.__version__}; tfhybrid kernels "
+            say(f"TF {tf.__version__}; tfhybrid kernels "
                   f"{co.kernel_isa() if 'a' in tf_fns else 'not used'}; transparent huge "
-                  f"pages in use: {_anon_huge_mb():,.0f} MB"
+                  f"pages in use: {workload_lib.anon_huge_mb():,.0f} MB"
                   + ("" if args.thp else " (default malloc; see --thp)"))
-            if fbgemm is not None:
+            for name, worker in list(workers.items()):
                 try:
-                    fbgemm.info = fbgemm.receive("ready")
-                    print(f"{PATH_LABELS['c']}: fbgemm_gpu {fbgemm.info['fbgemm_gpu']}, torch "
-                          f"{fbgemm.info['torch']}, {fbgemm.info['threads']} threads, "
-                          f"OMP_WAIT_POLICY {fbgemm.info['omp_wait_policy']} "
-                          f"({args.bench_python})")
+                    worker.info = worker.receive("ready")
+                    say(f"{label(name)}: fbgemm_gpu {worker.info['fbgemm_gpu']}, torch "
+                        f"{worker.info['torch']}, {worker.info['threads']} threads, "
+                        f"OMP_WAIT_POLICY {worker.info['omp_wait_policy']}, "
+                        f"{worker.info['huge_pages_mb']:,.0f} MB in huge pages "
+                        f"({args.bench_python})")
                 except RuntimeError as error:
-                    print(f"{PATH_LABELS['c']}: NOT MEASURED: {error}")
-                    fbgemm.close()
-                    fbgemm = None
-            if not check_agreement(tf, states, tf_fns, fbgemm, inputs, ids):
-                print("outputs DISAGREE beyond the tolerance: not timing")
+                    say(f"{label(name)}: NOT MEASURED: {error}")
+                    worker.close()
+                    del workers[name]
+            if not check_agreement(tf, states, tf_fns, workers, inputs, ids):
+                say("outputs DISAGREE beyond the tolerance: not timing")
                 return 1
-            return time_paths(args, states, tf_fns, fbgemm, float(np.median(unique_rows)))
+            code = time_paths(args, states, tf_fns, workers, float(np.median(unique_rows)))
         finally:
-            if fbgemm is not None:
-                fbgemm.close()
+            for worker in workers.values():
+                worker.close()
+    # after the workers ended: their CPU time is this run's own, not other load
+    out = _results.out_dir("optimizer_apply", args.quick, args.out)
+    _results.write_text(os.path.join(out, "table.txt"), say.lines, load)
+    return code
 
 
 class CopyBandwidth:
@@ -580,47 +620,80 @@ def print_bandwidth_limit(args: argparse.Namespace, bandwidth: CopyBandwidth,
                           workload: workload_lib.Workload, unique_rows: float,
                           summaries: dict, names: list[str]) -> None:
     rate = _stats.summarize(bandwidth.samples)
-    print(f"memory-bandwidth limit: {args.threads} threads copy "
+    say(f"memory-bandwidth limit: {args.threads} threads copy "
           f"{rate.format(1e-9)} GB/s (read + write, one sample per round); the least "
           f"traffic per step at the median unique rows ({unique_rows:,.0f}):")
     moved = bytes_moved(workload, unique_rows)
     for kind in KINDS:
         floor = moved[kind] / rate.median
-        shares = ", ".join(f"{PATH_LABELS[name]} {floor / summaries[(name, kind)].median:.0%}"
+        shares = ", ".join(f"{label(name)} {floor / summaries[(name, kind)].median:.0%}"
                            for name in names)
-        print(f"  {KINDS[kind]}: {moved[kind] / 1e6:.1f} MB, {floor * 1e3:.2f} ms at that "
+        say(f"  {KINDS[kind]}: {moved[kind] / 1e6:.1f} MB, {floor * 1e3:.2f} ms at that "
               f"rate; each path's median runs at this share of the limit: {shares}")
+
+
+def _faster_wait(summaries: dict, names: list[str], pages: str, kind: str) -> str | None:
+    """FBGEMM's variant in ``pages`` with the lower median for ``kind``, None if none ran."""
+    ran = [n for n in names if n.startswith(f"c:{pages}:")]
+    return min(ran, key=lambda n: summaries[(n, kind)].median) if ran else None
+
+
+def print_pairings(seconds: dict, summaries: dict, names: list[str]) -> None:
+    """FBGEMM against tfhybrid in the same page policy, FBGEMM at its faster OpenMP wait
+    policy (per kind): the ratio of medians, FBGEMM / tfhybrid (> 1: tfhybrid faster),
+    with the range of the same ratio per round."""
+    lines = []
+    for pages in FBGEMM_PAGES:
+        ours = PAIRED_PATH[pages]
+        if ours not in names:
+            continue
+        parts = []
+        for kind in KINDS:
+            theirs = _faster_wait(summaries, names, pages, kind)
+            if theirs is None:
+                continue
+            ratio = summaries[(theirs, kind)].median / summaries[(ours, kind)].median
+            per_round = [np.median(a) / np.median(b) for a, b in
+                         zip(seconds[(theirs, kind)], seconds[(ours, kind)])]
+            parts.append(f"{KINDS[kind]} {ratio:.2f}x [{min(per_round):.2f}, "
+                         f"{max(per_round):.2f}] (OMP {theirs.split(':')[2]})")
+        if parts:
+            lines.append(f"  {pages} pages, {label(ours)} vs FBGEMM: " + "   ".join(parts))
+    if lines:
+        say("pairings in the same page policy, FBGEMM median / tfhybrid median (> 1: "
+            "tfhybrid faster), FBGEMM at its faster OpenMP wait policy; in brackets the "
+            "range of the same ratio per round:")
+        for line in lines:
+            say(line)
 
 
 def time_paths(args: argparse.Namespace, states: dict[str, TfState],
                tf_fns: dict[str, StepFunctions],
-               fbgemm: Worker | None, unique_rows: float) -> int:
-    names = list(tf_fns) + (["c"] if fbgemm is not None else [])
+               workers: dict[str, Worker], unique_rows: float) -> int:
+    names = list(tf_fns) + list(workers)
     if not names:
-        print("no path to time")
+        say("no path to time")
         return 1
     for name, fns in tf_fns.items():  # traces the tf.functions
         for kind, fn in fns.items():
             for batch in range(args.warmup):
                 fn(states[name].batches[batch])
-    print(f"transparent huge pages in use after the warm-up: {_anon_huge_mb():,.0f} MB")
-    if fbgemm is not None:
+    say(f"transparent huge pages in use after the warm-up: {workload_lib.anon_huge_mb():,.0f} MB")
+    for worker in workers.values():
         for kind in KINDS:
-            fbgemm.run(kind, 0, list(range(args.warmup)))
+            worker.run(kind, 0, list(range(args.warmup)))
 
     per_round = max(1, args.iters // args.rounds)
     seconds: dict[tuple[str, str], list[list[float]]] = {
         (name, kind): [] for name in names for kind in KINDS}  # per round, its calls
     bandwidth = CopyBandwidth(args.threads)
-    before = _cpu_snapshot()
-    worker_cpu_before = fbgemm.cpu_seconds() if fbgemm is not None else 0.0
     for r in range(args.rounds):
         bandwidth.measure()
         batches = [args.warmup + (r * per_round + j) % args.iters for j in range(per_round)]
         for name in names:
             for kind in KINDS:
-                if name == "c":
-                    seconds[(name, kind)].append(fbgemm.run(kind, 0, batches)["seconds"])
+                if name in workers:
+                    seconds[(name, kind)].append(workers[name].run(kind, 0, batches)["seconds"])
                     continue
                 fn = tf_fns[name][kind]
                 fn(states[name].batches[0])  # untimed: re-warm caches after the other paths ran
@@ -630,20 +703,16 @@ def time_paths(args: argparse.Namespace, states: dict[str, TfState],
                     fn(states[name].batches[batch])  # returns once computed; no copy out
                     round_seconds.append(time.perf_counter() - start)
                 seconds[(name, kind)].append(round_seconds)
-    after = _cpu_snapshot()
-    worker_cpu = fbgemm.cpu_seconds() - worker_cpu_before if fbgemm is not None else 0.0
-    _print_other_load(before, after, worker_cpu)
-
-    print(f"{args.rounds} rounds x {per_round} timed calls per path and kind, rotating over "
+    say(f"{args.rounds} rounds x {per_round} timed calls per path and kind, rotating over "
           f"the paths; times in ms, {_stats.SPREAD_LEGEND}:")
     summaries = {key: _stats.summarize([s for rnd in rounds for s in rnd])
                  for key, rounds in seconds.items()}
     for name in names:
-        print(f"  {PATH_LABELS[name]:22s} " + "   ".join(
+        say(f"  {label(name):36s} " + "   ".join(
             f"{KINDS[kind]} {summaries[(name, kind)].format(1e3)}" for kind in KINDS))
     reference = names[0]
     if len(names) > 1:
-        print(f"time ratios, median of the path / median of {PATH_LABELS[reference]} "
+        say(f"time ratios, median of the path / median of {label(reference)} "
               "(> 1: the reference is faster); in brackets the range of the same ratio "
               "per round:")
         for name in names[1:]:
@@ -654,9 +723,10 @@ def time_paths(args: argparse.Namespace, states: dict[str, TfState],
                                     zip(seconds[(name, kind)], seconds[(reference, kind)])]
                 parts.append(f"{KINDS[kind]} {ratio:.2f}x [{min(per_round_ratios):.2f}, "
                              f"{max(per_round_ratios):.2f}]")
-            print(f"  {PATH_LABELS[name]:22s} " + "   ".join(parts))
+            say(f"  {label(name):36s} " + "   ".join(parts))
     workload = next(iter(states.values())).workload if states else workload_of(args)
     print_bandwidth_limit(args, bandwidth, workload, unique_rows, summaries, names)
+    print_pairings(seconds, summaries, names)
     return 0
 
 
