@@ -48,12 +48,12 @@ ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ran
 
 # Where batch t+1's route collectives start in step t's function: True, once the step's
 # rows have arrived (beside the towers); False, with the function (beside the look-ups).
-# Which is faster depends on the model: on the emulated cluster (2x2 ranks, 1 Gbit/s,
-# benchmarks/pipeline_overlap.py) NVIDIA DLRM's towers stepped 2.9 ms faster after the
-# rows (95% interval 0.4-5.1 ms), small towers 1.4 ms faster at the start (0.3-2.8 ms).
-# Both give the same results bit for bit, so a pipeline times both, alternating, over its
-# first pipelined steps (after one untimed call of each, which traces) and keeps the one
-# with the least mean over the ranks of each rank's median step.
+# Which is faster depends on the model and the machine (benchmarks/pipeline_overlap.py
+# times both, forced, beside the pipeline's own choice; the gap has ranged from 0 to 9 ms
+# a step, either way, across tower sizes and runs). Both give the same results bit for
+# bit, so a pipeline times both, alternating, over its first pipelined steps (after one
+# untimed call of each, which traces) and keeps the one with the least mean over the
+# ranks of each rank's median step.
 PLACEMENTS = (True, False)
 _PLACEMENT_NAMES = {True: "once the step's rows have arrived", False: "with the step"}
 TRIAL_STEPS = 12   # timed steps per placement
