@@ -14,6 +14,11 @@
   target (GitHub's slugs: lowercase, punctuation but ``-`` and ``_`` dropped, spaces to
   ``-``, repeats numbered ``-1``, ``-2``, ...).
 - README.md has at most ``README_MAX_LINES`` lines.
+- Every figure with a decimal point in docs/benchmarks.md's prose and tables (code blocks
+  aside) appears in a results file that its section names by its full path
+  (``benchmarks/results/...``, a folder meaning the ``.txt`` and ``.json`` files in it):
+  a figure typed by hand, or derived from others by hand, fails. Integers and whole
+  percentages are not checked (most are a workload's sizes).
 
 One process (it starts its own jobs, so it has the machine to itself).
 """
@@ -252,6 +257,44 @@ def _script_name(block: Block) -> str:
     return re.sub(r"\W", "_", block.name) + ".py"
 
 
+BENCHMARKS_PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+_RESULTS_PATH = re.compile(r"benchmarks/results/[\w./-]*[\w/]")
+_DECIMAL = re.compile(r"(?<![\w.])\d[\d,]*\.\d+")
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body) of each ``## `` section, fenced blocks removed from the body."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    parts = re.split(r"^(?=## )", text, flags=re.M)
+    return [(part.splitlines()[0] if part else "", part) for part in parts]
+
+
+def unsourced_figures(page: str = BENCHMARKS_PAGE, root: str = ROOT) -> dict[str, list]:
+    """{section heading: figures found in none of the results files it names}, and
+    {section heading: named results paths that do not exist} under the key "missing"."""
+    out: dict[str, list] = {}
+    with open(page) as f:
+        sections = _sections(f.read())
+    for heading, body in sections:
+        named = sorted(set(_RESULTS_PATH.findall(body)))
+        files = []
+        for name in named:
+            path = os.path.join(root, name)
+            if os.path.isdir(path):
+                files += sorted(glob.glob(os.path.join(path, "*.txt"))
+                                + glob.glob(os.path.join(path, "*.json")))
+            elif os.path.isfile(path):
+                files.append(path)
+            else:
+                out.setdefault("missing", []).append(name)
+        corpus = " ".join(open(p, errors="replace").read() for p in files).replace(",", "")
+        figures = [m.group(0) for m in _DECIMAL.finditer(body)]
+        unsourced = [x for x in figures if x.replace(",", "") not in corpus]
+        if unsourced:
+            out[heading] = unsourced
+    return out
+
+
 class DocsTest(unittest.TestCase):
 
     @classmethod
@@ -273,6 +316,24 @@ class DocsTest(unittest.TestCase):
         self.assertLessEqual(len(skipped), MAX_SKIPPED,
                              f"too many python blocks marked skip ({skipped}); make them "
                              "runnable, or mark them horovodrun -np N")
+
+    def test_benchmark_figures_come_from_results_files(self):
+        unsourced = unsourced_figures()
+        self.assertEqual(unsourced, {}, "docs/benchmarks.md: figures found in no results "
+                         "file their section names (or named files that do not exist)")
+
+    def test_the_figure_check_can_fail(self):
+        with tempfile.TemporaryDirectory() as root:
+            os.makedirs(os.path.join(root, "benchmarks", "results"))
+            with open(os.path.join(root, "benchmarks", "results", "r.txt"), "w") as f:
+                f.write("# command: x\nstep 1,234.5 ms, 2.97x\n")
+            page = os.path.join(root, "page.md")
+            with open(page, "w") as f:
+                f.write("## A\n`benchmarks/results/r.txt`: 1,234.5 ms, 2.97×, 3.1×\n"
+                        "```sh\nrun 9.99\n```\n## B\n`benchmarks/results/gone.txt` 4.5\n")
+            self.assertEqual(unsourced_figures(page, root),
+                             {"## A": ["3.1"], "missing": ["benchmarks/results/gone.txt"],
+                              "## B": ["4.5"]})
 
     def test_internal_links(self):
         broken = [b for path in self.parsed for b in broken_links(path)]
