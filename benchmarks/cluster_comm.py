@@ -75,14 +75,18 @@ def configurations(nodes: int, ranks_per_node: int, dct: bool = False) -> list[d
     return out
 
 
-def _dct_flags() -> list[str]:
-    """The app's flags for DCT at its defaults (tfhybrid.compression.DCT)."""
+def _dct_flags(mp_keep: float | None = None) -> list[str]:
+    """The app's flags for DCT at its defaults (tfhybrid.compression.DCT), DCT-MP's keep
+    fraction ``mp_keep`` where given."""
     from tfhybrid.compression import DCT
-    return [f"--dct_{k}={v}" for k, v in DCT().get_config().items()]
+    settings = DCT().get_config()
+    if mp_keep is not None:
+        settings["mp_keep"] = mp_keep
+    return [f"--dct_{k}={v}" for k, v in settings.items()]
 
 
 def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
-              warmup: int, timeout: float) -> dict:
+              warmup: int, timeout: float, dct_mp_keep: float | None = None) -> dict:
     metrics = tempfile.mktemp(prefix="tfhybrid-cluster-comm-", suffix=".json")
     flags = [f"--model_parallel={config['model_parallel']}", f"--layout={config['layout']}",
              f"--replica_sync={config.get('replica_sync', 'gradients')}",
@@ -98,7 +102,7 @@ def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
              f"--steps={steps}", f"--warmup_steps={warmup}", "--eval_batches=1",
              "--count_traffic", f"--metrics_json={metrics}", "--threads=1"]
     if config.get("dct"):
-        flags += _dct_flags()
+        flags += _dct_flags(dct_mp_keep)
     started = time.time()
     measured = cluster.run_for_json(
         [PYTHON, "-m", "tfhybrid.train", "--model=dlrm", "--dataset=synthetic", *flags],
@@ -177,6 +181,8 @@ def main() -> int:
                         help="2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
     parser.add_argument("--dct", action="store_true",
                         help="1D and 2D-mm, each without and with DCT (issue 14)")
+    parser.add_argument("--dct_mp_keep", type=float,
+                        help="with --dct: DCT-MP's keep fraction (default: DCT's own)")
     parser.add_argument("--out", default=os.path.join(_results.RESULTS, "cluster_comm"))
     args = parser.parse_args()
     if args.quick:
@@ -200,7 +206,8 @@ def main() -> int:
                 for config in configurations(nodes, per_node, args.dct):
                     if only and config["name"] not in only:
                         continue
-                    point = run_point(cluster, config, args.steps, args.warmup, args.timeout)
+                    point = run_point(cluster, config, args.steps, args.warmup, args.timeout,
+                                      args.dct_mp_keep)
                     point.update(topology=topo, nodes=nodes, ranks_per_node=per_node,
                                  bandwidth_mbit=bw)
                     points.append(point)
@@ -208,10 +215,10 @@ def main() -> int:
                     with open(os.path.join(args.out, "points.json"), "w") as f:
                         json.dump({"workload": WORKLOAD, "points": points}, f, indent=1)
         print(f"{topo}: torn down in {cluster.teardown_seconds:.1f} s", flush=True)
-    text = table(points)
-    print("\n" + text)
-    with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write(text + "\n")
+    _results.write_text(os.path.join(args.out, "table.txt"), [
+        "# other load: not measured (the jobs run in the emulated nodes, outside this "
+        "process tree)"] + ([f"DCT {_dct_flags(args.dct_mp_keep)}"] if args.dct else [])
+        + table(points).splitlines(), None)
     plot(points, os.path.join(args.out, "step_time_and_bytes.png"))
     print(f"\nwrote {args.out}/points.json, table.txt, step_time_and_bytes.png")
     return 0

@@ -116,6 +116,8 @@ def main() -> int:
     print(f"DCT {dct} vs uncompressed; 2 ranks (1D mesh, M=2); synthetic {args.steps} "
           f"steps, movielens {args.epochs} epochs; seeds 0..{args.seeds - 1}", flush=True)
 
+    from tfhybrid.testing import provenance   # after _results put this checkout first
+    load = provenance.OtherLoad()   # the jobs are this process's children: their CPU is ours
     runs: list[dict] = []
 
     def record(model, dataset, seed, arm, settings):
@@ -172,10 +174,7 @@ def main() -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(dict(dct=dct, steps=args.steps, epochs=args.epochs, runs=runs,
                        curves=curves), f, indent=1)
-    with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}/results.json, table.txt" + ("" if args.no_curve
-                                                          else ", keep_curve.png"))
+    _results.write_text(os.path.join(args.out, "table.txt"), [f"DCT {dct}"] + lines, load)
     return 0
 
 
