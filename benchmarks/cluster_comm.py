@@ -42,6 +42,10 @@ try:
 except ImportError:  # imported as benchmarks.cluster_comm, its folder not on sys.path
     from benchmarks import _results
 from tfhybrid.testing import cluster as cluster_lib  # noqa: E402
+try:
+    from dct_quality import keep_fraction  # beside this script
+except ImportError:  # imported as benchmarks.cluster_comm
+    from benchmarks.dct_quality import keep_fraction
 
 PYTHON = sys.executable
 # the DLRM every point trains: 26 Criteo-like tables capped at MAX_ROWS rows of width DIM,
@@ -75,18 +79,18 @@ def configurations(nodes: int, ranks_per_node: int, dct: bool = False) -> list[d
     return out
 
 
-def _dct_flags(mp_keep: float | None = None) -> list[str]:
+def _dct_flags(mp_keep: str = "default") -> list[str]:
     """The app's flags for DCT at its defaults (tfhybrid.compression.DCT), DCT-MP's keep
-    fraction ``mp_keep`` where given."""
+    fraction ``mp_keep`` (a fraction, "off" or "default")."""
     from tfhybrid.compression import DCT
     settings = DCT().get_config()
-    if mp_keep is not None:
-        settings["mp_keep"] = mp_keep
-    return [f"--dct_{k}={v}" for k, v in settings.items()]
+    if mp_keep != "default":
+        settings["mp_keep"] = keep_fraction(mp_keep)
+    return [f"--dct_{k}={v}" for k, v in settings.items() if v is not None]
 
 
 def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
-              warmup: int, timeout: float, dct_mp_keep: float | None = None) -> dict:
+              warmup: int, timeout: float, dct_mp_keep: str = "default") -> dict:
     metrics = tempfile.mktemp(prefix="tfhybrid-cluster-comm-", suffix=".json")
     flags = [f"--model_parallel={config['model_parallel']}", f"--layout={config['layout']}",
              f"--replica_sync={config.get('replica_sync', 'gradients')}",
@@ -181,8 +185,9 @@ def main() -> int:
                         help="2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
     parser.add_argument("--dct", action="store_true",
                         help="1D and 2D-mm, each without and with DCT (issue 14)")
-    parser.add_argument("--dct_mp_keep", type=float,
-                        help="with --dct: DCT-MP's keep fraction (default: DCT's own)")
+    parser.add_argument("--dct_mp_keep", default="default",
+                        help="with --dct: DCT-MP's keep fraction, or off (DCT-DP alone); "
+                             "default: DCT's own")
     parser.add_argument("--out", default=os.path.join(_results.RESULTS, "cluster_comm"))
     args = parser.parse_args()
     if args.quick:

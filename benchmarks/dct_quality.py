@@ -51,7 +51,8 @@ CURVE_DP = (0.001, 0.003, 0.01, 0.03, 0.1)
 CURVE_MP = (0.02, 0.05, 0.1, 0.25, 0.5)
 
 
-def _keep(text: str) -> float | None:
+def keep_fraction(text: str) -> float | None:
+    """A keep-fraction flag's value: a float, or None for "off" (that half not used)."""
     return None if text == "off" else float(text)
 
 
@@ -83,8 +84,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300, help="synthetic: training steps")
     parser.add_argument("--epochs", type=int, default=2, help="movielens: epochs")
-    parser.add_argument("--dp_keep", type=_keep, default=0.003, help="a fraction, or off")
-    parser.add_argument("--mp_keep", type=_keep, default=0.02, help="a fraction, or off")
+    parser.add_argument("--dp_keep", type=keep_fraction, default=0.003, help="a fraction, or off")
+    parser.add_argument("--mp_keep", type=keep_fraction, default=0.02, help="a fraction, or off")
     parser.add_argument("--refresh_every", type=int, default=100,
                         help="steps between threshold refreshes (DCT's L; runs here are "
                              "hundreds of steps long, the paper's millions)")
