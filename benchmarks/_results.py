@@ -64,12 +64,18 @@ def child_env(**extra: str | None) -> dict[str, str]:
                                if value is not None})
 
 
+# the header's load line of a run whose jobs run in tfhybrid.testing.cluster's nodes: their
+# processes are not this one's children, so other load cannot be told from theirs
+LOAD_NOT_MEASURED = ("# other load: not measured (the jobs run in the emulated nodes, "
+                     "outside this process tree)")
+
+
 def write_text(path: str, lines: Sequence[str], load: "OtherLoad | None") -> None:
     """Writes a results file, its provenance header first (the command as this process
     was started, commit, date, CPU and the ``load`` other work put on the machine during
     the run, started with the measurements; None where the run's work happens outside
-    this process tree, and ``lines`` then say so), then ``lines``; prints the file and
-    where it went."""
+    this process tree, and ``lines`` then start with ``LOAD_NOT_MEASURED``), then
+    ``lines``; prints the file and where it went."""
     from tfhybrid.testing import provenance   # after sys.path holds this checkout
     text = "\n".join(provenance.header(sys.argv, load=load) + list(lines)) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

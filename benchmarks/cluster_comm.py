@@ -220,10 +220,10 @@ def main() -> int:
                     with open(os.path.join(args.out, "points.json"), "w") as f:
                         json.dump({"workload": WORKLOAD, "points": points}, f, indent=1)
         print(f"{topo}: torn down in {cluster.teardown_seconds:.1f} s", flush=True)
-    _results.write_text(os.path.join(args.out, "table.txt"), [
-        "# other load: not measured (the jobs run in the emulated nodes, outside this "
-        "process tree)"] + ([f"DCT {_dct_flags(args.dct_mp_keep)}"] if args.dct else [])
-        + table(points).splitlines(), None)
+    header = [_results.LOAD_NOT_MEASURED] + (
+        [f"DCT {_dct_flags(args.dct_mp_keep)}"] if args.dct else [])
+    _results.write_text(os.path.join(args.out, "table.txt"),
+                        header + table(points).splitlines(), None)
     plot(points, os.path.join(args.out, "step_time_and_bytes.png"))
     print(f"\nwrote {args.out}/points.json, table.txt, step_time_and_bytes.png")
     return 0

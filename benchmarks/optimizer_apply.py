@@ -205,37 +205,6 @@ def workload_of(args: argparse.Namespace) -> workload_lib.Workload:
 
 # ------------------------------------------------------------------ machine accounting
 
-def _cpu_snapshot() -> tuple[float | None, float, float]:
-    """(machine busy CPU seconds, our process's CPU seconds, wall time)."""
-    import resource
-    busy = None
-    try:
-        with open("/proc/stat") as f:
-            jiffies = [int(x) for x in f.readline().split()[1:9]]
-        busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        pass
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return busy, usage.ru_utime + usage.ru_stime, time.perf_counter()
-
-
-def _proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (/proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _print_other_load(before: tuple, after: tuple, workers_cpu_seconds: float) -> None:
-    if before[0] is None:
-        return
-    wall = after[2] - before[2]
-    ours = (after[1] - before[1]) + workers_cpu_seconds
-    other = max(0.0, (after[0] - before[0]) - ours) / wall
-    print(f"machine load from other processes during timing: {other:.2f} CPUs busy "
-          f"(of {os.cpu_count()}); timings are noisy when this is well above 0")
-
-
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -397,9 +366,6 @@ class Worker:
 
     def run(self, kind: str, warm: int, batches: list[int]) -> dict:
         return self.command("times", command="run", kind=kind, warm=warm, batches=batches)
-
-    def cpu_seconds(self) -> float:
-        return _proc_cpu_seconds(self.proc.pid)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -778,6 +744,8 @@ def build_worker(args: argparse.Namespace) -> int:
 
 def compare_builds(args: argparse.Namespace) -> int:
     from tfhybrid.custom_ops import build as ops_build
+    from tfhybrid.testing import provenance
+    load = provenance.OtherLoad()
 
     workload = workload_of(args)
     print(f"optimizer_apply --compare-builds: {os.cpu_count()} CPUs ({_cpu_model()}), "
@@ -815,8 +783,6 @@ def compare_builds(args: argparse.Namespace) -> int:
             print(f"{worker.name:9s} library {lib}: -march={worker.info['march']}, "
                   f"kernels {worker.info['isa']}", flush=True)
 
-        before = _cpu_snapshot()
-        workers_cpu_before = sum(w.cpu_seconds() for w in workers)
         # Per round and kind, the two builds run back to back (order flipped every round),
         # so both see nearly the same load from the rest of the machine.
         rounds: list[dict[tuple[str, str], dict]] = []
@@ -827,15 +793,14 @@ def compare_builds(args: argparse.Namespace) -> int:
             order = workers if r % 2 == 0 else workers[::-1]
             rounds.append({(w.name, kind): w.run(kind, 0, batches)
                            for kind in KINDS for w in order})
-        after = _cpu_snapshot()
-        _print_other_load(before, after,
-                          sum(w.cpu_seconds() for w in workers) - workers_cpu_before)
     finally:
         for worker in workers:
             worker.close()
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()
+    # after the workers ended: their CPU time is this run's own, not other load
+    print(load.line())
 
     print(f"{args.ab_rounds} rounds x {args.ab_iters} timed calls per build and kind; in "
           "each round and kind the builds run back to back, order flipped every round")

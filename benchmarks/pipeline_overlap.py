@@ -249,7 +249,8 @@ def table(points: list[dict]) -> str:
     for p in points:
         s = p["summary"]
         cpu_ms = "/".join(f"{1e3 * s[mode + '_cpu']['median']:.1f}" for mode in measured)
-        lines.append(f"{p['link'] + ' #' + str(p['run'] + 1):>24} {cell(s['plain']):>18} {cell(s['route']):>18} "
+        run = f"{p['link']} #{p['run'] + 1}"
+        lines.append(f"{run:>24} {cell(s['plain']):>18} {cell(s['route']):>18} "
                      f"{cell(s['step']):>18} {cell(s['route_in_step']):>16} "
                      + "".join(f"{cell(s[mode]):>18} "
                                f"{cell(s['hidden_' + mode], 100, '{:.0f}', '%'):>16} "
@@ -370,8 +371,7 @@ def main() -> int:
                 print(table(points[-1:]).splitlines()[-1], flush=True)
     with open(os.path.join(args.out, f"points_{args.towers}.json"), "w") as f:
         json.dump(points, f, indent=1)
-    lines = ["# other load: not measured (the jobs run in the emulated nodes, outside this "
-             "process tree)", f"towers: {args.towers} {TOWERS[args.towers]}; "
+    lines = [_results.LOAD_NOT_MEASURED, f"towers: {args.towers} {TOWERS[args.towers]}; "
              f"{args.blocks} blocks x {args.steps} steps per mode", ""] + headline(points) \
         + ["", "every run (rows in run order):", table(points)]
     _results.write_text(os.path.join(args.out, f"table_{args.towers}.txt"), lines, None)
