@@ -25,8 +25,9 @@ another checkout after ``@`` (``1x1:fp32@/tmp/before``): it imports that tree's 
 so one run compares a change with the code before it. ``--venvs .venv,.venv-tf2.15`` runs
 every case in each venv (each a TensorFlow stack ``make setup TF=...`` installs), so one
 run compares the stacks; a case names its venv after ``%`` (``1x1:bf16%.venv-tf2.15``).
-``--output FILE`` also writes what is printed to FILE, under a header with the command,
-commit, date, CPU and each venv's TensorFlow.
+``--output FILE`` also writes what is printed to FILE at the end, under a header with the
+command, commit, date, CPU, the other load on the machine during the run and each venv's
+TensorFlow.
 
 Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--quick] [--steps 30] [--warmup 5]
            [--cases keras:fp32,1x1:fp32,1x2:bf16:xla,...] [--max_table_rows 1000000]
@@ -287,7 +288,7 @@ def main() -> None:
         parser.error(str(error))
     if args.output:
         global print
-        print = _Tee(args.output, _header(cases))
+        print = _Tee(_stack_lines(cases))
     baseline = args.baseline or next((c.name for c in cases if c.plain_keras), cases[0].name)
     if baseline not in [c.name for c in cases]:
         parser.error(f"--baseline {baseline} is not one of --cases")
@@ -344,6 +345,8 @@ def main() -> None:
             report(case, threads[case.name])
     if profiles:
         print_profiles(profiles, results)
+    if args.output:
+        print.write(args.output)
 
 
 def _label(case_name: str) -> str:
@@ -372,29 +375,31 @@ def _stack(venv: str) -> dict[str, str]:
     return _STACKS[venv]
 
 
-def _header(cases: list[Case]) -> str:
-    """The results file's header: how to rerun it, on what code, machine and stacks."""
-    import _results  # noqa: F401  (puts this checkout first on sys.path)
-    from tfhybrid.testing import provenance
-    lines = provenance.header(sys.argv)
-    for venv in dict.fromkeys(c.venv for c in cases):
-        versions = ", ".join(f"{k} {v}" for k, v in _stack(venv).items())
-        lines.append(f"# stack {venv or sys.prefix}: {versions}")
-    return "\n".join(lines)
+def _stack_lines(cases: list[Case]) -> list[str]:
+    """Each venv's TensorFlow stack, as lines under the results file's header."""
+    return [f"# stack {venv or sys.prefix}: "
+            + ", ".join(f"{k} {v}" for k, v in _stack(venv).items())
+            for venv in dict.fromkeys(c.venv for c in cases)]
 
 
 class _Tee:
-    """print() that also appends each line to the results file."""
+    """print() that also keeps each line, for the results file written at the end under
+    its provenance header (with the other load measured from here to then)."""
 
-    def __init__(self, path: str, header: str):
-        self._file = open(path, "w")
-        self._file.write(header + "\n")
+    def __init__(self, first_lines: list[str]):
+        import _results
+        from tfhybrid.testing import provenance   # after _results puts this checkout first
+        self._results = _results
+        self._load = provenance.OtherLoad()
+        self._lines = list(first_lines)
         self._print = builtins.print
 
     def __call__(self, *values, **kwargs) -> None:
         self._print(*values, **kwargs)
-        self._print(*values, **{k: v for k, v in kwargs.items() if k != "flush"},
-                    file=self._file, flush=True)
+        self._lines.append(kwargs.get("sep", " ").join(map(str, values)))
+
+    def write(self, path: str) -> None:
+        self._results.write_text(path, self._lines, self._load)
 
 
 def print_profiles(profiles: dict[str, dict[str, float]],
