@@ -24,10 +24,11 @@ True
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from tfhybrid.testing.provenance import OtherLoad
@@ -82,3 +83,30 @@ def write_text(path: str, lines: Sequence[str], load: "OtherLoad | None") -> Non
     with open(path, "w") as f:
         f.write(text)
     print(text + f"\n(written to {path})", flush=True)
+
+
+def provenance_record(load: "OtherLoad | None") -> dict[str, str]:
+    """The provenance header as a mapping (``{"command": ..., "commit": ..., ...}``), for
+    results that are not text: JSON files carry it as their ``"provenance"`` field and
+    PNG plots as text chunks (``save_figure``)."""
+    from tfhybrid.testing import provenance
+    lines = provenance.header(sys.argv, load=load) if load else (
+        provenance.header(sys.argv) + [LOAD_NOT_MEASURED])
+    return dict(line[2:].split(": ", 1) for line in lines)
+
+
+def write_json(path: str, payload: dict[str, Any], load: "OtherLoad | None") -> None:
+    """Writes ``payload`` as JSON with its ``"provenance"`` (``provenance_record``) first;
+    ``load`` as for ``write_text``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        # numpy scalars as plain numbers
+        json.dump({"provenance": provenance_record(load), **payload}, f, indent=1,
+                  default=lambda value: value.item() if hasattr(value, "item") else float(value))
+
+
+def save_figure(figure, path: str, load: "OtherLoad | None") -> None:
+    """Saves a matplotlib figure as PNG with the provenance record in its text chunks."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=110, metadata={
+        key.capitalize(): value for key, value in provenance_record(load).items()})

@@ -22,17 +22,21 @@ Configurations (M = ranks per model group, D = N / M replicas):
   *-fp16        activations, their gradients and the gradient allreduces sent as float16
   *-dct         (with --dct) DCT at its default keep fractions (tfhybrid.compression)
 
-Writes points.json (the input of benchmarks/cost_model_validation.py), table.txt and
-PNG plots into --out. Runs as root (network namespaces); about 25 minutes in full.
+The whole grid runs ``--runs`` times, one run after the other (so a passing disturbance
+touches one run, not every repeat of a point); ``merge`` makes one point per configuration
+from them, its step times the median over the runs with their min-max beside it. Writes
+points.json (every run's points, with a provenance record: the input of
+benchmarks/cost_model_validation.py), table.txt (the merged points) and a PNG plot into
+--out. Runs as root (network namespaces); about 37 minutes per run of the full grid.
 
-Usage: .venv/bin/python benchmarks/cluster_comm.py [--quick] [--out DIR]
+Usage: .venv/bin/python benchmarks/cluster_comm.py [--quick] [--runs N] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -115,14 +119,48 @@ def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
     return {**config, "wall_seconds": time.time() - started, **measured}
 
 
+def _key(point: dict) -> tuple:
+    return point["topology"], point["bandwidth_mbit"], point["name"]
+
+
+def merge(runs: list[list[dict]]) -> list[dict]:
+    """One point per configuration (topology, link, name) that every run measured: the
+    first run's record with its step figures replaced by their medians over the runs;
+    ``run_steps`` keeps each run's mean step (global batch / samples per second), the
+    figure the cost model is checked against, and ``mean_step_seconds`` is their median.
+
+    >>> a = dict(topology="2x2", bandwidth_mbit=None, name="1D", global_batch=8,
+    ...          samples_per_second=80.0, step_seconds_median=0.1, step_seconds_p25=0.09,
+    ...          step_seconds_p75=0.11)
+    >>> b = dict(a, samples_per_second=40.0, step_seconds_median=0.2)
+    >>> [m] = merge([[a], [b], [a]])
+    >>> m["run_steps"], m["mean_step_seconds"], m["step_seconds_median"]
+    ([0.1, 0.2, 0.1], 0.1, 0.1)
+    """
+    by_key = [{_key(p): p for p in points} for points in runs]
+    merged = []
+    for point in runs[0]:
+        if not all(_key(point) in run for run in by_key):
+            continue
+        same = [run[_key(point)] for run in by_key]
+        steps = [p["global_batch"] / p["samples_per_second"] for p in same]
+        merged.append({**point, **{
+            field: statistics.median(p[field] for p in same)
+            for field in ("samples_per_second", "step_seconds_median", "step_seconds_p25",
+                          "step_seconds_p75")},
+            "run_steps": steps, "mean_step_seconds": statistics.median(steps)})
+    return merged
+
+
 def _mb(x: float) -> str:
     return f"{x / 1e6:7.2f}"
 
 
 def table(points: list[dict]) -> str:
+    """One line per point; a merged point (``merge``) adds its runs' mean steps."""
     header = (f"{'topology':8} {'link':>9} {'config':12} {'step ms (p25-p75)':>22} "
               f"{'samples/s':>10} {'link MB/step out':>16} {'in':>7} "
-              f"{'a2a MB/rank':>11} {'allred MB/rank':>14}")
+              f"{'a2a MB/rank':>11} {'allred MB/rank':>14}  runs' mean step ms")
     lines = [header, "-" * len(header)]
     for p in points:
         link = "loopback" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
@@ -133,7 +171,8 @@ def table(points: list[dict]) -> str:
         lines.append(f"{p['topology']:8} {link:>9} {p['name']:12} {step:>22} "
                      f"{p['samples_per_second']:10.0f} {_mb(net['sent']):>16} "
                      f"{_mb(net['received']):>7} {_mb(coll['alltoall']):>11} "
-                     f"{_mb(coll['allreduce']):>14}")
+                     f"{_mb(coll['allreduce']):>14}  "
+                     + " ".join(f"{1e3 * s:.1f}" for s in p.get("run_steps", ())))
     return "\n".join(lines)
 
 
@@ -168,7 +207,7 @@ def plot(points: list[dict], path: str) -> None:
             ax.legend(fontsize=8)
     fig.suptitle("tfhybrid DLRM on an emulated cluster (measured)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _results.save_figure(fig, path, None)
 
 
 def main() -> int:
@@ -181,8 +220,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per job")
     parser.add_argument("--only", default="", help="comma-separated configuration names")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="runs of the whole grid, one after another")
     parser.add_argument("--quick", action="store_true",
-                        help="2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
+                        help="one run: 2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
     parser.add_argument("--dct", action="store_true",
                         help="1D and 2D-mm, each without and with DCT (issue 14)")
     parser.add_argument("--dct_mp_keep", default="default",
@@ -192,39 +233,48 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.topologies, args.bandwidths, args.only = "2x2", "loopback,250", "1D,2D-mm"
-        args.steps, args.warmup = 12, 4
+        args.steps, args.warmup, args.runs = 12, 4, 1
+    if args.runs < 1:
+        raise SystemExit(f"--runs={args.runs}: expected at least 1")
     os.makedirs(args.out, exist_ok=True)
     bandwidths = [None if b == "loopback" else float(b) for b in args.bandwidths.split(",")]
     only = set(filter(None, args.only.split(",")))
-    points = []
+    runs: list[list[dict]] = []
     print(f"workload: DLRM, 26 tables <= {WORKLOAD['max_table_rows']} rows x "
           f"{WORKLOAD['embedding_dim']}, global batch {WORKLOAD['global_batch']}, "
           f"{WORKLOAD['embedding_optimizer']} tables / {WORKLOAD['dense_optimizer']} dense, "
-          f"{args.steps} steps ({args.warmup} warm-up)", flush=True)
-    for topo in args.topologies.split(","):
-        nodes, per_node = (int(x) for x in topo.split("x"))
-        with cluster_lib.EmulatedCluster(nodes, per_node) as cluster:
-            print(f"\n{topo}: cluster {cluster.host_flag()} up in "
-                  f"{cluster.setup_seconds:.1f} s", flush=True)
-            for bw in bandwidths:
-                cluster.set_bandwidth(bw)
-                for config in configurations(nodes, per_node, args.dct):
-                    if only and config["name"] not in only:
-                        continue
-                    point = run_point(cluster, config, args.steps, args.warmup, args.timeout,
-                                      args.dct_mp_keep)
-                    point.update(topology=topo, nodes=nodes, ranks_per_node=per_node,
-                                 bandwidth_mbit=bw)
-                    points.append(point)
-                    print(table([point]).splitlines()[-1], flush=True)
-                    with open(os.path.join(args.out, "points.json"), "w") as f:
-                        json.dump({"workload": WORKLOAD, "points": points}, f, indent=1)
-        print(f"{topo}: torn down in {cluster.teardown_seconds:.1f} s", flush=True)
-    header = [_results.LOAD_NOT_MEASURED] + (
+          f"{args.steps} steps ({args.warmup} warm-up), {args.runs} run(s) of the grid",
+          flush=True)
+    for run in range(args.runs):
+        runs.append([])
+        for topo in args.topologies.split(","):
+            nodes, per_node = (int(x) for x in topo.split("x"))
+            with cluster_lib.EmulatedCluster(nodes, per_node) as cluster:
+                print(f"\nrun {run + 1} of {args.runs}, {topo}: cluster "
+                      f"{cluster.host_flag()} up in {cluster.setup_seconds:.1f} s", flush=True)
+                for bw in bandwidths:
+                    cluster.set_bandwidth(bw)
+                    for config in configurations(nodes, per_node, args.dct):
+                        if only and config["name"] not in only:
+                            continue
+                        point = run_point(cluster, config, args.steps, args.warmup,
+                                          args.timeout, args.dct_mp_keep)
+                        point.update(topology=topo, nodes=nodes, ranks_per_node=per_node,
+                                     bandwidth_mbit=bw, run=run)
+                        runs[-1].append(point)
+                        print(table([point]).splitlines()[-1], flush=True)
+                        # every point as it comes: a run cut short keeps what it measured
+                        _results.write_json(os.path.join(args.out, "points.json"),
+                                            {"workload": WORKLOAD, "runs": runs}, None)
+            print(f"{topo}: torn down in {cluster.teardown_seconds:.1f} s", flush=True)
+    merged = merge(runs)
+    header = [_results.LOAD_NOT_MEASURED,
+              f"# merged: {len(runs)} run(s) of the grid, one after another; step figures "
+              f"are the median over the runs, then each run's mean step"] + (
         [f"DCT {_dct_flags(args.dct_mp_keep)}"] if args.dct else [])
     _results.write_text(os.path.join(args.out, "table.txt"),
-                        header + table(points).splitlines(), None)
-    plot(points, os.path.join(args.out, "step_time_and_bytes.png"))
+                        header + table(merged).splitlines(), None)
+    plot(merged, os.path.join(args.out, "step_time_and_bytes.png"))
     print(f"\nwrote {args.out}/points.json, table.txt, step_time_and_bytes.png")
     return 0
 

@@ -23,10 +23,12 @@ each 1514-byte frame, ACKs aside).
 Prints the table and the count within +-20%; writes cost_model_validation.png (scatter)
 and validation.json into --out.
 
-With several runs of the grid (``--points run1/points.json run2/points.json``) a point's
-measured step is the median over the runs, printed with their min-max.
+points.json holds every run of the grid; a point's measured step is the median over the
+runs (``cluster_comm.merge``), printed with their min-max. Writes validation.txt (the
+table, with a provenance header naming the points' file and its commit), validation.json
+and cost_model_validation.png into --out.
 
-Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P [P ...]] [--out DIR]
+Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P] [--out DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import statistics
 import sys
 
 import _results  # beside this script; it puts the checkout first on sys.path
+import cluster_comm  # noqa: E402  (beside this script: the points' format and merge)
 from tfhybrid import cost_model  # noqa: E402
 from tfhybrid.planner import TableConfig  # noqa: E402
 
@@ -62,24 +65,6 @@ def _workload(point: dict, embedding_dim: int) -> cost_model.Workload:
     return cost_model.Workload(tables=tables, local_batch_size=point["global_batch"] // ranks,
                                dense_parameters=point["dense_parameters"],
                                optimizer=point["plan"]["optimizer"], dense_optimizer="adam")
-
-
-def _median_over_runs(runs: list[list[dict]]) -> list[dict]:
-    """One point per configuration (topology, link, name) that every run measured: the
-    first run's record, its mean step replaced by the median over the runs, and the runs'
-    mean steps kept in ``run_steps``."""
-    def key(p):
-        return p["topology"], p["bandwidth_mbit"], p["name"]
-    by_key = [{key(p): p for p in points} for points in runs]
-    out = []
-    for point in runs[0]:
-        if not all(key(point) in run for run in by_key):
-            continue
-        steps = [run[key(point)]["global_batch"] / run[key(point)]["samples_per_second"]
-                 for run in by_key]
-        out.append({**point, "mean_step_seconds": statistics.median(steps),
-                    "run_steps": steps})
-    return out
 
 
 def _model_point(point: dict) -> dict:
@@ -146,20 +131,15 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_dir = os.path.join(_results.RESULTS, "cluster_comm")
-    parser.add_argument("--points", nargs="+",
-                        default=[os.path.join(default_dir, "points.json")],
-                        help="one points.json per repeat of the grid; a point's measured "
-                             "step is the median over the repeats")
+    parser.add_argument("--points", default=os.path.join(default_dir, "points.json"),
+                        help="cluster_comm.py's points.json (every run of its grid)")
     parser.add_argument("--out", default=default_dir)
     args = parser.parse_args()
-    runs = []
-    for path in args.points:
-        with open(path) as f:
-            runs.append(json.load(f))
-    if any(run["workload"] != runs[0]["workload"] for run in runs):
-        raise SystemExit("the repeats were run on different workloads")
-    measured = _median_over_runs([run["points"] for run in runs])
-    dim = runs[0]["workload"]["embedding_dim"]
+    with open(args.points) as f:
+        recorded = json.load(f)
+    runs = recorded["runs"]
+    measured = cluster_comm.merge(runs)
+    dim = recorded["workload"]["embedding_dim"]
     workload = _workload(measured[0], dim)
     model_points = [_model_point(p) for p in measured]
     shaped = sorted({p["bandwidth_mbit"] for p in measured if p["bandwidth_mbit"]})
@@ -182,28 +162,32 @@ def main() -> int:
         overlap = fit_overlap([mp for mp, _ in groups["fit overlap"]], rates, unshaped,
                               workload)
     rates = dataclasses.replace(rates, overlap=overlap)
-    print(f"fitted compute on {len(groups['fit compute'])} unshaped points (unshaped link "
-          f"{unshaped / 1e9:.2f} GB/s) and the overlap on {len(groups['fit overlap'])} "
-          f"points at {overlap_link:g} Mbit/s: {rates}")
-    template = _template(2, 2, unshaped, rates)
-
-    rows_out = []
+    source = recorded["provenance"]
+    lines = [_results.LOAD_NOT_MEASURED,
+             f"# points: {os.path.relpath(args.points, _results.ROOT)} (cluster_comm.py at "
+             f"commit {source['commit']}, {source['date']}), {len(runs)} run(s) merged by "
+             f"cluster_comm.merge",
+             f"fitted compute on {len(groups['fit compute'])} unshaped points (unshaped link "
+             f"{unshaped / 1e9:.2f} GB/s) and the overlap on {len(groups['fit overlap'])} "
+             f"points at {overlap_link:g} Mbit/s: {rates}", "",
+             f"measured: the mean step of each run (over its timed steps, weight syncs "
+             f"included), median over {len(runs)} run(s)", ""]
     header = (f"{'topology':8} {'link':>10} {'config':12} {'measured ms':>11} "
               f"{'runs (min-max)':>16} {'predicted ms':>12} {'pred/meas':>9}  comm share")
-    print(f"\nmeasured: the mean step of each run (over its timed steps, weight syncs "
-          f"included), median over {len(runs)} run(s)")
-    print("\n" + header + "\n" + "-" * len(header))
+    lines += [header, "-" * len(header)]
+    template = _template(2, 2, unshaped, rates)
+    rows_out = []
     for kind, group in groups.items():
         for mp, p in group:
             [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template, workload)
-            pred = cost_model.predict(*_setup(mp, template, workload))
+            pred = cost_model.predict(*cost_model.point_setup(mp, template, workload))
             link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
             spread = f"{1e3 * min(p['run_steps']):.0f}-{1e3 * max(p['run_steps']):.0f}"
-            print(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
-                  f"{spread:>16} {1e3 * predicted:12.1f} {ratio:9.2f}  "
-                  f"{pred.communication_seconds / pred.step_seconds:5.0%}"
-                  + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%")
-                  + ("" if kind == "held out" else f"  ({kind})"))
+            lines.append(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
+                         f"{spread:>16} {1e3 * predicted:12.1f} {ratio:9.2f}  "
+                         f"{pred.communication_seconds / pred.step_seconds:5.0%}"
+                         + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%")
+                         + ("" if kind == "held out" else f"  ({kind})"))
             rows_out.append({"kind": kind, "topology": p["topology"], "name": p["name"],
                              "bandwidth_mbit": p["bandwidth_mbit"], "measured_s": measured_s,
                              "run_steps_s": p["run_steps"], "predicted_s": predicted,
@@ -211,20 +195,14 @@ def main() -> int:
     held = [r for r in rows_out if r["kind"] == "held out"]
     inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in held)
     errors = sorted(abs(r["ratio"] - 1) for r in held)
-    print(f"\nheld-out points within +-{TOLERANCE:.0%}: {inside} of {len(held)}; "
-          f"|error| median {statistics.median(errors):.1%}, max {errors[-1]:.1%}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "validation.json"), "w") as f:
-        json.dump({"rates": rates.to_dict(), "unshaped_bytes_per_s": unshaped,
-                   "rows": rows_out}, f, indent=1)
+    lines += ["", f"held-out points within +-{TOLERANCE:.0%}: {inside} of {len(held)}; "
+              f"|error| median {statistics.median(errors):.1%}, max {errors[-1]:.1%}"]
+    _results.write_text(os.path.join(args.out, "validation.txt"), lines, None)
+    _results.write_json(os.path.join(args.out, "validation.json"),
+                        {"points": recorded["provenance"], "rates": rates.to_dict(),
+                         "unshaped_bytes_per_s": unshaped, "rows": rows_out}, None)
     _plot(rows_out, os.path.join(args.out, "cost_model_validation.png"))
-    print(f"wrote {args.out}/validation.json, cost_model_validation.png")
     return 0
-
-
-def _setup(model_point: dict, template, workload):
-    plan, layout, cluster, work = cost_model._point_setup(model_point, template, workload)
-    return plan, layout, cluster, work
 
 
 def _plot(rows: list[dict], path: str) -> None:
@@ -246,7 +224,7 @@ def _plot(rows: list[dict], path: str) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _results.save_figure(fig, path, None)
 
 
 if __name__ == "__main__":

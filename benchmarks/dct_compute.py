@@ -14,7 +14,9 @@ process, in the same run, it times with tf.function, each as the median of repea
   owner returns per sample on a 1D mesh of 4 (7 tables x 32) and a 2D mesh with M = 2
   (13 tables x 32).
 
-Usage: .venv/bin/python benchmarks/dct_compute.py [--repeats 30]
+Writes the table to --out (default benchmarks/results/dct_compute.txt).
+
+Usage: .venv/bin/python benchmarks/dct_compute.py [--repeats 30] [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 import sys
 import time
 
-import _results  # noqa: F401  (beside this script; puts the checkout first on sys.path)
+import _results  # beside this script; it puts the checkout first on sys.path
 from benchmarks import cluster_comm  # noqa: E402
 from benchmarks._stats import SPREAD_LEGEND, summarize  # noqa: E402
 
@@ -46,6 +48,7 @@ def _timed(fn, repeats: int):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", default=os.path.join(_results.RESULTS, "dct_compute.txt"))
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
@@ -114,22 +117,26 @@ def main() -> int:
         return round_trip, width
 
     entries = sum(v.shape.num_elements() for v in dense)
+    from tfhybrid.testing import provenance
+    load = provenance.OtherLoad()
     base = _timed(train_step, args.repeats)
     between = _timed(dp_select(False), args.repeats)
     refresh = _timed(dp_select(True), args.repeats)
-    print(f"one rank of {RANKS}: local batch {local_batch}, {len(dense)} dense variables "
-          f"({entries:,} entries), DCT {dct.get_config()}; ms, {SPREAD_LEGEND}")
-    print(f"  baseline: one training step          {base.format(1e3)}")
-    print(f"  DCT-DP select, threshold reused      {between.format(1e3)}  "
-          f"{between.median / base.median:6.1%} of the step")
-    print(f"  DCT-DP select, refresh (top-k)       {refresh.format(1e3)}  "
-          f"{refresh.median / base.median:6.1%} of the step, once every "
-          f"{dct.refresh_every} steps")
+    say = []
+    say.append(f"one rank of {RANKS}: local batch {local_batch}, {len(dense)} dense variables "
+               f"({entries:,} entries), DCT {dct.get_config()}; ms, {SPREAD_LEGEND}")
+    say.append(f"  baseline: one training step          {base.format(1e3)}")
+    say.append(f"  DCT-DP select, threshold reused      {between.format(1e3)}  "
+               f"{between.median / base.median:6.1%} of the step")
+    say.append(f"  DCT-DP select, refresh (top-k)       {refresh.format(1e3)}  "
+               f"{refresh.median / base.median:6.1%} of the step, once every "
+               f"{dct.refresh_every} steps")
     for label, owners in (("1D mesh of 4", 4), ("2D, M = 2", 2)):
         round_trip, width = mp_round_trip(owners)
         mp = _timed(round_trip, args.repeats)
-        print(f"  DCT-MP {label:12} width {width:3}: top-k + rebuild, fwd + bwd "
-              f"{mp.format(1e3)}  {mp.median / base.median:6.1%} of the step")
+        say.append(f"  DCT-MP {label:12} width {width:3}: top-k + rebuild, fwd + bwd "
+                   f"{mp.format(1e3)}  {mp.median / base.median:6.1%} of the step")
+    _results.write_text(args.out, say, load)
     return 0
 
 

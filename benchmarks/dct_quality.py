@@ -168,18 +168,18 @@ def main() -> int:
                         + ", ".join(f"{k:g}: {d:+.4f}" for k, d in points))
                 lines.append(line)
                 print(line, flush=True)
-        plot(curves, os.path.join(args.out, "keep_curve.png"))
+        plot(curves, os.path.join(args.out, "keep_curve.png"), load)
 
     seconds = summarize([r["seconds"] for r in runs])
     lines.append(f"job wall time (s): {seconds.format(digits=0)}")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(dict(dct=dct, steps=args.steps, epochs=args.epochs, runs=runs,
-                       curves=curves), f, indent=1)
+    _results.write_json(os.path.join(args.out, "results.json"),
+                        dict(dct=dct, steps=args.steps, epochs=args.epochs, runs=runs,
+                             curves=curves), load)
     _results.write_text(os.path.join(args.out, "table.txt"), [f"DCT {dct}"] + lines, load)
     return 0
 
 
-def plot(curves: dict[str, list], path: str) -> None:
+def plot(curves: dict[str, list], path: str, load) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -194,7 +194,7 @@ def plot(curves: dict[str, list], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _results.save_figure(fig, path, load)
 
 
 if __name__ == "__main__":

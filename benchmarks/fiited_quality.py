@@ -30,7 +30,6 @@ Usage: .venv/bin/python benchmarks/fiited_quality.py [--seeds 3] [--targets 0.25
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -189,7 +188,7 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _plot(results: list[dict], path: str) -> None:
+def _plot(results: list[dict], path: str, load) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -220,7 +219,7 @@ def _plot(results: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _results.save_figure(fig, path, load)
 
 
 def main() -> int:
@@ -242,6 +241,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(_results.RESULTS, "fiited_quality"))
     args = parser.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(2)
+    from tfhybrid.testing import provenance
+    load = provenance.OtherLoad()
     results = []
     for name in args.datasets:
         for seed in range(args.seeds):
@@ -254,14 +255,11 @@ def main() -> int:
                                            args))
     table = _table(results)
     print("\n" + table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"settings": vars(args), "embedding_dim": EMBEDDING_DIM,
-                   "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write(table + "\n")
-    _plot(results, os.path.join(args.out, "fiited_quality.png"))
-    print(f"wrote {args.out}/results.json, table.txt, fiited_quality.png")
+    _results.write_json(os.path.join(args.out, "results.json"),
+                        {"settings": vars(args), "embedding_dim": EMBEDDING_DIM,
+                         "results": results}, load)
+    _results.write_text(os.path.join(args.out, "table.txt"), table.splitlines(), load)
+    _plot(results, os.path.join(args.out, "fiited_quality.png"), load)
     return 0
 
 

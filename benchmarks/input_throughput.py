@@ -39,13 +39,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import datetime
 import errno
-import json
 import multiprocessing
 import os
 import queue as queue_module
-import shlex
 import shutil
 import signal
 import sys
@@ -290,6 +287,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     caps = CpuCaps(args.cpu_share) if args.cpu_share > 0 else None
     started = time.time()
+    from tfhybrid.testing import provenance
+    load = provenance.OtherLoad()
     work = tempfile.mkdtemp(prefix="tfhybrid-input-")
     try:
         from tfhybrid.train.preprocess import preprocess
@@ -346,11 +345,7 @@ def main() -> int:
         return next((r for r in results if r["mode"] == _mode(share) and r["reader"] == name
                      and r["ranks"] == size), None)
 
-    date = datetime.datetime.fromtimestamp(started).astimezone().isoformat(timespec="seconds")
-    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv])
-    lines = [f"command: {command}",
-             f"date: {date}; "
-             f"{cpus} CPUs; run time {elapsed / 60:.1f} min; other processes may have used "
+    lines = [f"{cpus} CPUs; run time {elapsed / 60:.1f} min; other processes may have used "
              f"the CPU meanwhile (column 'others')",
              f"{args.lines:,} train lines in {args.files} files, global batch {args.batch}; "
              f"preprocessing (worker start-up included) "
@@ -385,17 +380,14 @@ def main() -> int:
                              f"{scaling:8.2f}x  {ratio:>10s}  "
                              f"{np.median(row['cpu_per_rank']):8.2f}  "
                              f"{np.median(row['other_cpus']):6.2f}")
-    table = "\n".join(lines)
-    print("\n" + table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "input_throughput.txt"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(args.out, "input_throughput.json"), "w") as f:
-        json.dump({"command": command, "date": date, "cpus": cpus, "seconds": elapsed,
-                   "cgroup": None if caps is None else {"kind": caps.kind, "root": caps.root,
-                                                        "period_us": PERIOD_US},
-                   "settings": vars(args), "batches_per_pass": batches_per_pass,
-                   "preprocess_lines_per_s": preprocess_rate, "results": results}, f, indent=1)
+    _results.write_text(os.path.join(args.out, "input_throughput.txt"), lines, load)
+    _results.write_json(os.path.join(args.out, "input_throughput.json"),
+                        {"cpus": cpus, "seconds": elapsed,
+                         "cgroup": None if caps is None else {"kind": caps.kind,
+                                                              "root": caps.root,
+                                                              "period_us": PERIOD_US},
+                         "settings": vars(args), "batches_per_pass": batches_per_pass,
+                         "preprocess_lines_per_s": preprocess_rate, "results": results}, load)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -424,8 +416,7 @@ def main() -> int:
         ax.legend(fontsize=8)
     fig.suptitle(f"total input samples/s, median [p25, p75] of {args.repeats}")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "input_throughput.png"), dpi=100)
-    print(f"wrote {args.out}/input_throughput.txt, .json, .png")
+    _results.save_figure(fig, os.path.join(args.out, "input_throughput.png"), load)
     return 0
 
 

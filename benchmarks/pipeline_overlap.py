@@ -313,7 +313,7 @@ def plot(points: list[dict], path: str) -> None:
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _results.save_figure(fig, path, None)
 
 
 def main() -> int:
@@ -369,8 +369,8 @@ def main() -> int:
                 points.append(dict(link=name, run=run, **measured,
                                    summary=_summary(measured)))
                 print(table(points[-1:]).splitlines()[-1], flush=True)
-    with open(os.path.join(args.out, f"points_{args.towers}.json"), "w") as f:
-        json.dump(points, f, indent=1)
+    _results.write_json(os.path.join(args.out, f"points_{args.towers}.json"),
+                        {"points": points}, None)
     lines = [_results.LOAD_NOT_MEASURED, f"towers: {args.towers} {TOWERS[args.towers]}; "
              f"{args.blocks} blocks x {args.steps} steps per mode", ""] + headline(points) \
         + ["", "every run (rows in run order):", table(points)]

@@ -24,15 +24,18 @@ per GPU, Zipf(1.05) ids.
 Weak scaling: the per-rank batch is fixed; efficiency(N) = per-rank throughput at N /
 per-rank throughput at the smallest N where that scheme fits in memory.
 
-Usage: python benchmarks/scale_extrapolation.py [--png scale_extrapolation.png]
+Writes the table to --out (default benchmarks/results/scale_extrapolation.txt) and the plot
+beside it (.png).
+
+Usage: python benchmarks/scale_extrapolation.py [--out PATH.txt]
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
 
-import _results  # noqa: F401  (beside this script; puts the checkout first on sys.path)
+import _results  # beside this script; it puts the checkout first on sys.path
 
 from tfhybrid import cost_model, planner  # noqa: E402
 from tfhybrid.cost_model import ClusterSpec, ComputeRates, Workload  # noqa: E402
@@ -97,13 +100,16 @@ def two_d(ranks: int, workload: Workload = WORKLOAD) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--png", default="scale_extrapolation.png")
+    parser.add_argument("--out", default=os.path.join(_results.RESULTS,
+                                                      "scale_extrapolation.txt"))
     parser.add_argument("--replica_sync", default="gradients", choices=planner.REPLICA_SYNC,
                         help="how 2D keeps a shard's D replicas in step (1D has none)")
     parser.add_argument("--sync_every", type=int, default=1,
                         help="K, steps between weight syncs (--replica_sync=weights)")
     args = parser.parse_args()
-    started = time.monotonic()
+    from tfhybrid.testing import provenance
+    load = provenance.OtherLoad()
+    say: list[str] = []
     workload_2d = WORKLOAD.with_settings(replica_sync=args.replica_sync,
                                          sync_every=args.sync_every)
     rows = [(n, one_d(n), two_d(n, workload_2d)) for n in RANKS]
@@ -117,31 +123,32 @@ def main() -> None:
 
     eff1 = efficiency([r[1] for r in rows])
     eff2 = efficiency([r[2] for r in rows])
-    print("MODEL PREDICTIONS (tfhybrid.cost_model), not measurements. Assumptions: DGX H100 "
-          "nodes (8 GPUs, 80 GB, NVLink 450 GB/s/dir/GPU, 8x400 Gb/s IB/node), latencies "
-          "2 us / 5 us, 32 tables x 50M x 128 fp32, 20 ids/sample/table, batch 512/GPU, "
-          "row-wise AdaGrad, 50M dense params; see the script's docstring. 2D replicas "
-          f"sync by {args.replica_sync}"
-          + (f" every {args.sync_every} steps." if args.replica_sync == "weights" else "."))
+    say.append("MODEL PREDICTIONS (tfhybrid.cost_model), not measurements. Assumptions: DGX H100 "
+               "nodes (8 GPUs, 80 GB, NVLink 450 GB/s/dir/GPU, 8x400 Gb/s IB/node), latencies "
+               "2 us / 5 us, 32 tables x 50M x 128 fp32, 20 ids/sample/table, batch 512/GPU, "
+               "row-wise AdaGrad, 50M dense params; see the script's docstring. 2D replicas "
+               f"sync by {args.replica_sync}"
+               + (f" every {args.sync_every} steps." if args.replica_sync == "weights" else "."))
     header = (f"{'ranks':>5}  {'1D step ms':>10}  {'1D eff':>6}  {'1D GB/rank':>10}  "
               f"{'2D M':>5}  {'layout':>11}  {'2D step ms':>10}  {'2D eff':>6}  "
               f"{'2D GB/rank':>10}")
-    print(header)
+    say.append(header)
     for (n, a, b), e1, e2 in zip(rows, eff1, eff2):
         step1 = f"{a['step'] * 1e3:.3f}" if a["fits"] else "OOM"
         step2 = f"{b['step'] * 1e3:.3f}" if b["fits"] else "OOM"
-        print(f"{n:>5}  {step1:>10}  {f'{e1:.1%}' if e1 is not None else '-':>6}  "
-              f"{a['memory'] / 1e9:>9.1f}{' ' if a['fits'] else '*'}  "
-              f"{b.get('m', '-'):>5}  {b.get('layout', '-'):>11}  {step2:>10}  "
-              f"{f'{e2:.1%}' if e2 is not None else '-':>6}  "
-              f"{b['memory'] / 1e9:>9.1f}{' ' if b['fits'] else '*'}")
-    print("* = over the 80 GB per GPU (memory of the even row-wise split shown).")
-    print(f"Reported (measured, not ours): 2D sparse parallelism, {PAPER_EFFICIENCY_AT_4096:.0%} "
-          "weak-scaling efficiency at 4096 GPUs (Zhang et al., Meta, arXiv:2508.03854, as "
-          "quoted in issue 13; the abstract says 'nearly linear ... up to 4K GPUs').")
+        say.append(f"{n:>5}  {step1:>10}  {f'{e1:.1%}' if e1 is not None else '-':>6}  "
+                   f"{a['memory'] / 1e9:>9.1f}{' ' if a['fits'] else '*'}  "
+                   f"{b.get('m', '-'):>5}  {b.get('layout', '-'):>11}  {step2:>10}  "
+                   f"{f'{e2:.1%}' if e2 is not None else '-':>6}  "
+                   f"{b['memory'] / 1e9:>9.1f}{' ' if b['fits'] else '*'}")
+    say.append("* = over the 80 GB per GPU (memory of the even row-wise split shown).")
+    say.append(f"Reported (measured, not ours): 2D sparse parallelism, "
+               f"{PAPER_EFFICIENCY_AT_4096:.0%} weak-scaling efficiency at 4096 GPUs (Zhang et "
+               "al., Meta, arXiv:2508.03854, as quoted in issue 13; the abstract says "
+               "'nearly linear ... up to 4K GPUs').")
     last = rows[-1][2]
     if last["fits"]:
-        print(f"\nmodel prediction at 4096 ranks, 2D plan:\n{last['pred'].describe()}")
+        say.append(f"\nmodel prediction at 4096 ranks, 2D plan:\n{last['pred'].describe()}")
 
     import matplotlib
     matplotlib.use("Agg")
@@ -173,8 +180,8 @@ def main() -> None:
     ax2.set_ylabel("predicted memory per rank (GB); x = out of memory")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.png, dpi=120)
-    print(f"\nwrote {args.png} ({time.monotonic() - started:.0f} s)")
+    _results.write_text(args.out, "\n".join(say).splitlines(), load)
+    _results.save_figure(fig, os.path.splitext(args.out)[0] + ".png", load)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ def main() -> int:
     shares = [float(s) for s in args.shares.split(",")]
     labels = ["in memory"] + [f"budget {s:.0%} of it" for s in shares]
     runs: dict[str, list[dict]] = {label: [] for label in labels}
+    from tfhybrid.testing import provenance
+    load = provenance.OtherLoad()   # the jobs are this process's children: their CPU is ours
     with tempfile.TemporaryDirectory(prefix="tfhybrid-tiered-mesh-") as work:
         for round_ in range(args.repeats):
             memory = _run(args, work, f"memory{round_}", [])
@@ -124,14 +126,8 @@ def main() -> int:
         points[label] = dict(samples_per_second=rates, ratio=median / base,
                              embedding_memory=memory, tier_hit_rate=hit,
                              budget=last.get("budget"), tables_in_tier=len(tiered))
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "table.txt"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(args.out, "points.json"), "w") as f:
-        json.dump(points, f, indent=1)
-    print(f"wrote {args.out}/table.txt, points.json")
+    _results.write_text(os.path.join(args.out, "table.txt"), lines, load)
+    _results.write_json(os.path.join(args.out, "points.json"), {"points": points}, load)
     return 0
 
 

@@ -354,10 +354,7 @@ def scale(args) -> dict:
 
 def _report(args, tput: dict | None, big: dict | None, started: float) -> str:
     mib = 2**20
-    python = os.path.relpath(sys.executable, _results.ROOT)
-    lines = [f"Command: {' '.join([python] + sys.argv)}",
-             f"date: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; {os.cpu_count()} CPUs; run "
-             f"time {(time.perf_counter() - started) / 60:.1f} min"]
+    lines = [f"{os.cpu_count()} CPUs; run time {(time.perf_counter() - started) / 60:.1f} min"]
     if tput is not None:
         lines += [
             "",
@@ -411,7 +408,7 @@ def _report(args, tput: dict | None, big: dict | None, started: float) -> str:
     return "\n".join(lines)
 
 
-def _plot(tput: dict, path: str, title: str) -> None:
+def _plot(tput: dict, path: str, title: str, load) -> None:
     """Samples/s of each configuration: every timed round as a dot, the median as a bar,
     the hit rate written above the tiers' bars."""
     import matplotlib
@@ -430,7 +427,7 @@ def _plot(tput: dict, path: str, title: str) -> None:
     ax.set_ylabel("k samples/s (median; dots: rounds)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _results.save_figure(fig, path, load)
     plt.close(fig)
 
 
@@ -478,20 +475,22 @@ def main() -> int:
         args.scale_share = args.child_share
         _scale_child(args)
         return 0
+    from tfhybrid.testing import provenance
+    load = provenance.OtherLoad()
     started = time.perf_counter()
     tput = None if args.skip_throughput else throughput(args)
     big = scale(args) if args.scale_rows else None
     text = _report(args, tput, big, started)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"throughput": tput, "scale": big}, f, indent=1, default=float)
-        if tput is not None:
-            _plot(tput, os.path.splitext(args.out)[0] + ".png",
-                  f"DLRM towers {args.bottom_mlp + [args.dim]} / {args.top_mlp + [1]}, "
-                  f"{args.tables} x {args.rows:,} x {args.dim}, batch {args.batch}")
+    if not args.out:
+        print(text)
+        return 0
+    _results.write_text(args.out, text.splitlines(), load)
+    _results.write_json(os.path.splitext(args.out)[0] + ".json",
+                        {"throughput": tput, "scale": big}, load)
+    if tput is not None:
+        _plot(tput, os.path.splitext(args.out)[0] + ".png",
+              f"DLRM towers {args.bottom_mlp + [args.dim]} / {args.top_mlp + [1]}, "
+              f"{args.tables} x {args.rows:,} x {args.dim}, batch {args.batch}", load)
     return 0
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import doctest
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import unittest
 
@@ -71,6 +73,35 @@ class ResultsFolderTest(unittest.TestCase):
         self.assertEqual(results.out_dir("tiered_mesh", quick=False),
                          os.path.join(results.RESULTS, "tiered_mesh"))
         self.assertEqual(results.out_dir("tiered_mesh", quick=True, given="/x"), "/x")
+
+    def test_json_and_png_results_carry_the_header(self):
+        results = _load_results_helper()
+        folder = tempfile.mkdtemp(prefix="tfhybrid-provenance-")
+        self.addCleanup(shutil.rmtree, folder, True)
+        load = provenance.OtherLoad()
+        results.write_json(os.path.join(folder, "points.json"), {"points": [1.5]}, load)
+        with open(os.path.join(folder, "points.json")) as f:
+            written = json.load(f)
+        self.assertEqual(written["points"], [1.5])
+        self.assertEqual(sorted(written["provenance"]),
+                         ["CPU", "command", "commit", "date", "other load"])
+        self.assertRegex(written["provenance"]["commit"], r"^[0-9a-f]{7}")
+        # a run whose work is outside this process tree says so instead of a figure
+        results.write_json(os.path.join(folder, "cluster.json"), {}, None)
+        with open(os.path.join(folder, "cluster.json")) as f:
+            self.assertIn("not measured", json.load(f)["provenance"]["other load"])
+
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from PIL import Image
+        figure = plt.figure(figsize=(1, 1))
+        results.save_figure(figure, os.path.join(folder, "plot.png"), load)
+        plt.close(figure)
+        chunks = Image.open(os.path.join(folder, "plot.png")).text
+        self.assertEqual(chunks["Commit"], written["provenance"]["commit"])
+        self.assertEqual(chunks["Command"], written["provenance"]["command"])
+        self.assertIn("cores", chunks["Other load"])
 
 
 if __name__ == "__main__":

@@ -19,9 +19,6 @@ from tfhybrid.plan.cost_model import (ALLREDUCE_ALGORITHMS, DEFAULT_ZIPF_EXPONEN
                                       expected_unique_rows, predict)
 from tfhybrid.plan.cost_strategy import plan_for_cluster, plan_mesh
 
-# the benchmarks' name for point_setup, from before it was public
-_point_setup = point_setup
-
 __all__ = ["ComputeRates", "ClusterSpec", "Workload", "CollectiveCost", "Prediction",
            "predict", "plan_mesh", "plan_for_cluster", "calibrate", "validate",
            "expected_unique_rows", "ALLREDUCE_ALGORITHMS", "DEFAULT_ZIPF_EXPONENT",
