@@ -23,6 +23,15 @@ run: setup
 	@OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/horovodrun -np 4 -H localhost:4 --gloo \
 		$(PY) -m tfhybrid.train $(RUN_FLAGS)
 
+# Every benchmark (benchmarks/catalog.py): quick checks into a scratch folder by default;
+# BENCH=full reruns the full runs whose files under benchmarks/results the docs quote
+# (hours; the emulated cluster's runs need root). The runs need FBGEMM's venv
+# (bench-setup) and the TF 2.15 stack (tf_stacks compares the two).
+BENCH ?= quick
+bench: setup bench-setup
+	@$(MAKE) --no-print-directory setup TF=2.15
+	@$(PY) benchmarks/catalog.py $(if $(filter full,$(BENCH)),--full) $(if $(ONLY),--only $(ONLY))
+
 # Optional: FBGEMM's CPU TBE, the kernel anchor of benchmarks/optimizer_apply.py, in a venv of
 # its own so the TF venv never imports torch. fbgemm-gpu-cpu 1.8.0 is built against torch 2.13
 # (the compatibility table in its fbgemm_gpu/__init__.py; its metadata names no torch), and

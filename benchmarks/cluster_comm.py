@@ -223,16 +223,20 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3,
                         help="runs of the whole grid, one after another")
     parser.add_argument("--quick", action="store_true",
-                        help="one run: 2x2, loopback and 250 Mbit/s, 1D and 2D-mm, 12 steps")
+                        help="one run: 2x2, loopback, 1000 and 250 Mbit/s, 1D and 2D-mm, "
+                             "12 steps, into a scratch folder unless --out")
     parser.add_argument("--dct", action="store_true",
                         help="1D and 2D-mm, each without and with DCT (issue 14)")
     parser.add_argument("--dct_mp_keep", default="default",
                         help="with --dct: DCT-MP's keep fraction, or off (DCT-DP alone); "
                              "default: DCT's own")
-    parser.add_argument("--out", default=os.path.join(_results.RESULTS, "cluster_comm"))
+    parser.add_argument("--out", help="results folder (default: benchmarks/results/"
+                        "cluster_comm; with --quick a temporary folder)")
     args = parser.parse_args()
+    args.out = _results.out_dir("cluster_comm", args.quick, args.out)
     if args.quick:
-        args.topologies, args.bandwidths, args.only = "2x2", "loopback,250", "1D,2D-mm"
+        # three links: what cost_model_validation.py needs to fit and hold points out
+        args.topologies, args.bandwidths, args.only = "2x2", "loopback,1000,250", "1D,2D-mm"
         args.steps, args.warmup, args.runs = 12, 4, 1
     if args.runs < 1:
         raise SystemExit(f"--runs={args.runs}: expected at least 1")

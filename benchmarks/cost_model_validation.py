@@ -20,15 +20,13 @@ and p25-p75 beside it.
 The link rate the model sees is tc's rate times TCP's goodput share (1448 payload bytes in
 each 1514-byte frame, ACKs aside).
 
-Prints the table and the count within +-20%; writes cost_model_validation.png (scatter)
-and validation.json into --out.
+points.json holds every run of the grid (several files: their runs together); a point's
+measured step is the median over the runs (``cluster_comm.merge``), printed with their
+min-max. Writes validation.txt (the table and the count within +-20%, with a provenance
+header naming the points' files and their commits), validation.json and
+cost_model_validation.png (scatter) into --out.
 
-points.json holds every run of the grid; a point's measured step is the median over the
-runs (``cluster_comm.merge``), printed with their min-max. Writes validation.txt (the
-table, with a provenance header naming the points' file and its commit), validation.json
-and cost_model_validation.png into --out.
-
-Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P] [--out DIR]
+Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P [P ...]] [--out DIR]
 """
 
 from __future__ import annotations
@@ -131,15 +129,26 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_dir = os.path.join(_results.RESULTS, "cluster_comm")
-    parser.add_argument("--points", default=os.path.join(default_dir, "points.json"),
-                        help="cluster_comm.py's points.json (every run of its grid)")
+    parser.add_argument("--points", nargs="+",
+                        default=[os.path.join(default_dir, "points.json")],
+                        help="cluster_comm.py's points.json (every run of its grid); "
+                             "several files: their runs together (a file of one run, "
+                             "written before --runs, holds \"points\")")
     parser.add_argument("--out", default=default_dir)
     args = parser.parse_args()
-    with open(args.points) as f:
-        recorded = json.load(f)
-    runs = recorded["runs"]
+    runs, sources, workloads = [], [], []
+    for path in args.points:
+        with open(path) as f:
+            recorded = json.load(f)
+        workloads.append(recorded["workload"])
+        if workloads[-1] != workloads[0]:
+            raise SystemExit(f"{path}: another workload than {args.points[0]}'s")
+        runs += recorded["runs"] if "runs" in recorded else [recorded["points"]]
+        source = recorded.get("provenance", {})
+        sources.append(f"{os.path.relpath(path, _results.ROOT)} (commit "
+                       f"{source.get('commit', 'not recorded')})")
     measured = cluster_comm.merge(runs)
-    dim = recorded["workload"]["embedding_dim"]
+    dim = workloads[0]["embedding_dim"]
     workload = _workload(measured[0], dim)
     model_points = [_model_point(p) for p in measured]
     shaped = sorted({p["bandwidth_mbit"] for p in measured if p["bandwidth_mbit"]})
@@ -162,10 +171,8 @@ def main() -> int:
         overlap = fit_overlap([mp for mp, _ in groups["fit overlap"]], rates, unshaped,
                               workload)
     rates = dataclasses.replace(rates, overlap=overlap)
-    source = recorded["provenance"]
     lines = [_results.LOAD_NOT_MEASURED,
-             f"# points: {os.path.relpath(args.points, _results.ROOT)} (cluster_comm.py at "
-             f"commit {source['commit']}, {source['date']}), {len(runs)} run(s) merged by "
+             f"# points: {', '.join(sources)}; {len(runs)} run(s) merged by "
              f"cluster_comm.merge",
              f"fitted compute on {len(groups['fit compute'])} unshaped points (unshaped link "
              f"{unshaped / 1e9:.2f} GB/s) and the overlap on {len(groups['fit overlap'])} "
@@ -199,7 +206,7 @@ def main() -> int:
               f"|error| median {statistics.median(errors):.1%}, max {errors[-1]:.1%}"]
     _results.write_text(os.path.join(args.out, "validation.txt"), lines, None)
     _results.write_json(os.path.join(args.out, "validation.json"),
-                        {"points": recorded["provenance"], "rates": rates.to_dict(),
+                        {"points": sources, "rates": rates.to_dict(),
                          "unshaped_bytes_per_s": unshaped, "rows": rows_out}, None)
     _plot(rows_out, os.path.join(args.out, "cost_model_validation.png"))
     return 0

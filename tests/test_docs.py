@@ -295,6 +295,28 @@ def unsourced_figures(page: str = BENCHMARKS_PAGE, root: str = ROOT) -> dict[str
     return out
 
 
+def _shell_lines(path: str) -> list[str]:
+    """The lines of ``path``'s sh code blocks."""
+    lines, inside = [], False
+    with open(path, encoding="utf-8") as f:
+        for line in f.read().splitlines():
+            if line.startswith("```"):
+                inside = not inside and line[3:].strip() in ("sh", "bash", "console")
+            elif inside:
+                lines.append(line.strip())
+    return lines
+
+
+def _benchmark_catalog():
+    import importlib.util
+    path = os.path.join(ROOT, "benchmarks", "catalog.py")
+    spec = importlib.util.spec_from_file_location("benchmark_catalog", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 class DocsTest(unittest.TestCase):
 
     @classmethod
@@ -321,6 +343,19 @@ class DocsTest(unittest.TestCase):
         unsourced = unsourced_figures()
         self.assertEqual(unsourced, {}, "docs/benchmarks.md: figures found in no results "
                          "file their section names (or named files that do not exist)")
+
+    def test_benchmark_commands_are_the_catalogs(self):
+        # the command quoted under a figure is the one `make bench BENCH=full` runs
+        catalog = _benchmark_catalog()
+        known = {run.shell() for run in catalog.RUNS}
+        # a benchmark script, or any script writing into the published results
+        quoted = [line for path in doc_files() for line in _shell_lines(path)
+                  if re.match(r"^(sudo )?\.venv[^ ]*/bin/python (benchmarks/|\S+ .*"
+                              r"benchmarks/results/)", line)]
+        self.assertTrue(quoted, "no benchmark commands found in the docs")
+        self.assertEqual([line for line in quoted if line not in known], [],
+                         "docs quote benchmark commands that benchmarks/catalog.py does "
+                         "not run (catalog.py --list prints its commands)")
 
     def test_the_figure_check_can_fail(self):
         with tempfile.TemporaryDirectory() as root:
