@@ -66,9 +66,9 @@ class _Model(tf.Module):
     def __init__(self, tables: list[ChunkedTable], dense_features: int, seed: int):
         super().__init__()
         self.tables = tables
-        self.bottom = models._mlp(BOTTOM, "bottom_mlp", last_linear=False, seed=seed)
-        self.interaction = models._DotInteraction(name="interaction")
-        self.top = models._mlp(TOP, "top_mlp", last_linear=True, seed=seed)
+        self.bottom = models.mlp(BOTTOM, "bottom_mlp", last_linear=False, seed=seed)
+        self.interaction = models.DotInteraction(name="interaction")
+        self.top = models.mlp(TOP, "top_mlp", last_linear=True, seed=seed)
         self.bottom.build([None, dense_features])
         self.top.build([None, EMBEDDING_DIM + (len(tables) + 1) * len(tables) // 2])
         self.dense_vars = self.bottom.trainable_variables + self.top.trainable_variables

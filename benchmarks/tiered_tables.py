@@ -69,7 +69,7 @@ def _label(share: float | None) -> str:
 def _model(args, share: float | None, store_dir: str, rows: int, tables: int):
     import tensorflow as tf
     from tfhybrid.layers import Embedding
-    from tfhybrid.train.models import _DotInteraction, _mlp
+    from tfhybrid.train.models import DotInteraction, mlp
 
     tier = {} if share is None else dict(cache_rows=max(1, int(rows * share)),
                                          store_dir=store_dir)
@@ -79,9 +79,9 @@ def _model(args, share: float | None, store_dir: str, rows: int, tables: int):
                             embeddings_initializer=tf.keras.initializers.RandomUniform(
                                 -0.05, 0.05, seed=t + 1), **tier)
                   for t in range(tables)]
-    bottom = _mlp(args.bottom_mlp + [args.dim], "bottom_mlp", last_linear=False, seed=0)
-    top = _mlp(args.top_mlp + [1], "top_mlp", last_linear=True, seed=0)
-    interaction = _DotInteraction()
+    bottom = mlp(args.bottom_mlp + [args.dim], "bottom_mlp", last_linear=False, seed=0)
+    top = mlp(args.top_mlp + [1], "top_mlp", last_linear=True, seed=0)
+    interaction = DotInteraction()
 
     def call(dense, ids):
         vectors = [bottom(dense)] + [e(ids[:, t:t + 1]) for t, e in enumerate(embeddings)]
@@ -339,9 +339,9 @@ def scale(args) -> dict:
         try:
             proc = subprocess.run(command, preexec_fn=group.add_self, capture_output=True,
                                   text=True, timeout=args.scale_timeout)
-            out, code = proc.stdout, proc.returncode
+            out, err, code = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
-            out, code = e.stdout or "", "timeout"
+            out, err, code = e.stdout or "", e.stderr or "", "timeout"
         record = {"exit": code, "seconds": time.perf_counter() - started,
                   "group_peak": group.peak(), "oom_kills": group.oom_kills()}
         for line in (out or "").splitlines():
@@ -349,6 +349,12 @@ def scale(args) -> dict:
                 record.update(json.loads(line[len(CHILD_LINE):]))
         results[label] = record
         group.remove()
+        # the tier must finish; the table in memory may only fail by the memory limit
+        finished = code == 0 and "steps" in record
+        if not finished and (share >= 0 or not record["oom_kills"]):
+            tail = "\n".join(str(err or "").splitlines()[-15:])
+            raise RuntimeError(f"the scale run's {label!r} child failed (exit {code}, "
+                               f"{record['oom_kills']} OOM kills):\n{tail}")
     return results
 
 

@@ -37,6 +37,30 @@ class ProvenanceTest(unittest.TestCase):
         self.assertRegex(lines[3], r"^# CPU: .+, (no )?AVX2.*, \d+ logical cores$")
         self.assertEqual(len(lines), 4)
 
+    def test_rewritten_results_do_not_make_the_code_dirty(self):
+        repo = tempfile.mkdtemp(prefix="tfhybrid-provenance-git-")
+        self.addCleanup(shutil.rmtree, repo, True)
+        results = os.path.join(repo, "benchmarks", "results")
+        os.makedirs(results)
+
+        def git(*args):
+            subprocess.run(["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t",
+                            *args], check=True, capture_output=True)
+        for path in ("code.py", os.path.join(results, "table.txt")):
+            with open(os.path.join(repo, path), "w") as f:
+                f.write("1\n")
+        git("init", "-q")
+        git("add", ".")
+        git("commit", "-q", "-m", "x")
+        clean = provenance.commit(repo)
+        self.assertRegex(clean, r"^[0-9a-f]{7,}$")
+        with open(os.path.join(results, "table.txt"), "w") as f:
+            f.write("2\n")   # a benchmark rewrote its results: the code is the commit's
+        self.assertEqual(provenance.commit(repo), clean)
+        with open(os.path.join(repo, "code.py"), "w") as f:
+            f.write("2\n")
+        self.assertEqual(provenance.commit(repo), clean + "-dirty")
+
     def test_the_load_of_other_work_is_measured(self):
         # a child process keeps one core busy: other work, as this process sees it
         load = provenance.OtherLoad()

@@ -108,6 +108,24 @@ class OtherLoad:
                 f"(mean over the run)")
 
 
+# results files a run rewrites: their changes say nothing about the code that ran
+RESULTS_DIR = os.path.join("benchmarks", "results")
+
+
+def commit(root: str) -> str:
+    """HEAD's short hash, with ``-dirty`` when a tracked file outside the results folder
+    differs from it (the code that ran is not the commit's); ``unknown`` outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True,
+                              text=True).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                  f":(exclude){RESULTS_DIR}")
+    return head + ("-dirty" if changed else "")
+
+
 def header(argv: Sequence[str], python: str = sys.executable,
            root: str | None = None, load: OtherLoad | None = None) -> list[str]:
     """``# command``, ``# commit``, ``# date`` and ``# CPU`` lines for a results file,
@@ -121,9 +139,7 @@ def header(argv: Sequence[str], python: str = sys.executable,
     """
     root = root or os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
-    commit = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
-                            capture_output=True, text=True).stdout.strip() or "unknown"
     return [f"# command: {shlex.join([os.path.relpath(python, root)] + list(argv))}",
-            f"# commit: {commit}",
+            f"# commit: {commit(root)}",
             f"# date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
             f"# CPU: {cpu_description()}"] + ([load.line()] if load else [])

@@ -44,7 +44,13 @@ def _seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**31 - 1)
 
 
-def _mlp(dims: Sequence[int], name: str, last_linear: bool, seed: int) -> tf.keras.Sequential:
+def mlp(dims: Sequence[int], name: str, last_linear: bool, seed: int) -> tf.keras.Sequential:
+    """Dense layers of widths ``dims`` (ReLU; the last linear if ``last_linear``), each
+    initialized from its own seed: the towers of DLRM and DCN-v2.
+
+    >>> [layer.units for layer in mlp([8, 1], "top", last_linear=True, seed=0).layers]
+    [8, 1]
+    """
     layers = [tf.keras.layers.Dense(
         d, activation=None if last_linear and i == len(dims) - 1 else "relu",
         kernel_initializer=tf.keras.initializers.GlorotUniform(_seed(seed, f"{name}_{i}")),
@@ -129,7 +135,7 @@ class _ClickModel(tf.keras.Model):
                                                   **self.embedding_options)
         else:
             self.embedding = _LocalTables(tables, name="embedding")
-        self.top_mlp = self._compiled(_mlp(self.top_mlp_dims, "top_mlp", last_linear=True,
+        self.top_mlp = self._compiled(mlp(self.top_mlp_dims, "top_mlp", last_linear=True,
                                            seed=self.seed))
         # under mixed precision the logits still leave in float32
         self.logits = tf.keras.layers.Activation("linear", dtype="float32", name="logits")
@@ -181,7 +187,7 @@ class DLRM(_ClickModel):
                              f"embedding_dim={embedding_dim}: the dot interaction multiplies "
                              "its output with the embeddings")
         self.bottom_mlp_dims = bottom
-        self.bottom_mlp = self._compiled(_mlp(self.bottom_mlp_dims, "bottom_mlp",
+        self.bottom_mlp = self._compiled(mlp(self.bottom_mlp_dims, "bottom_mlp",
                                               last_linear=False, seed=self.seed))
         self.interaction = self._compiled(DotInteraction(name="interaction"))
 
@@ -315,4 +321,5 @@ def export_for_serving(model: _ClickModel, export_dir: str, rank: int = 0) -> st
     return export_dir
 
 
-__all__ = ["DLRM", "DCNv2", "DotInteraction", "MODELS", "build_model", "export_for_serving"]
+__all__ = ["DLRM", "DCNv2", "DotInteraction", "MODELS", "build_model", "export_for_serving",
+           "mlp"]
