@@ -8,7 +8,6 @@ the module it was in as failed (and starts the rest again).
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import json
 import os
@@ -93,7 +92,6 @@ def run_module(path: str, selected: list[str], rank: int) -> tuple[dict[str, dic
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
-        _spare_the_collector()   # what the module imported lives on
         suite = unittest.TestSuite(
             test for test in _flatten(unittest.defaultTestLoader.loadTestsFromModule(module))
             # tf.test.TestCase inherits a deprecated `test_session` that only skips
@@ -127,21 +125,6 @@ def _between_modules() -> None:
         sys.modules["tfhybrid.mesh"].reset()
     tf.keras.mixed_precision.set_global_policy("float32")
     tf.keras.backend.clear_session()
-
-
-def _spare_the_collector() -> None:
-    """Keeps Python's cycle collector off what lives for the whole process.
-
-    Tracing a model makes many short-lived objects, so the collector runs often, and
-    each full collection walks every object alive, hundreds of thousands after importing
-    TensorFlow. Frozen objects are never walked, and a larger young generation runs it
-    less often: a four-rank module ran 10-15% faster. Objects, results and graphs are
-    the same; this process only frees its cyclic garbage later. Called once a module is
-    imported (what it imported, TensorFlow first, stays to the end).
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
 
 
 def main(argv: list[str]) -> int:
