@@ -16,6 +16,7 @@ import tfhybrid
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import optimizers
+from tfhybrid.testing import graphs
 from tests import _hybrid_case as hc
 
 HOROVOD_NP = (1, 2, 4)
@@ -232,6 +233,63 @@ class SingleProcessParityTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "optimizer=opt"):
             tfhybrid.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
 
+
+
+class TraceOnceTest(tf.test.TestCase):
+    """The first step builds the optimizers' slots, and is traced once: a tf.function
+    traces its first call again when that call made variables, so without care every
+    ``fit`` and every traced custom step would trace its whole route twice."""
+    HOROVOD_NP = (1, 2)
+
+    def tearDown(self):
+        mesh_lib.reset()
+        super().tearDown()
+
+    def _compiled(self, optimizer):
+        mesh = tfhybrid.init(model_parallel=1)
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=3, world=mesh.size)
+        model, _ = case.distributed_model(mesh)
+        if optimizer is not None:
+            model.compile(optimizer=optimizer, loss=hc.loss_fn)
+        return case, mesh, model
+
+    def test_fit_traces_its_step_once(self):
+        case, mesh, model = self._compiled(tfhybrid.DistributedOptimizer(
+            tf.keras.optimizers.Adam(0.01), embedding_optimizer=optimizers.RowWiseAdagrad(0.1)))
+        ids, labels = case.local_data(mesh.rank)
+        model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0)
+        self.assertEqual(graphs.trace_count(model.train_function), 1)
+        self.assertNotEmpty(model.optimizer.variables)
+
+    def test_a_custom_step_traces_once(self):
+        # the tape with optimizer=: its sync makes DCT's residuals, the apply the slots
+        case, mesh, model = self._compiled(None)
+        optimizer = tfhybrid.DistributedOptimizer(
+            tf.keras.optimizers.SGD(0.1, momentum=0.9),
+            dct=tfhybrid.compression.DCT(dp_keep=0.25, mp_keep=None))
+
+        @tf.function
+        def step(ids, labels):
+            with tf.GradientTape() as tape:
+                loss = hc.loss_fn(labels, model(ids, training=True))
+            grads = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer).gradient(
+                loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        for s in range(case.steps):
+            step(*case.local_batch_of(s, mesh.rank))
+        self.assertEqual(graphs.trace_count(step), 1)
+        residuals = [v for v in graphs.traced_variables(step) if "dct_residual" in v.name]
+        # DCT-DP thresholds on two ranks (keep < 1/N), so the traced step made them
+        self.assertEqual(bool(residuals), mesh.size > 1, residuals)
+
+    def test_the_count_sees_a_plain_keras_optimizer_trace_twice(self):
+        # what DistributedOptimizer spares: Keras builds the slots inside the first
+        # step, and TF 2.15 and 2.21 trace that step again
+        case, mesh, model = self._compiled(tf.keras.optimizers.Adam(0.01))
+        ids, labels = case.local_data(mesh.rank)
+        model.fit(ids, labels, batch_size=case.local_batch, shuffle=False, verbose=0)
+        self.assertEqual(graphs.trace_count(model.train_function), 2)
 
 
 def _meshes_and_layouts():

@@ -631,6 +631,17 @@ def _tag_shard_state(optimizer: Any, variables: Sequence[tf.Variable],
 
 
 # ------------------------------------------------------------------ the route
+def _made_eagerly(next_creator: Callable, **kwargs) -> tf.Variable:
+    """A variable creator: a variable made while executing eagerly needs no lifting
+    out of a tf.function, and is marked so. A tf.function traces its first call a second
+    time when that call made variables it might have to lift; Keras builds an optimizer
+    under ``tf.init_scope`` inside the first step, so without the mark every ``fit``
+    and every traced custom step traced its whole step twice."""
+    if tf.executing_eagerly():
+        kwargs["experimental_enable_variable_lifting"] = False
+    return next_creator(**kwargs)
+
+
 class GradientRoute:
     """The whole path of a gradient over the mesh (steps 1-5 of the module doc).
 
@@ -681,10 +692,12 @@ class GradientRoute:
              loss_scaling: bool, options: SyncOptions | None = None,
              loss_scale: tf.Tensor | None = None) -> list:
         """Steps 1-2: the sync, then the overflow vote when a loss scale is in use.
-        ``loss_scale``: the factor the gradients still carry (a tape's)."""
-        grads = allreduce_gradients(grads, variables, self.mesh, options or self.options,
-                                    self.thresholder, loss_scale)
-        return self._vote_and_commit(grads, loss_scaling)
+        ``loss_scale``: the factor the gradients still carry (a tape's). Variables it
+        makes (DCT's residuals) are made as ``apply``'s are."""
+        with tf.variable_creator_scope(_made_eagerly):
+            grads = allreduce_gradients(grads, variables, self.mesh,
+                                        options or self.options, self.thresholder, loss_scale)
+            return self._vote_and_commit(grads, loss_scaling)
 
     def _vote_and_commit(self, grads: list, loss_scaling: bool) -> list:
         """Step 2, the overflow vote under loss scaling; then DCT-DP stores this step's
@@ -717,11 +730,16 @@ class GradientRoute:
 
     def apply(self, optimizer: Any, apply_fn: Callable, grads_and_vars: Any,
               *args: Any, **kwargs: Any) -> Any:
-        """Steps 1-5; ``apply_fn`` is the optimizer's own ``apply_gradients``."""
+        """Steps 1-5; ``apply_fn`` is the optimizer's own ``apply_gradients``.
+
+        What the first step makes (both optimizers' slots, accumulators, residuals) is
+        made eagerly and marked so (``_made_eagerly``): the step is traced once.
+        """
         pairs = list(grads_and_vars)
-        if self.backward_passes_per_step > 1:
-            return self._accumulate_then_apply(optimizer, apply_fn, pairs, args, kwargs)
-        return self._apply(optimizer, apply_fn, pairs, args, kwargs)
+        with tf.variable_creator_scope(_made_eagerly):
+            if self.backward_passes_per_step > 1:
+                return self._accumulate_then_apply(optimizer, apply_fn, pairs, args, kwargs)
+            return self._apply(optimizer, apply_fn, pairs, args, kwargs)
 
     def _apply(self, optimizer: Any, apply_fn: Callable, pairs: list, args: tuple,
                kwargs: dict) -> Any:

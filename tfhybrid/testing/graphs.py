@@ -27,3 +27,38 @@ def traced_op_types(function: Any) -> list[str]:
         types += [node.op for library_function in graph.as_graph_def().library.function
                   for node in library_function.node_def]
     return types
+
+
+def trace_count(function: Any) -> int:
+    """How many times ``function`` (a ``tf.function``) has traced so far: a step that
+    builds its optimizer must trace once, not again on its second call.
+
+    Example::
+
+        >>> import tensorflow as tf
+        >>> double = tf.function(lambda x: 2 * x)
+        >>> _ = double(tf.constant(1.0)), double(tf.constant(2.0))
+        >>> trace_count(double)
+        1
+    """
+    return len(_tf_internals.traced_functions(function))
+
+
+def traced_variables(function: Any) -> list:
+    """The variables every graph ``function`` (a ``tf.function``) has traced reads or
+    writes, each once.
+
+    Example::
+
+        >>> import tensorflow as tf
+        >>> v = tf.Variable(1.0, name="counted")
+        >>> bump = tf.function(lambda: v.assign_add(1.0))
+        >>> _ = bump()
+        >>> [x.name for x in traced_variables(bump)]
+        ['counted:0']
+    """
+    seen = {}
+    for concrete in _tf_internals.traced_functions(function):
+        for variable in concrete.variables:
+            seen.setdefault(id(variable), variable)
+    return list(seen.values())
