@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import concurrent.futures
 import glob
 import json
@@ -291,6 +292,11 @@ def main() -> int:
             print(f"{os.path.relpath(path, ROOT)}  np={size}")
         return 0
     os.makedirs(args.logs, exist_ok=True)
+    # every job's temporary files go to one folder of this run, removed when it ends:
+    # what a test or a docstring example leaves in the temporary directory goes too
+    scratch = tempfile.mkdtemp(prefix="tfhybrid-suite-")
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch
+    atexit.register(shutil.rmtree, scratch, True)
     passed = failed = skipped = 0
     failures = []
     timings: list[tuple[float, str]] = []
