@@ -6,7 +6,8 @@ under ``benchmarks/results/`` the docs quote), the files that run writes, and th
 arguments of a quick check that exercises the same code in minutes and writes only into a
 scratch folder (``{scratch}`` in the arguments). ``make bench`` runs every quick check;
 ``make bench BENCH=full`` runs every full run, rewriting the results files, each with its
-provenance header (``_results``). ``--only`` picks runs by name.
+provenance header (``_results``), and then renders docs/benchmarks.md from them
+(``docs_page.py``). ``--only`` picks runs by name.
 
 >>> names = [run.name for run in RUNS]
 >>> len(names) == len(set(names))
@@ -226,6 +227,12 @@ def main() -> int:
               flush=True)
         if done.returncode != 0:
             failed.append(run.name)
+    if args.full:
+        # the page quotes the files just written: render it from them (it stops on a
+        # figure whose file or line is gone, rather than print a stale one)
+        page = subprocess.run([PYTHON, "benchmarks/docs_page.py"], cwd=ROOT)
+        if page.returncode != 0:
+            failed.append("docs_page")
     print(f"{len(runs) - len(failed)} of {len(runs)} runs passed"
           + (f"; failed: {', '.join(failed)}" if failed else "")
           + ("" if args.full else f"; quick outputs in {scratch}"))

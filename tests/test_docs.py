@@ -14,11 +14,10 @@
   target (GitHub's slugs: lowercase, punctuation but ``-`` and ``_`` dropped, spaces to
   ``-``, repeats numbered ``-1``, ``-2``, ...).
 - README.md has at most ``README_MAX_LINES`` lines.
-- Every figure with a decimal point in docs/benchmarks.md's prose and tables (code blocks
-  aside) appears in a results file that its section names by its full path
-  (``benchmarks/results/...``, a folder meaning the ``.txt`` and ``.json`` files in it):
-  a figure typed by hand, or derived from others by hand, fails. Integers and whole
-  percentages are not checked (most are a workload's sizes).
+- docs/benchmarks.md is the page ``benchmarks/docs_page.py`` renders now from its template
+  and the results files: each measured figure is a placeholder naming its file and line,
+  the template holds no figure with a decimal point typed by hand, and every results path
+  the page names exists. Integers are not checked (most are a workload's sizes).
 
 One process (it starts its own jobs, so it has the machine to itself).
 """
@@ -27,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import doctest
 import glob
 import os
 import re
@@ -259,40 +259,24 @@ def _script_name(block: Block) -> str:
 
 BENCHMARKS_PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 _RESULTS_PATH = re.compile(r"benchmarks/results/[\w./-]*[\w/]")
-_DECIMAL = re.compile(r"(?<![\w.])\d[\d,]*\.\d+")
 
 
-def _sections(text: str) -> list[tuple[str, str]]:
-    """(heading, body) of each ``## `` section, fenced blocks removed from the body."""
-    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-    parts = re.split(r"^(?=## )", text, flags=re.M)
-    return [(part.splitlines()[0] if part else "", part) for part in parts]
+def missing_results(page: str = BENCHMARKS_PAGE, root: str = ROOT) -> list[str]:
+    """The ``benchmarks/results/...`` paths ``page``'s prose names that do not exist (a
+    command in a code block may name the folder its next run creates)."""
+    with open(page, encoding="utf-8") as f:
+        prose = re.sub(r"^```.*?^```", "", f.read(), flags=re.S | re.M)
+    named = sorted(set(_RESULTS_PATH.findall(prose)))
+    return [name for name in named if not os.path.exists(os.path.join(root, name))]
 
 
-def unsourced_figures(page: str = BENCHMARKS_PAGE, root: str = ROOT) -> dict[str, list]:
-    """{section heading: figures found in none of the results files it names}, and
-    {section heading: named results paths that do not exist} under the key "missing"."""
-    out: dict[str, list] = {}
-    with open(page) as f:
-        sections = _sections(f.read())
-    for heading, body in sections:
-        named = sorted(set(_RESULTS_PATH.findall(body)))
-        files = []
-        for name in named:
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                files += sorted(glob.glob(os.path.join(path, "*.txt"))
-                                + glob.glob(os.path.join(path, "*.json")))
-            elif os.path.isfile(path):
-                files.append(path)
-            else:
-                out.setdefault("missing", []).append(name)
-        corpus = " ".join(open(p, errors="replace").read() for p in files).replace(",", "")
-        figures = [m.group(0) for m in _DECIMAL.finditer(body)]
-        unsourced = [x for x in figures if x.replace(",", "") not in corpus]
-        if unsourced:
-            out[heading] = unsourced
-    return out
+def _load_script(name: str, path: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def _shell_lines(path: str) -> list[str]:
@@ -308,13 +292,11 @@ def _shell_lines(path: str) -> list[str]:
 
 
 def _benchmark_catalog():
-    import importlib.util
-    path = os.path.join(ROOT, "benchmarks", "catalog.py")
-    spec = importlib.util.spec_from_file_location("benchmark_catalog", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return _load_script("benchmark_catalog", "benchmarks/catalog.py")
+
+
+def _docs_page():
+    return _load_script("benchmark_docs_page", "benchmarks/docs_page.py")
 
 
 class DocsTest(unittest.TestCase):
@@ -339,10 +321,20 @@ class DocsTest(unittest.TestCase):
                              f"too many python blocks marked skip ({skipped}); make them "
                              "runnable, or mark them horovodrun -np N")
 
-    def test_benchmark_figures_come_from_results_files(self):
-        unsourced = unsourced_figures()
-        self.assertEqual(unsourced, {}, "docs/benchmarks.md: figures found in no results "
-                         "file their section names (or named files that do not exist)")
+    def test_benchmarks_page_is_rendered_from_the_results_files(self):
+        docs_page = _docs_page()
+        with open(docs_page.TEMPLATE, encoding="utf-8") as f:
+            self.assertEqual(docs_page.typed_figures(f.read()), [],
+                             "benchmarks/docs_page.md.in: figures typed by hand (line, "
+                             "figure); write each as a placeholder")
+        with open(BENCHMARKS_PAGE, encoding="utf-8") as f:
+            current = f.read()
+        self.assertTrue(current == docs_page.page(),
+                        "docs/benchmarks.md is not the page rendered now from "
+                        "benchmarks/docs_page.md.in and the results files: edit the "
+                        "template, then run .venv/bin/python benchmarks/docs_page.py")
+        self.assertEqual(missing_results(), [],
+                         "docs/benchmarks.md names results files that do not exist")
 
     def test_benchmark_commands_are_the_catalogs(self):
         # the command quoted under a figure is the one `make bench BENCH=full` runs
@@ -357,18 +349,40 @@ class DocsTest(unittest.TestCase):
                          "docs quote benchmark commands that benchmarks/catalog.py does "
                          "not run (catalog.py --list prints its commands)")
 
-    def test_the_figure_check_can_fail(self):
+    def test_benchmark_tools_doctests(self):
+        for module in (_benchmark_catalog(), _docs_page()):
+            with self.subTest(module=module.__name__):
+                self.assertEqual(doctest.testmod(module).failed, 0)
+
+    def test_the_page_check_can_fail(self):
+        docs_page = _docs_page()
         with tempfile.TemporaryDirectory() as root:
-            os.makedirs(os.path.join(root, "benchmarks", "results"))
-            with open(os.path.join(root, "benchmarks", "results", "r.txt"), "w") as f:
-                f.write("# command: x\nstep 1,234.5 ms, 2.97x\n")
+            results = os.path.join(root, "benchmarks", "results")
+            os.makedirs(results)
+            with open(os.path.join(results, "r.txt"), "w") as f:
+                f.write("# command: x\nstep ms 1234.5 [1200.0, 1250.25]\nratio 2.97x\n")
+            template = os.path.join(root, "page.md.in")
+            with open(template, "w") as f:
+                f.write("## A\n`benchmarks/results/r.txt`: {{r.txt :: step ms}} ms "
+                        "[{{r.txt :: step ms :: 3}}], {{r.txt :: ratio}}×\n")
+            self.assertTrue(docs_page.page(template, results).endswith(
+                "1234.5 ms [1250.25], 2.97×\n"))
+            # a rerun's figure reaches the page; a page rendered before it is stale
+            with open(os.path.join(results, "r.txt"), "w") as f:
+                f.write("# command: x\nstep ms 1300.0 [1200.0, 1350.5]\nratio 3.1x\n")
+            self.assertTrue(docs_page.page(template, results).endswith(
+                "1300.0 ms [1350.5], 3.1×\n"))
+            with open(template, "a") as f:
+                f.write("typed 3.1×, kept `0.25`\n```sh\nrun 9.99\n```\n")
+            with self.assertRaisesRegex(ValueError, r"\(3, '3\.1'\)"):
+                docs_page.page(template, results)
+            with self.assertRaisesRegex(ValueError, "no line of r.txt holds 'speed'"):
+                docs_page.render("{{r.txt :: speed}}", results)
             page = os.path.join(root, "page.md")
             with open(page, "w") as f:
-                f.write("## A\n`benchmarks/results/r.txt`: 1,234.5 ms, 2.97×, 3.1×\n"
-                        "```sh\nrun 9.99\n```\n## B\n`benchmarks/results/gone.txt` 4.5\n")
-            self.assertEqual(unsourced_figures(page, root),
-                             {"## A": ["3.1"], "missing": ["benchmarks/results/gone.txt"],
-                              "## B": ["4.5"]})
+                f.write("`benchmarks/results/r.txt` and `benchmarks/results/gone.txt`\n"
+                        "```sh\nrun --out benchmarks/results/next\n```\n")
+            self.assertEqual(missing_results(page, root), ["benchmarks/results/gone.txt"])
 
     def test_internal_links(self):
         broken = [b for path in self.parsed for b in broken_links(path)]
