@@ -100,13 +100,17 @@ RUNS: tuple[Run, ...] = (
         ("cluster_comm/points.json", "cluster_comm/table.txt",
                  "cluster_comm/step_time_and_bytes.png",),
         ("--quick", "--out", "{scratch}/cluster_comm"), root=True),
+    # the cost model's second workload: every point held out by cost_model_validation
+    Run("cluster_comm:second_workload", "benchmarks/cluster_comm.py",
+        ("--workload", "second", "--topologies", "2x2", "--runs", "2",
+         "--out", "benchmarks/results/cluster_comm_second_workload"),
+        ("cluster_comm_second_workload/",), None, root=True),
     # reads cluster_comm's points: in a quick check, those of cluster_comm's quick run
-    Run("cost_model_validation", "benchmarks/cost_model_validation.py",
-        ("--points", *(f"benchmarks/results/{run}/points.json" for run in (
-            "cluster_comm", "cluster_comm_run2", "cluster_comm_run3", "cluster_comm_run4"))),
+    Run("cost_model_validation", "benchmarks/cost_model_validation.py", (),
         ("cluster_comm/validation.txt", "cluster_comm/validation.json",
                  "cluster_comm/cost_model_validation.png",),
-        ("--points", "{scratch}/cluster_comm/points.json", "--out", "{scratch}/cluster_comm")),
+        ("--points", "{scratch}/cluster_comm/points.json", "--other_workload",
+         "--out", "{scratch}/cluster_comm")),
     Run("scale_extrapolation", "benchmarks/scale_extrapolation.py", (),
         ("scale_extrapolation.txt", "scale_extrapolation.png",),
         ("--out", "{scratch}/scale_extrapolation.txt")),

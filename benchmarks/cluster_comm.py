@@ -29,7 +29,8 @@ points.json (every run's points, with a provenance record: the input of
 benchmarks/cost_model_validation.py), table.txt (the merged points) and a PNG plot into
 --out. Runs as root (network namespaces); about 37 minutes per run of the full grid.
 
-Usage: .venv/bin/python benchmarks/cluster_comm.py [--quick] [--runs N] [--out DIR]
+Usage: .venv/bin/python benchmarks/cluster_comm.py [--quick] [--runs N] [--workload W]
+       [--out DIR]
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ PYTHON = sys.executable
 WORKLOAD = dict(global_batch=2048, embedding_dim=32, bottom_mlp_dims="64,32",
                 top_mlp_dims="64,32,1", max_table_rows=20000, embedding_optimizer=
                 "rowwise_adagrad", dense_optimizer="adam")
+# --workload: the grid's DLRM, and a second one with other table sizes, width, batch and
+# towers, which plays no part in fitting the cost model (cost_model_validation.py holds
+# all of its points out)
+WORKLOADS = {"dlrm": WORKLOAD,
+             "second": dict(global_batch=1024, embedding_dim=16, bottom_mlp_dims="256,16",
+                            top_mlp_dims="256,128,1", max_table_rows=60000,
+                            embedding_optimizer="rowwise_adagrad", dense_optimizer="adam")}
 SYNC_EVERY = 8
 
 
@@ -94,19 +102,20 @@ def _dct_flags(mp_keep: str = "default") -> list[str]:
 
 
 def run_point(cluster: cluster_lib.EmulatedCluster, config: dict, steps: int,
-              warmup: int, timeout: float, dct_mp_keep: str = "default") -> dict:
+              warmup: int, timeout: float, dct_mp_keep: str = "default",
+              workload: dict = WORKLOAD) -> dict:
     metrics = tempfile.mktemp(prefix="tfhybrid-cluster-comm-", suffix=".json")
     flags = [f"--model_parallel={config['model_parallel']}", f"--layout={config['layout']}",
              f"--replica_sync={config.get('replica_sync', 'gradients')}",
              f"--sync_every={config.get('sync_every', 1)}",
              f"--communication={config.get('communication', 'float32')}",
-             f"--batch_size={WORKLOAD['global_batch']}",
-             f"--embedding_dim={WORKLOAD['embedding_dim']}",
-             f"--bottom_mlp_dims={WORKLOAD['bottom_mlp_dims']}",
-             f"--top_mlp_dims={WORKLOAD['top_mlp_dims']}",
-             f"--max_table_rows={WORKLOAD['max_table_rows']}",
-             f"--embedding_optimizer={WORKLOAD['embedding_optimizer']}",
-             f"--dense_optimizer={WORKLOAD['dense_optimizer']}",
+             f"--batch_size={workload['global_batch']}",
+             f"--embedding_dim={workload['embedding_dim']}",
+             f"--bottom_mlp_dims={workload['bottom_mlp_dims']}",
+             f"--top_mlp_dims={workload['top_mlp_dims']}",
+             f"--max_table_rows={workload['max_table_rows']}",
+             f"--embedding_optimizer={workload['embedding_optimizer']}",
+             f"--dense_optimizer={workload['dense_optimizer']}",
              f"--steps={steps}", f"--warmup_steps={warmup}", "--eval_batches=1",
              "--count_traffic", f"--metrics_json={metrics}", "--threads=1"]
     if config.get("dct"):
@@ -230,9 +239,12 @@ def main() -> int:
     parser.add_argument("--dct_mp_keep", default="default",
                         help="with --dct: DCT-MP's keep fraction, or off (DCT-DP alone); "
                              "default: DCT's own")
+    parser.add_argument("--workload", default="dlrm", choices=sorted(WORKLOADS),
+                        help="the DLRM every point trains (module docstring)")
     parser.add_argument("--out", help="results folder (default: benchmarks/results/"
                         "cluster_comm; with --quick a temporary folder)")
     args = parser.parse_args()
+    workload = WORKLOADS[args.workload]
     args.out = _results.out_dir("cluster_comm", args.quick, args.out)
     if args.quick:
         # three links: what cost_model_validation.py needs to fit and hold points out
@@ -244,9 +256,10 @@ def main() -> int:
     bandwidths = [None if b == "loopback" else float(b) for b in args.bandwidths.split(",")]
     only = set(filter(None, args.only.split(",")))
     runs: list[list[dict]] = []
-    print(f"workload: DLRM, 26 tables <= {WORKLOAD['max_table_rows']} rows x "
-          f"{WORKLOAD['embedding_dim']}, global batch {WORKLOAD['global_batch']}, "
-          f"{WORKLOAD['embedding_optimizer']} tables / {WORKLOAD['dense_optimizer']} dense, "
+    print(f"workload {args.workload}: DLRM, 26 tables <= {workload['max_table_rows']} rows "
+          f"x {workload['embedding_dim']}, towers {workload['bottom_mlp_dims']} / "
+          f"{workload['top_mlp_dims']}, global batch {workload['global_batch']}, "
+          f"{workload['embedding_optimizer']} tables / {workload['dense_optimizer']} dense, "
           f"{args.steps} steps ({args.warmup} warm-up), {args.runs} run(s) of the grid",
           flush=True)
     for run in range(args.runs):
@@ -262,14 +275,14 @@ def main() -> int:
                         if only and config["name"] not in only:
                             continue
                         point = run_point(cluster, config, args.steps, args.warmup,
-                                          args.timeout, args.dct_mp_keep)
+                                          args.timeout, args.dct_mp_keep, workload)
                         point.update(topology=topo, nodes=nodes, ranks_per_node=per_node,
                                      bandwidth_mbit=bw, run=run)
                         runs[-1].append(point)
                         print(table([point]).splitlines()[-1], flush=True)
                         # every point as it comes: a run cut short keeps what it measured
                         _results.write_json(os.path.join(args.out, "points.json"),
-                                            {"workload": WORKLOAD, "runs": runs}, None)
+                                            {"workload": workload, "runs": runs}, None)
             print(f"{topo}: torn down in {cluster.teardown_seconds:.1f} s", flush=True)
     merged = merge(runs)
     header = [_results.LOAD_NOT_MEASURED,

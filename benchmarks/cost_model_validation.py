@@ -26,7 +26,12 @@ min-max. Writes validation.txt (the table and the count within +-20%, with a pro
 header naming the points' files and their commits), validation.json and
 cost_model_validation.png (scatter) into --out.
 
-Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P [P ...]] [--out DIR]
+A second workload's points (``--other_workload``, cluster_comm.py ``--workload second``:
+other table sizes, width, batch and towers) are all held out: predicted with the rates and
+overlap fitted on the first, and reported as they come.
+
+Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P [P ...]]
+       [--other_workload P [P ...]] [--out DIR]
 """
 
 from __future__ import annotations
@@ -98,6 +103,23 @@ def _relative_errors(rows) -> list[float]:
 OVERLAP_GRID = [i / 40 for i in range(41)]
 
 
+def held_out_errors(points: list[dict], template: cost_model.ClusterSpec,
+                    workload: cost_model.Workload) -> dict:
+    """How well ``template``'s rates predict ``points``: the overlap, the count within
+    TOLERANCE, and the median and largest relative error.
+
+    >>> rates = cost_model.ComputeRates(1e9, {"rowwise_adagrad": 1e9}, overlap=0.5)
+    >>> sorted(held_out_errors([], _template(2, 2, 1e9, rates), None))
+    ['inside', 'max_error', 'median_error', 'overlap', 'points']
+    """
+    errors = sorted(_relative_errors(cost_model.validate(points, template, workload))
+                    if points else [])
+    return {"overlap": template.rates.overlap, "points": len(errors),
+            "inside": sum(e <= TOLERANCE for e in errors),
+            "median_error": statistics.median(errors) if errors else 0.0,
+            "max_error": errors[-1] if errors else 0.0}
+
+
 def fit_overlap(points: list[dict], rates, unshaped: float, workload) -> float:
     """The overlap in OVERLAP_GRID minimizing the worst relative error on ``points``."""
     def worst(overlap):
@@ -126,6 +148,23 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0)
     return best[1], best[2]
 
 
+def _read_points(paths: list[str]) -> tuple[list, list[str], list[dict]]:
+    """(every run's points, "path (commit ...)" per file, each file's workload) of
+    cluster_comm.py's points.json files, which must share one workload."""
+    runs, sources, workloads = [], [], []
+    for path in paths:
+        with open(path) as f:
+            recorded = json.load(f)
+        workloads.append(recorded["workload"])
+        if workloads[-1] != workloads[0]:
+            raise SystemExit(f"{path}: another workload than {paths[0]}'s")
+        runs += recorded["runs"] if "runs" in recorded else [recorded["points"]]
+        source = recorded.get("provenance", {})
+        sources.append(f"{os.path.relpath(path, _results.ROOT)} (commit "
+                       f"{source.get('commit', 'not recorded')})")
+    return runs, sources, workloads
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_dir = os.path.join(_results.RESULTS, "cluster_comm")
@@ -134,19 +173,13 @@ def main() -> int:
                         help="cluster_comm.py's points.json (every run of its grid); "
                              "several files: their runs together (a file of one run, "
                              "written before --runs, holds \"points\")")
+    parser.add_argument("--other_workload", nargs="*", default=[os.path.join(
+        _results.RESULTS, "cluster_comm_second_workload", "points.json")],
+        help="points.json of another workload (cluster_comm.py --workload second): every "
+             "point held out, predicted by the rates fitted on --points")
     parser.add_argument("--out", default=default_dir)
     args = parser.parse_args()
-    runs, sources, workloads = [], [], []
-    for path in args.points:
-        with open(path) as f:
-            recorded = json.load(f)
-        workloads.append(recorded["workload"])
-        if workloads[-1] != workloads[0]:
-            raise SystemExit(f"{path}: another workload than {args.points[0]}'s")
-        runs += recorded["runs"] if "runs" in recorded else [recorded["points"]]
-        source = recorded.get("provenance", {})
-        sources.append(f"{os.path.relpath(path, _results.ROOT)} (commit "
-                       f"{source.get('commit', 'not recorded')})")
+    runs, sources, workloads = _read_points(args.points)
     measured = cluster_comm.merge(runs)
     dim = workloads[0]["embedding_dim"]
     workload = _workload(measured[0], dim)
@@ -199,15 +232,56 @@ def main() -> int:
                              "bandwidth_mbit": p["bandwidth_mbit"], "measured_s": measured_s,
                              "run_steps_s": p["run_steps"], "predicted_s": predicted,
                              "ratio": ratio})
-    held = [r for r in rows_out if r["kind"] == "held out"]
-    inside = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in held)
-    errors = sorted(abs(r["ratio"] - 1) for r in held)
-    lines += ["", f"held-out points within +-{TOLERANCE:.0%}: {inside} of {len(held)}; "
-              f"|error| median {statistics.median(errors):.1%}, max {errors[-1]:.1%}"]
+    # the held-out points at both bounds of what the gradient syncs may hide: the fitted
+    # overlap and none (0), every other rate as fitted; the extrapolation shows both
+    held_points = [mp for mp, _ in groups["held out"]]
+    by_overlap = [held_out_errors(held_points, _template(2, 2, unshaped, rates_at), workload)
+                  for rates_at in (rates, dataclasses.replace(rates, overlap=0.0))]
+    lines.append("")
+    for summary in by_overlap:
+        lines.append(f"held-out points at overlap {summary['overlap']:g}"
+                     f"{' (fitted)' if summary['overlap'] == overlap else ''}: within "
+                     f"+-{TOLERANCE:.0%} {summary['inside']} of {summary['points']}; |error| "
+                     f"median {summary['median_error']:.1%}, max {summary['max_error']:.1%}")
+    supported = min(by_overlap, key=lambda s: (-s["inside"], s["median_error"]))
+    lines.append(f"the held-out points support overlap {supported['overlap']:g}")
+    other_summary = None
+    if args.other_workload:
+        other_runs, other_sources, other_workloads = _read_points(args.other_workload)
+        other = cluster_comm.merge(other_runs)
+        other_dim = other_workloads[0]["embedding_dim"]
+        lines += ["", f"a second workload, every point held out (fitted on none of it): "
+                  f"{', '.join(other_sources)}; {len(other_runs)} run(s); "
+                  + ", ".join(f"{k} {v}" for k, v in other_workloads[0].items()), "",
+                  header, "-" * len(header)]
+        for p in other:
+            mp = _model_point(p)
+            other_load = _workload(p, other_dim)
+            [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template,
+                                                                      other_load)
+            link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
+            spread = f"{1e3 * min(p['run_steps']):.0f}-{1e3 * max(p['run_steps']):.0f}"
+            lines.append(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
+                         f"{spread:>16} {1e3 * predicted:12.1f} {ratio:9.2f}"
+                         + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%"))
+            rows_out.append({"kind": "other workload", "topology": p["topology"],
+                             "name": p["name"], "bandwidth_mbit": p["bandwidth_mbit"],
+                             "measured_s": measured_s, "run_steps_s": p["run_steps"],
+                             "predicted_s": predicted, "ratio": ratio})
+        errors = sorted(abs(r["ratio"] - 1) for r in rows_out if r["kind"] == "other workload")
+        other_summary = {"points": len(errors), "inside": sum(e <= TOLERANCE for e in errors),
+                         "median_error": statistics.median(errors), "max_error": errors[-1]}
+        lines.append(f"second workload: within +-{TOLERANCE:.0%} {other_summary['inside']} of "
+                     f"{other_summary['points']}; |error| median "
+                     f"{other_summary['median_error']:.1%}, max "
+                     f"{other_summary['max_error']:.1%}")
     _results.write_text(os.path.join(args.out, "validation.txt"), lines, None)
     _results.write_json(os.path.join(args.out, "validation.json"),
                         {"points": sources, "rates": rates.to_dict(),
-                         "unshaped_bytes_per_s": unshaped, "rows": rows_out}, None)
+                         "unshaped_bytes_per_s": unshaped, "rows": rows_out,
+                         "held_out_by_overlap": by_overlap,
+                         "supported_overlap": supported["overlap"],
+                         "other_workload": other_summary}, None)
     _plot(rows_out, os.path.join(args.out, "cost_model_validation.png"))
     return 0
 
@@ -222,7 +296,8 @@ def _plot(rows: list[dict], path: str) -> None:
     ax.plot(xs, xs, color="black", lw=1)
     ax.fill_between(xs, [x * (1 - TOLERANCE) for x in xs], [x * (1 + TOLERANCE) for x in xs],
                     color="grey", alpha=0.2, label="+-20%")
-    for kind, marker in (("fit compute", "s"), ("fit overlap", "^"), ("held out", "o")):
+    for kind, marker in (("fit compute", "s"), ("fit overlap", "^"), ("held out", "o"),
+                         ("other workload", "D")):
         mine = [r for r in rows if r["kind"] == kind]
         ax.scatter([1e3 * r["measured_s"] for r in mine], [1e3 * r["predicted_s"] for r in mine],
                    marker=marker, label=f"{kind} ({len(mine)})")
