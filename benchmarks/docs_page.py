@@ -17,8 +17,10 @@ line that holds it, so a rerun that changes a file's layout cannot leave a stale
 figure on the page: it stops the render.
 
 The template itself may hold no figure with a decimal point outside placeholders, fenced
-code blocks, code spans and versions ("TF 2.21") (`typed_figures`); a setting quoted in
-prose goes in a code span (``keep=0.25``). Integers are workload sizes and counts, and are not checked.
+code blocks, code spans and versions ("TF 2.21"), and no number at all beside a
+placeholder in a table cell (`typed_figures`); a setting quoted in prose goes in a code
+span (``keep=0.25``). Other integers are mostly workload sizes, counts and row settings
+("2 ranks"), and are not checked.
 
 >>> import tempfile
 >>> root = tempfile.mkdtemp()
@@ -38,8 +40,9 @@ ValueError: template line 1: no line of r/t.txt holds 'ratio' then 'step'
 Traceback (most recent call last):
 ...
 ValueError: template line 1: no line of r/t.txt holds 'speed'
->>> typed_figures("a 1.5× b {{r/t.txt :: x}} `keep=0.25` on TF 2.21\\n```\\n2.5\\n```\\n")
-[(1, '1.5')]
+>>> typed_figures("a 1.5× b {{r/t.txt :: x}} `keep=0.25` on TF 2.21\\n```\\n2.5\\n```\\n"
+...               "| 1×1 | 2 | {{r/t.txt :: x}} (75-95) |\\n")
+[(1, '1.5'), (5, '75'), (5, '95')]
 
 Usage: .venv/bin/python benchmarks/docs_page.py [--check]
 """
@@ -120,14 +123,23 @@ def render(template: str, results: str = RESULTS) -> str:
 
 
 def typed_figures(template: str) -> list[tuple[int, str]]:
-    """(line, figure) of each decimal figure typed into the template's prose: outside
-    placeholders, fenced code blocks and code spans."""
+    """(line, figure) of each figure typed into the template: a decimal figure outside
+    placeholders, fenced code blocks, code spans and versions, and any number beside a
+    placeholder in a table cell (a median's typed spread, "{{...}} (75-95)")."""
     def blank(match: re.Match) -> str:   # keeps the line count
         return re.sub(r"[^\n]", " ", match.group(0))
-    prose = _VERSION.sub(blank, _CODE_SPAN.sub(blank, PLACEHOLDER.sub(
-        blank, _FENCED.sub(blank, template))))
-    return [(prose.count("\n", 0, m.start()) + 1, m.group(0))
-            for m in DECIMAL.finditer(prose)]
+    unfenced = _CODE_SPAN.sub(blank, _FENCED.sub(blank, template))
+    prose = _VERSION.sub(blank, PLACEHOLDER.sub(blank, unfenced))
+    typed = [(prose.count("\n", 0, m.start()) + 1, m.group(0))
+             for m in DECIMAL.finditer(prose)]
+    for number, line in enumerate(unfenced.split("\n"), 1):
+        if not line.lstrip().startswith("|"):
+            continue
+        for cell in line.split("|")[2:]:
+            if PLACEHOLDER.search(cell):
+                typed += [(number, m.group(0)) for m in NUMBER.finditer(
+                    PLACEHOLDER.sub(blank, cell)) if not DECIMAL.fullmatch(m.group(0))]
+    return sorted(typed)
 
 
 def page(template_path: str = TEMPLATE, results: str = RESULTS) -> str:
