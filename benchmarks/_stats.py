@@ -3,8 +3,9 @@ FBGEMM worker's venv can import it too)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -28,6 +29,19 @@ class Summary:
 
 
 SPREAD_LEGEND = "median [p25, p75] (min, max)"
+
+
+def timed_calls(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after ``warmup`` untimed calls (the
+    first traces)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
 
 
 def summarize(samples: Sequence[float]) -> Summary:

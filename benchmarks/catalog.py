@@ -105,12 +105,20 @@ RUNS: tuple[Run, ...] = (
         ("--workload", "second", "--topologies", "2x2", "--runs", "2",
          "--out", "benchmarks/results/cluster_comm_second_workload"),
         ("cluster_comm_second_workload/",), None, root=True),
-    # reads cluster_comm's points: in a quick check, those of cluster_comm's quick run
+    # the rates the cost model would otherwise fit, measured for each workload
+    Run("cost_model_rates:dlrm", "benchmarks/cost_model_rates.py", (),
+        ("cost_model_rates/rates_dlrm.json", "cost_model_rates/rates_dlrm.txt"),
+        ("--repeats", "3", "--out", "{scratch}")),
+    Run("cost_model_rates:second", "benchmarks/cost_model_rates.py",
+        ("--workload", "second"),
+        ("cost_model_rates/rates_second.json", "cost_model_rates/rates_second.txt"), None),
+    # reads cluster_comm's points and the measured rates: in a quick check, those of the
+    # quick runs above
     Run("cost_model_validation", "benchmarks/cost_model_validation.py", (),
         ("cluster_comm/validation.txt", "cluster_comm/validation.json",
                  "cluster_comm/cost_model_validation.png",),
         ("--points", "{scratch}/cluster_comm/points.json", "--other_workload",
-         "--out", "{scratch}/cluster_comm")),
+         "--rates", "{scratch}", "--out", "{scratch}/cluster_comm")),
     Run("scale_extrapolation", "benchmarks/scale_extrapolation.py", (),
         ("scale_extrapolation.txt", "scale_extrapolation.png",),
         ("--out", "{scratch}/scale_extrapolation.txt")),

@@ -26,12 +26,17 @@ min-max. Writes validation.txt (the table and the count within +-20%, with a pro
 header naming the points' files and their commits), validation.json and
 cost_model_validation.png (scatter) into --out.
 
+Rates a microbenchmark can measure (lookup and apply bytes/s, dense seconds per sample, a
+collective call's overhead: ``cost_model_rates.py``, ``--rates``) are taken as measured, and
+only the step overhead and the overlap (and the unshaped link) are fitted; the same fit with
+every rate fitted is reported beside it.
+
 A second workload's points (``--other_workload``, cluster_comm.py ``--workload second``:
 other table sizes, width, batch and towers) are all held out: predicted with the rates and
 overlap fitted on the first, and reported as they come.
 
 Usage: .venv/bin/python benchmarks/cost_model_validation.py [--points P [P ...]]
-       [--other_workload P [P ...]] [--out DIR]
+       [--other_workload P [P ...]] [--rates DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -130,13 +135,23 @@ def fit_overlap(points: list[dict], rates, unshaped: float, workload) -> float:
     return min(OVERLAP_GRID, key=worst)
 
 
-def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0):
-    """(rates, unshaped link rate) minimizing the worst relative error on ``points``."""
+# the rates cost_model_rates.py measures: kept as measured, never fitted
+MEASURED_RATES = ("lookup_bytes_per_s", "apply_bytes_per_s", "dense_seconds_per_sample",
+                  "collective_overhead_seconds")
+
+
+def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0,
+        measured: cost_model.ComputeRates | None = None):
+    """(rates, unshaped link rate) minimizing the worst relative error on ``points``; with
+    ``measured`` rates, only what they leave out (the step overhead) is fitted."""
     best = None
     for unshaped in UNSHAPED_GRID:
-        template = _template(2, 2, unshaped, _default_rates(overlap))
+        start = (_default_rates(overlap) if measured is None
+                 else dataclasses.replace(measured, overlap=overlap))
+        template = _template(2, 2, unshaped, start)
         try:
-            rates = cost_model.calibrate(points, template, workload)
+            rates = cost_model.calibrate(points, template, workload,
+                                         measured=() if measured is None else MEASURED_RATES)
         except ValueError:
             continue
         rows = cost_model.validate(points, _template(2, 2, unshaped, rates), workload)
@@ -146,6 +161,32 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0)
     if best is None:
         raise RuntimeError("calibration failed at every unshaped link rate")
     return best[1], best[2]
+
+
+def measured_rates(path: str, workload: dict) -> cost_model.ComputeRates | None:
+    """The rates cost_model_rates.py measured for ``workload`` (its rates_<name>.json), or
+    None when ``path`` does not exist; SystemExit when it holds another workload."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        recorded = json.load(f)
+    if recorded["workload"] != workload:
+        raise SystemExit(f"{path} measured another workload: {recorded['workload']}")
+    return cost_model.ComputeRates(**recorded["rates"])
+
+
+def fit_rates_and_overlap(groups: dict, workload: cost_model.Workload,
+                          measured: cost_model.ComputeRates | None):
+    """(rates with the fitted overlap, unshaped link rate): the compute on the unshaped
+    points, then the overlap on the fastest link's, twice (they depend a little on each
+    other)."""
+    overlap = 0.0
+    for _ in range(2):
+        rates, unshaped = fit([mp for mp, _ in groups["fit compute"]], workload, overlap,
+                              measured)
+        overlap = fit_overlap([mp for mp, _ in groups["fit overlap"]], rates, unshaped,
+                              workload)
+    return dataclasses.replace(rates, overlap=overlap), unshaped
 
 
 def _read_points(paths: list[str]) -> tuple[list, list[str], list[dict]]:
@@ -177,6 +218,10 @@ def main() -> int:
         _results.RESULTS, "cluster_comm_second_workload", "points.json")],
         help="points.json of another workload (cluster_comm.py --workload second): every "
              "point held out, predicted by the rates fitted on --points")
+    parser.add_argument("--rates", default=os.path.join(_results.RESULTS, "cost_model_rates"),
+                        help="cost_model_rates.py's folder: rates measured per workload "
+                             "(rates_dlrm.json, rates_second.json); without them every "
+                             "rate is fitted")
     parser.add_argument("--out", default=default_dir)
     args = parser.parse_args()
     runs, sources, workloads = _read_points(args.points)
@@ -198,16 +243,25 @@ def main() -> int:
               for k in ("fit compute", "fit overlap", "held out")}
     if len(groups["fit compute"]) < 2 or not groups["held out"]:
         raise SystemExit("need unshaped points, the fastest link's and slower links' points")
-    overlap = 0.0
-    for _ in range(2):   # the compute fit and the overlap depend a little on each other
-        rates, unshaped = fit([mp for mp, _ in groups["fit compute"]], workload, overlap)
-        overlap = fit_overlap([mp for mp, _ in groups["fit overlap"]], rates, unshaped,
-                              workload)
-    rates = dataclasses.replace(rates, overlap=overlap)
+    rates_dir = args.rates
+    measured = measured_rates(os.path.join(rates_dir, "rates_dlrm.json"), workloads[0])
+    # the headline fits only what cost_model_rates.py cannot measure; every rate fitted
+    # is shown beside it
+    variants = {"every rate fitted": fit_rates_and_overlap(groups, workload, None)}
+    if measured is not None:
+        variants = {"measured rates": fit_rates_and_overlap(groups, workload, measured),
+                    **variants}
+    headline = next(iter(variants))
+    rates, unshaped = variants[headline]
+    overlap = rates.overlap
     lines = [_results.LOAD_NOT_MEASURED,
              f"# points: {', '.join(sources)}; {len(runs)} run(s) merged by "
              f"cluster_comm.merge",
-             f"fitted compute on {len(groups['fit compute'])} unshaped points (unshaped link "
+             f"{headline}: "
+             + ("lookup, apply, dense and per-collective rates from "
+                f"{os.path.relpath(rates_dir, _results.ROOT)}/rates_dlrm.json; step overhead "
+                if measured is not None else "compute ")
+             + f"fitted on {len(groups['fit compute'])} unshaped points (unshaped link "
              f"{unshaped / 1e9:.2f} GB/s) and the overlap on {len(groups['fit overlap'])} "
              f"points at {overlap_link:g} Mbit/s: {rates}", "",
              f"measured: the mean step of each run (over its timed steps, weight syncs "
@@ -215,59 +269,61 @@ def main() -> int:
     header = (f"{'topology':8} {'link':>10} {'config':12} {'measured ms':>11} "
               f"{'runs (min-max)':>16} {'predicted ms':>12} {'pred/meas':>9}  comm share")
     lines += [header, "-" * len(header)]
+
+    def row(p: dict, mp: dict, template, work, kind: str) -> dict:
+        [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template, work)
+        pred = cost_model.predict(*cost_model.point_setup(mp, template, work))
+        link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
+        spread = f"{1e3 * min(p['run_steps']):.0f}-{1e3 * max(p['run_steps']):.0f}"
+        lines.append(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
+                     f"{spread:>16} {1e3 * predicted:12.1f} {ratio:9.2f}  "
+                     f"{pred.communication_seconds / pred.step_seconds:5.0%}"
+                     + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%")
+                     + ("" if kind in ("held out", "other workload") else f"  ({kind})"))
+        return {"kind": kind, "topology": p["topology"], "name": p["name"],
+                "bandwidth_mbit": p["bandwidth_mbit"], "measured_s": measured_s,
+                "run_steps_s": p["run_steps"], "predicted_s": predicted, "ratio": ratio}
+
     template = _template(2, 2, unshaped, rates)
-    rows_out = []
-    for kind, group in groups.items():
-        for mp, p in group:
-            [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template, workload)
-            pred = cost_model.predict(*cost_model.point_setup(mp, template, workload))
-            link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
-            spread = f"{1e3 * min(p['run_steps']):.0f}-{1e3 * max(p['run_steps']):.0f}"
-            lines.append(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
-                         f"{spread:>16} {1e3 * predicted:12.1f} {ratio:9.2f}  "
-                         f"{pred.communication_seconds / pred.step_seconds:5.0%}"
-                         + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%")
-                         + ("" if kind == "held out" else f"  ({kind})"))
-            rows_out.append({"kind": kind, "topology": p["topology"], "name": p["name"],
-                             "bandwidth_mbit": p["bandwidth_mbit"], "measured_s": measured_s,
-                             "run_steps_s": p["run_steps"], "predicted_s": predicted,
-                             "ratio": ratio})
+    rows_out = [row(p, mp, template, workload, kind)
+                for kind, group in groups.items() for mp, p in group]
     # the held-out points at both bounds of what the gradient syncs may hide: the fitted
     # overlap and none (0), every other rate as fitted; the extrapolation shows both
     held_points = [mp for mp, _ in groups["held out"]]
-    by_overlap = [held_out_errors(held_points, _template(2, 2, unshaped, rates_at), workload)
-                  for rates_at in (rates, dataclasses.replace(rates, overlap=0.0))]
+    summaries = {}
     lines.append("")
-    for summary in by_overlap:
-        lines.append(f"held-out points at overlap {summary['overlap']:g}"
-                     f"{' (fitted)' if summary['overlap'] == overlap else ''}: within "
-                     f"+-{TOLERANCE:.0%} {summary['inside']} of {summary['points']}; |error| "
-                     f"median {summary['median_error']:.1%}, max {summary['max_error']:.1%}")
+    for name, (variant_rates, variant_unshaped) in variants.items():
+        summaries[name] = [held_out_errors(held_points, _template(
+            2, 2, variant_unshaped, at), workload) for at in (
+                variant_rates, dataclasses.replace(variant_rates, overlap=0.0))]
+        for summary in summaries[name]:
+            lines.append(f"{name}, held-out points at overlap {summary['overlap']:g}"
+                         f"{' (fitted)' if summary['overlap'] == variant_rates.overlap else ''}"
+                         f": within +-{TOLERANCE:.0%} {summary['inside']} of "
+                         f"{summary['points']}; |error| median "
+                         f"{summary['median_error']:.1%}, max {summary['max_error']:.1%}")
+    by_overlap = summaries[headline]
     supported = min(by_overlap, key=lambda s: (-s["inside"], s["median_error"]))
-    lines.append(f"the held-out points support overlap {supported['overlap']:g}")
+    lines.append(f"{headline}: the held-out points support overlap {supported['overlap']:g}")
     other_summary = None
     if args.other_workload:
         other_runs, other_sources, other_workloads = _read_points(args.other_workload)
         other = cluster_comm.merge(other_runs)
         other_dim = other_workloads[0]["embedding_dim"]
+        # its own measured rates, if any, with the first workload's fitted step overhead
+        # and overlap; else the first workload's rates
+        other_measured = measured_rates(os.path.join(rates_dir, "rates_second.json"),
+                                        other_workloads[0])
+        other_rates = rates if other_measured is None or measured is None else \
+            dataclasses.replace(other_measured, overlap=rates.overlap,
+                                step_overhead_seconds=rates.step_overhead_seconds)
         lines += ["", f"a second workload, every point held out (fitted on none of it): "
                   f"{', '.join(other_sources)}; {len(other_runs)} run(s); "
-                  + ", ".join(f"{k} {v}" for k, v in other_workloads[0].items()), "",
-                  header, "-" * len(header)]
-        for p in other:
-            mp = _model_point(p)
-            other_load = _workload(p, other_dim)
-            [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template,
-                                                                      other_load)
-            link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
-            spread = f"{1e3 * min(p['run_steps']):.0f}-{1e3 * max(p['run_steps']):.0f}"
-            lines.append(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "
-                         f"{spread:>16} {1e3 * predicted:12.1f} {ratio:9.2f}"
-                         + ("" if abs(ratio - 1) <= TOLERANCE else "  OUTSIDE +-20%"))
-            rows_out.append({"kind": "other workload", "topology": p["topology"],
-                             "name": p["name"], "bandwidth_mbit": p["bandwidth_mbit"],
-                             "measured_s": measured_s, "run_steps_s": p["run_steps"],
-                             "predicted_s": predicted, "ratio": ratio})
+                  + ", ".join(f"{k} {v}" for k, v in other_workloads[0].items()),
+                  f"its rates: {other_rates}", "", header, "-" * len(header)]
+        other_template = _template(2, 2, unshaped, other_rates)
+        rows_out += [row(p, _model_point(p), other_template, _workload(p, other_dim),
+                         "other workload") for p in other]
         errors = sorted(abs(r["ratio"] - 1) for r in rows_out if r["kind"] == "other workload")
         other_summary = {"points": len(errors), "inside": sum(e <= TOLERANCE for e in errors),
                          "median_error": statistics.median(errors), "max_error": errors[-1]}
@@ -277,9 +333,10 @@ def main() -> int:
                      f"{other_summary['max_error']:.1%}")
     _results.write_text(os.path.join(args.out, "validation.txt"), lines, None)
     _results.write_json(os.path.join(args.out, "validation.json"),
-                        {"points": sources, "rates": rates.to_dict(),
+                        {"points": sources, "headline": headline, "rates": rates.to_dict(),
                          "unshaped_bytes_per_s": unshaped, "rows": rows_out,
                          "held_out_by_overlap": by_overlap,
+                         "held_out_by_variant": summaries,
                          "supported_overlap": supported["overlap"],
                          "other_workload": other_summary}, None)
     _plot(rows_out, os.path.join(args.out, "cost_model_validation.png"))

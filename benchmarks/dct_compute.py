@@ -25,24 +25,12 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import _results  # beside this script; it puts the checkout first on sys.path
 from benchmarks import cluster_comm  # noqa: E402
-from benchmarks._stats import SPREAD_LEGEND, summarize  # noqa: E402
+from benchmarks._stats import SPREAD_LEGEND, summarize, timed_calls  # noqa: E402
 
 RANKS = 4
-
-
-def _timed(fn, repeats: int):
-    fn()   # traces
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return summarize(samples)
 
 
 def main() -> int:
@@ -119,9 +107,9 @@ def main() -> int:
     entries = sum(v.shape.num_elements() for v in dense)
     from tfhybrid.testing import provenance
     load = provenance.OtherLoad()
-    base = _timed(train_step, args.repeats)
-    between = _timed(dp_select(False), args.repeats)
-    refresh = _timed(dp_select(True), args.repeats)
+    base = summarize(timed_calls(train_step, args.repeats))
+    between = summarize(timed_calls(dp_select(False), args.repeats))
+    refresh = summarize(timed_calls(dp_select(True), args.repeats))
     say = []
     say.append(f"one rank of {RANKS}: local batch {local_batch}, {len(dense)} dense variables "
                f"({entries:,} entries), DCT {dct.get_config()}; ms, {SPREAD_LEGEND}")
@@ -133,7 +121,7 @@ def main() -> int:
                f"{dct.refresh_every} steps")
     for label, owners in (("1D mesh of 4", 4), ("2D, M = 2", 2)):
         round_trip, width = mp_round_trip(owners)
-        mp = _timed(round_trip, args.repeats)
+        mp = summarize(timed_calls(round_trip, args.repeats))
         say.append(f"  DCT-MP {label:12} width {width:3}: top-k + rebuild, fwd + bwd "
                    f"{mp.format(1e3)}  {mp.median / base.median:6.1%} of the step")
     _results.write_text(args.out, say, load)

@@ -24,15 +24,22 @@ per GPU, Zipf(1.05) ids.
 Weak scaling: the per-rank batch is fixed; efficiency(N) = per-rank throughput at N /
 per-rank throughput at the smallest N where that scheme fits in memory.
 
+Overlap (the share of the gradient syncs that hides behind compute, ``ComputeRates.overlap``)
+is shown at both bounds the validation on the emulated cluster gives: 0 (nothing hides)
+and the value that validation fitted (``benchmarks/results/cluster_comm/validation.json``),
+with the bound its held-out points support named.
+
 Writes the table to --out (default benchmarks/results/scale_extrapolation.txt) and the plot
 beside it (.png).
 
-Usage: python benchmarks/scale_extrapolation.py [--out PATH.txt]
+Usage: python benchmarks/scale_extrapolation.py [--out PATH.txt] [--validation JSON]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 
 import _results  # beside this script; it puts the checkout first on sys.path
@@ -58,10 +65,10 @@ WORKLOAD = Workload(TABLES, local_batch_size=512, dense_parameters=50_000_000,
                     optimizer="rowwise_adagrad", dense_optimizer="adam")
 
 
-def cluster(ranks: int) -> ClusterSpec:
+def cluster(ranks: int, overlap: float = 0.0) -> ClusterSpec:
     return ClusterSpec(ranks // GPUS_PER_NODE, GPUS_PER_NODE, NVLINK_BYTES_PER_S,
-                       NODE_IB_BYTES_PER_S, 2e-6, 5e-6, HBM_BYTES, RATES,
-                       allreduce="hierarchical")
+                       NODE_IB_BYTES_PER_S, 2e-6, 5e-6, HBM_BYTES,
+                       dataclasses.replace(RATES, overlap=overlap), allreduce="hierarchical")
 
 
 def least_memory(ranks: int, m: int) -> int:
@@ -73,23 +80,23 @@ def least_memory(ranks: int, m: int) -> int:
                               WORKLOAD).memory_per_rank_bytes
 
 
-def one_d(ranks: int) -> dict:
+def one_d(ranks: int, overlap: float = 0.0) -> dict:
     try:
         # refine=False: the tables are alike, so the whole-model candidates span the choice
-        plan = cost_model.plan_mesh(TABLES, 1, ranks, "model_major", cluster(ranks), WORKLOAD,
-                                    refine=False)
+        plan = cost_model.plan_mesh(TABLES, 1, ranks, "model_major", cluster(ranks, overlap),
+                                    WORKLOAD, refine=False)
     except ValueError:
         return {"fits": False, "memory": least_memory(ranks, ranks)}
-    pred = cost_model.predict(plan, "model_major", cluster(ranks), WORKLOAD)
+    pred = cost_model.predict(plan, "model_major", cluster(ranks, overlap), WORKLOAD)
     return {"fits": True, "memory": pred.memory_per_rank_bytes, "step": pred.step_seconds,
             "m": ranks, "layout": "-", "pred": pred}
 
 
-def two_d(ranks: int, workload: Workload = WORKLOAD) -> dict:
+def two_d(ranks: int, workload: Workload = WORKLOAD, overlap: float = 0.0) -> dict:
     # M >= 8: below a node's worth of ranks no M fits these tables' 819 GB
     candidates = [m for m in (8, 16, 32, 64, 128, 256) if m <= ranks]
     try:
-        plan, layout, pred = cost_model.plan_for_cluster(TABLES, cluster(ranks), workload,
+        plan, layout, pred = cost_model.plan_for_cluster(TABLES, cluster(ranks, overlap), workload,
                                                          model_parallel=candidates,
                                                          refine=False)
     except ValueError:
@@ -106,13 +113,22 @@ def main() -> None:
                         help="how 2D keeps a shard's D replicas in step (1D has none)")
     parser.add_argument("--sync_every", type=int, default=1,
                         help="K, steps between weight syncs (--replica_sync=weights)")
+    parser.add_argument("--validation", default=os.path.join(
+        _results.RESULTS, "cluster_comm", "validation.json"),
+        help="cost_model_validation.py's validation.json: the fitted overlap")
     args = parser.parse_args()
+    with open(args.validation) as f:
+        validation = json.load(f)
+    fitted_overlap = validation["rates"]["overlap"]
+    supported = validation["supported_overlap"]
     from tfhybrid.testing import provenance
     load = provenance.OtherLoad()
     say: list[str] = []
     workload_2d = WORKLOAD.with_settings(replica_sync=args.replica_sync,
                                          sync_every=args.sync_every)
     rows = [(n, one_d(n), two_d(n, workload_2d)) for n in RANKS]
+    hidden_rows = [(n, one_d(n, fitted_overlap), two_d(n, workload_2d, fitted_overlap))
+                   for n in RANKS]
 
     def efficiency(results: list[dict]) -> list[float | None]:
         base = next((r for r in results if r["fits"]), None)
@@ -123,6 +139,8 @@ def main() -> None:
 
     eff1 = efficiency([r[1] for r in rows])
     eff2 = efficiency([r[2] for r in rows])
+    hidden_eff1 = efficiency([r[1] for r in hidden_rows])
+    hidden_eff2 = efficiency([r[2] for r in hidden_rows])
     say.append("MODEL PREDICTIONS (tfhybrid.cost_model), not measurements. Assumptions: DGX H100 "
                "nodes (8 GPUs, 80 GB, NVLink 450 GB/s/dir/GPU, 8x400 Gb/s IB/node), latencies "
                "2 us / 5 us, 32 tables x 50M x 128 fp32, 20 ids/sample/table, batch 512/GPU, "
@@ -142,6 +160,20 @@ def main() -> None:
                    f"{f'{e2:.1%}' if e2 is not None else '-':>6}  "
                    f"{b['memory'] / 1e9:>9.1f}{' ' if b['fits'] else '*'}")
     say.append("* = over the 80 GB per GPU (memory of the even row-wise split shown).")
+    say.append("")
+    say.append(f"overlap bounds (share of the gradient syncs hidden behind compute): the table "
+               f"above at overlap 0; at the overlap fitted on the emulated cluster "
+               f"({fitted_overlap:g}, {os.path.relpath(args.validation, _results.ROOT)}), "
+               f"efficiency:")
+    say.append(f"{'ranks':>5}  {'1D eff':>6}  {'2D eff':>6}")
+    for (n, _, _), e1, e2 in zip(hidden_rows, hidden_eff1, hidden_eff2):
+        say.append(f"{n:>5}  {f'{e1:.1%}' if e1 is not None else '-':>6}  "
+                   f"{f'{e2:.1%}' if e2 is not None else '-':>6}")
+    summaries = {s["overlap"]: s for s in validation["held_out_by_overlap"]}
+    say.append("the validation's held-out points: " + "; ".join(
+        f"at overlap {o:g} {s['inside']} of {s['points']} within +-20% (median error "
+        f"{s['median_error']:.1%})" for o, s in sorted(summaries.items()))
+        + f"; they support overlap {supported:g}")
     say.append(f"Reported (measured, not ours): 2D sparse parallelism, "
                f"{PAPER_EFFICIENCY_AT_4096:.0%} weak-scaling efficiency at 4096 GPUs (Zhang et "
                "al., Meta, arXiv:2508.03854, as quoted in issue 13; the abstract says "
@@ -155,11 +187,15 @@ def main() -> None:
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ns = [n for n, _, _ in rows]
-    for effs, label, marker in ((eff1, "1D (M = N), model prediction", "o"),
-                                (eff2, "2D (M by cost planner), model prediction", "s")):
+    for effs, label, marker, style in (
+            (eff1, "1D (M = N), overlap 0", "o", "-"),
+            (eff2, "2D (M by cost planner), overlap 0", "s", "-"),
+            (hidden_eff1, f"1D, overlap {fitted_overlap:g} (fitted)", "o", "--"),
+            (hidden_eff2, f"2D, overlap {fitted_overlap:g} (fitted)", "s", "--")):
         pts = [(n, e) for n, e in zip(ns, effs) if e is not None]
         if pts:
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle=style,
+                     label=label)
     ax1.scatter([4096], [PAPER_EFFICIENCY_AT_4096], marker="*", s=200, color="red",
                 label="2D paper, reported (arXiv:2508.03854)", zorder=5)
     ax1.set_xscale("log", base=2)

@@ -338,6 +338,19 @@ class CalibrationTest(unittest.TestCase):
         self.assertTrue(any(abs(r[3] - 1) > 0.1 for r in untrained))
         with self.assertRaisesRegex(ValueError, "step_seconds"):
             calibrate([{"nodes": 1}, {"nodes": 2}], template, work)
+        # rates measured by a microbenchmark stay as given; the rest are fitted around them
+        known = replace_rates(template, ComputeRates(
+            truth.lookup_bytes_per_s, {"rowwise_adagrad": 1e9}, truth.dense_seconds_per_sample,
+            0.0, truth.collective_overhead_seconds))
+        partly = calibrate(points, known, work, measured=(
+            "lookup_bytes_per_s", "collective_overhead_seconds", "dense_seconds_per_sample"))
+        self.assertEqual(partly.lookup_bytes_per_s, truth.lookup_bytes_per_s)
+        self.assertEqual(partly.collective_overhead_seconds, truth.collective_overhead_seconds)
+        self.assertAlmostEqual(partly.apply_rate("rowwise_adagrad") / 2e8, 1.0, places=6)
+        self.assertAlmostEqual(partly.step_overhead_seconds, truth.step_overhead_seconds,
+                               places=9)
+        with self.assertRaisesRegex(ValueError, r"\['lookup_rate'\] are not rates"):
+            calibrate(points, known, work, measured=("lookup_rate",))
 
 
 def replace_rates(cluster: ClusterSpec, rates: ComputeRates) -> ClusterSpec:

@@ -79,8 +79,13 @@ def _solve_non_negative(rows: list[list[float]], target: list[float]) -> list[fl
         active.remove(min(negative, key=lambda j: coef[j]))
 
 
+# the ComputeRates figures calibrate fits, in its design matrix's column order
+FITTED_RATES = ("step_overhead_seconds", "collective_overhead_seconds", "lookup_bytes_per_s",
+                "apply_bytes_per_s", "dense_seconds_per_sample")
+
+
 def calibrate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec,
-              workload: Workload) -> ComputeRates:
+              workload: Workload, measured: Sequence[str] = ()) -> ComputeRates:
     """Fits ComputeRates to measured step times by non-negative least squares.
 
     Each point is priced with the template's links (its bandwidth replaced by the point's)
@@ -89,9 +94,16 @@ def calibrate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec
     the predicted communication. Columns the points cannot tell apart (e.g. the dense
     time when every point has the same batch, which equals a constant) keep the
     template's value. Loopback points (bandwidth None) carry most of the compute signal.
+
+    ``measured``: names from :data:`FITTED_RATES` whose template values were measured
+    (a microbenchmark): they are kept as they are and only the others are fitted.
     """
     if len(points) < 2:
         raise ValueError(f"calibrate needs at least 2 measured points, got {len(points)}")
+    unknown = [name for name in measured if name not in FITTED_RATES]
+    if unknown:
+        raise ValueError(f"measured={list(measured)!r}: {unknown} are not rates calibrate "
+                         f"fits; expected names from {FITTED_RATES}")
     import numpy as np
     rates = cluster_template.rates
     design, target = [], []
@@ -110,7 +122,7 @@ def calibrate(points: Sequence[Mapping[str, Any]], cluster_template: ClusterSpec
                 rates.dense_seconds_per_sample]
     # keep the columns that add rank, in the order above
     kept: list[int] = []
-    for j in range(a.shape[1]):
+    for j in (j for j in range(a.shape[1]) if FITTED_RATES[j] not in measured):
         trial = kept + [j]
         cols = a[:, trial] / np.maximum(np.abs(a[:, trial]).max(axis=0), 1e-300)
         if np.abs(a[:, j]).max() > 0 and np.linalg.matrix_rank(cols, tol=1e-9) == len(trial):
