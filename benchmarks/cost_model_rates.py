@@ -19,8 +19,10 @@ samples each):
 The bytes come from the planner (``position_traffic`` of the one-position plan), the
 definitions the model prices. Step overhead and the overlap are not measured here:
 ``cost_model_validation.py`` fits them. Each rank takes the median of ``--repeats`` timed
-calls per figure (after warm-up); the figure is the median over the ranks, with their
-min-max beside it. Writes ``rates_<workload>.json`` and ``rates_<workload>.txt`` into
+samples per figure, the compute phases taking turns, each sample as many calls as last
+0.1 s (a few-millisecond call timed alone on a rank that shares a core would measure the
+scheduler's slices); the figure is the median over the ranks, with their min-max beside
+it. Writes ``rates_<workload>.json`` and ``rates_<workload>.txt`` into
 --out.
 
 Usage: .venv/bin/python benchmarks/cost_model_rates.py [--workload dlrm|second]
@@ -31,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Callable
 
 try:
     import _results  # beside this script; it puts the checkout first on sys.path
@@ -48,7 +52,34 @@ except ImportError:
 from benchmarks._stats import timed_calls  # noqa: E402
 
 LEARNING_RATE, EPSILON = 0.01, 1e-8
+# a timed sample of a compute phase spans many of the scheduler's time slices
+SAMPLE_SECONDS = 0.1
 CHAINED_CALLS = 20   # collective calls per timed chain (half allreduce, half alltoall)
+
+
+def interleaved_seconds(phases: dict[str, Callable[[], object]], repeats: int,
+                        barrier: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Median seconds per call of each phase, the phases taking turns ``repeats`` times.
+
+    A phase's sample is as many calls as last ``SAMPLE_SECONDS``: a few-millisecond call
+    timed alone on a rank that shares a core would measure the scheduler's slices, not the
+    call. Taking turns keeps a drift of the machine from favouring one phase; ``barrier``
+    (every rank at once) runs before the first turn.
+
+    >>> got = interleaved_seconds({"a": lambda: sum(range(1000))}, repeats=3)
+    >>> list(got), got["a"] > 0
+    (['a'], True)
+    """
+    calls = {}
+    for name, fn in phases.items():
+        once = min(timed_calls(fn, 3, warmup=2))
+        calls[name] = max(1, math.ceil(SAMPLE_SECONDS / max(once, 1e-6)))
+    barrier()
+    samples: dict[str, list[float]] = {name: [] for name in phases}
+    for _ in range(repeats):
+        for name, fn in phases.items():
+            samples[name].append(sum(timed_calls(fn, calls[name], warmup=0)) / calls[name])
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _dense_and_labels(batch: tuple) -> tuple:
@@ -82,18 +113,20 @@ def worker(args: argparse.Namespace) -> int:
     upstream = tf.constant(rng.standard_normal((local, dim * len(tables))), tf.float32)
 
     def ids_of(batch):
-        categorical = batch[0]["categorical"]
-        return [categorical[:, t:t + 1] for t in range(len(tables))]
+        return batch[0]["categorical"]
 
-    @tf.function
-    def forward(ids):
+    def lookup(categorical):
+        # one id per sample and table, split inside the traced function (not per call)
+        ids = [categorical[:, t:t + 1] for t in range(len(tables))]
         return custom_ops.embedding_lookup_combine_concat(tables, ids, "sum",
                                                           use_custom_op=True)
 
+    forward = tf.function(lookup)
+
     @tf.function
-    def lookup_and_apply(ids):
+    def lookup_and_apply(categorical):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(forward(ids) * upstream)
+            loss = tf.reduce_sum(lookup(categorical) * upstream)
         for table, accumulator, grad in zip(tables, accumulators,
                                             tape.gradient(loss, tables)):
             custom_ops.rowwise_adagrad_apply(table, accumulator, grad.indices, grad.values,
@@ -133,16 +166,14 @@ def worker(args: argparse.Namespace) -> int:
     def next_batch():
         return batches[next(cycle) % len(batches)]
 
-    def together(fn):
-        hvd.allreduce(tf.zeros([1]), name="phase_barrier")   # every rank starts at once
-        return statistics.median(timed_calls(fn, args.repeats, warmup=3))
-
-    seconds = {
-        "forward": together(lambda: forward(ids_of(next_batch()))),
-        "lookup_and_apply": together(lambda: lookup_and_apply(ids_of(next_batch()))),
-        "dense": together(lambda: dense_step(*_dense_and_labels(next_batch()))),
-        "collective_chain": together(chained_collectives),
-    }
+    phases = {"forward": lambda: forward(ids_of(next_batch())),
+              "lookup_and_apply": lambda: lookup_and_apply(ids_of(next_batch())),
+              "dense": lambda: dense_step(*_dense_and_labels(next_batch()))}
+    seconds = interleaved_seconds(phases, args.repeats,
+                                  lambda: hvd.allreduce(tf.zeros([1]), name="phase_barrier"))
+    hvd.allreduce(tf.zeros([1]), name="chain_barrier")
+    seconds["collective_chain"] = statistics.median(
+        timed_calls(chained_collectives, args.repeats, warmup=3))
     configs = [TableConfig(f"t{t}", rows, dim) for t, rows in enumerate(spec.table_rows)]
     plan = plan_sharding(configs, 1, 1, local_batch_size=local, optimizer="rowwise_adagrad")
     traffic = position_traffic(plan, configs, 0)
@@ -215,7 +246,8 @@ def main() -> int:
     work = cluster_comm.WORKLOADS[args.workload]
     lines = [f"workload {args.workload}: " + ", ".join(f"{k} {v}" for k, v in work.items()),
              f"{args.ranks} ranks at once, one thread each; median of {args.repeats} timed "
-             f"calls per rank, then the median over the ranks [min, max]", ""]
+             f"samples per rank (each {SAMPLE_SECONDS:g} s of calls), then the median over "
+             f"the ranks [min, max]", ""]
     for name, value in measured["rates"].items():
         value = value["rowwise_adagrad"] if isinstance(value, dict) else value
         low, high = measured["spread"][name]
