@@ -54,6 +54,11 @@ from benchmarks._stats import timed_calls  # noqa: E402
 LEARNING_RATE, EPSILON = 0.01, 1e-8
 # a timed sample of a compute phase spans many of the scheduler's time slices
 SAMPLE_SECONDS = 0.1
+# each rate as the text file shows it: label, scale, unit
+SHOWN = {"lookup_bytes_per_s": ("lookup (forward kernel)", 1e-9, "GB/s"),
+         "apply_bytes_per_s": ("apply (backward + row-wise AdaGrad)", 1e-9, "GB/s"),
+         "dense_seconds_per_sample": ("towers, per sample", 1e6, "us"),
+         "collective_overhead_seconds": ("one collective call", 1e3, "ms")}
 CHAINED_CALLS = 20   # collective calls per timed chain (half allreduce, half alltoall)
 
 
@@ -248,10 +253,12 @@ def main() -> int:
              f"{args.ranks} ranks at once, one thread each; median of {args.repeats} timed "
              f"samples per rank (each {SAMPLE_SECONDS:g} s of calls), then the median over "
              f"the ranks [min, max]", ""]
-    for name, value in measured["rates"].items():
+    for name, (label, scale, unit) in SHOWN.items():
+        value = measured["rates"][name]
         value = value["rowwise_adagrad"] if isinstance(value, dict) else value
         low, high = measured["spread"][name]
-        lines.append(f"{name:28} {value:12.4g}  [{low:.4g}, {high:.4g}]")
+        lines.append(f"{label:38} {value * scale:8.3f} {unit:9} [{low * scale:.3f}, "
+                     f"{high * scale:.3f}]   ({name})")
     lines.append("")
     lines.append("per rank: " + "; ".join(
         f"rank {i}: " + ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in r["seconds"].items())
