@@ -349,6 +349,18 @@ class DocsTest(unittest.TestCase):
                          "docs quote benchmark commands that benchmarks/catalog.py does "
                          "not run (catalog.py --list prints its commands)")
 
+    def test_every_results_file_is_written_by_a_catalog_run(self):
+        # one current set per benchmark: no run-history folders, no files a script
+        # did not write
+        catalog = _benchmark_catalog()
+        results = os.path.join(ROOT, "benchmarks", "results")
+        files = [os.path.relpath(os.path.join(folder, name), results)
+                 for folder, _, names in os.walk(results) for name in names]
+        self.assertTrue(files)
+        self.assertEqual(sorted(f for f in files if catalog.owner_of(f) is None), [],
+                         "files under benchmarks/results that no run of "
+                         "benchmarks/catalog.py writes")
+
     def test_benchmark_tools_doctests(self):
         for module in (_benchmark_catalog(), _docs_page()):
             with self.subTest(module=module.__name__):
