@@ -43,6 +43,7 @@ ValueError: template line 1: no line of r/t.txt holds 'ratio' then 'step'
 Traceback (most recent call last):
 ...
 ValueError: template line 1: no line of r/t.txt holds 'speed'
+>>> import shutil; shutil.rmtree(root)
 >>> typed_figures("a 1.5× b {{r/t.txt :: x}} `keep=0.25` on TF 2.21\\n```\\n2.5\\n```\\n"
 ...               "| 1×1 | 2 | {{r/t.txt :: x}} (75-95) |\\n")
 [(1, '1.5'), (5, '75'), (5, '95')]
