@@ -5,8 +5,9 @@ Modules are ``tests/test_*.py``. A module that declares
 ``horovodrun -np N -H localhost:N --gloo`` (a TestCase class may narrow its sizes with
 its own ``HOROVOD_NP``): all modules of one size share one job, one
 after another (a start-up of TensorFlow and Horovod on four ranks costs about 10 s of
-the machine), unless a module sets ``OWN_PROCESS = True``. Others run in one plain
-process, two such modules at a time unless the module sets ``RUN_ALONE = True``. A test
+the machine), unless a module sets ``OWN_PROCESS = True``. Others run in plain
+processes, each a few modules one after another (an import of TensorFlow costs about 3 s
+of CPU), two such processes at a time unless the module sets ``RUN_ALONE = True``. A test
 passes only if it passed on every rank; a rank that dies or a module that overruns its
 time limit fails that module, and the job starts again with the next one. The last
 line is ``N passed, N failed``.
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -48,9 +50,10 @@ TEST_ENV = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "45",
     "HOROVOD_GLOO_TIMEOUT_SECONDS": "60",
-    # Horovod's background loop runs every cycle even when idle: at 0.5 ms four idle
-    # ranks took 0.8 of the 2 cores, at 5 ms 0.2, and modules ran 12-16% faster
-    "HOROVOD_CYCLE_TIME": "5",
+    # Horovod's background loop coordinates the ranks every cycle even when idle: four
+    # idle ranks took 0.8 of the 2 cores at 0.5 ms, 0.19 at 5 ms and 0.06 at 20 ms; at
+    # 20 ms test_dct and test_pipeline took 15% and 22% less CPU than at 5 ms
+    "HOROVOD_CYCLE_TIME": "20",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 # Named subsets (--subset). "tf-compat" is what CI runs on the other supported
@@ -75,6 +78,9 @@ SUBSETS = {
 }
 SINGLE_TIMEOUT_S = 480
 PAIRED_WORKERS = 2  # one-process modules run with one thread each: one per core
+# one-process modules are dealt into this many processes (fewer start-ups of TensorFlow;
+# enough of them that the two workers end close together)
+PAIRED_PROCESSES = 8
 MULTI_TIMEOUT_S = 480
 SLOWEST_SHOWN = 15
 
@@ -118,9 +124,35 @@ def runs_alone(path: str, size: int) -> bool:
 
 
 def owns_process(path: str) -> bool:
-    """Whether a multi-rank module needs a job of its own (it sets process-wide state
+    """Whether a module needs a process (or job) of its own (it sets process-wide state
     at import, such as a plain ``hvd.init()``): ``OWN_PROCESS = True``."""
     return bool(_declared(path, "OWN_PROCESS"))
+
+
+def deal(paths: list[str], count: int,
+         size: Callable[[str], int] | None = None) -> list[list[str]]:
+    """``paths`` dealt into at most ``count`` non-empty lists of about equal total
+    ``size`` (default: lines of code, a rough guess at a module's time): each path, the
+    largest first, goes to the lightest list; each list keeps the given order.
+
+    >>> deal(["a", "b", "c"], 2, size={"a": 5, "b": 3, "c": 3}.get)
+    [['a'], ['b', 'c']]
+    >>> deal(["a"], 3, size=len)
+    [['a']]
+    """
+    size = size or _lines
+    lists: list[list[str]] = [[] for _ in range(min(count, len(paths)))]
+    totals = [0] * len(lists)
+    for path in sorted(paths, key=size, reverse=True):
+        lightest = totals.index(min(totals))
+        lists[lightest].append(path)
+        totals[lightest] += size(path)
+    return [sorted(chosen, key=paths.index) for chosen in lists]
+
+
+def _lines(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
 
 
 def read_reports(report_dir: str, size: int) -> tuple[dict[str, dict], list[int]]:
@@ -274,7 +306,7 @@ def main() -> int:
                         help="only the modules of this named subset")
     parser.add_argument("--list", action="store_true", help="list modules and sizes")
     parser.add_argument("--no-share", action="store_true",
-                        help="every multi-rank module in a horovodrun job of its own "
+                        help="every module in a process (multi-rank: a horovodrun job) of its own "
                              "(to isolate one module from what others leave behind)")
     parser.add_argument("--logs", default=os.path.join(ROOT, ".test-reports"),
                         help="folder for each run's full output")
@@ -328,16 +360,34 @@ def main() -> int:
             failed += 1
             tail = open(log_path, errors="replace").read()[-6000:]
             failures.append((name, f"the run failed: {crash}\n... last output ({log_path}):\n{tail}"))
-        print(f"    {len(outcomes)} tests in {seconds:.1f} s"
+        # the suite's clock beside each module: what overlapped what, where time went
+        print(f"    {len(outcomes)} tests in {seconds:.1f} s, ended at "
+              f"{time.time() - started:.0f} s"
               + (f"; RUN FAILED: {crash}" if crash else ""), flush=True)
 
-    # one-process modules that may share the machine first, two at a time; then the
-    # rest one after another
-    paired = [(path, size) for path, size in plan if not runs_alone(path, size)]
+    # one-process modules that may share the machine first: dealt into a few processes
+    # (or one each: --no-share, OWN_PROCESS), two processes at a time; then the rest
+    # one after another
+    paired = [path for path, size in plan if not runs_alone(path, size)]
+    shareable = [] if args.no_share else [p for p in paired if not owns_process(p)]
+    processes = deal(shareable, PAIRED_PROCESSES) + [
+        [p] for p in paired if p not in shareable]
+    lock = threading.Lock()   # the workers' reports reach one tally
+
+    def run_paired(index: int, modules: list[str]) -> None:
+        log_path = os.path.join(args.logs, f"shared.np1.{index}.log")
+
+        def done(module, outcomes, crash, seconds):
+            with lock:
+                record(f"{os.path.relpath(module, ROOT)} [np=1]", log_path, outcomes,
+                       crash, seconds, 1)
+
+        run_shared(modules, 1, python, log_path, done)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=PAIRED_WORKERS) as pool:
-        futures = {pool.submit(run, path, size): size for path, size in paired}
-        for future in concurrent.futures.as_completed(futures):
-            record(*future.result(), futures[future])
+        for future in [pool.submit(run_paired, i, modules)
+                       for i, modules in enumerate(processes)]:
+            future.result()
     shared = {}   # size: modules that share its jobs, run where the first of them is
     for path, size in plan:
         if size > 1 and not (args.no_share or owns_process(path)):

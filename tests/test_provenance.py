@@ -40,13 +40,15 @@ class ProvenanceTest(unittest.TestCase):
     def test_rewritten_results_do_not_make_the_code_dirty(self):
         repo = tempfile.mkdtemp(prefix="tfhybrid-provenance-git-")
         self.addCleanup(shutil.rmtree, repo, True)
-        results = os.path.join(repo, "benchmarks", "results")
+        results = os.path.join(repo, provenance.RESULTS_DIR)
+        page = os.path.join(repo, provenance.RENDERED_PAGE)
         os.makedirs(results)
+        os.makedirs(os.path.dirname(page))
 
         def git(*args):
             subprocess.run(["git", "-C", repo, "-c", "user.name=t", "-c", "user.email=t@t",
                             *args], check=True, capture_output=True)
-        for path in ("code.py", os.path.join(results, "table.txt")):
+        for path in ("code.py", os.path.join(results, "table.txt"), page):
             with open(os.path.join(repo, path), "w") as f:
                 f.write("1\n")
         git("init", "-q")
@@ -56,6 +58,9 @@ class ProvenanceTest(unittest.TestCase):
         self.assertRegex(clean, r"^[0-9a-f]{7,}$")
         with open(os.path.join(results, "table.txt"), "w") as f:
             f.write("2\n")   # a benchmark rewrote its results: the code is the commit's
+        self.assertEqual(provenance.commit(repo), clean)
+        with open(page, "w") as f:
+            f.write("2\n")   # and the page was rendered from them
         self.assertEqual(provenance.commit(repo), clean)
         with open(os.path.join(repo, "code.py"), "w") as f:
             f.write("2\n")

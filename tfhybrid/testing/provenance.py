@@ -108,13 +108,16 @@ class OtherLoad:
                 f"(mean over the run)")
 
 
-# results files a run rewrites: their changes say nothing about the code that ran
+# results files a run rewrites, and the page rendered from them (benchmarks/docs_page.py):
+# their changes say nothing about the code that ran
 RESULTS_DIR = os.path.join("benchmarks", "results")
+RENDERED_PAGE = os.path.join("docs", "benchmarks.md")
 
 
 def commit(root: str) -> str:
-    """HEAD's short hash, with ``-dirty`` when a tracked file outside the results folder
-    differs from it (the code that ran is not the commit's); ``unknown`` outside git."""
+    """HEAD's short hash, with ``-dirty`` when a tracked file other than the results and
+    the page rendered from them differs from it (the code that ran is not the commit's);
+    ``unknown`` outside git."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", root, *args], capture_output=True,
                               text=True).stdout.strip()
@@ -122,7 +125,7 @@ def commit(root: str) -> str:
     if not head:
         return "unknown"
     changed = git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                  f":(exclude){RESULTS_DIR}")
+                  f":(exclude){RESULTS_DIR}", f":(exclude){RENDERED_PAGE}")
     return head + ("-dirty" if changed else "")
 
 
