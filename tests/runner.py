@@ -3,9 +3,10 @@
 Modules are ``tests/test_*.py``. A module that declares
 ``HOROVOD_NP = (2, 4)`` at top level runs once per listed size under
 ``horovodrun -np N -H localhost:N --gloo`` (a TestCase class may narrow its sizes with
-its own ``HOROVOD_NP``): all modules of one size share one job, one
-after another (a start-up of TensorFlow and Horovod on four ranks costs about 10 s of
-the machine), unless a module sets ``OWN_PROCESS = True``. Others run in plain
+its own ``HOROVOD_NP``): the modules of one size are dealt into two jobs that run side
+by side, each running its modules one after another (a start-up of TensorFlow and
+Horovod on four ranks costs about 10 s of the machine), unless a module sets
+``OWN_PROCESS = True``. Others run in plain
 processes, each a few modules one after another (an import of TensorFlow costs about 3 s
 of CPU), two such processes at a time unless the module sets ``RUN_ALONE = True``. A test
 passes only if it passed on every rank; a rank that dies or a module that overruns its
@@ -81,6 +82,10 @@ PAIRED_WORKERS = 2  # one-process modules run with one thread each: one per core
 # one-process modules are dealt into this many processes (fewer start-ups of TensorFlow;
 # enough of them that the two workers end close together)
 PAIRED_PROCESSES = 8
+# multi-rank modules of one size are dealt into this many jobs that run side by side: a
+# job's ranks often all wait in a collective (a quarter to a third of an np=4 job's
+# time left the cores idle), and the other job's ranks then compute
+SHARED_JOBS = 2
 MULTI_TIMEOUT_S = 480
 SLOWEST_SHOWN = 15
 
@@ -365,42 +370,39 @@ def main() -> int:
               f"{time.time() - started:.0f} s"
               + (f"; RUN FAILED: {crash}" if crash else ""), flush=True)
 
-    # one-process modules that may share the machine first: dealt into a few processes
-    # (or one each: --no-share, OWN_PROCESS), two processes at a time; then the rest
-    # one after another
-    paired = [path for path, size in plan if not runs_alone(path, size)]
-    shareable = [] if args.no_share else [p for p in paired if not owns_process(p)]
-    processes = deal(shareable, PAIRED_PROCESSES) + [
-        [p] for p in paired if p not in shareable]
     lock = threading.Lock()   # the workers' reports reach one tally
 
-    def run_paired(index: int, modules: list[str]) -> None:
-        log_path = os.path.join(args.logs, f"shared.np1.{index}.log")
+    def run_jobs(jobs: list[list[str]], size: int, workers: int) -> None:
+        """Each list of modules in one shared process or job, ``workers`` at a time."""
+        def run_job(index: int, modules: list[str]) -> None:
+            log_path = os.path.join(args.logs, f"shared.np{size}.{index}.log")
 
-        def done(module, outcomes, crash, seconds):
-            with lock:
-                record(f"{os.path.relpath(module, ROOT)} [np=1]", log_path, outcomes,
-                       crash, seconds, 1)
+            def done(module, outcomes, crash, seconds):
+                with lock:
+                    record(f"{os.path.relpath(module, ROOT)} [np={size}]", log_path,
+                           outcomes, crash, seconds, size)
 
-        run_shared(modules, 1, python, log_path, done)
+            run_shared(modules, size, python, log_path, done)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=PAIRED_WORKERS) as pool:
-        for future in [pool.submit(run_paired, i, modules)
-                       for i, modules in enumerate(processes)]:
-            future.result()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            for future in [pool.submit(run_job, i, modules)
+                           for i, modules in enumerate(jobs)]:
+                future.result()
+
+    # one-process modules that may share the machine first: dealt into a few processes
+    # (or one each: --no-share, OWN_PROCESS), two processes at a time; then the rest
+    paired = [path for path, size in plan if not runs_alone(path, size)]
+    shareable = [] if args.no_share else [p for p in paired if not owns_process(p)]
+    run_jobs(deal(shareable, PAIRED_PROCESSES) + [[p] for p in paired if p not in shareable],
+             1, PAIRED_WORKERS)
     shared = {}   # size: modules that share its jobs, run where the first of them is
     for path, size in plan:
         if size > 1 and not (args.no_share or owns_process(path)):
             shared.setdefault(size, []).append(path)
     for path, size in plan:
         if size > 1 and path in shared.get(size, ()):
-            if path != shared[size][0]:
-                continue
-            log_path = os.path.join(args.logs, f"shared.np{size}.log")
-            run_shared(shared[size], size, python, log_path,
-                       lambda module, outcomes, crash, seconds, size=size: record(
-                           f"{os.path.relpath(module, ROOT)} [np={size}]", log_path,
-                           outcomes, crash, seconds, size))
+            if path == shared[size][0]:
+                run_jobs(deal(shared[size], SHARED_JOBS), size, SHARED_JOBS)
         elif runs_alone(path, size):
             record(*run(path, size), size)
     for label, detail in failures:
