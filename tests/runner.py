@@ -145,13 +145,13 @@ def deal(paths: list[str], count: int,
     >>> deal(["a"], 3, size=len)
     [['a']]
     """
-    size = size or _lines
+    sizes = {path: (size or _lines)(path) for path in paths}   # each file read once
     lists: list[list[str]] = [[] for _ in range(min(count, len(paths)))]
     totals = [0] * len(lists)
-    for path in sorted(paths, key=size, reverse=True):
+    for path in sorted(paths, key=sizes.get, reverse=True):
         lightest = totals.index(min(totals))
         lists[lightest].append(path)
-        totals[lightest] += size(path)
+        totals[lightest] += sizes[path]
     return [sorted(chosen, key=paths.index) for chosen in lists]
 
 
