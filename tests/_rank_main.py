@@ -1,9 +1,10 @@
 """Runs one test module's TestCases in this process and writes a JSON report.
 
-Started by tests/runner.py, once per module (single process), or once per rank under
-horovodrun for all multi-rank modules of one size in turn. The reports are the only
-channel back to the runner, so a rank that dies leaves no report and the runner counts
-the module it was in as failed (and starts the rest again).
+Started by tests/runner.py for one module, or for a job that runs modules one after
+another as the runner names them (``--queue``), in one process or once per rank under
+horovodrun. The reports are the only channel back to the runner, so a rank that dies
+leaves no report and the runner counts the module it was in as failed (and goes on with
+the next in a new job).
 """
 
 from __future__ import annotations
@@ -127,22 +128,43 @@ def _between_modules() -> None:
     tf.keras.backend.clear_session()
 
 
+# how long a shared job waits to be told its next module: the runner names it within a
+# fraction of a second of the reports, so a longer wait means the runner is gone
+NEXT_MODULE_WAIT_S = 300
+
+
+def next_module(job_dir: str, index: int) -> str | None:
+    """The module the runner names as the job's ``index``-th (file ``next.INDEX`` in the
+    job's folder; empty: the job ends). Every rank reads the same file, so all run the
+    same module."""
+    named = os.path.join(job_dir, f"next.{index}")
+    give_up = time.time() + NEXT_MODULE_WAIT_S
+    while not os.path.exists(named):
+        if time.time() > give_up:
+            raise SystemExit(f"no module named in {named} within {NEXT_MODULE_WAIT_S} s")
+        time.sleep(0.05)
+    with open(named) as f:
+        return f.read() or None
+
+
 def main(argv: list[str]) -> int:
     """``PATH REPORT_DIR [NAME ...]``: one module (optionally only tests whose id contains
-    a NAME), its report in REPORT_DIR. ``--modules REPORT_DIR PATH ...``: the modules one
-    after another in this process, the i-th one's report in REPORT_DIR/i, each written
-    as the module ends (one start-up of TensorFlow and Horovod serves them all)."""
+    a NAME), its report in REPORT_DIR. ``--queue JOB_DIR``: modules one after another in
+    this process, each as the runner names it (``next_module``), the i-th one's report in
+    JOB_DIR/i, written as it ends (one start-up of TensorFlow and Horovod serves them
+    all)."""
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
-    if argv[1] == "--modules":
-        report_dir, paths = argv[2], argv[3:]
-        for index, path in enumerate(paths):
+    if argv[1] == "--queue":
+        job_dir, index = argv[2], 0
+        while (path := next_module(job_dir, index)) is not None:
             if index:
                 _between_modules()
             print(f"=== module {index}: {path}", file=sys.stderr, flush=True)
             outcomes, seconds = run_module(path, [], rank)
-            write_report(os.path.join(report_dir, str(index)), rank, outcomes, seconds)
+            write_report(os.path.join(job_dir, str(index)), rank, outcomes, seconds)
+            index += 1
         # the reports carry every failure; a non-zero exit would make horovodrun end
         # the ranks still in the last module before they write theirs
         return 0

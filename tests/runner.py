@@ -1,17 +1,15 @@
 """The test command: runs every tf.test module, single-process and under horovodrun.
 
-Modules are ``tests/test_*.py``. A module that declares
-``HOROVOD_NP = (2, 4)`` at top level runs once per listed size under
-``horovodrun -np N -H localhost:N --gloo`` (a TestCase class may narrow its sizes with
-its own ``HOROVOD_NP``): the modules of one size are dealt into two jobs that run side
-by side, each running its modules one after another (a start-up of TensorFlow and
-Horovod on four ranks costs about 10 s of the machine), unless a module sets
-``OWN_PROCESS = True``. Others run in plain
-processes, each a few modules one after another (an import of TensorFlow costs about 3 s
-of CPU), two such processes at a time unless the module sets ``RUN_ALONE = True``. A test
-passes only if it passed on every rank; a rank that dies or a module that overruns its
-time limit fails that module, and the job starts again with the next one. The last
-line is ``N passed, N failed``.
+Modules are ``tests/test_*.py``. A module that declares ``HOROVOD_NP = (2, 4)`` at top
+level runs once per listed size under ``horovodrun -np N -H localhost:N --gloo`` (a
+TestCase class may narrow its sizes with its own ``HOROVOD_NP``); others run in a plain
+process. Two lanes run jobs side by side, each taking the next job it may run from one
+schedule (``Schedule``). A job serves every module of its kind and size, one after
+another, taking the next as it ends one (a start-up of TensorFlow costs about 3 s of
+CPU, of TensorFlow and Horovod on four ranks about 10 s), unless the module sets
+``OWN_PROCESS = True``. A test passes only if it passed on every rank; a rank that dies
+or a module that overruns its time limit fails that module, and a new job goes on with
+the next one. The last line is ``N passed, N failed``.
 
 Usage: python -m tests.runner [-k SUBSTRING] [--subset NAME] [--list]
 """
@@ -22,6 +20,7 @@ import argparse
 import ast
 import atexit
 import concurrent.futures
+import dataclasses
 import glob
 import json
 import os
@@ -78,15 +77,14 @@ SUBSETS = {
     ),
 }
 SINGLE_TIMEOUT_S = 480
-PAIRED_WORKERS = 2  # one-process modules run with one thread each: one per core
-# one-process modules are dealt into this many processes (fewer start-ups of TensorFlow;
-# enough of them that the two workers end close together)
-PAIRED_PROCESSES = 8
-# multi-rank modules of one size are dealt into this many jobs that run side by side: a
-# job's ranks often all wait in a collective (a quarter to a third of an np=4 job's
-# time left the cores idle), and the other job's ranks then compute
-SHARED_JOBS = 2
 MULTI_TIMEOUT_S = 480
+# jobs that run at once. One-process jobs use one thread each, one per core; a
+# multi-rank job's ranks often all wait in a collective (a quarter to a third of an np=4
+# job's time left the cores idle), and a job beside it then computes
+LANES = 2
+# how often the runner looks for a module's reports (a shared job waits this long, at
+# most, to be told its next module)
+POLL_S = 0.2
 SLOWEST_SHOWN = 15
 
 
@@ -97,7 +95,8 @@ def discover() -> list[str]:
 def _declared(path: str, name: str):
     """A module-level constant's value, read without importing the module (imports
     cost seconds); None when the module does not set it."""
-    tree = ast.parse(open(path).read(), path)
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == name for t in node.targets):
@@ -120,39 +119,118 @@ def declared_timeout(path: str, size: int) -> int:
     return SINGLE_TIMEOUT_S if size == 1 else MULTI_TIMEOUT_S
 
 
-def runs_alone(path: str, size: int) -> bool:
-    """Whether the module needs the machine to itself: every multi-rank run (its ranks
-    share the cores), and a one-process module that declares ``RUN_ALONE = True``
-    (it starts jobs of its own). Other one-process modules use one thread each, so two
-    of them run side by side on the machine's cores."""
-    return size > 1 or bool(_declared(path, "RUN_ALONE"))
-
-
 def owns_process(path: str) -> bool:
     """Whether a module needs a process (or job) of its own (it sets process-wide state
     at import, such as a plain ``hvd.init()``): ``OWN_PROCESS = True``."""
     return bool(_declared(path, "OWN_PROCESS"))
 
 
-def deal(paths: list[str], count: int,
-         size: Callable[[str], int] | None = None) -> list[list[str]]:
-    """``paths`` dealt into at most ``count`` non-empty lists of about equal total
-    ``size`` (default: lines of code, a rough guess at a module's time): each path, the
-    largest first, goes to the lightest list; each list keeps the given order.
+def job_kind(path: str, size: int) -> str:
+    """What a module's job is, for what may run beside it (``may_run_beside``):
+    ``"ranks"`` (a horovodrun job), ``"starts_jobs"`` (a one-process module that declares
+    ``STARTS_JOBS = True``: it starts multi-rank jobs of its own) or ``"one"`` (a plain
+    process on one thread)."""
+    if size > 1:
+        return "ranks"
+    return "starts_jobs" if _declared(path, "STARTS_JOBS") else "one"
 
-    >>> deal(["a", "b", "c"], 2, size={"a": 5, "b": 3, "c": 3}.get)
-    [['a'], ['b', 'c']]
-    >>> deal(["a"], 3, size=len)
-    [['a']]
+
+def may_run_beside(kind: str, other: str) -> bool:
+    """Whether jobs of these kinds may share the machine. A one-process job (one
+    thread) fits beside anything; horovodrun jobs beside each other (their ranks take
+    turns at the cores while others wait in collectives); a module that starts jobs of
+    its own only beside one-process jobs: beside another's ranks, its jobs (a training
+    job across an emulated link, a stall that must end a job within seconds) took
+    nearly twice as long, and the suite as a whole did not end sooner.
+
+    >>> may_run_beside("starts_jobs", "one"), may_run_beside("starts_jobs", "ranks")
+    (True, False)
+    >>> may_run_beside("ranks", "ranks"), may_run_beside("starts_jobs", "starts_jobs")
+    (True, False)
     """
-    sizes = {path: (size or _lines)(path) for path in paths}   # each file read once
-    lists: list[list[str]] = [[] for _ in range(min(count, len(paths)))]
-    totals = [0] * len(lists)
-    for path in sorted(paths, key=sizes.get, reverse=True):
-        lightest = totals.index(min(totals))
-        lists[lightest].append(path)
-        totals[lightest] += sizes[path]
-    return [sorted(chosen, key=paths.index) for chosen in lists]
+    return "one" in (kind, other) or kind == other == "ranks"
+
+
+@dataclasses.dataclass
+class Stage:
+    """Modules of one kind and size, waiting to run, the longest first (lines of code,
+    a rough guess at a module's time). ``shared``: a job runs them one after another,
+    taking the next as it ends one (two jobs may take from one stage, and then end
+    close together whatever each module's time turns out to be); else each module gets
+    a job of its own."""
+    kind: str
+    size: int
+    modules: list[str]
+    shared: bool
+
+
+class Schedule:
+    """The suite's stages in order, for ``LANES`` lanes that each take the next job
+    they may start: the first stage with modules waiting whose kind may run beside
+    every job running now (``may_run_beside``), waiting while there is none.
+
+    >>> schedule = Schedule([Stage("starts_jobs", 1, ["app", "docs"], False),
+    ...                      Stage("one", 1, ["a", "b"], True),
+    ...                      Stage("ranks", 4, ["r"], True)])
+    >>> (first, app), (second, a) = schedule.next_job(), schedule.next_job()
+    >>> app, a          # the second lane skips "docs": it may not run beside "app"
+    ('app', 'a')
+    >>> schedule.take(second), schedule.take(second)    # its job serves the stage
+    ('b', None)
+    >>> schedule.job_ended(first); schedule.job_ended(second)
+    >>> third, docs = schedule.next_job()
+    >>> docs
+    'docs'
+    >>> schedule.job_ended(third)
+    >>> schedule.next_job()[1], schedule.next_job()
+    ('r', None)
+    """
+
+    def __init__(self, stages: list[Stage]):
+        self._stages = [stage for stage in stages if stage.modules]
+        self._running: list[str] = []   # the kinds of the jobs running now
+        self._changed = threading.Condition()
+
+    def next_job(self) -> tuple[Stage, str] | None:
+        """The stage the next job serves and its first module (blocks until one may
+        start); None when no module is left for a new job."""
+        with self._changed:
+            while True:
+                waiting = [stage for stage in self._stages if stage.modules]
+                if not waiting:
+                    return None
+                for stage in waiting:
+                    if all(may_run_beside(stage.kind, kind) for kind in self._running):
+                        self._running.append(stage.kind)
+                        return stage, stage.modules.pop(0)
+                self._changed.wait()
+
+    def take(self, stage: Stage) -> str | None:
+        """The stage's next module for a job that serves it, or None: none left."""
+        with self._changed:
+            return stage.modules.pop(0) if stage.modules else None
+
+    def job_ended(self, stage: Stage) -> None:
+        with self._changed:
+            self._running.remove(stage.kind)
+            self._changed.notify_all()
+
+
+def stages(plan: list[tuple[str, int]], share: bool = True) -> list[Stage]:
+    """The plan's modules as stages, in the order lanes take them: modules that start
+    jobs of their own (one at a time, beside one-process modules: the longest chain of
+    the suite, so it starts first), one-process modules, then multi-rank ones by size,
+    the largest first. With ``share=False`` every module gets a job of its own."""
+    grouped: dict[tuple[str, int, bool], list[str]] = {}
+    for path, size in plan:
+        kind = job_kind(path, size)
+        shared = share and kind != "starts_jobs" and not owns_process(path)
+        grouped.setdefault((kind, size, shared), []).append(path)
+    order = {"starts_jobs": 0, "one": 1, "ranks": 2}
+    return [Stage(kind, size, sorted(paths, key=_lines, reverse=True), shared)
+            for (kind, size, shared), paths in sorted(
+                grouped.items(), key=lambda item: (order[item[0][0]], -item[0][1],
+                                                   not item[0][2]))]
 
 
 def _lines(path: str) -> int:
@@ -242,66 +320,75 @@ def _module_seconds(report_dir: str) -> float:
     return max(seconds, default=0.0)
 
 
-def run_shared(paths: list[str], size: int, python: str, log_path: str,
-               done: Callable[[str, dict[str, dict], str, float], None]) -> None:
-    """Runs modules of one size one after another in shared jobs; calls
-    ``done(path, {test_id: outcome}, crash message, seconds)`` as each one ends.
+def name_next_module(job_dir: str, index: int, path: str | None) -> None:
+    """Names a shared job's module ``index`` (None: the job ends), whole or not at all
+    (its ranks poll for the file: ``tests/_rank_main.py --queue``)."""
+    tmp = os.path.join(job_dir, f".next.{index}.tmp")
+    with open(tmp, "w") as f:
+        f.write(path or "")
+    os.replace(tmp, os.path.join(job_dir, f"next.{index}"))
 
-    Each module keeps its own time limit, counted from the end of the one before. A
-    module that overruns it, or during which a rank dies, fails; the job is ended and a
-    new one runs the modules after it.
+
+def _end(proc: subprocess.Popen, grace_s: float) -> None:
+    """Waits for a job that has finished its work to exit; ends it if it does not."""
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_shared(first: str, take: Callable[[], str | None], size: int, python: str,
+               log, done: Callable[[str, dict[str, dict], str, float], None]) -> None:
+    """Runs modules of one size one after another in a job: ``first``, then each one
+    ``take()`` gives as the one before ends, until it gives None. Calls ``done(path,
+    {test_id: outcome}, crash message, seconds)`` as each module ends; the job's output
+    goes to the open file ``log``.
+
+    The ranks learn each module from a file the runner writes (``name_next_module``),
+    so all run the same one. A module's time limit counts from when it is named. A module that
+    overruns it, or during which a rank dies, fails; the job is ended and a new one goes
+    on with the next module.
     """
-    finished = 0
-    with open(log_path, "w") as log:
-        while finished < len(paths):
-            pending = paths[finished:]
-            report_root = tempfile.mkdtemp(prefix="tfhybrid-test-")
-            dirs = [os.path.join(report_root, str(i)) for i in range(len(pending))]
-            inner = [python, os.path.join(ROOT, "tests", "_rank_main.py"), "--modules",
-                     report_root] + pending
-            log.write(f"### job of {len(pending)} module(s) at np={size}\n")
-            log.flush()
-            proc = _launch(inner, size, python, log)
-            current, started, crash = 0, time.time(), ""
-
-            def report_finished() -> None:
-                nonlocal current, started
-                while current < len(pending) and _reported(dirs[current], size):
-                    merged, missing = read_reports(dirs[current], size)
-                    done(pending[current], *_outcome(merged, missing, ""),
-                         _module_seconds(dirs[current]))
-                    current, started = current + 1, time.time()
-
-            while True:
-                report_finished()
-                code = proc.poll()
-                if code is not None:
-                    report_finished()   # reports written just before the exit
-                    if current < len(pending):
-                        crash = f"exit code {code}"
+    module: str | None = first
+    while module is not None:
+        job_dir = tempfile.mkdtemp(prefix="tfhybrid-test-")
+        log.write(f"### job at np={size}\n")
+        log.flush()
+        index, crash = 0, ""
+        name_next_module(job_dir, index, module)
+        proc = _launch([python, os.path.join(ROOT, "tests", "_rank_main.py"), "--queue",
+                        job_dir], size, python, log)
+        started = time.time()
+        while True:
+            report_dir = os.path.join(job_dir, str(index))
+            if _reported(report_dir, size):
+                merged, missing = read_reports(report_dir, size)
+                done(module, *_outcome(merged, missing, ""), _module_seconds(report_dir))
+                module, index, started = take(), index + 1, time.time()
+                name_next_module(job_dir, index, module)
+                if module is None:
+                    _end(proc, 60)
                     break
-                if current == len(pending):
-                    # every module reported: the job is ending (a stuck exit is ended)
-                    try:
-                        proc.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-                    break
-                timeout = declared_timeout(pending[current], size)
-                if time.time() - started > timeout:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    crash = f"killed after {timeout} s"
-                    break
-                time.sleep(0.5)
-            if current < len(pending):
-                merged, missing = read_reports(dirs[current], size)
-                done(pending[current], *_outcome(merged, missing, crash),
-                     time.time() - started)
-                current += 1
-            finished += current
-            shutil.rmtree(report_root, ignore_errors=True)
+                continue
+            code = proc.poll()
+            if code is not None:
+                if _reported(report_dir, size):
+                    continue   # the reports were written just before the exit
+                crash = f"exit code {code}"
+                break
+            timeout = declared_timeout(module, size)
+            if time.time() - started > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                crash = f"killed after {timeout} s"
+                break
+            time.sleep(POLL_S)
+        if crash:
+            merged, missing = read_reports(report_dir, size)
+            done(module, *_outcome(merged, missing, crash), time.time() - started)
+            module = take()
+        shutil.rmtree(job_dir, ignore_errors=True)
 
 
 def main() -> int:
@@ -363,48 +450,45 @@ def main() -> int:
                 failures.append((label, outcome["detail"]))
         if crash:
             failed += 1
-            tail = open(log_path, errors="replace").read()[-6000:]
+            with open(log_path, errors="replace") as log:
+                tail = log.read()[-6000:]
             failures.append((name, f"the run failed: {crash}\n... last output ({log_path}):\n{tail}"))
         # the suite's clock beside each module: what overlapped what, where time went
         print(f"    {len(outcomes)} tests in {seconds:.1f} s, ended at "
               f"{time.time() - started:.0f} s"
               + (f"; RUN FAILED: {crash}" if crash else ""), flush=True)
 
-    lock = threading.Lock()   # the workers' reports reach one tally
+    lock = threading.Lock()   # the lanes' reports reach one tally
+    schedule = Schedule(stages(plan, share=not args.no_share))
 
-    def run_jobs(jobs: list[list[str]], size: int, workers: int) -> None:
-        """Each list of modules in one shared process or job, ``workers`` at a time."""
-        def run_job(index: int, modules: list[str]) -> None:
-            log_path = os.path.join(args.logs, f"shared.np{size}.{index}.log")
+    def lane(number: int) -> None:
+        """Runs jobs, one after another, as the schedule gives them."""
+        while (job := schedule.next_job()) is not None:
+            stage, first = job
+            try:
+                if not stage.shared:
+                    outcome = run(first, stage.size)
+                    with lock:
+                        record(*outcome, stage.size)
+                    continue
+                log_path = os.path.join(args.logs, f"lane{number}.np{stage.size}.log")
 
-            def done(module, outcomes, crash, seconds):
-                with lock:
-                    record(f"{os.path.relpath(module, ROOT)} [np={size}]", log_path,
-                           outcomes, crash, seconds, size)
+                def done(module, outcomes, crash, seconds):
+                    with lock:
+                        record(f"{os.path.relpath(module, ROOT)} [np={stage.size}]",
+                               log_path, outcomes, crash, seconds, stage.size)
 
-            run_shared(modules, size, python, log_path, done)
+                with open(log_path, "a") as log:
+                    run_shared(first, lambda: schedule.take(stage), stage.size, python,
+                               log, done)
+            finally:
+                schedule.job_ended(stage)
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            for future in [pool.submit(run_job, i, modules)
-                           for i, modules in enumerate(jobs)]:
-                future.result()
-
-    # one-process modules that may share the machine first: dealt into a few processes
-    # (or one each: --no-share, OWN_PROCESS), two processes at a time; then the rest
-    paired = [path for path, size in plan if not runs_alone(path, size)]
-    shareable = [] if args.no_share else [p for p in paired if not owns_process(p)]
-    run_jobs(deal(shareable, PAIRED_PROCESSES) + [[p] for p in paired if p not in shareable],
-             1, PAIRED_WORKERS)
-    shared = {}   # size: modules that share its jobs, run where the first of them is
-    for path, size in plan:
-        if size > 1 and not (args.no_share or owns_process(path)):
-            shared.setdefault(size, []).append(path)
-    for path, size in plan:
-        if size > 1 and path in shared.get(size, ()):
-            if path == shared[size][0]:
-                run_jobs(deal(shared[size], SHARED_JOBS), size, SHARED_JOBS)
-        elif runs_alone(path, size):
-            record(*run(path, size), size)
+    for stale in glob.glob(os.path.join(args.logs, "lane*.log")):
+        os.remove(stale)   # a lane's log collects its jobs of one size in this run
+    with concurrent.futures.ThreadPoolExecutor(max_workers=LANES) as pool:
+        for future in [pool.submit(lane, number) for number in range(LANES)]:
+            future.result()
     for label, detail in failures:
         print(f"\nFAIL {label}\n{detail}")
     # where the suite's time goes, so the slowest tests are the first ones trimmed

@@ -22,8 +22,9 @@ import unittest
 from tests.runner import ROOT, TEST_ENV, read_reports
 from tfhybrid.testing import cluster as cluster_lib
 
-# it starts multi-process jobs of its own: tests/runner.py runs it with the machine to itself
-RUN_ALONE = True
+# it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
+# modules only
+STARTS_JOBS = True
 
 # tests/runner.py: each job below is bounded by JOB_TIMEOUT_S, the module by this
 RUN_TIMEOUT_S = 1200

@@ -19,7 +19,8 @@
   the template holds no figure with a decimal point typed by hand, and every results path
   the page names exists. Integers are not checked (most are a workload's sizes).
 
-One process (it starts its own jobs, so it has the machine to itself).
+One process; it starts jobs of its own (`STARTS_JOBS`: the runner runs it beside one-process
+modules only).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-RUN_ALONE = True         # starts subprocesses and horovodrun jobs of its own
+STARTS_JOBS = True   # it starts subprocesses and horovodrun jobs of its own
 RUN_TIMEOUT_S = 1200     # the runner's limit for the whole module
 
 README_MAX_LINES = 250

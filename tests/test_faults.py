@@ -28,8 +28,9 @@ from tfhybrid.testing import faults
 from tfhybrid.train import app as train_app
 from tfhybrid.train import checkpoint
 
-# it starts multi-process jobs of its own: tests/runner.py runs it with the machine to itself
-RUN_ALONE = True
+# it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
+# modules only
+STARTS_JOBS = True
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable

@@ -462,7 +462,7 @@ class AdaptiveLayerTest(unittest.TestCase):
         try:
             tfhybrid.init(model_parallel=1)
             with self.assertRaisesRegex(ValueError, r"tables \['t'\] have dims='adaptive' "
-                                                    "\(FIITED\), which needs replica_sync="
+                                                    r"\(FIITED\), which needs replica_sync="
                                                     "'gradients'"):
                 tfhybrid.DistributedEmbedding([Embedding(10, 8, dims="adaptive", name="t")],
                                               replica_sync="weights")

@@ -37,8 +37,9 @@ import tensorflow as tf
 
 from tests.runner import TEST_ENV
 
-# it starts multi-process jobs of its own: tests/runner.py runs it with the machine to itself
-RUN_ALONE = True
+# it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
+# modules only
+STARTS_JOBS = True
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")

@@ -38,10 +38,12 @@ class RolesTest(tf.test.TestCase):
         # the registry does not keep the table alive
         self.assertIsNone(dead_table())
         self.assertIsNone(roles.role_of(pool).chunked_table)
-        before = roles.recorded()
+        # the pool's own entry leaves with it (a count of all entries would also move
+        # with whatever else a shared process frees meanwhile)
+        dead_role = weakref.ref(roles.role_of(pool))
         del pool
         gc.collect()
-        self.assertEqual(roles.recorded(), before - 1)
+        self.assertIsNone(dead_role())
 
     def test_gradients_can_be_marked_in_a_trace(self):
         @tf.function

@@ -1,49 +1,106 @@
-"""The test runner's own rules: how it deals one-process modules into shared processes
-and reads a module's declarations without importing it."""
+"""The test runner's own rules: what may run beside what, how lanes take jobs from the
+schedule, how a shared job learns its modules, and how a module's declarations are read
+without importing it."""
 
 import doctest
 import os
+import shutil
 import tempfile
+import threading
 import unittest
 
-from tests import runner
+from tests import _rank_main, runner
 
 
-class DealTest(unittest.TestCase):
+def _module(text: str) -> str:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(text)
+    return f.name
+
+
+class ScheduleTest(unittest.TestCase):
 
     def test_docstring_examples(self):
         self.assertEqual(doctest.testmod(runner).failed, 0)
 
-    def test_every_module_runs_once_and_no_process_is_empty(self):
-        paths = [f"m{i}" for i in range(11)]
-        size = {p: (i * 7) % 5 + 1 for i, p in enumerate(paths)}.get
-        for count in (1, 3, 8, 20):
-            dealt = runner.deal(paths, count, size=size)
-            self.assertEqual(sorted(p for chosen in dealt for p in chosen), sorted(paths))
-            self.assertEqual(len(dealt), min(count, len(paths)))
-            self.assertTrue(all(dealt))
-            # each process keeps the suite's order
-            self.assertTrue(all(chosen == sorted(chosen, key=paths.index)
-                                for chosen in dealt))
+    def test_two_lanes_run_every_module_once_and_never_a_forbidden_pair(self):
+        stages = [runner.Stage("starts_jobs", 1, ["app", "docs"], False),
+                  runner.Stage("one", 1, [f"o{i}" for i in range(7)], True),
+                  runner.Stage("ranks", 4, [f"r{i}" for i in range(5)], True),
+                  runner.Stage("ranks", 2, ["p0"], True)]
+        expected = sorted(m for stage in stages for m in stage.modules)
+        schedule = runner.Schedule(stages)
+        running, ran, pairs = [], [], []
+        lock = threading.Lock()
 
-    def test_the_largest_modules_go_to_different_processes(self):
-        dealt = runner.deal(["big1", "big2", "a", "b"], 2,
-                            size={"big1": 10, "big2": 10, "a": 1, "b": 1}.get)
-        self.assertEqual(sorted(map(sorted, dealt)), [["a", "big1"], ["b", "big2"]])
+        def lane():
+            while (job := schedule.next_job()) is not None:
+                stage, module = job
+                with lock:
+                    pairs.extend((stage.kind, other) for other in running)
+                    running.append(stage.kind)
+                while module is not None:
+                    with lock:
+                        ran.append(module)
+                    module = schedule.take(stage) if stage.shared else None
+                with lock:
+                    running.remove(stage.kind)
+                schedule.job_ended(stage)
+
+        lanes = [threading.Thread(target=lane) for _ in range(runner.LANES)]
+        for thread in lanes:
+            thread.start()
+        for thread in lanes:
+            thread.join(timeout=30)
+        self.assertFalse(any(thread.is_alive() for thread in lanes), "a lane is stuck")
+        self.assertEqual(sorted(ran), expected)
+        self.assertTrue(all(runner.may_run_beside(a, b) for a, b in pairs), pairs)
+
+    def test_stages_come_in_lane_order_the_longest_module_first(self):
+        long_one = _module("x = 1\n" * 50)
+        short_one = _module("x = 1\n")
+        starts = _module("STARTS_JOBS = True\n")
+        own = _module("OWN_PROCESS = True\n")
+        for path in (long_one, short_one, starts, own):
+            self.addCleanup(os.remove, path)
+        plan = [(short_one, 1), (long_one, 1), (own, 4), (short_one, 4), (long_one, 2),
+                (starts, 1)]
+        got = [(s.kind, s.size, s.modules, s.shared) for s in runner.stages(plan)]
+        self.assertEqual(got, [("starts_jobs", 1, [starts], False),
+                               ("one", 1, [long_one, short_one], True),
+                               ("ranks", 4, [short_one], True),
+                               ("ranks", 4, [own], False),
+                               ("ranks", 2, [long_one], True)])
+        unshared = runner.stages(plan, share=False)
+        self.assertFalse(any(stage.shared for stage in unshared))
+
+
+class SharedJobTest(unittest.TestCase):
+
+    def test_ranks_read_the_modules_the_runner_names_then_the_end(self):
+        job_dir = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, job_dir)
+        runner.name_next_module(job_dir, 0, "tests/test_mesh.py")
+        runner.name_next_module(job_dir, 1, None)
+        self.assertEqual(_rank_main.next_module(job_dir, 0), "tests/test_mesh.py")
+        self.assertIsNone(_rank_main.next_module(job_dir, 1))
+        self.assertEqual(sorted(os.listdir(job_dir)), ["next.0", "next.1"])
 
 
 class DeclarationsTest(unittest.TestCase):
 
     def test_declarations_are_read_without_importing(self):
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            # importing this module would fail: the runner must not import it
-            f.write("import no_such_module\nHOROVOD_NP = (2, 4)\nOWN_PROCESS = True\n")
-        self.addCleanup(os.remove, f.name)
-        self.assertEqual(runner.declared_sizes(f.name), (2, 4))
-        self.assertTrue(runner.owns_process(f.name))
-        self.assertTrue(runner.runs_alone(f.name, 2))
-        self.assertFalse(runner.runs_alone(f.name, 1))
-        self.assertEqual(runner.declared_timeout(f.name, 1), runner.SINGLE_TIMEOUT_S)
+        # importing this module would fail: the runner must not import it
+        path = _module("import no_such_module\nHOROVOD_NP = (2, 4)\nOWN_PROCESS = True\n")
+        self.addCleanup(os.remove, path)
+        self.assertEqual(runner.declared_sizes(path), (2, 4))
+        self.assertTrue(runner.owns_process(path))
+        self.assertEqual(runner.job_kind(path, 2), "ranks")
+        self.assertEqual(runner.job_kind(path, 1), "one")
+        self.assertEqual(runner.declared_timeout(path, 1), runner.SINGLE_TIMEOUT_S)
+        starts = _module("import no_such_module\nSTARTS_JOBS = True\n")
+        self.addCleanup(os.remove, starts)
+        self.assertEqual(runner.job_kind(starts, 1), "starts_jobs")
 
 
 if __name__ == "__main__":

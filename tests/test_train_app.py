@@ -20,8 +20,9 @@ import tensorflow as tf
 
 from tests.runner import TEST_ENV
 
-# it starts multi-process jobs of its own: tests/runner.py runs it with the machine to itself
-RUN_ALONE = True
+# it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
+# modules only
+STARTS_JOBS = True
 
 # The module starts several jobs of the app (most with 4 ranks on 2 cores): 559 s
 # measured on a slow day, past the runner's default limit of 480 s.

@@ -118,7 +118,3 @@ def assign(obj: Any, **facts: Any) -> Role:
         setattr(entry[1], name, value)
     return entry[1]
 
-
-def recorded() -> int:
-    """How many live objects have roles recorded (entries leave with their objects)."""
-    return len(_ROLES)
