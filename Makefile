@@ -1,6 +1,7 @@
 # The front door: `make test` and `make run` set themselves up on first use.
 # TF picks the stack: 2.21 (default, in .venv) or 2.15 (in .venv-tf2.15), e.g.
-# `make test TF=2.15`; SUBSET runs a named subset of the suite (tests/runner.py).
+# `make test TF=2.15`; SUBSET runs a named subset of the suite (tests/runner.py), and
+# KERAS=3 its Keras 3 run.
 TF ?= 2.21
 VENV := $(if $(filter 2.21,$(TF)),.venv,.venv-tf$(TF))
 PY := $(VENV)/bin/python
@@ -10,8 +11,10 @@ PY := $(VENV)/bin/python
 setup:
 	@TF=$(TF) VENV=$(VENV) bash scripts/setup.sh
 
+# KERAS=3 runs the modules written for both Kerases with Keras 3 as tf.keras
+KERAS ?= 2
 test: setup
-	@$(PY) -m tests.runner $(if $(SUBSET),--subset $(SUBSET))
+	@$(PY) -m tests.runner --keras $(KERAS) $(if $(SUBSET),--subset $(SUBSET))
 
 # The main job: a small DLRM on a 2x2 mesh (4 ranks sharing this machine's cores).
 # Tables with row-wise AdaGrad, dense layers with Adam: the pair that trained best here

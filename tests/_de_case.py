@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid.layers import Embedding
 
 LOCAL_BATCH = 3
@@ -60,7 +61,7 @@ def samples_of(x, start, stop):
 
 def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
              input_table_map=None, embedding_kwargs=None, use_dp_to_mp=False,
-             layer_factory=None, optimizer=tf.keras.optimizers.legacy.SGD,
+             layer_factory=None, optimizer=None,
              unknown_hotness=False, **layer_kwargs):
     """One forward and one SGD step; asserts outputs (1e-6) and tables (1e-5).
 
@@ -68,6 +69,9 @@ def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
     dimension of the ids unknown, as Keras traces ``fit`` over a Sequence.
     """
     input_table_map = input_table_map or list(range(len(table_sizes)))
+    # DE's scripts use Keras 2's legacy SGD; Keras 3 has one SGD
+    optimizer = optimizer or (tf.keras.optimizers.SGD if _tf_internals.KERAS_3
+                              else tf.keras.optimizers.legacy.SGD)
     make = layer_factory or (lambda: make_layers(table_sizes, combiner,
                                                  **(embedding_kwargs or {})))
     layer = tfhybrid.DistributedEmbedding(make(), input_table_map=input_table_map,

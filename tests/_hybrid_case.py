@@ -93,7 +93,8 @@ class Case:
         ids = []
         for f, x in enumerate(self.ids):
             if f not in self._bags:
-                ids.append(x[rows])
+                # tensors, as the ragged bags are: Keras 3 takes no mix of the two
+                ids.append(tf.constant(x[rows]))
                 continue
             values, lengths = self._bags[f]
             starts = np.concatenate([[0], np.cumsum(lengths)])[rows]
@@ -131,9 +132,7 @@ class Case:
         return inputs
 
     def _head(self, embedded):
-        joined = tf.concat([tf.cast(tf.reshape(e, [-1, t.dim]), tf.float32) if t.hotness == 0
-                            else tf.cast(e, tf.float32)
-                            for e, t in zip(embedded, self.tables)], axis=1)
+        joined = _Join([t.dim if t.hotness == 0 else None for t in self.tables])(embedded)
         hidden = tf.keras.layers.Dense(HIDDEN, activation="relu", name="hidden")(joined)
         return tf.keras.layers.Dense(1, name="logit", dtype="float32")(hidden)
 
@@ -172,6 +171,19 @@ class Case:
     def _set_dense(self, model):
         model.get_layer("hidden").set_weights(self.dense_values[:2])
         model.get_layer("logit").set_weights(self.dense_values[2:])
+
+
+class _Join(tf.keras.layers.Layer):
+    """The embeddings side by side in float32 (a layer: Keras 3 takes no TF op on its
+    symbolic inputs); ``[batch]`` ids' vectors come flattened to their width."""
+
+    def __init__(self, flatten_to, **kwargs):
+        super().__init__(**kwargs)
+        self.flatten_to = flatten_to
+
+    def call(self, embedded):
+        return tf.concat([tf.cast(e if dim is None else tf.reshape(e, [-1, dim]), tf.float32)
+                          for e, dim in zip(embedded, self.flatten_to)], axis=1)
 
 
 def concat_samples(parts):

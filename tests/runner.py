@@ -11,7 +11,11 @@ CPU, of TensorFlow and Horovod on four ranks about 10 s), unless the module sets
 or a module that overruns its time limit fails that module, and a new job goes on with
 the next one. The last line is ``N passed, N failed``.
 
-Usage: python -m tests.runner [-k SUBSTRING] [--subset NAME] [--list]
+A module runs under Keras 2 (tf-keras) unless it declares ``KERAS = (2, 3)``; ``--keras 3``
+runs those modules with Keras 3 as ``tf.keras`` (``TF_USE_LEGACY_KERAS=0``), as a user of
+TensorFlow >= 2.16 gets it by default.
+
+Usage: python -m tests.runner [-k SUBSTRING] [--subset NAME] [--keras 2|3] [--list]
 """
 
 from __future__ import annotations
@@ -35,10 +39,6 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# tfhybrid's import sets TF_USE_LEGACY_KERAS=1 where Keras 3 is installed; the ranks
-# inherit it, as from a user's job script that exports it, since test modules use
-# tf.keras before importing tfhybrid (test_keras_version checks the import without it)
-import tfhybrid  # noqa: E402,F401
 
 # Each rank gets one thread (2 cores shared by up to 4 ranks), and Horovod gives up on
 # a stalled collective quickly, so a broken test fails in about a minute, never hangs.
@@ -108,6 +108,26 @@ def declared_sizes(path: str) -> tuple[int, ...]:
     """The module's ``HOROVOD_NP`` (the rank counts to run it at), default (1,)."""
     sizes = _declared(path, "HOROVOD_NP")
     return (1,) if sizes is None else tuple(int(n) for n in sizes)
+
+
+def declared_kerases(path: str) -> tuple[int, ...]:
+    """The Keras major versions the module runs under (``KERAS = (2, 3)``), default
+    (2,): Keras 2 (tf-keras) is the suite's stack, Keras 3 a second run of the modules
+    written for both (``--keras 3``)."""
+    kerases = _declared(path, "KERAS")
+    return (2,) if kerases is None else tuple(int(k) for k in kerases)
+
+
+def keras_env(keras: int) -> dict[str, str]:
+    """The environment that makes TensorFlow's ``tf.keras`` Keras ``keras`` (TF reads
+    ``TF_USE_LEGACY_KERAS`` once, at its first use of ``tf.keras``).
+
+    >>> keras_env(3)
+    {'TF_USE_LEGACY_KERAS': '0'}
+    """
+    if keras not in (2, 3):
+        raise ValueError(f"keras={keras!r}; expected 2 or 3")
+    return {"TF_USE_LEGACY_KERAS": "1" if keras == 2 else "0"}
 
 
 def declared_timeout(path: str, size: int) -> int:
@@ -396,6 +416,9 @@ def main() -> int:
     parser.add_argument("-k", default="", help="only modules whose path contains this")
     parser.add_argument("--subset", choices=sorted(SUBSETS),
                         help="only the modules of this named subset")
+    parser.add_argument("--keras", type=int, choices=(2, 3), default=2,
+                        help="the Keras that tf.keras is (3: the modules that declare "
+                             "KERAS = (2, 3))")
     parser.add_argument("--list", action="store_true", help="list modules and sizes")
     parser.add_argument("--no-share", action="store_true",
                         help="every module in a process (multi-rank: a horovodrun job) of its own "
@@ -408,8 +431,10 @@ def main() -> int:
     unknown = sorted((chosen or set()) - {os.path.relpath(p, ROOT) for p in discover()})
     if unknown:
         parser.error(f"subset {args.subset!r} names modules that do not exist: {unknown}")
+    TEST_ENV.update(keras_env(args.keras))
     plan = [(path, size) for path in discover() if args.k in path
             and (chosen is None or os.path.relpath(path, ROOT) in chosen)
+            and args.keras in declared_kerases(path)
             for size in declared_sizes(path)]
     if args.list:
         for path, size in plan:

@@ -29,6 +29,7 @@ import horovod.tensorflow as hvd
 from tensorflow.python.ops import io_ops
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid.checkpoint import resharding
 from tfhybrid.checkpoint import slots as checkpoint_slots
 from tfhybrid import mesh as mesh_lib
@@ -38,6 +39,7 @@ from tfhybrid.testing import faults
 from tfhybrid.train import checkpoint
 
 HOROVOD_NP = (4,)
+KERAS = (2, 3)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL_BATCH = 16
@@ -48,11 +50,20 @@ TABLES = [("big", 300, 8), ("wide", 100, 8), ("mid", 60, 6), ("tiny", 20, 4)]
 THRESHOLDS = dict(data_parallel_threshold=100, row_slice_threshold=2000,
                   column_slice_threshold=600)
 TRAIN_STEPS = 3
-TABLE_KEY = "model/layer_with_weights-0/tables/.ATTRIBUTES/table_{}"
+# the layer's place in the model's object graph is Keras' (2: layer_with_weights-0,
+# 3: _operations/<k>); what tfhybrid names is from "tables" on
+TABLE_KEY = "tables/.ATTRIBUTES/table_{}"
 SLOT_KEY = "optimizer/tfhybrid_table_slots/layer_0/.ATTRIBUTES/table_{}_{}"
 
 
 # ---------------------------------------------------------------- helpers
+def _model_key(saved: dict, key: str) -> str:
+    """``key`` under the model's path to the layer, as Keras names it: the one saved
+    key of table 0 that ends in it."""
+    found = [k for k in saved if k.startswith("model/") and k.endswith(key.format(0))]
+    if len(found) != 1:
+        raise AssertionError(f"{len(found)} saved keys end in {key.format(0)!r}: {found}")
+    return found[0][:-len(key.format(0))] + key
 def build_model(mesh, tables=TABLES, hidden=(8,), **thresholds) -> tf.keras.Model:
     """ids of the tables -> DistributedEmbedding -> Dense(8) -> Dense(1)."""
     ids = [tf.keras.Input([HOTNESS], dtype=tf.int64, name=f"{name}_ids")
@@ -60,7 +71,7 @@ def build_model(mesh, tables=TABLES, hidden=(8,), **thresholds) -> tf.keras.Mode
     embedded = DistributedEmbedding(
         [Embedding(rows, dim, combiner="sum", name=name) for name, rows, dim in tables],
         mesh=mesh, **dict(THRESHOLDS, **thresholds))(ids)
-    x = tf.concat(embedded, axis=1)
+    x = tf.keras.layers.Concatenate(axis=1)(embedded)
     for units in hidden:
         x = tf.keras.layers.Dense(units, activation="relu")(x)
     return tf.keras.Model(ids, tf.keras.layers.Dense(1)(x))
@@ -293,15 +304,16 @@ class ReshardTest(tf.test.TestCase):
         self.assertEqual([t.kind for t in self.saved_plan.tables],
                          ["row_wise", "column_wise", "table_wise", "data_parallel"])
         saved = dict(tf.train.list_variables(self.path))
+        table_key = _model_key(saved, TABLE_KEY)
         for t, (_, rows, dim) in enumerate(TABLES):
-            self.assertEqual(saved[TABLE_KEY.format(t)], [rows, dim])
+            self.assertEqual(saved[table_key.format(t)], [rows, dim])
             # the row-wise accumulator is stored broadcast over the table's columns
             self.assertEqual(saved[SLOT_KEY.format(t, "accumulator")], [rows, dim])
         self.assertEqual([k for k in saved if "shard" in k or "distributed_embedding" in k],
                          [])
         reader = tf.train.load_checkpoint(self.path)
         for t, table in enumerate(self.saved["tables"]):
-            self.assertAllEqual(reader.get_tensor(TABLE_KEY.format(t)), table)
+            self.assertAllEqual(reader.get_tensor(table_key.format(t)), table)
         self.assertEqual(reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"),
                          TRAIN_STEPS)
         # one index, one data file per rank that wrote (replica 0: ranks 0 and 1), and
@@ -436,7 +448,9 @@ class FullShapeSlotTest(tf.test.TestCase):
                 self.assertAllEqual(got, want)
             restored = self._full_slots(embedding_of(model), optimizer)
             for (name, *_), got, want in zip(TABLES, restored, saved):
-                self.assertEqual(sorted(got), ["m", "v"])
+                # Adam's own slot names: Keras 2's and Keras 3's
+                self.assertEqual(sorted(got), ["momentum", "velocity"] if
+                                 _tf_internals.KERAS_3 else ["m", "v"])
                 for key in want:
                     self.assertFalse(np.isnan(got[key]).any())
                     self.assertAllEqual(got[key], want[key], msg=f"{name} {key}")
@@ -466,17 +480,26 @@ class SaveTogetherTest(tf.test.TestCase):
         super().tearDownClass()
 
     def test_ranks_saving_to_different_paths_raise(self):
-        path = os.path.join(self.directory, "per_rank", f"weights-{hvd.rank()}")
-        with self.assertRaisesRegex(ValueError, r"different paths: rank 0: .*weights-0', "
-                                                r"rank 1: .*weights-1'"):
+        # Keras 3 saves weights to .weights.h5 files, Keras 2 to checkpoint prefixes
+        path = os.path.join(self.directory, "per_rank", f"weights-{hvd.rank()}"
+                            + (".weights.h5" if _tf_internals.KERAS_3 else ""))
+        with self.assertRaisesRegex(ValueError, r"different paths: rank 0: .*weights-0[.a-z5]*', "
+                                                r"rank 1: .*weights-1"):
             self.model.save_weights(path)
         self.assertEqual(glob.glob(path + "*"), [])
-        # and then every rank saves to one path, from all ranks
+        # and then every rank saves to one path, from all ranks: Keras 2's checkpoint
+        # has a data file per writing rank, Keras 3's weights file is one file
         path = os.path.join(self.directory, "together", "weights")
-        self.model.save_weights(path)
-        self.assertEqual(sorted(os.path.basename(p) for p in glob.glob(path + "*")),
-                         ["weights.data-00000-of-00002", "weights.data-00001-of-00002",
-                          "weights.index"])
+        # Keras 3 writes into an existing folder, as h5py does
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if _tf_internals.KERAS_3:
+            self.model.save_weights(path + ".weights.h5")
+            expected = ["weights.weights.h5"]
+        else:
+            self.model.save_weights(path)
+            expected = ["weights.data-00000-of-00002", "weights.data-00001-of-00002",
+                        "weights.index"]
+        self.assertEqual(sorted(os.listdir(os.path.dirname(path))), expected)
 
 
 if __name__ == "__main__":

@@ -211,14 +211,18 @@ class Outcome:
     seconds: float
 
 
-def _run(block: Block, workdir: str) -> Outcome:
+def run_block(block: Block, workdir: str, legacy_keras: str | None = None) -> Outcome:
+    """Runs ``block`` as a reader would; ``legacy_keras`` is the reader's
+    TF_USE_LEGACY_KERAS (None: unset, what tfhybrid's import then chooses)."""
     script = os.path.join(workdir, _script_name(block))
     with open(script, "w", encoding="utf-8") as f:
         f.write(block.code)
     env = dict(os.environ, **BLOCK_ENV)
-    # as in a reader's shell: the runner's own `import tfhybrid` exported this, and a block
-    # that only works with it set (horovod imported before tfhybrid, say) must fail here
+    # as in a reader's shell: the runner exports it, and a block that only works with it
+    # set (horovod imported before tfhybrid, say) must fail here
     env.pop("TF_USE_LEGACY_KERAS", None)
+    if legacy_keras is not None:
+        env["TF_USE_LEGACY_KERAS"] = legacy_keras
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     command = [sys.executable, script]
     if block.ranks > 1:
@@ -242,7 +246,7 @@ def _run(block: Block, workdir: str) -> Outcome:
     return Outcome(code, stdout, stderr, time.time() - started)
 
 
-def _tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
+def tail(text: str, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
@@ -409,10 +413,10 @@ class DocsTest(unittest.TestCase):
         outcomes: dict[Block, Outcome] = {}
         # multi-rank blocks alone (their ranks share the cores), the rest two at a time
         for block in (b for b in runnable if b.ranks > 1):
-            outcomes[block] = _run(block, workdir)
+            outcomes[block] = run_block(block, workdir)
             self._log(block, outcomes[block])
         with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL_BLOCKS) as pool:
-            futures = {pool.submit(_run, b, workdir): b for b in runnable if b.ranks == 1}
+            futures = {pool.submit(run_block, b, workdir): b for b in runnable if b.ranks == 1}
             for future in concurrent.futures.as_completed(futures):
                 outcomes[futures[future]] = future.result()
                 self._log(futures[future], outcomes[futures[future]])
@@ -427,12 +431,12 @@ class DocsTest(unittest.TestCase):
                     f" (horovodrun -np {block.ranks})" if block.ranks > 1 else "")
                 if outcome.returncode is None:
                     self.fail(f"{where} ran over its {BLOCK_TIMEOUT_S} s limit\n--- stderr "
-                              f"tail ---\n{_with_doc_lines(_tail(outcome.stderr), block)}")
+                              f"tail ---\n{_with_doc_lines(tail(outcome.stderr), block)}")
                 self.assertEqual(outcome.returncode, 0,
                                  f"{where} failed with exit code {outcome.returncode}\n"
                                  f"--- stderr tail ---\n"
-                                 f"{_with_doc_lines(_tail(outcome.stderr), block)}\n"
-                                 f"--- stdout tail ---\n{_tail(outcome.stdout, 10)}")
+                                 f"{_with_doc_lines(tail(outcome.stderr), block)}\n"
+                                 f"--- stdout tail ---\n{tail(outcome.stdout, 10)}")
 
     def test_skipped_blocks(self):
         """Each block marked skip, reported as a skipped subtest with its reason (its own

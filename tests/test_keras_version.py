@@ -1,7 +1,8 @@
-"""tfhybrid runs on Keras 2 (tf-keras): its import selects it where Keras 3 is installed
-(TF >= 2.16 makes Keras 3 tf.keras by default), and a Keras 3 tf.keras fails at import
-with an error that says what to do. Each case runs in a fresh interpreter without
-TF_USE_LEGACY_KERAS, as a user's script would."""
+"""Which Keras tfhybrid runs with: Keras 2 (tf-keras) where nothing chose (its import
+sets TF_USE_LEGACY_KERAS=1 if unset), and Keras 3 where the user's process made Keras 3
+tf.keras (TF_USE_LEGACY_KERAS=0, or tf.keras used before tfhybrid was imported, as TF
+>= 2.16 does by default). Each case runs in a fresh interpreter, as a user's script
+would."""
 
 from __future__ import annotations
 
@@ -42,25 +43,42 @@ class KerasVersionTest(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertRegex(out.stdout, r"KERAS 2\.")
 
-    def test_keras_3_as_tf_keras_fails_at_import_naming_the_fix(self):
+    def test_keras_3_as_tf_keras_is_used_as_it_is(self):
         if not _keras_3_installed():
             self.skipTest("no Keras 3 installed (TF <= 2.15): tf.keras is always Keras 2")
-        used_first = "tf.keras was used before tfhybrid was imported"
-        for code, env, cause in (
+        fit = ("\nimport numpy as np\nimport tfhybrid\n"
+               "from tfhybrid.layers import DistributedEmbedding, Embedding\n"
+               "tfhybrid.init(model_parallel=1)\n"
+               "ids = tf.keras.Input([2], dtype=tf.int64)\n"
+               "emb = DistributedEmbedding([Embedding(50, 4, combiner='sum')])\n"
+               "model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(emb([ids])[0]))\n"
+               "model.compile(optimizer=tfhybrid.DistributedOptimizer("
+               "tf.keras.optimizers.SGD(0.1), embedding_optimizer="
+               "tfhybrid.optimizers.RowWiseAdagrad(0.1)), loss='mse')\n"
+               "history = model.fit(np.ones([8, 2], np.int64), np.ones([8, 1]), verbose=0)\n"
+               "print('LOSS', history.history['loss'][0])\n")
+        for code, env in (
                 # the user touched tf.keras (Keras 3) before importing tfhybrid
                 ("import tensorflow as tf\ntf.keras.layers.Dense\nimport tfhybrid.layers",
-                 {}, used_first),
+                 {}),
                 # horovod's TensorFlow module touches tf.keras as it loads
-                ("import horovod.tensorflow as hvd\nimport tfhybrid.layers", {}, used_first),
+                ("import horovod.tensorflow as hvd\nimport tensorflow as tf\n"
+                 "import tfhybrid.layers", {}),
                 # the user asked for Keras 3 explicitly
-                ("import tfhybrid.optimizers", {"TF_USE_LEGACY_KERAS": "0"},
-                 "install tf-keras==")):
-            out = _run(code, **env)
-            self.assertNotEqual(out.returncode, 0, code)
-            self.assertIn("ImportError: tfhybrid needs Keras 2 (tf-keras) as tf.keras, "
-                          "but tf.keras is Keras '3.", out.stderr)
-            self.assertIn(cause, out.stderr)
-            self.assertIn("export TF_USE_LEGACY_KERAS=1 before Python starts", out.stderr)
+                ("import tensorflow as tf\nimport tfhybrid.optimizers",
+                 {"TF_USE_LEGACY_KERAS": "0"})):
+            out = _run(code + fit + _PRINT_KERAS, **env)
+            self.assertEqual(out.returncode, 0, code + out.stderr[-3000:])
+            self.assertRegex(out.stdout, r"KERAS 3\.", code)
+            self.assertRegex(out.stdout, r"LOSS \d", code)
+
+    def test_another_keras_is_refused_naming_it(self):
+        out = _run("import sys, types\nimport tensorflow as tf\n"
+                   "tf.keras.__version__ = '4.0.0'\nimport tfhybrid.layers",
+                   TF_USE_LEGACY_KERAS="0")
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("tfhybrid runs with Keras 2 (tf-keras) or Keras 3 as tf.keras, but "
+                      "tf.keras is Keras '4.0.0'", out.stderr)
 
     def test_legacy_keras_from_the_environment_survives_horovod_first(self):
         out = _run("import horovod.tensorflow as hvd\nimport tfhybrid.layers\n" + _PRINT_KERAS,

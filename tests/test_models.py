@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
+from tfhybrid import _tf_internals as tfhybrid_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.train.models import (DCNv2, DLRM, DotInteraction, build_model,
                                    export_for_serving, serving_copy)
@@ -89,6 +90,23 @@ class ModelsTest(tf.test.TestCase):
             trained = model.embedding.get_weights()
             for t, table in enumerate(copy.embedding.tables):
                 self.assertAllEqual(table.get_weights()[0], trained[t])
+
+    def test_cross_layers_compute_what_tf_recommenders_does(self):
+        # TF Recommenders is the reference; it imports under Keras 2 only
+        if tfhybrid_internals.KERAS_3:
+            self.skipTest("tensorflow_recommenders refuses Keras 3 (its own import check)")
+        import tensorflow_recommenders as tfrs
+        from tfhybrid.train.models import Cross
+        rng = np.random.default_rng(2)
+        x0, x = (tf.constant(rng.normal(size=[6, 10]), tf.float32) for _ in range(2))
+        for projection_dim in (None, 3):
+            ours = Cross(projection_dim, seed=11)
+            theirs = tfrs.layers.dcn.Cross(
+                projection_dim=projection_dim,
+                kernel_initializer=tf.keras.initializers.GlorotUniform(11))
+            self.assertAllClose(ours(x0, x).numpy(), theirs(x0, x).numpy(), atol=0, rtol=0)
+            self.assertEqual([w.shape for w in ours.weights],
+                             [w.shape for w in theirs.weights])
 
     def test_bad_arguments_name_the_value(self):
         with self.assertRaisesRegex(ValueError, r"bottom_mlp_dims=\[8, 3\].*embedding_dim=4"):

@@ -102,6 +102,17 @@ class DeclarationsTest(unittest.TestCase):
         self.addCleanup(os.remove, starts)
         self.assertEqual(runner.job_kind(starts, 1), "starts_jobs")
 
+    def test_modules_run_under_keras_2_unless_they_declare_both(self):
+        both = _module("import no_such_module\nKERAS = (2, 3)\n")
+        self.addCleanup(os.remove, both)
+        plain = _module("import no_such_module\n")
+        self.addCleanup(os.remove, plain)
+        self.assertEqual(runner.declared_kerases(both), (2, 3))
+        self.assertEqual(runner.declared_kerases(plain), (2,))
+        self.assertEqual(runner.keras_env(2), {"TF_USE_LEGACY_KERAS": "1"})
+        with self.assertRaisesRegex(ValueError, "keras=4"):
+            runner.keras_env(4)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -32,10 +32,11 @@ def _keras_major() -> int | None:
         return None
 
 
-# tfhybrid's layers and optimizers are Keras 2 (tf-keras) objects. From TF 2.16 on,
-# tf.keras is Keras 3 unless TF_USE_LEGACY_KERAS is set before its first use (TF reads
-# it lazily, so this works after `import tensorflow` too). A user's explicit setting
-# wins; _tf_internals names the problem if Keras 3 ends up as tf.keras anyway.
+# tfhybrid runs with Keras 2 (tf-keras) or Keras 3 as tf.keras. From TF 2.16 on, tf.keras
+# is Keras 3 unless TF_USE_LEGACY_KERAS is set before its first use (TF reads it lazily,
+# so this works after `import tensorflow` too). Where the user has not chosen, Keras 2
+# stays, as scripts written for tf-keras and distributed-embeddings expect; a user's
+# setting (TF_USE_LEGACY_KERAS=0 for Keras 3), or tf.keras used before this import, wins.
 if (_keras_major() or 0) >= 3:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 

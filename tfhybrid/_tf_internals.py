@@ -3,15 +3,18 @@
 This is the only module of tfhybrid that imports ``tensorflow.python`` (or Keras'
 ``src``) and the only one that patches a TensorFlow or Keras class or instance. TF
 upgrades break exactly these places, so each switch names the versions it covers and
-why the private structure is read at all. Supported: TensorFlow 2.15 and 2.21 (with
-tf-keras of the same version); every hook checks that range when it is installed and
-refuses another version, naming it and the hook.
+why the private structure is read at all. Supported: TensorFlow 2.15 and 2.21, with
+tf-keras of the same version or (2.21) Keras 3 as ``tf.keras``: ``KERAS_MAJOR`` says
+which, and every difference between the two Kerases that tfhybrid meets is switched
+here (``OptimizerBase``, ``add_weight``, ``tf_variable``, slot names, ``built_for``)
+or in a store's variable access. Every hook checks the TF range when it is installed
+and refuses another version, naming it and the hook.
 
 Checkpoints hold tables and their slots under mesh-independent keys through TF's own
 extension points: ``_gather_saveables_for_checkpoint`` nodes (the layer's ``tables``,
 the optimizer's ``tfhybrid_table_slots``) and ``Trackable`` children that stand in for
-an optimizer's numbered lists. Four hooks remain, each where TF has no public one, each
-installed by an explicit, idempotent call, never by an import:
+an optimizer's numbered lists. Five hooks remain, each where TF or Keras has no public
+one, each installed by an explicit, idempotent call, never by an import:
 
 - ``install_saver_hook`` patches ``MultiDeviceSaver.save``: every Keras and TF save path
   ends there, and a save of sharded tables needs every rank to write its part of one
@@ -30,6 +33,11 @@ installed by an explicit, idempotent call, never by an import:
   holds waiting restorations back so the mesh-independent views get them. Installed
   when an optimizer is attached (``tfhybrid/checkpoint/slots.py``).
 
+- ``install_weights_file_hook`` (Keras 3) patches ``saving_lib.save_weights_only``: a
+  ``.weights.h5`` of sharded tables needs every rank's part and one writer
+  (``tfhybrid/checkpoint/weights_file.py``), and ``replace_own_variables`` gives an
+  optimizer the weights-file state that ``load_own_variables`` reads.
+
 and two read-only uses: autograph's module rules (``_skip_autograph``: tfhybrid is
 exempt from conversion, as TF and Keras exempt themselves; there is only a per-function
 decorator), and the queries ``in_xla_context`` and ``variable_accessed``. TF's legacy
@@ -44,11 +52,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
+import re
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.checkpoint import functional_saver
 from tensorflow.python.checkpoint import restore as restore_lib
@@ -72,32 +83,27 @@ TF_VERSION = _version(tf.__version__)
 HOOKS_WRITTEN_FOR = ((2, 15), (2, 21))
 
 
-def _require_keras_2() -> None:
-    """tfhybrid's layers, optimizers and callbacks are Keras 2 classes: with Keras 3
-    as ``tf.keras`` (TF >= 2.16 without ``TF_USE_LEGACY_KERAS=1``) they would fail far
-    from the cause, so fail here, naming it."""
+def _keras_major() -> int:
+    """The major version of the Keras that ``tf.keras`` is: 2 (tf-keras, or TF <= 2.15's
+    own) or 3. TF >= 2.16 picks Keras 3 unless ``TF_USE_LEGACY_KERAS`` is set before its
+    first use of ``tf.keras``; that choice is the user's. Any other Keras is refused here,
+    naming it, rather than failing far from the cause."""
     # tf.keras of TF <= 2.15 has no __version__; the package defining its Model has
     package = sys.modules[tf.keras.Model.__module__.split(".")[0]]
     version = getattr(tf.keras, "__version__", None) or getattr(package, "__version__", "")
-    if not version.startswith("2."):
-        if os.environ.get("TF_USE_LEGACY_KERAS") in ("1", "true", "True"):
-            # the variable is set (tfhybrid's import sets it), yet TF chose Keras 3: TF
-            # reads it once, and something used tf.keras first (horovod.tensorflow does)
-            cause = ("tf.keras was used before tfhybrid was imported (e.g. by `import "
-                     "horovod.tensorflow`), when TF_USE_LEGACY_KERAS was not yet set; "
-                     "export TF_USE_LEGACY_KERAS=1 before Python starts (horovodrun "
-                     "passes it on), or import tfhybrid first")
-        else:
-            cause = (f"install tf-keras=={tf.__version__} and export "
-                     "TF_USE_LEGACY_KERAS=1 before Python starts, or import tfhybrid "
-                     "before anything uses tf.keras (TF reads the variable once)")
+    major = version.split(".")[0]
+    if major not in ("2", "3"):
         raise ImportError(
-            f"tfhybrid needs Keras 2 (tf-keras) as tf.keras, but tf.keras is Keras "
-            f"{version!r} (TensorFlow {tf.__version__}): {cause}. TF_USE_LEGACY_KERAS "
-            f"is {os.environ.get('TF_USE_LEGACY_KERAS')!r}")
+            f"tfhybrid runs with Keras 2 (tf-keras) or Keras 3 as tf.keras, but tf.keras is "
+            f"Keras {version!r} (TensorFlow {tf.__version__}); TF_USE_LEGACY_KERAS is "
+            f"{os.environ.get('TF_USE_LEGACY_KERAS')!r}")
+    return int(major)
 
 
-_require_keras_2()
+# Which Keras tf.keras is: every difference between Keras 2 and 3 that tfhybrid meets is
+# switched on this, in this module or in a store's variable access.
+KERAS_MAJOR = _keras_major()
+KERAS_3 = KERAS_MAJOR == 3
 
 
 def _skip_autograph(package: str) -> None:
@@ -220,6 +226,88 @@ def variable_path(variable: Any) -> str:
     return variable._shared_name
 
 
+def add_weight(add: Callable[..., Any], *, autocast: bool = True, **kwargs: Any) -> Any:
+    """Calls a layer's ``add_weight`` (``add``) with keyword arguments; ``autocast=False``
+    keeps the weight's dtype under a mixed-precision policy. Keras 2 calls that argument
+    ``experimental_autocast``, Keras 3 ``autocast``."""
+    kwargs["autocast" if KERAS_3 else "experimental_autocast"] = autocast
+    return add(**kwargs)
+
+
+def tf_variable(variable: Any) -> Any:
+    """The ``tf.Variable`` that holds a weight's value. A Keras 3 weight is a
+    ``keras.Variable`` wrapping one (its ``.value`` would be cast under a mixed-precision
+    scope); a Keras 2 weight, like any ``tf.Variable``, is its own. Everything tfhybrid
+    does to a variable's storage (sparse reads, scatters, handles, identity) goes
+    through this."""
+    if KERAS_3 and isinstance(variable, tf.keras.Variable):
+        return variable._value
+    return variable
+
+
+def is_slot_of(slot: Any, variable: Any) -> str | None:
+    """The slot name ("m", "accumulator", ...) if ``slot`` is a new-style Keras
+    optimizer's slot of ``variable`` by Keras' naming rule, else None.
+
+    Keras 2 names a slot "<slot>/<variable path>" (Adam's "m/dense/kernel", with name
+    scopes in front when built inside ``apply_gradients``) and tfhybrid's row-wise
+    optimizers "<variable path>/accumulator"; Keras 3 names it "<variable path with _
+    for />_<slot>" (``add_variable_from_reference``).
+    """
+    if slot is variable:
+        return None
+    if KERAS_3:
+        prefix = _keras_3_slot_prefix(variable)
+        name = slot.name
+        return name[len(prefix):] or None if name.startswith(prefix) else None
+    shared = variable_path(variable)
+    name = slot.name.split(":")[0]
+    match = re.search(r"(^|/)" + re.escape(shared) + r"(/|:|$)", name)
+    if match is None:
+        return None
+    # "m/<var>" -> "m", "<var>/accumulator" -> "accumulator"; name scopes in front
+    # ("Adam/m/<var>" when built inside apply_gradients) are dropped; a variable that
+    # merely has the same name (plain tf.Variables are all "Variable") is no slot
+    suffix = name[match.end():].strip("/")
+    return suffix or name[:match.start()].strip("/").rsplit("/", 1)[-1] or None
+
+
+def state_name(optimizer: Any, variable: Any, slot: str) -> str:
+    """The name Keras would give ``optimizer``'s slot ``slot`` of ``variable`` (see
+    ``is_slot_of``), for a slot an optimizer makes itself."""
+    if KERAS_3:
+        return f"{_keras_3_slot_prefix(variable)}{slot}"
+    return f"{variable_path(variable)}/{slot}"
+
+
+def _keras_3_slot_prefix(variable: Any) -> str:
+    # Keras 3's add_variable_from_reference: a Keras weight by its path, anything else
+    # by its name
+    if hasattr(variable, "path"):
+        return f"{variable.path.replace('/', '_')}_"
+    return f"{str(variable.name).replace('/', '_').replace(':', '_')}_"
+
+
+@contextlib.contextmanager
+def real_variables() -> Iterator[None]:
+    """Makes the variables created inside real ones, now, also where Keras 3 builds a
+    layer symbolically. Keras 3 builds a subclassed model by tracing its ``call`` in a
+    scratch graph under a "stateless scope", where a weight's ``tf.Variable`` comes only
+    after the scope ends; a ``DistributedEmbedding`` records each weight's role at build
+    time, and its stores work on the ``tf.Variable`` itself (``tf_variable``)."""
+    if not KERAS_3:
+        yield
+        return
+    from keras.src.backend.common import global_state
+    stateless = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        with tf.init_scope():
+            yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", stateless)
+
+
 def layers_in(model: Any) -> list:
     """Every layer inside ``model``, nested ones too, each once, in Keras' order (what
     ``model.layers`` would list if it recursed)."""
@@ -238,7 +326,10 @@ def build_optimizer(optimizer: Any, variables: list) -> None:
 def built_for(optimizer: Any, variable: Any) -> bool:
     """Whether a (non-legacy) Keras ``optimizer`` was built with ``variable``: its slots
     are indexed by the variable's key."""
-    return optimizer._var_key(variable) in getattr(optimizer, "_index_dict", {})
+    # Keras 2 indexes slots in _index_dict, Keras 3 in _trainable_variables_indices
+    index = getattr(optimizer, "_trainable_variables_indices" if KERAS_3 else "_index_dict",
+                    {})
+    return optimizer._var_key(variable) in index
 
 
 def count_train_step(model: Any) -> Any:
@@ -265,9 +356,29 @@ def has_flat_call(concrete: Any) -> bool:
     return hasattr(concrete, "_call_flat")
 
 
+def tf_functions_in(function: Any) -> list:
+    """``function`` if it is a ``tf.function``, else the ``tf.function`` s it closes
+    over: Keras 3's ``model.train_function`` is a Python function around the
+    ``tf.function`` of its loop, which calls the one of a step."""
+    found, todo, seen = [], [function], set()
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if hasattr(current, "_list_all_concrete_functions"):
+            found.append(current)
+            continue
+        todo += [cell.cell_contents for cell in getattr(current, "__closure__", None) or ()
+                 if callable(cell.cell_contents)]
+    return found
+
+
 def traced_functions(function: Any) -> list:
-    """Every ``ConcreteFunction`` a ``tf.function`` has traced so far."""
-    return list(function._list_all_concrete_functions())
+    """Every ``ConcreteFunction`` a ``tf.function`` (or the ones ``tf_functions_in``
+    finds) has traced so far."""
+    return [concrete for inner in tf_functions_in(function)
+            for concrete in inner._list_all_concrete_functions()]
 
 
 def children_of(parent: Any) -> dict:
@@ -283,6 +394,90 @@ def child_named(parent: Any, name: str) -> Any:
 def waiting_children(parent: Any) -> list:
     """Names of ``parent``'s children that a checkpoint read before they existed."""
     return list(parent._deferred_dependencies)
+
+
+# ------------------------------------------------------------------ optimizer base
+class OptimizerBase(tf.keras.optimizers.Optimizer):
+    """``tf.keras.optimizers.Optimizer`` with the parts Keras 2 and Keras 3 name
+    differently behind one interface, for tfhybrid's own optimizers.
+
+    A subclass implements ``apply_step(gradient, variable, learning_rate)`` (Keras 2
+    calls ``update_step(gradient, variable)``, Keras 3 ``update_step(gradient, variable,
+    learning_rate)``), makes its state in ``build`` with ``add_state`` and finds it with
+    ``state_index``. ``jit_compile`` is Keras 2's (Keras 3 optimizers compile with the
+    model, so it is dropped there).
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid._tf_internals import OptimizerBase
+
+        class Halve(OptimizerBase):
+            def apply_step(self, gradient, variable, learning_rate):
+                variable.assign(variable / 2)
+
+        weight = tf.Variable([4.0])
+        Halve(0.1).apply_gradients([(tf.constant([1.0]), weight)])
+        assert weight.numpy()[0] == 2.0
+    """
+
+    def __init__(self, learning_rate: Any, name: str | None = None,
+                 jit_compile: bool = False, **kwargs: Any):
+        if KERAS_3:
+            super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        else:
+            super().__init__(name=name, jit_compile=jit_compile, **kwargs)
+            self._learning_rate = self._build_learning_rate(learning_rate)
+
+    def apply_step(self, gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        raise NotImplementedError
+
+    if KERAS_3:
+        def update_step(self, gradient, variable, learning_rate):
+            return self.apply_step(gradient, variable, learning_rate)
+    else:
+        def update_step(self, gradient, variable):
+            return self.apply_step(gradient, variable, self.learning_rate)
+
+    def state_index(self, variable: Any) -> int:
+        """The position of ``variable`` among the variables the optimizer was built with."""
+        if KERAS_3:
+            return self._get_variable_index(variable)
+        return self._index_dict[self._var_key(variable)]
+
+    def add_state(self, variable: Any, slot: str, shape: Any, dtype: Any,
+                  fill_value: float) -> Any:
+        """A new slot ``slot`` of ``variable`` of ``shape`` and ``dtype``, every entry
+        ``fill_value``, placed with ``variable`` and tracked (saved with the optimizer)."""
+        name = state_name(self, variable, slot)
+
+        def initial(shape=shape, dtype=dtype):
+            return tf.fill(shape, tf.constant(fill_value, dtype))
+
+        if KERAS_3:
+            return self.add_variable(shape=shape, dtype=dtype, name=name,
+                                     initializer=initial)
+        with tf.distribute.get_strategy().extended.colocate_vars_with(variable):
+            state = tf.Variable(initial(), name=name, dtype=dtype, trainable=False)
+        self._variables.append(state)
+        return state
+
+    def track_state(self, state: Any) -> None:
+        """Saves ``state`` (a variable made elsewhere) with the optimizer's variables."""
+        if KERAS_3:
+            self._track_variable(state)
+        else:
+            self._variables.append(state)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        if not KERAS_3:
+            # Keras 3's base writes it; Keras 2's returns a numpy float32 for a variable,
+            # and a Python float is JSON-friendly
+            value = self._serialize_hyperparameter(self._learning_rate)
+            config["learning_rate"] = (float(value) if isinstance(value, (float, np.floating))
+                                       else value)
+        return config
 
 
 # ------------------------------------------------------------------ hooks
@@ -354,9 +549,12 @@ def restoring_path() -> str | None:
 
 # checks that run before a Keras optimizer makes a slot, in the order installed
 _SLOT_GUARDS: list[Callable[[Any, Any, Any], None]] = []
-# the slot factories of the new and the legacy Keras optimizers
-_SLOT_FACTORIES = ((lambda: tf.keras.optimizers.Optimizer, "add_variable_from_reference"),
-                   (lambda: tf.keras.optimizers.legacy.Optimizer, "add_slot"))
+# the slot factories of the Keras optimizers: Keras 2's new and legacy ones; Keras 3 has
+# one kind (its ``optimizers.legacy`` names stubs that refuse to be built)
+_SLOT_FACTORIES = (((lambda: tf.keras.optimizers.Optimizer, "add_variable_from_reference"),)
+                   if KERAS_3 else
+                   ((lambda: tf.keras.optimizers.Optimizer, "add_variable_from_reference"),
+                    (lambda: tf.keras.optimizers.legacy.Optimizer, "add_slot")))
 
 
 def install_slot_guard(check: Callable[[Any, Any, Any], None]) -> None:
@@ -374,10 +572,13 @@ def install_slot_guard(check: Callable[[Any, Any, Any], None]) -> None:
 def _guarded_slots(create: Callable) -> Callable:
     """``create`` (an optimizer's slot factory) behind the installed guards."""
     def create_slot(self, *args, **kwargs):
-        # new optimizers: (model_variable, variable_name); legacy ones: (var, slot_name)
-        variable = args[0] if args else kwargs.get("model_variable", kwargs.get("var"))
-        slot_name = args[1] if len(args) > 1 else kwargs.get(
-            "variable_name", kwargs.get("slot_name"))
+        # Keras 2's new optimizers: (model_variable, variable_name); its legacy ones:
+        # (var, slot_name); Keras 3: (reference_variable, name)
+        variable = args[0] if args else next(
+            (kwargs[k] for k in ("model_variable", "var", "reference_variable")
+             if k in kwargs), None)
+        slot_name = args[1] if len(args) > 1 else next(
+            (kwargs[k] for k in ("variable_name", "slot_name", "name") if k in kwargs), None)
         for check in _SLOT_GUARDS:
             check(self, variable, slot_name)
         return create(self, *args, **kwargs)
@@ -408,13 +609,16 @@ def install_build_hook(optimizer: Any, after_build: Callable[[], None]) -> None:
     def build(*args, **kwargs):
         waiting = dict(optimizer._deferred_dependencies)
         optimizer._deferred_dependencies.clear()
-        try:
-            return own_build(*args, **kwargs)
-        finally:
-            for name, positions in waiting.items():
-                optimizer._deferred_dependencies.setdefault(name, []).extend(positions)
-            for callback in callbacks:
-                callback()
+        # Keras 2 builds under tf.init_scope; Keras 3 inside the traced step, where the
+        # restorations below would become ops of every step instead of running once
+        with tf.init_scope():
+            try:
+                return own_build(*args, **kwargs)
+            finally:
+                for name, positions in waiting.items():
+                    optimizer._deferred_dependencies.setdefault(name, []).extend(positions)
+                for callback in callbacks:
+                    callback()
 
     setattr(build, _HOOK_MARK, callbacks)
     # an instance attribute, past Keras' __setattr__, which would track it
@@ -436,6 +640,37 @@ def wrap_apply_gradients(optimizer: Any, apply: Callable[..., Any]) -> None:
     setattr(apply_gradients, _HOOK_MARK, True)
     # an instance attribute, past Keras' __setattr__, which would track it
     object.__setattr__(optimizer, "apply_gradients", apply_gradients)
+
+
+def install_weights_file_hook(save: Callable[..., Any]) -> None:
+    """Makes Keras 3's ``model.save_weights`` call ``save(model, filepath, original,
+    *args, **kwargs)`` in place of ``saving_lib.save_weights_only`` (``original``):
+    Keras 3 writes a weights file from every process that saves, and a file of sharded
+    tables needs every rank's part but one writer. Idempotent; one callback."""
+    _check_version("Keras 3 save_weights_only")
+    from keras.src.saving import saving_lib
+    current = saving_lib.save_weights_only
+    installed = getattr(current, _HOOK_MARK, None)
+    if installed is save:
+        return
+    if installed is not None:
+        raise RuntimeError("save_weights_only is hooked already, by another callback")
+
+    def save_weights_only(model, filepath, *args, **kwargs):
+        return save(model, filepath, current, *args, **kwargs)
+
+    setattr(save_weights_only, _HOOK_MARK, save)
+    saving_lib.save_weights_only = save_weights_only
+
+
+def replace_own_variables(obj: Any, save: Callable[[Any], None],
+                          load: Callable[[Any], None]) -> None:
+    """Makes Keras 3's weights files ask ``save(store)`` / ``load(store)`` for ``obj``'s
+    state (an optimizer whose class is the user's), in place of its own
+    ``save_own_variables`` / ``load_own_variables``."""
+    # instance attributes, past Keras' __setattr__, which would track them
+    object.__setattr__(obj, "save_own_variables", save)
+    object.__setattr__(obj, "load_own_variables", load)
 
 
 def restore_waiting_child(parent: Any, name: str, child: Any) -> None:

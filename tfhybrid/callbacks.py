@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfhybrid import _tf_internals  # first: checks tf.keras is Keras 2
+from tfhybrid import _tf_internals  # first: checks which Keras tf.keras is
 from tfhybrid import collectives
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
@@ -43,7 +43,7 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
 
     def register_local_var(self, var: tf.Variable) -> None:
         """Keeps ``var`` out of the broadcast (Horovod's worker-local variables)."""
-        self._local_vars.add(var.ref())
+        self._local_vars.add(_tf_internals.tf_variable(var).ref())
 
     def _broadcast(self) -> None:
         """The one rule: model variables, then optimizer variables, once."""
@@ -53,7 +53,8 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         if not model_variables:
             return  # nothing built yet: try again after the next batch
         variables = [v for v in model_variables + distributed.optimizer_variables(
-            getattr(self.model, "optimizer", None)) if v.ref() not in self._local_vars]
+            getattr(self.model, "optimizer", None))
+            if _tf_internals.tf_variable(v).ref() not in self._local_vars]
         with tf.device(self.device):
             distributed.broadcast_variables(variables, self.root_rank,
                                             self._mesh or mesh_lib.current_mesh())

@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
 from tfhybrid.plan.traffic import sync_is_sparse
 
 
@@ -155,6 +156,7 @@ class GradientThresholder:
         self._staged: list[tuple[tf.Variable, tf.Tensor, tf.Variable, tf.Tensor]] = []
 
     def _state(self, variable: tf.Variable) -> tuple[tf.Variable, tf.Variable]:
+        variable = _tf_internals.tf_variable(variable)
         key = variable.ref()
         if key not in self._residuals:
             base = variable.name.split(":")[0].replace("/", "_")

@@ -1,4 +1,4 @@
-"""Row-wise AdaGrad optimizers for embedding tables (Keras 2.15 ``Optimizer`` API).
+"""Row-wise AdaGrad optimizers for embedding tables (Keras 2 and Keras 3 ``Optimizer``).
 
 Public API::
 
@@ -7,7 +7,8 @@ Public API::
                    jit_compile=False, **kwargs)
     MomentumScaledRowWiseAdagrad(..., momentum_scale=None, ...)
 
-Both subclass the *new* ``tf.keras.optimizers.Optimizer`` (not the legacy one). The sparse
+Both subclass the *new* ``tf.keras.optimizers.Optimizer`` (not Keras 2's legacy one),
+through ``_tf_internals.OptimizerBase``, which names what Keras 2 and 3 call differently. The sparse
 update is :func:`tfhybrid.custom_ops.rowwise_adagrad_apply` (FBGEMM
 ``EXACT_ROWWISE_ADAGRAD``), which runs a fused C++ kernel on CPU when the custom-op library
 is available and a pure-TF fallback otherwise.
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import _tf_internals  # first: checks tf.keras is Keras 2
+from tfhybrid import _tf_internals  # first: checks which Keras tf.keras is
 from tfhybrid import fiited
 from tfhybrid import roles
 from tfhybrid import tiers
@@ -69,7 +70,7 @@ def _check_momentum_scale(value: Any, what: str = "momentum_scale") -> float:
 
 
 @tf.keras.utils.register_keras_serializable(package="tfhybrid")
-class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
+class RowWiseAdagrad(_tf_internals.OptimizerBase):
     """Exact row-wise AdaGrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``) for embedding tables.
 
     For every 2-D variable ``w`` of shape ``[rows, d]`` the optimizer keeps ONE float32
@@ -138,8 +139,8 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
             raise ValueError(f"use_custom_op must be None, True or False, got {use_custom_op!r}")
         # weight_decay=None keeps the base class from decaying every row of every variable
         # in apply_gradients(); our decay runs inside update_step on touched rows only.
-        super().__init__(name=name, weight_decay=None, jit_compile=jit_compile, **kwargs)
-        self._learning_rate = self._build_learning_rate(learning_rate)
+        super().__init__(learning_rate, name=name, weight_decay=None,
+                         jit_compile=jit_compile, **kwargs)
         self.initial_accumulator_value = initial_accumulator_value
         self.epsilon = epsilon
         self.rowwise_weight_decay = weight_decay
@@ -148,31 +149,28 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
     # ------------------------------------------------------------------ state
     def build(self, var_list):
         """Creates one accumulator per variable (per row for 2-D variables)."""
-        super().build(var_list)
-        if getattr(self, "_built", False):
+        if getattr(self, "_accumulators", None) is not None:
             return
-        self._built = True
-        self._accumulators = []
-        for var in var_list:
-            self._accumulators.append(self._add_accumulator(var))
+        super().build(var_list)
+        self._accumulators = [self._add_accumulator(var) for var in var_list]
 
     def accumulator_of(self, variable: tf.Variable) -> tf.Variable:
         """The squared-gradient accumulator of ``variable`` (one value per row of a 2-D
         variable; for a FIITED pool or a tiered cache, the one its table keeps)."""
-        return self._accumulators[self._index_dict[self._var_key(variable)]]
+        return self._accumulators[self.state_index(variable)]
 
     def _add_accumulator(self, var: tf.Variable) -> tf.Variable:
         table = fiited.table_of(var)
         if table is not None:
             # a FIITED pool: its rows' accumulators live with the table, one per logical row
-            # whatever the pool's chunks do; listed here so the optimizer saves them too
-            self._variables.append(table.accumulator)
+            # whatever the pool's chunks do; tracked here so the optimizer saves them too
+            self.track_state(table.accumulator)
             return table.accumulator
         cached = tiers.table_of(var)
         if cached is not None:
             # a tiered table's cache: each slot's accumulator moves with the slot's row
             # between the cache and the store, so the table keeps it
-            self._variables.append(cached.cache_accumulator)
+            self.track_state(cached.cache_accumulator)
             return cached.cache_accumulator
         if var.shape.rank == 2:
             shape = [var.shape[0] if var.shape[0] is not None else tf.shape(var)[0]]
@@ -181,17 +179,8 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
         # float32 state even for float16/bfloat16 variables: accumulated squares overflow
         # and lose precision in half types (float64 variables keep float64).
         dtype = tf.float64 if var.dtype == tf.float64 else tf.float32
-        initial = tf.fill(shape, tf.constant(self.initial_accumulator_value, dtype))
-        # Same placement rule as Optimizer.add_variable_from_reference (colocated with the
-        # model variable under a tf.distribute strategy), but with our own shape/dtype and
-        # the "<var>/accumulator" name. Appending to self._variables makes it show up in
-        # optimizer.variables and be checkpointed with the optimizer.
-        strategy = tf.distribute.get_strategy()
-        with strategy.extended.colocate_vars_with(var):
-            acc = tf.Variable(initial, name=f"{_tf_internals.variable_path(var)}/{ROW_STATE_SLOT}",
-                              dtype=dtype, trainable=False)
-        self._variables.append(acc)
-        return acc
+        return self.add_state(var, ROW_STATE_SLOT, shape, dtype,
+                              self.initial_accumulator_value)
 
     # ----------------------------------------------------------- base hooks
     def _deduplicate_sparse_grad(self, grads):
@@ -210,10 +199,11 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
         return 1.0
 
     # ---------------------------------------------------------------- update
-    def update_step(self, gradient, variable):
+    def apply_step(self, gradient, variable, learning_rate):
         """Applies one row-wise (2-D) or element-wise (other ranks) AdaGrad step."""
-        accumulator = self.accumulator_of(variable)
-        lr = tf.cast(self.learning_rate, tf.float32)
+        variable = _tf_internals.tf_variable(variable)
+        accumulator = _tf_internals.tf_variable(self.accumulator_of(variable))
+        lr = tf.cast(learning_rate, tf.float32)
         scale = self._momentum_scale(variable)  # Python float, fixed at trace time
         wd = self.rowwise_weight_decay if self._use_weight_decay(variable) else 0.0
         table = fiited.table_of(variable)
@@ -280,18 +270,12 @@ class RowWiseAdagrad(tf.keras.optimizers.Optimizer):
     def get_config(self) -> dict:
         config = super().get_config()
         config.update({
-            "learning_rate": self._serialize_learning_rate(),
             "initial_accumulator_value": self.initial_accumulator_value,
             "epsilon": self.epsilon,
             "weight_decay": self.rowwise_weight_decay,
             "use_custom_op": self.use_custom_op,
         })
         return config
-
-    def _serialize_learning_rate(self) -> Any:
-        value = self._serialize_hyperparameter(self._learning_rate)
-        # The base returns a numpy float32 for variables; a Python float is JSON-friendly.
-        return float(value) if _is_real_number(value) else value
 
 
 @tf.keras.utils.register_keras_serializable(package="tfhybrid")

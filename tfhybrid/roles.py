@@ -7,7 +7,9 @@ weight syncs, optimizers and checkpoints ask :func:`role_of` instead of reading 
 stuck on TensorFlow objects, so the facts have one writer, one reader API, and a Keras 3
 variable can take a ``tf.Variable``'s place.
 
-Entries are keyed by object identity and dropped when the object is collected.
+Entries are keyed by object identity and dropped when the object is collected. A Keras 3
+weight and the ``tf.Variable`` inside it (``_tf_internals.tf_variable``) share one entry:
+Keras 3 hands optimizers the inner variable.
 
 Example::
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from typing import Any
+
+from tfhybrid import _tf_internals
 
 
 @dataclasses.dataclass
@@ -90,6 +94,7 @@ def _forget(key: int, ref: weakref.ref) -> None:
 
 def role_of(obj: Any) -> Role:
     """The facts recorded for ``obj`` (a fresh default ``Role()`` when none are)."""
+    obj = _tf_internals.tf_variable(obj)
     entry = _ROLES.get(id(obj))
     if entry is None or entry[0]() is not obj:
         return Role()
@@ -108,6 +113,7 @@ def assign(obj: Any, **facts: Any) -> Role:
     if unknown:
         raise ValueError(f"unknown role facts {unknown}; expected fields of "
                          f"tfhybrid.roles.Role")
+    obj = _tf_internals.tf_variable(obj)
     key = id(obj)
     entry = _ROLES.get(key)
     if entry is None or entry[0]() is not obj:

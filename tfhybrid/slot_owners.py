@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
+from tfhybrid import _tf_internals  # noqa: F401 - first: checks which Keras tf.keras is
 from tfhybrid import roles
 
 def mark_embedding(variable: tf.Variable) -> None:

@@ -75,12 +75,14 @@ def variable_piece(rect: resharding.Rect, variable: tf.Variable) -> Piece:
         # a tiered shard's variable is its cache: the piece is the whole shard, in row
         # order, from its file and cache
         return Piece(rect, tf.float32, "/cpu:0", cached.whole, cached.assign_whole)
+    variable = _tf_internals.tf_variable(variable)
     return Piece(rect, variable.dtype, variable.device, variable.read_value,
                  lambda value: _write_rows(variable, value))
 
 
 def slot_piece(rect: resharding.Rect, slot: tf.Variable) -> Piece:
     """A slot as a rectangle of its table: row-wise slots broadcast over the columns."""
+    slot = _tf_internals.tf_variable(slot)
     cached = tiers.accumulator_table_of(slot)
     if cached is None and resharding.slot_layout(slot.shape.as_list(), rect) == "full":
         return variable_piece(rect, slot)

@@ -21,7 +21,6 @@ objects, before the first step uses them.
 
 from __future__ import annotations
 
-import re
 import weakref
 from typing import Any
 
@@ -43,7 +42,7 @@ _STATES: "weakref.WeakKeyDictionary[Any, _OptimizerState]" = weakref.WeakKeyDict
 
 
 # ----------------------------------------------------------- optimizer slots
-def _variables_of(optimizer: Any) -> list:
+def variables_of(optimizer: Any) -> list:
     # new Keras optimizers: a (callable) list property; legacy ones: a method
     found = optimizer.variables
     return list(found() if callable(found) and not isinstance(found, list) else found)
@@ -61,7 +60,7 @@ def slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
         # the table holds
         state = chunked.accumulator if chunked is not None else cached.cache_accumulator
         return ({ROW_STATE_SLOT: state}
-                if any(v is state for v in _variables_of(owner)) else {})
+                if any(v is state for v in variables_of(owner)) else {})
     if hasattr(owner, "get_slot_names"):   # legacy Keras optimizers
         slots = {}
         for name in owner.get_slot_names():
@@ -74,18 +73,11 @@ def slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
     # would take another model's layer of the same name for this one)
     if not _tf_internals.built_for(owner, variable):
         return {}
-    shared = _tf_internals.variable_path(variable)
-    pattern = re.compile(r"(^|/)" + re.escape(shared) + r"(/|:|$)")
     slots = {}
-    for slot in _variables_of(owner):
-        name = slot.name.split(":")[0]
-        match = pattern.search(name)
-        if slot is variable or match is None:
+    for slot in variables_of(owner):
+        slot_name = _tf_internals.is_slot_of(slot, variable)
+        if slot_name is None:
             continue
-        # "m/<var>" -> "m", "<var>/accumulator" -> "accumulator"; name scopes in front
-        # ("Adam/m/<var>" when built inside apply_gradients) are dropped
-        suffix = name[match.end():].strip("/")
-        slot_name = suffix or name[:match.start()].strip("/").rsplit("/", 1)[-1]
         if slot_name in slots:
             raise ValueError(f"optimizer {type(owner).__name__} has two slots named "
                              f"{slot_name!r} for variable {variable.name!r}")
@@ -104,36 +96,42 @@ class _LayerSlots(_tf_internals.Trackable):
         optimizer, layer = self._optimizer(), self._layer()
         if optimizer is None or layer is None:
             return {}
-        # the anchor is on every rank, so its slot names are the same everywhere even
-        # where a rank holds no shard of a table
-        names = sorted(slots_of(optimizer, layer.anchor))
-        factories = {}
-        for t, (table, held) in enumerate(zip(layer.table_specs, pieces.layer_pieces(layer))):
-            # a FIITED pool's or tiered table's only state is its rows' accumulator
-            # (slots_of): a momentum-free SGD's "m", which carries nothing from step to
-            # step, has no place there. Every rank knows which tables these are.
-            table_names = ([n for n in names if n == ROW_STATE_SLOT]
-                           if table.chunks or table.cache_rows else names)
-            per_slot: dict[str, list[pieces.Piece]] = {name: [] for name in table_names}
-            # a FIITED table's row-wise slot is saved per chunk column (its column
-            # slices hold whole chunks), not broadcast over every column
-            full_shape = (table.rows, table.chunks) if table.chunks else (table.rows,
-                                                                            table.dim)
-            for rect, var in held:
-                if table.chunks:
-                    rect = pieces.in_chunks(table, rect)
-                slots = slots_of(optimizer, var)
-                if sorted(slots) != table_names:
-                    raise ValueError(
-                        f"the optimizer gives table {table.name!r} of layer "
-                        f"{layer.name!r} the slots {sorted(slots)} but tfhybrid saves "
-                        f"{table_names} for it (the layer's anchor has {names})")
-                for name, slot in slots.items():
-                    per_slot[name].append(pieces.slot_piece(rect, slot))
-            for name, slot_pieces in per_slot.items():
-                factories[f"table_{t}_{name}"] = pieces.full_tensor_factory(full_shape,
-                                                                            slot_pieces)
-        return factories
+        return {key: pieces.full_tensor_factory(full_shape, held)
+                for key, (_, full_shape, held) in layer_slot_pieces(optimizer, layer).items()}
+
+
+def layer_slot_pieces(optimizer: Any, layer: Any) -> dict[str, tuple[int, tuple, list]]:
+    """``table_<t>_<slot>`` -> (t, the slot's full shape, the pieces this rank holds) of
+    every table slot of ``layer`` in ``optimizer``: what checkpoints and weights files
+    hold of them."""
+    # the anchor is on every rank, so its slot names are the same everywhere even
+    # where a rank holds no shard of a table
+    names = sorted(slots_of(optimizer, layer.anchor))
+    found = {}
+    for t, (table, held) in enumerate(zip(layer.table_specs, pieces.layer_pieces(layer))):
+        # a FIITED pool's or tiered table's only state is its rows' accumulator
+        # (slots_of): a momentum-free SGD's "m", which carries nothing from step to
+        # step, has no place there. Every rank knows which tables these are.
+        table_names = ([n for n in names if n == ROW_STATE_SLOT]
+                       if table.chunks or table.cache_rows else names)
+        per_slot: dict[str, list[pieces.Piece]] = {name: [] for name in table_names}
+        # a FIITED table's row-wise slot is saved per chunk column (its column
+        # slices hold whole chunks), not broadcast over every column
+        full_shape = (table.rows, table.chunks) if table.chunks else (table.rows, table.dim)
+        for rect, var in held:
+            if table.chunks:
+                rect = pieces.in_chunks(table, rect)
+            slots = slots_of(optimizer, var)
+            if sorted(slots) != table_names:
+                raise ValueError(
+                    f"the optimizer gives table {table.name!r} of layer "
+                    f"{layer.name!r} the slots {sorted(slots)} but tfhybrid saves "
+                    f"{table_names} for it (the layer's anchor has {names})")
+            for name, slot in slots.items():
+                per_slot[name].append(pieces.slot_piece(rect, slot))
+        for name, slot_pieces in per_slot.items():
+            found[f"table_{t}_{name}"] = (t, full_shape, slot_pieces)
+    return found
 
 
 class _DerivedChildren(_tf_internals.Trackable):
@@ -150,7 +148,7 @@ class _DerivedChildren(_tf_internals.Trackable):
 
 
 class _WithoutTableSlots(_DerivedChildren):
-    """An optimizer's tracked list, minus the slots of tables, numbered as a list.
+    """An optimizer's tracked list, minus the tables and their slots, numbered as a list.
 
     It stands in for the list in checkpoints: the other entries (iterations, the slots
     of dense variables) keep positions that are the same on every mesh.
@@ -161,8 +159,10 @@ class _WithoutTableSlots(_DerivedChildren):
         self.source = source
 
     def entries(self) -> list:
-        table_slots = self._state.table_slot_ids()
-        return [v for v in self.source if id(v) not in table_slots]
+        # Keras 3 also tracks the variables it trains (``_trainable_variables``), whose
+        # shards are mesh-dependent too; the layer's checkpoint holds them
+        left_out = self._state.table_slot_ids() | self._state.table_variable_ids()
+        return [v for v in self.source if id(v) not in left_out]
 
     def _trackable_children(self, save_type=_tf_internals.SaveType.CHECKPOINT, **kwargs):
         return {str(i): v for i, v in enumerate(self.entries())}
@@ -226,7 +226,7 @@ class _OptimizerState:
             slots = list(slots_of(optimizer, layer.anchor).values())
             if slots:
                 owner = slot_owners.slot_owner(optimizer, layer.anchor)
-                position = next(i for i, v in enumerate(_variables_of(owner))
+                position = next(i for i, v in enumerate(variables_of(owner))
                                 if v is slots[0])
                 order.append((position, id(layer), layer))
         return [layer for _, _, layer in sorted(order)]
@@ -238,6 +238,11 @@ class _OptimizerState:
             for var in layer.weights:
                 ids.update(id(s) for s in slots_of(optimizer, var).values())
         return ids
+
+    def table_variable_ids(self) -> set[int]:
+        """The layers' own variables (shards, replicated tables, anchors), which an
+        optimizer may track too."""
+        return {id(v) for layer in tables.built_layers() for v in layer.weights}
 
     def install_views(self) -> None:
         """Puts a view in place of each list the optimizers track (Keras re-assigns
@@ -258,7 +263,7 @@ class _OptimizerState:
 
     def after_build(self) -> None:
         """Slots exist now: re-place the views, then restore what waited for them."""
-        counts = tuple(len(_variables_of(m)) for m in self.members())
+        counts = tuple(len(variables_of(m)) for m in self.members())
         if counts == self._built_counts:
             return
         self._built_counts = counts
@@ -271,6 +276,16 @@ class _OptimizerState:
         for view in self._views.values():
             view.restore_deferred()
         self.slots_node.restore_deferred()
+
+
+def state_of(optimizer: Any) -> "_OptimizerState":
+    """What ``attach_optimizer`` keeps for ``optimizer`` (its members, the layers whose
+    table slots it holds); ValueError for an optimizer it was not given."""
+    if optimizer not in _STATES:
+        raise ValueError(f"optimizer {optimizer!r} is not attached: wrap it in "
+                         "tfhybrid.DistributedOptimizer (or give it to a "
+                         "DistributedGradientTape)")
+    return _STATES[optimizer]
 
 
 def attach_optimizer(optimizer: Any) -> None:

@@ -138,12 +138,7 @@ def _write_together(mesh: mesh_lib.Mesh, prefix: str, entries: list) -> None:
     joined = _exchange(mesh, "tfhybrid_checkpoint_join", {
         "prefix": prefix, "token": secrets.token_hex(6) if mesh.rank == 0 else "",
         "pieces": pieces}, timeout=_join_seconds(), prefix=prefix)
-    prefixes = sorted({r["prefix"] for r in joined})
-    if len(prefixes) > 1:
-        raise ValueError(
-            "the ranks save one checkpoint of sharded tables to different paths: "
-            + ", ".join(f"rank {i}: {r['prefix']!r}" for i, r in enumerate(joined))
-            + "; give every rank the same path (tfhybrid makes one rank write each piece)")
+    _check_one_path(joined)
     writes = resharding.assign_writers(
         [[tuple(p) for p in r["pieces"]] for r in joined])
     _check_tilings(writes)
@@ -232,6 +227,23 @@ def _join_seconds() -> float:
 
 
 # ------------------------------------------------------------------ agreement
+def join(mesh: mesh_lib.Mesh, name: str, path: str) -> None:
+    """Waits for every rank to begin saving ``path`` (at most ``JOIN_SECONDS_ENV``
+    seconds): a rank that saves alone raises ``ValueError`` instead of hanging in the
+    save's collectives, and ranks saving to different paths raise at once."""
+    _check_one_path(_exchange(mesh, name, {"prefix": path}, timeout=_join_seconds(),
+                              prefix=path))
+
+
+def _check_one_path(joined: list[dict]) -> None:
+    if len({r["prefix"] for r in joined}) > 1:
+        raise ValueError(
+            "the ranks save one checkpoint of sharded tables to different paths: "
+            + ", ".join(f"rank {i}: {r['prefix']!r}" for i, r in enumerate(joined))
+            + "; give every rank the same path (tfhybrid makes one rank write each piece)")
+
+
+
 def _exchange(mesh: mesh_lib.Mesh, name: str, record: dict, timeout: float | None = None,
               prefix: str = "") -> list[dict]:
     """Allgathers one JSON record per rank; returns them by rank.

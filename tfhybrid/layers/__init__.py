@@ -1,6 +1,6 @@
 """Keras layers: ``Embedding`` (with a combiner), ``DistributedEmbedding``, ``XlaCompiled``."""
 
-from tfhybrid import _tf_internals  # noqa: F401 - first: checks tf.keras is Keras 2
+from tfhybrid import _tf_internals  # noqa: F401 - first: checks which Keras tf.keras is
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.layers.xla import XlaCompiled

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 
 __all__ = ["ConcatOneHotEmbedding", "ConcatEmbedding"]
@@ -84,9 +85,10 @@ class ConcatOneHotEmbedding(tf.keras.layers.Layer):
         return tf.int64 if self._offsets_np[-1] > np.iinfo(np.int32).max else tf.int32
 
     def build(self, input_shape=None):
-        self.params = self.add_weight(
-            "params", shape=[int(self._offsets_np[-1]), self.embedding_width],
-            initializer=self.embeddings_initializer, experimental_autocast=False)
+        self.params = _tf_internals.add_weight(
+            self.add_weight, name="params",
+            shape=[int(self._offsets_np[-1]), self.embedding_width],
+            initializer=self.embeddings_initializer, autocast=False)
         self.built = True
 
     def call(self, inputs):

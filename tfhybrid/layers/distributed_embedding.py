@@ -23,6 +23,7 @@ from tfhybrid import compression
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.checkpoint import tables as checkpoint_tables
+from tfhybrid.checkpoint import weights_file as checkpoint_weights_file
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.plan.tiers import dram_budget_bytes
@@ -319,6 +320,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     # ------------------------------------------------------------------ build
     def build(self, input_shape):
+        # the roles and stores need the weights' variables now (see real_variables)
+        with _tf_internals.real_variables():
+            self._build_stores(input_shape)
+        super().build(input_shape)
+        self._register_for_checkpoints()
+
+    def _build_stores(self, input_shape) -> None:
         shapes = input_shape if isinstance(input_shape, (list, tuple)) else [input_shape]
         if self.plan is None:
             if len(shapes) != len(self.input_table_map):
@@ -369,8 +377,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         # skips it on a rank whose sent rows touch no trainable variable (a position that
         # owns no shard). This empty variable rides along with the rows, so every rank's
         # tape needs the backward alltoall.
-        self._anchor = self.add_weight(name="alltoall_anchor", shape=[0], initializer="zeros",
-                                       dtype=tf.float32, experimental_autocast=False)
+        self._anchor = _tf_internals.add_weight(
+            self.add_weight, name="alltoall_anchor", shape=[0], initializer="zeros",
+            dtype=tf.float32, autocast=False)
         # it also names the sharded tables, so every rank (owner or not) joins the same
         # norm allreduce when the optimizer clips
         distributed.mark_anchor(self._anchor, [
@@ -383,8 +392,6 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         object.__setattr__(self, "_whole_tables", WholeTables(
             self.name, mesh, self.plan, self._tables, self._stores,
             self._whole_chunk_counts))
-        super().build(input_shape)
-        self._register_for_checkpoints()
 
     # ------------------------------------------------------------------ call
     def call(self, inputs):
@@ -544,6 +551,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     # so it restores onto any mesh; see tfhybrid/checkpoint/tables.py.
     def _register_for_checkpoints(self) -> None:
         checkpoint_tables.register_layer(self)
+        checkpoint_weights_file.install()
+
+    def load_own_variables(self, store: Any) -> None:
+        """Reads a Keras weights or ``.keras`` file's whole tables onto this rank's plan."""
+        checkpoint_weights_file.load_layer(self, store)
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         if save_type != "checkpoint" and getattr(self._mesh, "size", 1) > 1:
@@ -552,11 +564,13 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return checkpoint_tables.layer_children(
             self, super()._trackable_children(save_type, **kwargs), save_type)
 
-    def save_own_variables(self, store):
-        # Keras' .keras format: each rank would write its own shards to the same file
-        if getattr(self._mesh, "size", 1) > 1:
+    def save_own_variables(self, store: Any) -> None:
+        """Writes each table whole into a Keras weights or ``.keras`` file."""
+        # a .keras file (model.save) is written by each rank that saves; only a Keras 3
+        # weights file is written by all ranks together (checkpoint/weights_file.py)
+        if getattr(self._mesh, "size", 1) > 1 and not checkpoint_weights_file.saving_together():
             self._refuse_whole_model_save("a .keras file (model.save)")
-        super().save_own_variables(store)
+        checkpoint_weights_file.save_layer(self, store)
 
     def _refuse_whole_model_save(self, what: str) -> None:
         raise ValueError(

@@ -121,7 +121,7 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
         for s, shard in enumerate(placement.shards):
             if shard.owner != position:
                 continue
-            store = add(t, s, f"{table.name}/shard_{s}", shard)
+            store = add(t, s, f"{table.name}_shard_{s}", shard)
             var = store.variable
             distributed.mark_model_parallel(var, mesh, weight_sync_every,
                                             table_key=table_key(layer_name, table))

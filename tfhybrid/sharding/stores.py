@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.plan.tiers import TIER_PINNED_STEPS, shard_cache_rows
@@ -78,6 +79,8 @@ class KernelTable:
 
     def __init__(self, variable: tf.Variable, table_name: str, use_custom_kernel: bool):
         self.variable = variable
+        # the tf.Variable under a Keras 3 weight: lookups, scatters and reads go to it
+        self._storage = _tf_internals.tf_variable(variable)
         self._table_name = table_name
         self._use_custom_kernel = use_custom_kernel
 
@@ -85,17 +88,17 @@ class KernelTable:
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
         # use_custom_kernel=True: the C++ op where it is built (else pure TF)
         return custom_ops.embedding_lookup_combine(
-            self.variable, ragged, combiner="sum", table_name=self._table_name,
+            self._storage, ragged, combiner="sum", table_name=self._table_name,
             use_custom_op=None if self._use_custom_kernel else False)
 
     def read_rows(self, start: int, stop: int) -> tf.Tensor:
         # a gather reads only the rows; a dense read of a variable that saw sparse
         # updates copies the whole table first
-        return tf.gather(self.variable, tf.range(start, stop))
+        return tf.gather(self._storage, tf.range(start, stop))
 
     def write_rows(self, start: int, values: np.ndarray) -> None:
         # scatter_update writes in place; a sliced assign may copy the table
-        self.variable.scatter_update(
+        self._storage.scatter_update(
             tf.IndexedSlices(values, tf.range(start, start + len(values))))
 
     def memory_bytes(self) -> dict[str, int]:
@@ -243,10 +246,10 @@ def create_store(spec: TableSpec, shard: Shard, name: str,
         # leaves built False, and the call would build again
         custom.built = True
         return CustomLayerTable(custom, spec.combiner)
-    variable = context.add_weight(
-        name=name, shape=[rows, width], initializer=slice_initializer(spec, shard),
-        regularizer=regularizer, constraint=constraint, dtype=tf.float32,
-        experimental_autocast=False)
+    variable = _tf_internals.add_weight(
+        context.add_weight, name=name, shape=[rows, width],
+        initializer=slice_initializer(spec, shard), regularizer=regularizer,
+        constraint=constraint, dtype=tf.float32, autocast=False)
     return KernelTable(variable, spec.name, context.use_custom_kernel)
 
 

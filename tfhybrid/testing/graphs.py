@@ -41,7 +41,10 @@ def trace_count(function: Any) -> int:
         >>> trace_count(double)
         1
     """
-    return len(_tf_internals.traced_functions(function))
+    # a Keras 3 train function calls a tf.function per step from the loop's: the step
+    # is traced as often as the most-traced of them
+    return max((len(_tf_internals.traced_functions(inner))
+                for inner in _tf_internals.tf_functions_in(function)), default=0)
 
 
 def traced_variables(function: Any) -> list:

@@ -7,7 +7,7 @@ precision, so the loss is computed in float32).
 - **DLRM** (Naumov et al. 2019): bottom MLP over the dense features, one embedding per
   categorical feature, the dot products of every pair of those vectors, top MLP.
 - **DCN-v2** (Wang et al. 2021): the dense features and all embeddings concatenated, a
-  stack of ``tfrs.layers.dcn.Cross`` layers, then a deep tower.
+  stack of cross layers (``tfrs.layers.dcn.Cross``'s arithmetic), then a deep tower.
 
 ``distributed=True`` shards the tables with ``tfhybrid.layers.DistributedEmbedding`` over
 the mesh; ``distributed=False`` holds whole ``tf.keras.layers.Embedding`` tables in one
@@ -22,7 +22,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_recommenders as tfrs
 
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.layers.embedding import Embedding
@@ -201,13 +200,52 @@ class DLRM(_ClickModel):
         return dict(super().get_config(), bottom_mlp_dims=list(self.bottom_mlp_dims))
 
 
+class Cross(tf.keras.layers.Layer):
+    """One DCN-v2 cross layer, ``x0 * (W x + b) + x`` (``W = V U`` of rank
+    ``projection_dim`` when given), as ``tfrs.layers.dcn.Cross`` computes it, with its
+    sublayers' names (so checkpoints keep their keys); TF Recommenders itself imports
+    only under Keras 2.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.train.models import Cross
+        x0 = tf.ones([2, 3])
+        assert Cross(projection_dim=None, seed=1)(x0, x0).shape == (2, 3)
+    """
+
+    def __init__(self, projection_dim: int | None, seed: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.projection_dim = projection_dim
+        self.seed = seed
+
+    def build(self, input_shape):
+        width = int(input_shape[-1])
+        # each Dense draws from the same seed, as tfrs clones its one initializer, and
+        # computes in the variables' dtype (float32 under a mixed policy), as tfrs does
+        initializer = lambda: tf.keras.initializers.GlorotUniform(self.seed)  # noqa: E731
+        if self.projection_dim is None:
+            self._dense = tf.keras.layers.Dense(width, kernel_initializer=initializer(),
+                                                dtype=self.dtype)
+        else:
+            self._dense_u = tf.keras.layers.Dense(self.projection_dim, use_bias=False,
+                                                  kernel_initializer=initializer(),
+                                                  dtype=self.dtype)
+            self._dense_v = tf.keras.layers.Dense(width, kernel_initializer=initializer(),
+                                                  dtype=self.dtype)
+        self.built = True
+
+    def call(self, x0, x):
+        product = (self._dense(x) if self.projection_dim is None
+                   else self._dense_v(self._dense_u(x)))
+        return x0 * tf.cast(product, self.compute_dtype) + x
+
+
 class _CrossNetwork(tf.keras.layers.Layer):
     def __init__(self, num_layers: int, projection_dim: int | None, seed: int, **kwargs: Any):
         super().__init__(**kwargs)
-        self.cross = [tfrs.layers.dcn.Cross(
-            projection_dim=projection_dim, name=f"cross_{i}",
-            kernel_initializer=tf.keras.initializers.GlorotUniform(_seed(seed, f"cross_{i}")))
-            for i in range(num_layers)]
+        self.cross = [Cross(projection_dim, _seed(seed, f"cross_{i}"), name=f"cross_{i}")
+                      for i in range(num_layers)]
 
     def call(self, x0):
         x = x0

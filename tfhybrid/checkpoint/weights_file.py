@@ -1,0 +1,244 @@
+"""Keras 3's weights file (``model.save_weights("x.weights.h5")``) with sharded tables.
+
+Keras 3 writes a ``.weights.h5`` by asking every layer and optimizer for its state
+(``save_own_variables``) and reads it back the same way (``load_own_variables``). With
+tables sharded over ranks, what a file must hold is the mesh-independent state the
+TensorFlow checkpoints hold (``tables``, ``slots``):
+
+- a ``DistributedEmbedding`` writes each table whole, once, under ``table_<t>``, gathered
+  from its shards; it reads the file's whole tables onto its current plan;
+- an optimizer writes its variables other than table slots, numbered as in a list
+  (``<member>_<i>``: the optimizer, then the optimizers inside it), and each table slot
+  as one full tensor, ``layer_<k>_table_<t>_<slot>`` (a row-wise slot broadcast over
+  its table's columns, read back as the mean over the new shard's columns);
+- every rank takes part in a save (the gathers are collectives), rank 0 alone writes
+  the file: into a temporary name, moved into place once every rank is done
+  (``_tf_internals.install_weights_file_hook``), so no rank returns before the file is
+  whole and a failed save leaves the previous file.
+
+Keras 2 (tf-keras) writes ``save_weights`` as a TensorFlow checkpoint instead, which
+``tables`` and ``slots`` answer; this module is Keras 3's only.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import weakref
+from typing import Any
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import _tf_internals
+from tfhybrid import collectives
+from tfhybrid import mesh as mesh_lib
+from tfhybrid.checkpoint import pieces
+from tfhybrid.checkpoint import slots
+from tfhybrid.checkpoint import tables
+from tfhybrid.checkpoint import writer
+from tfhybrid.plan.types import Kind
+
+
+def install() -> None:
+    """Makes Keras 3 weights files of models with sharded tables be written by rank 0
+    alone, after every rank gave its part (idempotent; nothing to do in Keras 2)."""
+    if _tf_internals.KERAS_3:
+        _tf_internals.install_weights_file_hook(_save_weights_file)
+
+
+def attach_optimizer(optimizer: Any) -> None:
+    """Makes ``optimizer`` write and read its Keras 3 weights-file state as above (its
+    checkpoint state is ``slots.attach_optimizer``'s). Nothing to do in Keras 2."""
+    if _tf_internals.KERAS_3:
+        install()
+        _tf_internals.replace_own_variables(
+            optimizer, lambda store: save_optimizer(optimizer, store),
+            lambda store: load_optimizer(optimizer, store))
+        # the optimizers inside it (an embedding optimizer is its attribute, which Keras
+        # visits too) hold no state of their own in the file: the outer one writes it
+        for inner in slots.state_of(optimizer).members()[1:]:
+            _tf_internals.replace_own_variables(inner, _holds_nothing, _holds_nothing)
+
+
+def _holds_nothing(store: Any) -> None:
+    del store
+
+
+def _save_weights_file(model: Any, filepath: Any, original: Any, *args: Any,
+                       **kwargs: Any) -> Any:
+    mesh = mesh_lib.current_mesh()
+    if mesh.size == 1 or not any(_holds(model, layer) for layer in tables.built_layers()):
+        return original(model, filepath, *args, **kwargs)
+    final = os.fspath(filepath)
+    # the gathers below are collectives: no rank enters them alone
+    writer.join(mesh, "tfhybrid_weights_file_join", os.path.abspath(final))
+    folder, name = os.path.split(os.path.abspath(final))
+    # every rank runs Keras' save (its gathers are collectives); rank 0's file is kept
+    staging = os.path.join(folder, f".tfhybrid-rank{mesh.rank}-{os.getpid()}-{name}")
+    error = None
+    token = _SAVING_TOGETHER.set(True)
+    try:
+        original(model, staging, *args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - shared with every rank, then raised
+        error = e
+    finally:
+        _SAVING_TOGETHER.reset(token)
+    try:
+        writer.agree(mesh, "tfhybrid_weights_file_written", error,
+                     f"saving weights file {final!r}")
+        if mesh.rank == 0:
+            os.replace(staging, final)
+    finally:
+        if mesh.rank != 0 or error is not None:
+            _remove(staging)
+    # no rank returns before the file is in place
+    writer.agree(mesh, "tfhybrid_weights_file_moved", None, f"saving weights file {final!r}")
+    return None
+
+
+# True while every rank writes one weights file together (in _save_weights_file)
+_SAVING_TOGETHER: "contextvars.ContextVar[bool]" = contextvars.ContextVar(
+    "tfhybrid_saving_weights_together", default=False)
+
+
+def saving_together() -> bool:
+    """Whether every rank is writing one Keras 3 weights file together right now (a
+    ``.keras`` file is not: each rank that saves writes its own)."""
+    return _SAVING_TOGETHER.get()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _holds(model: Any, layer: Any) -> bool:
+    return any(inner is layer for inner in _tf_internals.layers_in(model))
+
+
+# ------------------------------------------------------------------ whole tensors
+def _contributes(layer: Any, table: int) -> bool:
+    """Whether this rank adds its pieces of ``table`` to a whole tensor: each piece once,
+    from the first replica (a replicated table from rank 0 alone)."""
+    mesh = layer.mesh
+    first_replica = mesh.rank in mesh.model_groups[0]
+    if layer.plan.tables[table].kind == Kind.DATA_PARALLEL:
+        return mesh.rank == mesh.model_groups[0][0]
+    return first_replica
+
+
+def _whole(layer: Any, table: int, full_shape: tuple, held: list, name: str) -> np.ndarray:
+    """The full tensor of ``held`` pieces of every rank, on every rank (a collective)."""
+    dtype = held[0].dtype.as_numpy_dtype if held else np.float32
+    dtype = np.float64 if dtype == np.float64 else np.float32
+    full = np.zeros(full_shape, dtype)
+    if _contributes(layer, table):
+        for piece in held:
+            rect = piece.rect
+            full[rect.row_start:rect.row_end, rect.col_start:rect.col_end] = \
+                tf.convert_to_tensor(piece.read()).numpy()
+    return collectives.allreduce(tf.constant(full), hvd.Sum, name).numpy()
+
+
+def _assign(held: list, full: np.ndarray) -> None:
+    for piece in held:
+        rect = piece.rect
+        piece.assign(tf.constant(full[rect.row_start:rect.row_end,
+                                      rect.col_start:rect.col_end]))
+
+
+# ------------------------------------------------------------------ the layer
+def save_layer(layer: Any, store: Any) -> None:
+    """``DistributedEmbedding.save_own_variables``: each table whole."""
+    for t, table in enumerate(layer.get_weights(all_ranks=False)):
+        store[f"table_{t}"] = table
+
+
+def load_layer(layer: Any, store: Any) -> None:
+    """``DistributedEmbedding.load_own_variables``: the file's whole tables onto this
+    rank's plan."""
+    count = len(layer.table_specs)
+    names = sorted(store.keys())
+    expected = sorted(f"table_{t}" for t in range(count))
+    if names != expected:
+        raise ValueError(f"the weights file holds {names} for DistributedEmbedding "
+                         f"{layer.name!r}, which has {count} tables ({expected})")
+    layer.set_weights([np.asarray(store[f"table_{t}"]) for t in range(count)])
+
+
+# ------------------------------------------------------------------ the optimizer
+def _slot_tensors(optimizer: Any) -> list[tuple[str, Any, int, tuple, list]]:
+    """(key, layer, table, full shape, held pieces) of every table slot, in an order
+    that is the same on every rank."""
+    state = slots.state_of(optimizer)
+    found = []
+    for k, layer in enumerate(state.layers()):
+        for key, (table, full_shape, held) in sorted(
+                slots.layer_slot_pieces(optimizer, layer).items()):
+            found.append((f"layer_{k}_{key}", layer, table, full_shape, held))
+    return found
+
+
+def _plain_variables(optimizer: Any) -> list[tuple[str, Any]]:
+    """(key, variable) of the optimizers' variables other than table slots."""
+    state = slots.state_of(optimizer)
+    table_slots = state.table_slot_ids()
+    return [(f"{m}_{i}", variable) for m, member in enumerate(state.members())
+            for i, variable in enumerate(
+                v for v in slots.variables_of(member) if id(v) not in table_slots)]
+
+
+def save_optimizer(optimizer: Any, store: Any) -> None:
+    """An optimizer's ``save_own_variables`` (see the module docstring)."""
+    for key, variable in _plain_variables(optimizer):
+        store[key] = np.asarray(variable)
+    for key, layer, table, full_shape, held in _slot_tensors(optimizer):
+        store[key] = _whole(layer, table, full_shape, held, f"tfhybrid_weights_file_{key}")
+
+
+def load_optimizer(optimizer: Any, store: Any) -> None:
+    """An optimizer's ``load_own_variables``. Keras 3 loads a weights file before an
+    optimizer has taken a step, when it has no slots yet: the state then waits, and the
+    build that makes the slots applies it (as TensorFlow defers a checkpoint's)."""
+    saved = {key: np.asarray(store[key]) for key in store.keys()}
+    if not _apply(optimizer, saved, raise_on_mismatch=False):
+        _WAITING[optimizer] = saved
+        for member in slots.state_of(optimizer).members():
+            _tf_internals.install_build_hook(member, lambda: _apply_waiting(optimizer))
+
+
+# optimizer -> the weights-file state waiting for its build
+_WAITING: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _apply_waiting(optimizer: Any) -> None:
+    saved = _WAITING.get(optimizer)
+    if saved is not None and _apply(optimizer, saved, raise_on_mismatch=False):
+        del _WAITING[optimizer]
+
+
+def _apply(optimizer: Any, saved: dict, raise_on_mismatch: bool = True) -> bool:
+    """Assigns ``saved`` when it fits the optimizer's state; else False (or raises,
+    naming what differs)."""
+    plain = _plain_variables(optimizer)
+    slot_tensors = _slot_tensors(optimizer)
+    expected = sorted([key for key, _ in plain] + [key for key, *_ in slot_tensors])
+    if sorted(saved) != expected:
+        if raise_on_mismatch:
+            raise ValueError(f"the weights file holds the optimizer state {sorted(saved)}, "
+                             f"but optimizer {getattr(optimizer, 'name', optimizer)!r} "
+                             f"has {expected}")
+        return False
+    for key, variable in plain:
+        variable.assign(saved[key])
+    for key, layer, table, full_shape, held in slot_tensors:
+        full = saved[key]
+        if tuple(full.shape) != tuple(full_shape):
+            raise ValueError(f"the weights file's {key!r} has shape {full.shape}; table "
+                             f"{table} of layer {layer.name!r} needs {full_shape}")
+        _assign(held, full)
+    return True
