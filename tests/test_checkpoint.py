@@ -499,7 +499,8 @@ class SaveTogetherTest(tf.test.TestCase):
             self.model.save_weights(path)
             expected = ["weights.data-00000-of-00002", "weights.data-00001-of-00002",
                         "weights.index"]
-        self.assertEqual(sorted(os.listdir(os.path.dirname(path))), expected)
+        self.assertEqual(sorted(os.path.basename(p) for p in glob.glob(path + "*")),
+                         expected)
 
 
 if __name__ == "__main__":
