@@ -1,5 +1,5 @@
 """Checkpoints and weights files of a 2 x 2 mesh restore onto 2 x 2, 1 x 4 and 4 x 1
-meshes, in Keras 2 and in Keras 3.
+meshes, in Keras 3 (the code runs under Keras 2 too).
 
 ``tf.train.Checkpoint`` and ``model.save_weights`` (Keras 3: a ``.weights.h5`` file that
 rank 0 writes with each table whole; Keras 2: a TensorFlow checkpoint) of a model whose
@@ -24,7 +24,9 @@ from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
 
 HOROVOD_NP = (4,)
-KERAS = (2, 3)
+# Keras 2's checkpoints, save_weights included, and their continuation after a restore
+# are tests/test_checkpoint.py's (which runs under both); this module is Keras 3's
+KERAS = (3,)
 
 # big: row-wise, wide: column-wise on M >= 2, mid: table-wise, tiny: replicated
 TABLES = [("big", 300, 8), ("wide", 100, 8), ("mid", 60, 6), ("tiny", 20, 4)]
@@ -146,9 +148,6 @@ class WeightsFilesTest(tf.test.TestCase):
         self._round_trip(save, lambda model, path: model.load_weights(path))
 
     def test_weights_file_holds_whole_tables_written_once(self):
-        if not _tf_internals.KERAS_3:
-            self.skipTest("Keras 2 saves weights as a TensorFlow checkpoint (the other "
-                          "tests)")
         import h5py
         mesh = tfhybrid.init(model_parallel=2)
         folder = self._folder()
