@@ -74,8 +74,10 @@ class KerasVersionTest(unittest.TestCase):
                 self.assertRegex(out.stdout, r"LOSS \d", code)
 
     def test_another_keras_is_refused_naming_it(self):
-        out = _run("import sys, types\nimport tensorflow as tf\n"
-                   "tf.keras.__version__ = '4.0.0'\nimport tfhybrid.layers",
+        # the version tf.keras reports (TF >= 2.16) and its package's (TF 2.15), faked
+        out = _run("import sys\nimport tensorflow as tf\n"
+                   "sys.modules[tf.keras.Model.__module__.split('.')[0]].__version__ = "
+                   "'4.0.0'\ntf.keras.__version__ = '4.0.0'\nimport tfhybrid.layers",
                    TF_USE_LEGACY_KERAS="0")
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("tfhybrid runs with Keras 2 (tf-keras) or Keras 3 as tf.keras, but "

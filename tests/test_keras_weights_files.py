@@ -147,6 +147,24 @@ class WeightsFilesTest(tf.test.TestCase):
 
         self._round_trip(save, lambda model, path: model.load_weights(path))
 
+    def test_optimizer_state_that_does_not_fit_is_refused_by_name(self):
+        mesh = tfhybrid.init(model_parallel=2)
+        folder = self._folder()
+        model, _ = _model(mesh)
+        _fit(model, mesh, 1, seed=1)
+        path = os.path.join(folder, "adam.weights.h5")
+        model.save_weights(path)
+        # the same model with another optimizer: the tables load, the optimizer's state
+        # cannot, and the first step says so instead of training on without it
+        other, _ = _model(mesh)
+        other.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
+                      loss="mse")
+        other(_batches(mesh, 1, seed=3)[0])
+        other.load_weights(path)
+        with self.assertRaisesRegex(ValueError, "the weights file holds the optimizer state"):
+            _fit(other, mesh, 1, seed=2)
+        hvd.join()
+
     def test_weights_file_holds_whole_tables_written_once(self):
         import h5py
         mesh = tfhybrid.init(model_parallel=2)

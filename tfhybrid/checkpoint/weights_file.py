@@ -217,8 +217,14 @@ _WAITING: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 def _apply_waiting(optimizer: Any) -> None:
     saved = _WAITING.get(optimizer)
-    if saved is not None and _apply(optimizer, saved, raise_on_mismatch=False):
+    if saved is None or _apply(optimizer, saved, raise_on_mismatch=False):
+        _WAITING.pop(optimizer, None)
+        return
+    if all(getattr(member, "built", False) for member in slots.state_of(optimizer).members()):
+        # every member has its slots now, and the file's state still does not fit: say
+        # so, rather than train on without it
         del _WAITING[optimizer]
+        _apply(optimizer, saved)
 
 
 def _apply(optimizer: Any, saved: dict, raise_on_mismatch: bool = True) -> bool:
