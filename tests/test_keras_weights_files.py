@@ -147,13 +147,18 @@ class WeightsFilesTest(tf.test.TestCase):
 
         self._round_trip(save, lambda model, path: model.load_weights(path))
 
-    def test_optimizer_state_that_does_not_fit_is_refused_by_name(self):
+    def _trained_and_saved(self, name):
+        """(mesh, model, its embedding, the weights file) after one step on 2 x 2."""
         mesh = tfhybrid.init(model_parallel=2)
         folder = self._folder()
-        model, _ = _model(mesh)
+        model, embedding = _model(mesh)
         _fit(model, mesh, 1, seed=1)
-        path = os.path.join(folder, "adam.weights.h5")
+        path = os.path.join(folder, name)
         model.save_weights(path)
+        return mesh, model, embedding, path
+
+    def test_optimizer_state_that_does_not_fit_is_refused_by_name(self):
+        mesh, _, _, path = self._trained_and_saved("adam.weights.h5")
         # the same model with another optimizer: the tables load, the optimizer's state
         # cannot, and the first step says so instead of training on without it
         other, _ = _model(mesh)
@@ -167,12 +172,8 @@ class WeightsFilesTest(tf.test.TestCase):
 
     def test_weights_file_holds_whole_tables_written_once(self):
         import h5py
-        mesh = tfhybrid.init(model_parallel=2)
-        folder = self._folder()
-        model, embedding = _model(mesh)
-        _fit(model, mesh, 1, seed=1)
-        path = os.path.join(folder, "model.weights.h5")
-        model.save_weights(path)
+        _, _, embedding, path = self._trained_and_saved("model.weights.h5")
+        folder = os.path.dirname(path)
         tables = embedding.get_weights(all_ranks=True)
         with h5py.File(path, "r") as f:
             for t, table in enumerate(tables):
