@@ -12,6 +12,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import optimizers
@@ -20,6 +21,7 @@ from tests import _hybrid_case as hc
 # four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
 # two ranks would only repeat them at a smaller size
 HOROVOD_NP = (4,)
+KERAS = (2, 3)
 
 
 def _mesh():
@@ -31,21 +33,35 @@ def _replica_of(mesh, rank):
     return next(d for d, group in enumerate(mesh.model_groups) if rank in group)
 
 
+def _names(variable):
+    """Every name Keras knows ``variable`` by (Keras 3 weights have a path too)."""
+    return {variable.name.split(":")[0], getattr(variable, "path", None) or ""} - {""}
+
+
+def _named_after(slot, shard_name):
+    # Keras 2 names a slot "<slot>/<variable path>" or "<variable path>/<slot>"; Keras 3
+    # "<variable path with _ for />_<slot>"
+    return any(f"/{shard_name}/" in f"/{name}/"
+               or name.startswith(shard_name.replace("/", "_") + "_")
+               for name in _names(slot))
+
+
 def _on_one_position(variables):
     """The test's own view: shards, and any variable named after one (its slots)."""
     shards = [v for v in variables if distributed.is_model_parallel(v)]
-    names = [s.name.split(":")[0] for s in shards]
-    return [distributed.is_model_parallel(v) or any(f"/{n}/" in f"/{v.name.split(':')[0]}/"
-                                                     for n in names) for v in variables]
+    names = [n for s in shards for n in _names(s)]
+    return [distributed.is_model_parallel(v) or any(_named_after(v, n) for n in names)
+            for v in variables]
 
 
 def _perturb(variables, rank):
     """Makes every rank's copy of every variable its own."""
     for j, var in enumerate(variables):
-        if var.dtype.is_floating:
+        dtype = tf.as_dtype(var.dtype)   # Keras 3 weights name their dtype by a string
+        if dtype.is_floating:
             var.assign_add(tf.fill(tf.shape(var), 0.01 * (rank + 1) * (j % 7 + 1)))
-        elif var.dtype.is_integer:
-            var.assign_add(tf.cast(rank + 1, var.dtype))
+        elif dtype.is_integer:
+            var.assign_add(tf.cast(rank + 1, dtype))
 
 
 def _local_steps(case, rank, steps):
@@ -137,9 +153,9 @@ class BroadcastVariablesTest(tf.test.TestCase):
         dense = tf.Variable([float(mesh.rank)] * 2, name="dense")
         shard = tf.Variable([10.0 * mesh.rank] * 3, name=f"layer/shard_{mesh.model_position}")
         distributed.mark_model_parallel(shard, mesh)
-        # a slot no route tagged (a plain optimizer), named as Keras names slots
-        slot = tf.Variable([100.0 * mesh.rank] * 3,
-                           name=f"SGD/m/layer/shard_{mesh.model_position}")
+        # a slot no route tagged, made by a plain Keras optimizer (named as it names slots)
+        slot = tf.keras.optimizers.SGD(momentum=0.9).add_variable_from_reference(shard, "m")
+        slot.assign([100.0 * mesh.rank] * 3)
         tfhybrid.broadcast_variables([dense, shard, slot], root_rank=root)
         shard_root = mesh.model_groups[_replica_of(mesh, root)][mesh.model_position]
         self.assertAllEqual(dense, [float(root)] * 2)
@@ -164,7 +180,8 @@ class BroadcastCallbackTest(tf.test.TestCase):
         super().tearDown()
 
     def _dense_run(self, mesh, callback, build_first=False):
-        """A Keras model whose ranks start from different weights, fit for three steps."""
+        """A Keras model whose ranks start from different weights, fit for three steps;
+        ``callback=None`` broadcasts by hand with Horovod after the first of them."""
         model = tf.keras.Sequential([
             tf.keras.layers.Dense(3, activation="tanh",
                                   kernel_initializer=tf.keras.initializers.GlorotUniform(
@@ -178,19 +195,30 @@ class BroadcastCallbackTest(tf.test.TestCase):
         y = rng.normal(size=[6 * mesh.size, 1]).astype(np.float32)
         if build_first:
             model(x[:1])
-        model.fit(x[mesh.rank::mesh.size], y[mesh.rank::mesh.size], batch_size=2,
-                  shuffle=False, verbose=0, callbacks=[callback])
+        x, y = x[mesh.rank::mesh.size], y[mesh.rank::mesh.size]
+        if callback is None:
+            model.fit(x[:2], y[:2], batch_size=2, verbose=0)
+            hvd.broadcast_variables([v.value if hasattr(v, "path") else v
+                                     for v in _all_variables(model)], root_rank=mesh.size - 1)
+            x, y = x[2:], y[2:]
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+                  callbacks=[] if callback is None else [callback])
         return [v.numpy() for v in _all_variables(model)]
 
     def test_broadcasts_after_the_first_batch_like_horovods_callback(self):
-        import horovod.tensorflow.keras as hvd_keras
         mesh = _mesh()
         root = mesh.size - 1
         callback = tfhybrid.BroadcastGlobalVariablesCallback(root, device="")
         ours = self._dense_run(mesh, callback)
         self.assertTrue(callback.broadcast_done)
-        horovods = self._dense_run(
-            mesh, hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root))
+        if _tf_internals.KERAS_3:
+            # Horovod's Keras callback cannot run in Keras 3 (it calls .ref() on Keras
+            # weights): its rule, a broadcast after the first batch, is done by hand
+            horovods = self._dense_run(mesh, None)
+        else:
+            import horovod.tensorflow.keras as hvd_keras
+            horovods = self._dense_run(
+                mesh, hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root))
         self.assertEqual(len(ours), len(horovods))
         for got, want in zip(ours, horovods):    # weights, momenta and iterations
             self.assertAllClose(got, want, atol=1e-6, rtol=1e-6)

@@ -10,6 +10,7 @@ from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.train.step import click_train_step
 
 HOROVOD_NP = (4,)
+KERAS = (2, 3)
 
 LOCAL_BATCH = 8
 STEPS = 6
@@ -21,7 +22,8 @@ def _model(mesh):
     embedded = DistributedEmbedding(
         [Embedding(rows, dim, combiner=c, name=name) for name, rows, dim, c in TABLES],
         mesh=mesh, data_parallel_threshold=100, row_slice_threshold=2000)(ids)
-    hidden = tf.keras.layers.Dense(8, activation="relu")(tf.concat(embedded, axis=1))
+    hidden = tf.keras.layers.Dense(8, activation="relu")(
+        tf.keras.layers.Concatenate(axis=1)(embedded))
     return tf.keras.Model(ids, tf.keras.layers.Dense(1)(hidden))
 
 
@@ -117,7 +119,8 @@ class FitTest(tf.test.TestCase):
         ids = [tf.keras.Input([3], dtype=tf.int64, name=name) for name, *_ in TABLES]
         embedded = [Embedding(rows, dim, combiner=c, name=f"ref_{name}")(x)
                     for (name, rows, dim, c), x in zip(TABLES, ids)]
-        hidden = tf.keras.layers.Dense(8, activation="relu")(tf.concat(embedded, axis=1))
+        hidden = tf.keras.layers.Dense(8, activation="relu")(
+            tf.keras.layers.Concatenate(axis=1)(embedded))
         reference = tf.keras.Model(ids, tf.keras.layers.Dense(1)(hidden))
         for layer, table in zip(reference.layers[len(TABLES):2 * len(TABLES)], full_tables):
             layer.set_weights([table])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import os
 import shutil
 import signal
@@ -35,11 +36,13 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
 from tests.runner import TEST_ENV
 
 # it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
 # modules only
 STARTS_JOBS = True
+KERAS = (2, 3)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -56,6 +59,9 @@ EPOCHS = 4
 # the BackupAndRestore backup and the ModelCheckpoint; this one is epoch 3's backup
 PAUSED_SAVE = EPOCHS + 2 * 2 + 1
 JOB_TIMEOUT_S = 400
+# Keras 3 writes weights only to ".weights.h5" files (one per save, written by rank 0);
+# Keras 2 to TF checkpoints (an index and a data file per writing rank)
+WEIGHTS_SUFFIX = ".weights.h5" if _tf_internals.KERAS_3 else ""
 
 
 # ------------------------------------------------------- the jobs' side
@@ -69,7 +75,8 @@ def _build(mesh):
     layer = DistributedEmbedding(
         [Embedding(rows, dim, combiner="sum", name=name) for name, rows, dim in TABLES],
         mesh=mesh, **THRESHOLDS)
-    hidden = tf.keras.layers.Dense(8, activation="relu")(tf.concat(layer(ids), axis=1))
+    hidden = tf.keras.layers.Dense(8, activation="relu")(
+        tf.keras.layers.Concatenate(axis=1)(layer(ids)))
     model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(hidden))
     # the same start on every rank and mesh
     rng = np.random.default_rng(0)
@@ -108,8 +115,9 @@ def _save_snapshot(model, layer, rank: int, path: str) -> None:
 
 def _callbacks(directory: str) -> list:
     return [tf.keras.callbacks.BackupAndRestore(os.path.join(directory, "backup")),
-            tf.keras.callbacks.ModelCheckpoint(os.path.join(directory, "weights-{epoch:02d}"),
-                                               save_weights_only=True)]
+            tf.keras.callbacks.ModelCheckpoint(
+                os.path.join(directory, "weights-{epoch:02d}" + WEIGHTS_SUFFIX),
+                save_weights_only=True)]
 
 
 def _job_main(mode: str, directory: str) -> int:
@@ -123,13 +131,14 @@ def _job_main(mode: str, directory: str) -> int:
         # the Horovod habit: checkpoints from rank 0 only
         model, _ = _build(mesh)
         _fit(model, mesh.rank, [tf.keras.callbacks.ModelCheckpoint(
-            os.path.join(directory, "weights-{epoch:02d}"), save_weights_only=True)]
-             if mesh.rank == 0 else [])
+            os.path.join(directory, "weights-{epoch:02d}" + WEIGHTS_SUFFIX),
+            save_weights_only=True)] if mesh.rank == 0 else [])
         return 0
     if mode == "child-2x2":
         model, layer = _build(mesh)
         _fit(model, mesh.rank, [tf.keras.callbacks.ModelCheckpoint(
-            os.path.join(reference, "weights-{epoch:02d}"), save_weights_only=True)])
+            os.path.join(reference, "weights-{epoch:02d}" + WEIGHTS_SUFFIX),
+            save_weights_only=True)])
         _save_snapshot(model, layer, mesh.rank, os.path.join(directory, "reference.npz"))
         model, layer = _build(mesh)
         _fit(model, mesh.rank, _callbacks(directory))     # paused and killed in epoch 3
@@ -138,7 +147,7 @@ def _job_main(mode: str, directory: str) -> int:
     _fit(model, mesh.rank, _callbacks(directory))
     _save_snapshot(model, layer, mesh.rank, os.path.join(directory, "resumed.npz"))
     model, layer = _build(mesh)
-    model.load_weights(os.path.join(reference, f"weights-{EPOCHS:02d}"))
+    model.load_weights(os.path.join(reference, f"weights-{EPOCHS:02d}{WEIGHTS_SUFFIX}"))
     _save_snapshot(model, layer, mesh.rank, os.path.join(directory, "loaded.npz"))
     return 0
 
@@ -215,36 +224,63 @@ class KillAndResumeTest(tf.test.TestCase):
 
     def test_fit_killed_mid_save_resumes_on_1x4_like_the_uninterrupted_run(self):
         from tfhybrid.testing import faults
-        chief = os.path.join(self.directory, "backup", "chief")
+        backup = os.path.join(self.directory, "backup")
+        # Keras 2 backs up into TF checkpoints under "chief"; Keras 3 into one weights
+        # file and a note of the epoch. A part of a save under way: Keras 2's parts are in
+        # a temporary folder per save; every rank writes Keras 3's file under a temporary
+        # name, and rank 0's is moved into place
+        chief = os.path.join(backup, "chief")
+        if _tf_internals.KERAS_3:
+            # the backup's temporary names carry no epoch: epoch 3's are those written
+            # after epoch 2's ModelCheckpoint file
+            parts_under_way, parts_expected = (
+                os.path.join(backup, ".tfhybrid-rank*-latest.weights.h5"), RANKS)
+            epoch_2 = os.path.join(self.directory, "weights-02" + WEIGHTS_SUFFIX)
+        else:
+            # ranks 0 and 1 (replica 0) write parts; ranks 2 and 3 hold copies only
+            parts_under_way, parts_expected = (
+                os.path.join(chief, "ckpt-3_temp-*", "part-*.index"), 2)
+            epoch_2 = self.directory
 
         # 1. 2x2: every rank pauses after writing its part of epoch 3's backup; kill all
         job, log = _start("child-2x2", self.directory,
                           faults.pause_save_env(PAUSED_SAVE, 600))
         deadline, parts = time.time() + JOB_TIMEOUT_S, []
         try:
-            while len(parts) < 2 and time.time() < deadline and job.poll() is None:
-                # ranks 0 and 1 (replica 0) write parts; ranks 2 and 3 hold copies only
-                parts = glob.glob(os.path.join(chief, "ckpt-3_temp-*", "part-*.index"))
+            while len(parts) < parts_expected and time.time() < deadline and job.poll() is None:
+                parts = glob.glob(parts_under_way) if os.path.exists(epoch_2) else []
                 time.sleep(0.05)
         finally:
             if job.poll() is None:
                 _kill_job(job.pid)
             job.wait()
-        self.assertLen(parts, 2, _tail(log))
+        self.assertLen(parts, parts_expected, _tail(log))
         reference = _load(os.path.join(self.directory, "reference.npz"))
         # the killed save changed nothing: epoch 2's backup is the latest, and complete
-        self.assertEqual(tf.train.latest_checkpoint(chief), os.path.join(chief, "ckpt-2"))
-        self.assertEqual(glob.glob(os.path.join(chief, "ckpt-3.*")), [])
-        self.assertEqual(sorted(os.path.basename(p) for p in
-                                glob.glob(os.path.join(self.directory, "weights-*.index"))),
-                         ["weights-01.index", "weights-02.index"])
-        # ModelCheckpoint on every rank wrote one checkpoint: an index, a data file per
-        # writing rank, nothing left of the parts
-        self.assertEqual(sorted(os.listdir(os.path.join(self.directory, "reference"))),
-                         ["checkpoint"] + [f"weights-{e:02d}.{suffix}"
-                                           for e in range(1, EPOCHS + 1)
-                                           for suffix in ("data-00000-of-00002",
-                                                          "data-00001-of-00002", "index")])
+        if _tf_internals.KERAS_3:
+            with open(os.path.join(backup, "training_metadata.json")) as f:
+                self.assertEqual(json.load(f)["epoch"], 2)
+            self.assertTrue(os.path.exists(os.path.join(backup, "latest.weights.h5")))
+        else:
+            self.assertEqual(tf.train.latest_checkpoint(chief), os.path.join(chief, "ckpt-2"))
+            self.assertEqual(glob.glob(os.path.join(chief, "ckpt-3.*")), [])
+        written = ["weights-01", "weights-02"]
+        if _tf_internals.KERAS_3:
+            self.assertEqual(sorted(os.path.basename(p) for p in glob.glob(
+                os.path.join(self.directory, "weights-*"))), [w + WEIGHTS_SUFFIX for w in written])
+            # ModelCheckpoint on every rank wrote one file per epoch, nothing else
+            self.assertEqual(sorted(os.listdir(os.path.join(self.directory, "reference"))),
+                             [f"weights-{e:02d}{WEIGHTS_SUFFIX}" for e in range(1, EPOCHS + 1)])
+        else:
+            self.assertEqual(sorted(os.path.basename(p) for p in glob.glob(
+                os.path.join(self.directory, "weights-*.index"))), [w + ".index" for w in written])
+            # ModelCheckpoint on every rank wrote one checkpoint: an index, a data file per
+            # writing rank, nothing left of the parts
+            self.assertEqual(sorted(os.listdir(os.path.join(self.directory, "reference"))),
+                             ["checkpoint"] + [f"weights-{e:02d}.{suffix}"
+                                               for e in range(1, EPOCHS + 1)
+                                               for suffix in ("data-00000-of-00002",
+                                                              "data-00001-of-00002", "index")])
 
         # 2. 1x4: BackupAndRestore resumes at epoch 3; load_weights of the reference
         job, log = _start("child-1x4", self.directory, {})
@@ -261,7 +297,8 @@ class KillAndResumeTest(tf.test.TestCase):
                                  reference, 0.0, "load_weights on 1x4")
         # a finished fit deletes its backup; the resumed epochs were checkpointed
         self.assertFalse(os.path.exists(chief))
-        self.assertTrue(os.path.exists(os.path.join(self.directory, "weights-04.index")))
+        self.assertFalse(glob.glob(os.path.join(backup, "*")))
+        self.assertTrue(glob.glob(os.path.join(self.directory, "weights-04*")))
 
 
 class RankZeroOnlyTest(tf.test.TestCase):
@@ -281,7 +318,8 @@ class RankZeroOnlyTest(tf.test.TestCase):
         output = open(log, errors="replace").read()
         self.assertNotEqual(code, 0, output[-5000:])
         self.assertRegex(output, r"\[0\]<stderr>:ValueError: rank 0 began saving checkpoint "
-                                 r"'.*weights-01', which holds sharded DistributedEmbedding "
+                                 r"'.*weights-01(\.weights\.h5)?', which holds sharded "
+                                 r"DistributedEmbedding "
                                  r"tables, and the other ranks did not join within 5 s .* add "
                                  r"ModelCheckpoint / BackupAndRestore .* on EVERY rank")
         self.assertEqual(glob.glob(os.path.join(directory, "weights-01*")), [])

@@ -36,7 +36,9 @@ one, each installed by an explicit, idempotent call, never by an import:
 - ``install_weights_file_hook`` (Keras 3) patches ``saving_lib.save_weights_only``: a
   ``.weights.h5`` of sharded tables needs every rank's part and one writer
   (``tfhybrid/checkpoint/weights_file.py``), and ``replace_own_variables`` gives an
-  optimizer the weights-file state that ``load_own_variables`` reads.
+  optimizer the weights-file state that ``load_own_variables`` reads. With it,
+  ``install_backup_cleanup_hook`` patches ``BackupAndRestore.on_train_end``: every rank
+  runs the callback, and one rank must delete the backup, once the others are done.
 
 and two read-only uses: autograph's module rules (``_skip_autograph``: tfhybrid is
 exempt from conversion, as TF and Keras exempt themselves; there is only a per-function
@@ -661,6 +663,29 @@ def install_weights_file_hook(save: Callable[..., Any]) -> None:
 
     setattr(save_weights_only, _HOOK_MARK, save)
     saving_lib.save_weights_only = save_weights_only
+
+
+def install_backup_cleanup_hook(clean_up: Callable[[Any, Callable[[], None]], None]) -> None:
+    """Makes Keras 3's ``BackupAndRestore.on_train_end`` call ``clean_up(callback,
+    own)`` (``own()`` runs Keras' own: it deletes the backup folder). Every rank of a
+    job runs the callback and would delete the same files at once. Idempotent; one
+    callback."""
+    _check_version("Keras 3 BackupAndRestore.on_train_end")
+    from keras.src.callbacks import backup_and_restore
+    cls = backup_and_restore.BackupAndRestore
+    current = cls.on_train_end
+    installed = getattr(current, _HOOK_MARK, None)
+    if installed is clean_up:
+        return
+    if installed is not None:
+        raise RuntimeError("BackupAndRestore.on_train_end is hooked already, by another "
+                           "callback")
+
+    def on_train_end(self, logs=None):
+        return clean_up(self, lambda: current(self, logs))
+
+    setattr(on_train_end, _HOOK_MARK, clean_up)
+    cls.on_train_end = on_train_end
 
 
 def replace_own_variables(obj: Any, save: Callable[[Any], None],

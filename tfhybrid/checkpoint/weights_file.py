@@ -23,9 +23,10 @@ Keras 2 (tf-keras) writes ``save_weights`` as a TensorFlow checkpoint instead, w
 from __future__ import annotations
 
 import contextvars
+import glob
 import os
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -46,6 +47,7 @@ def install() -> None:
     alone, after every rank gave its part (idempotent; nothing to do in Keras 2)."""
     if _tf_internals.KERAS_3:
         _tf_internals.install_weights_file_hook(_save_weights_file)
+        _tf_internals.install_backup_cleanup_hook(_clean_up_backup)
 
 
 def attach_optimizer(optimizer: Any) -> None:
@@ -78,9 +80,11 @@ def _save_weights_file(model: Any, filepath: Any, original: Any, *args: Any,
     # every rank runs Keras' save (its gathers are collectives); rank 0's file is kept
     staging = os.path.join(folder, f".tfhybrid-rank{mesh.rank}-{os.getpid()}-{name}")
     error = None
+    save = writer.start_save()
     token = _SAVING_TOGETHER.set(True)
     try:
         original(model, staging, *args, **kwargs)
+        writer.part_written(save)
     except BaseException as e:  # noqa: BLE001 - shared with every rank, then raised
         error = e
     finally:
@@ -95,7 +99,32 @@ def _save_weights_file(model: Any, filepath: Any, original: Any, *args: Any,
             _remove(staging)
     # no rank returns before the file is in place
     writer.agree(mesh, "tfhybrid_weights_file_moved", None, f"saving weights file {final!r}")
+    if mesh.rank == 0:
+        # every rank has removed its own temporary file by now: any left are of a job
+        # killed while saving here
+        for stale in glob.glob(os.path.join(glob.escape(folder), f".tfhybrid-rank*-{name}")):
+            _remove(stale)
     return None
+
+
+def _clean_up_backup(callback: Any, own: Callable[[], None]) -> None:
+    """Keras 3's ``BackupAndRestore.on_train_end`` (``own``, which deletes the backup)
+    on rank 0 alone, once every rank has finished training, when the backup holds
+    sharded tables; elsewhere Keras' own."""
+    mesh = mesh_lib.initialized_mesh()
+    model = getattr(callback, "model", None)
+    if (mesh is None or mesh.size == 1 or model is None
+            or not any(_holds(model, layer) for layer in tables.built_layers())):
+        own()
+        return
+    writer.agree(mesh, "tfhybrid_backup_done", None, "ending training with a backup")
+    error = None
+    if mesh.rank == 0:
+        try:
+            own()
+        except Exception as e:  # noqa: BLE001 - shared with every rank, then raised
+            error = e
+    writer.agree(mesh, "tfhybrid_backup_removed", error, "deleting the backup")
 
 
 # True while every rank writes one weights file together (in _save_weights_file)
@@ -206,6 +235,11 @@ def load_optimizer(optimizer: Any, store: Any) -> None:
     build that makes the slots applies it (as TensorFlow defers a checkpoint's)."""
     saved = {key: np.asarray(store[key]) for key in store.keys()}
     if not _apply(optimizer, saved, raise_on_mismatch=False):
+        # what exists before the build (the step counts) is read now, as from a
+        # TensorFlow checkpoint; the build adds the slots after it, so the keys agree
+        for key, variable in _plain_variables(optimizer):
+            if key in saved and tuple(saved[key].shape) == tuple(variable.shape):
+                variable.assign(saved[key])
         _WAITING[optimizer] = saved
         for member in slots.state_of(optimizer).members():
             _tf_internals.install_build_hook(member, lambda: _apply_waiting(optimizer))

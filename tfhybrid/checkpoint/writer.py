@@ -95,6 +95,20 @@ def add_part_observer(observer: Callable[[int], None]) -> None:
         _PART_OBSERVERS.append(observer)
 
 
+def start_save() -> int:
+    """Counts one more coordinated save of this process (checkpoints and Keras 3 weights
+    files alike) and returns its number, which ``part_written`` passes on."""
+    global _saves_started
+    _saves_started += 1
+    return _saves_started
+
+
+def part_written(save: int) -> None:
+    """Tells the part observers that this rank has written its part of save ``save``."""
+    for observer in _PART_OBSERVERS:
+        observer(save)
+
+
 def _save(self: Any, file_prefix: Any, options: Any, original: Callable[..., Any]) -> Any:
     """``MultiDeviceSaver.save``: the protocol above when the save holds pieces of
     sharded tables, else TensorFlow's own. One process runs the same protocol (its
@@ -131,8 +145,7 @@ def _signature(value: Any) -> str:
 
 
 def _write_together(mesh: mesh_lib.Mesh, prefix: str, entries: list) -> None:
-    global _saves_started
-    _saves_started += 1
+    save = start_save()
     pieces = [[key, spec, _signature(value)] for key, spec, value in entries]
     # 1. join
     joined = _exchange(mesh, "tfhybrid_checkpoint_join", {
@@ -156,8 +169,7 @@ def _write_together(mesh: mesh_lib.Mesh, prefix: str, entries: list) -> None:
                            [v.tensor if isinstance(v, _tf_internals.SaveSpec) else v
                             for _, _, v in chosen])
             wrote = True
-        for observer in _PART_OBSERVERS:
-            observer(_saves_started)
+        part_written(save)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = e
     # 3. agree; every rank has stopped writing once it reaches the allgather
