@@ -445,7 +445,12 @@ def apply_unscaled(optimizer: Any, apply: Callable[..., Any], pairs: list, *args
         optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 0.5)
         return tf.constant(False)
 
-    tf.cond(optimizer.check_finite(grads), finite_step, skipped_step)
+    # its check_finite would densify a table's IndexedSlices
+    present = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads
+               if g is not None]
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in present]
+                           or [tf.constant(True)])
+    tf.cond(finite, finite_step, skipped_step)
     return optimizer.iterations
 
 
