@@ -20,6 +20,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import compression
 from tfhybrid import distributed
@@ -30,6 +31,7 @@ from tests import test_distributed_embedding as de
 
 # four ranks only: they cover 1x4 (the 1D route a 1x2 mesh takes) and 2x2
 HOROVOD_NP = (4,)
+KERAS = (2, 3)
 
 LOCAL_BATCH = 4
 
@@ -46,7 +48,8 @@ class _Model(tf.keras.Model):
     """test_distributed_embedding's model (every kind of placement) with a DCT option."""
 
     def __init__(self, tables, mesh, dct=None, dtype=None, thresholds=None):
-        super().__init__()
+        # Keras 3 name scopes refuse the "__model" its class name would give
+        super().__init__(name="dct_model")
         self.embedding = DistributedEmbedding(
             [Embedding(rows, dim, combiner=c, name=name) if c else
              tf.keras.layers.Embedding(rows, dim, name=name)
@@ -339,6 +342,22 @@ class BytesTest(tf.test.TestCase):
                 mesh_lib.reset()
 
 
+def _scaled_loss(optimizer, loss):
+    """Keras 2's LossScaleOptimizer scales with ``get_scaled_loss``, Keras 3's optimizers
+    (a LossScaleOptimizer, or any with a ``loss_scale_factor``) with ``scale_loss``."""
+    if _tf_internals.KERAS_3:
+        return optimizer.scale_loss(loss)
+    return optimizer.get_scaled_loss(loss)
+
+
+def _to_apply(optimizer, grads):
+    """Keras 2's LossScaleOptimizer applies unscaled gradients; Keras 3's optimizers take
+    the gradients of the scaled loss and unscale them in ``apply_gradients``."""
+    if _tf_internals.KERAS_3:
+        return grads
+    return optimizer.get_unscaled_gradients(grads)
+
+
 class LossScaleTest(tf.test.TestCase):
 
     def tearDown(self):
@@ -353,19 +372,23 @@ class LossScaleTest(tf.test.TestCase):
         for scaled in (False, True):
             w = tf.Variable(tf.zeros([300]), name=f"w{int(scaled)}")
             optimizer = tf.keras.optimizers.SGD(0.5)
-            if scaled:
+            if scaled and _tf_internals.KERAS_3:
+                # Keras 3's fixed loss scale is the optimizer's own (its
+                # LossScaleOptimizer is dynamic only)
+                optimizer = tf.keras.optimizers.SGD(0.5, loss_scale_factor=1024.0)
+            elif scaled:
                 optimizer = tf.keras.mixed_precision.LossScaleOptimizer(
                     optimizer, dynamic=False, initial_scale=1024.0)
             for g in grads:
                 with tf.GradientTape() as tape:
                     loss = tf.reduce_sum(w * g[mesh.rank])
                     if scaled:
-                        loss = optimizer.get_scaled_loss(loss)
+                        loss = _scaled_loss(optimizer, loss)
                 tape = tfhybrid.DistributedGradientTape(
                     tape, optimizer=optimizer, dct=DCT(dp_keep=0.05, refresh_every=4))
                 synced = tape.gradient(loss, [w])
                 if scaled:
-                    synced = optimizer.get_unscaled_gradients(synced)
+                    synced = _to_apply(optimizer, synced)
                 optimizer.apply_gradients(zip(synced, [w]))
             results.append(w.numpy())
         self.assertAllEqual(results[0], results[1])
@@ -384,15 +407,16 @@ class LossScaleTest(tf.test.TestCase):
             if step == 1 and mesh.rank == 0:
                 grad[7] = np.inf            # only rank 0 overflows
             with tf.GradientTape() as tape:
-                loss = optimizer.get_scaled_loss(tf.reduce_sum(w * grad))
+                loss = _scaled_loss(optimizer, tf.reduce_sum(w * grad))
             tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer, dct=dct)
-            synced = optimizer.get_unscaled_gradients(tape.gradient(loss, [w]))
+            synced = _to_apply(optimizer, tape.gradient(loss, [w]))
             optimizer.apply_gradients(zip(synced, [w]))
             residuals.append(distributed.route_of(optimizer).thresholder.residual(w).numpy())
         # the skipped step left every rank's residual (what waits to be sent) as it was
         self.assertGreater(np.abs(residuals[0]).max(), 0)
         self.assertAllEqual(residuals[1], residuals[0])
-        self.assertEqual(float(optimizer.loss_scale), 4.0)   # the step was skipped
+        scale = optimizer.dynamic_scale if _tf_internals.KERAS_3 else optimizer.loss_scale
+        self.assertEqual(float(scale), 4.0)   # the step was skipped
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
@@ -12,6 +13,25 @@ from tests import _hybrid_case as hc
 
 # four ranks only: they cover 1x4 (the 1D route a 1x2 mesh takes) and 2x2
 HOROVOD_NP = (4,)
+KERAS = (2, 3)
+
+
+def _loss_scale(optimizer):
+    """The factor a LossScaleOptimizer scales losses by now: Keras 2 calls it
+    ``loss_scale``; Keras 3 ``dynamic_scale``, a variable its build makes (before it, the
+    scale is ``initial_scale``)."""
+    if not _tf_internals.KERAS_3:
+        return float(optimizer.loss_scale)
+    return float(optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale)
+
+
+def _as_applied(optimizer, grads):
+    """Unscaled gradients as a LossScaleOptimizer's ``apply_gradients`` takes them: Keras 2
+    takes them unscaled; Keras 3 takes the gradients of the scaled loss and unscales them
+    itself."""
+    if not _tf_internals.KERAS_3:
+        return grads
+    return grads * _loss_scale(optimizer)
 
 
 def _world():
@@ -86,14 +106,14 @@ class MixedPrecisionTest(tf.test.TestCase):
         optimizer = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), mesh=mesh)
         self.assertIsInstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
         w = tf.Variable([1.0, 2.0])
-        start_scale = float(optimizer.loss_scale)
+        start_scale = _loss_scale(optimizer)
         # only the last rank overflows; every rank must skip and lower its scale
         bad = float("inf") if mesh.rank == mesh.size - 1 else 1.0
-        optimizer.apply_gradients([(tf.constant([bad, 1.0]), w)])
+        optimizer.apply_gradients([(_as_applied(optimizer, tf.constant([bad, 1.0])), w)])
         self.assertAllEqual(w, [1.0, 2.0])
-        scales = hvd.allgather_object(float(optimizer.loss_scale))
+        scales = hvd.allgather_object(_loss_scale(optimizer))
         self.assertEqual(scales, [start_scale / 2] * mesh.size)
-        optimizer.apply_gradients([(tf.constant([1.0, 1.0]), w)])
+        optimizer.apply_gradients([(_as_applied(optimizer, tf.constant([1.0, 1.0])), w)])
         self.assertAllClose(w, [0.9, 1.9])
 
     def test_fit_loss_in_16_bits_stays_close_to_float32(self):
@@ -106,7 +126,8 @@ class MixedPrecisionTest(tf.test.TestCase):
             embedded = DistributedEmbedding(
                 [Embedding(24, 8, combiner="sum", name="a"),
                  Embedding(100, 8, combiner="mean", name="b")], mesh=mesh)(ids)
-            hidden = tf.keras.layers.Dense(16, activation="relu")(tf.concat(embedded, axis=1))
+            hidden = tf.keras.layers.Dense(16, activation="relu")(
+                tf.keras.layers.Concatenate(axis=1)(embedded))
             logits = tf.keras.layers.Dense(1)(hidden)
             logits = tf.keras.layers.Activation("linear", dtype="float32")(logits)
             model = tf.keras.Model(ids, logits)
@@ -172,7 +193,7 @@ class MixedPrecisionTest(tf.test.TestCase):
                 trace = []  # (loss, loss scale, iterations) after each batch
 
                 def after_batch(batch, logs, trace=trace, optimizer=optimizer):
-                    trace.append((float(logs["loss"]), float(optimizer.loss_scale),
+                    trace.append((float(logs["loss"]), _loss_scale(optimizer),
                                   int(optimizer.iterations)))
 
                 record = tf.keras.callbacks.LambdaCallback(on_train_batch_end=after_batch)
@@ -183,7 +204,10 @@ class MixedPrecisionTest(tf.test.TestCase):
                 self.assertTrue(all(np.isfinite(loss) for loss, _, _ in trace), trace)
                 # one skip, on every rank: the scale halves once and never grows back
                 self.assertEqual([s for _, s, _ in trace], [2.0**14] * steps)
-                self.assertEqual([i for _, _, i in trace], list(range(1, steps + 1)))
+                # Keras 2's LossScaleOptimizer counts a skipped step in iterations,
+                # Keras 3's counts the applied ones
+                first = 0 if _tf_internals.KERAS_3 else 1
+                self.assertEqual([i for _, _, i in trace], list(range(first, steps + first)))
                 full_table, = model.layers[1].get_weights(all_ranks=True)
                 dense = model.layers[2].get_weights()
                 everyone = hvd.allgather_object((full_table, dense, trace))
@@ -231,9 +255,11 @@ class MixedPrecisionTest(tf.test.TestCase):
                 with tf.GradientTape() as tape:
                     loss = hc.loss_fn(labels, reference(ids))
                     if policy == "mixed_float16":
-                        loss = optimizer.get_scaled_loss(loss)
+                        loss = (optimizer.scale_loss(loss) if _tf_internals.KERAS_3
+                                else optimizer.get_scaled_loss(loss))
                 grads = tape.gradient(loss, reference.trainable_variables)
-                if policy == "mixed_float16":
+                if policy == "mixed_float16" and not _tf_internals.KERAS_3:
+                    # Keras 3's LossScaleOptimizer unscales in apply_gradients
                     grads = optimizer.get_unscaled_gradients(grads)
                 optimizer.apply_gradients(zip(grads, reference.trainable_variables))
             for model_parallel in meshes[policy]:

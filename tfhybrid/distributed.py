@@ -735,7 +735,11 @@ class GradientRoute:
         What the first step makes (both optimizers' slots, accumulators, residuals) is
         made eagerly and marked so (``_made_eagerly``): the step is traced once.
         """
-        pairs = list(grads_and_vars)
+        # before the eager mark: a Keras 3 loss-scale optimizer first built here, inside
+        # a traced step, must make TF trace the step again, since the step scaled its
+        # loss by the constant initial scale (scale_loss before build) and the next
+        # trace reads the scale variable
+        pairs = _unscaled(optimizer, list(grads_and_vars))
         with tf.variable_creator_scope(_made_eagerly):
             if self.backward_passes_per_step > 1:
                 return self._accumulate_then_apply(optimizer, apply_fn, pairs, args, kwargs)
@@ -762,7 +766,8 @@ class GradientRoute:
                             _clip_settings(owner), mesh)
             group_pairs = list(zip(clipped, [variables[i] for i in members]))
             if owner is optimizer:
-                results.append(apply_group(group_pairs, *args, **kwargs))
+                results.append(_tf_internals.apply_unscaled(optimizer, apply_group,
+                                                            group_pairs, *args, **kwargs))
             else:
                 results.append(self._apply_unless_skipped(optimizer, apply_group,
                                                           group_pairs))
@@ -861,6 +866,25 @@ class GradientRoute:
         return tf.cond(finite, step, lambda: tf.constant(False))
 
 
+def _unscaled(optimizer: Any, pairs: list) -> list:
+    """``pairs`` with each gradient divided by the loss scale it carries into
+    ``optimizer.apply_gradients``: Keras 3 hands an optimizer the gradients of the scaled
+    loss (Keras 2 unscaled ones). Unscaled first, the route syncs, votes, thresholds and
+    clips the same gradients under both Kerases, and ``_tf_internals.apply_unscaled``
+    applies them without a second division. A tape's tag stays on."""
+    scale = _tf_internals.applied_gradient_scale(optimizer, [v for _, v in pairs])
+    if scale is None:
+        return pairs
+    scale = tf.convert_to_tensor(scale)
+    out = []
+    for grad, var in pairs:
+        if grad is not None:
+            unscaled = _map_values(grad, lambda v: v / tf.cast(scale, v.dtype))
+            grad = _mark_synced(unscaled) if _is_synced(grad) else unscaled
+        out.append((grad, var))
+    return out
+
+
 # ------------------------------------------------------------------ tape
 class DistributedGradientTape:
     """Wraps a ``tf.GradientTape`` so ``gradient`` returns gradients synced over the mesh.
@@ -930,7 +954,6 @@ class DistributedGradientTape:
                 "optimizer too (DistributedGradientTape(tape, optimizer=opt, dct=...)), so "
                 "the residuals live as long as it does")
         if optimizer is not None:
-            _refuse_keras_3_loss_scaling(optimizer)
             _route_optimizer(optimizer, mesh)
         # the optimizer's own route where it has one, so both halves share one object
         self._route = route_of(optimizer) or GradientRoute(mesh)
@@ -952,9 +975,9 @@ class DistributedGradientTape:
         loss_scale = None
         if self._optimizer is not None:
             loss_scaling = _is_loss_scaling(self._optimizer)
-            if loss_scaling:
-                # a tape's gradients are those of the scaled loss
-                loss_scale = self._optimizer.loss_scale
+            # a tape's gradients are those of the scaled loss (Keras 3: also of a fixed
+            # loss_scale_factor, which skips no step)
+            loss_scale = _tf_internals.loss_scale(self._optimizer)
         else:
             loss_scaling = tf.keras.mixed_precision.global_policy().name == "mixed_float16"
         flat_grads = self._route.sync(tf.nest.flatten(grads), flat_sources, loss_scaling,
@@ -970,20 +993,6 @@ class DistributedGradientTape:
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
-
-
-def _refuse_keras_3_loss_scaling(optimizer: Any) -> None:
-    """fp16 loss scaling runs through Keras 2's LossScaleOptimizer (every rank agrees on
-    each skipped step); Keras 3's has another interface, not routed yet: refused, named,
-    rather than left to skip on one rank alone."""
-    if _tf_internals.KERAS_3 and (
-            _is_loss_scaling(optimizer)
-            or tf.keras.mixed_precision.global_policy().name == "mixed_float16"):
-        raise ValueError(
-            f"optimizer={optimizer!r} under the "
-            f"{tf.keras.mixed_precision.global_policy().name!r} policy: tfhybrid scales "
-            "fp16 losses with Keras 2's LossScaleOptimizer only; with Keras 3 as tf.keras "
-            "use 'mixed_bfloat16' (no loss scaling), or Keras 2 (TF_USE_LEGACY_KERAS=1)")
 
 
 def _keep_table_state_in_checkpoints(optimizer: Any) -> None:
@@ -1069,7 +1078,11 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
     Works in custom loops and in ``model.fit`` (which calls ``apply_gradients``). Under
     the ``mixed_float16`` policy it wraps the optimizer in a ``LossScaleOptimizer`` first
     (as ``model.compile`` would), and all ranks skip a step together when any rank's
-    gradients overflow. ``embedding_optimizer`` (row-wise AdaGrad, say) then applies the
+    gradients overflow. Its ``apply_gradients`` takes gradients as the Keras in use
+    hands them to a LossScaleOptimizer: Keras 2 unscaled (``get_unscaled_gradients``),
+    Keras 3 those of ``scale_loss(loss)`` (also of a fixed ``loss_scale_factor``); the
+    route unscales Keras 3's first, so both Kerases sync, clip and skip the same
+    gradients. ``embedding_optimizer`` (row-wise AdaGrad, say) then applies the
     gradients of ``DistributedEmbedding``'s tables, and ``optimizer`` those of every
     other variable; each clips with its own settings over its own variables.
 
@@ -1129,7 +1142,6 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
         raise ValueError("optimizer is already a tfhybrid.DistributedOptimizer")
     if not hasattr(optimizer, "apply_gradients") or not hasattr(optimizer, "get_config"):
         raise ValueError(f"optimizer={optimizer!r} is not a Keras optimizer")
-    _refuse_keras_3_loss_scaling(optimizer)
     if (tf.keras.mixed_precision.global_policy().name == "mixed_float16"
             and not _is_loss_scaling(optimizer)):
         # Keras would wrap us in a loss-scale optimizer whose skip decision is local;

@@ -127,7 +127,11 @@ class _Stepping:
 
 
 def phase_of(layer: Any) -> _Routing | _Stepping | None:
-    """What ``layer`` is called for: None (a plain call), a read-ahead or a step."""
+    """What ``layer`` is called for: None (a plain call), a read-ahead or a step. A call
+    on symbolic tensors (Keras 3 building a model on its first call, inside the
+    read-ahead's forward) is a plain call: its ops never run."""
+    if _tf_internals.in_symbolic_call():
+        return None
     return getattr(_STATE, "phase", None)
 
 
@@ -241,7 +245,8 @@ class TrainPipeline:
             lambda batch: tf.keras.utils.unpack_x_y_sample_weight(batch)[0])
         # found by their class (a layer's route exists once it is built, and a subclassed
         # model builds its layers on the first batch)
-        self._layers = [m for m in model.submodules if hasattr(type(m), "route")]
+        self._layers = [m for m in _tf_internals.layers_in(model)
+                        if hasattr(type(m), "route")]
         # (iterator, batch t and its routed ids, batch t+1 and what its route sends)
         self._pending: tuple | None = None
         self._last_batch = None   # stands in for a batch once this rank's input ended

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
+
 
 def flatten_and_concat(outputs: Sequence[tf.Tensor]) -> tf.Tensor:
     """Joins per-feature embeddings ([b, d] or [b, h, d]) into one [b, sum] tensor."""
@@ -38,17 +40,16 @@ def click_train_step(embedding: tf.keras.layers.Layer, head: tf.keras.layers.Lay
         loss = click_train_step(embedding, tf.keras.layers.Dense(1), optimizer,
                                 [tf.constant([[1, 2]])], tf.constant([[1.0]]))
     """
-    scaling = isinstance(optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
     with tf.GradientTape() as tape:
         outputs = embedding(ids)                     # ids -> alltoall -> lookup -> alltoall
         logits = head(flatten_and_concat(outputs))   # dense towers
         loss = tf.reduce_mean(tf.keras.losses.binary_crossentropy(
             labels, tf.cast(logits, tf.float32), from_logits=True))
         # fp16 gradients underflow without loss scaling
-        target = optimizer.get_scaled_loss(loss) if scaling else loss
+        target = _tf_internals.scaled_loss(optimizer, loss)
     variables = embedding.trainable_variables + head.trainable_variables
     grads = tape.gradient(target, variables)         # backward alltoalls to the owners
-    if scaling:
-        grads = optimizer.get_unscaled_gradients(grads)
+    # Keras 2's loss-scale optimizer takes them unscaled, Keras 3's unscales them itself
+    grads = _tf_internals.gradients_to_apply(optimizer, grads)
     optimizer.apply_gradients(zip(grads, variables))  # allreduce over the mesh, then update
     return loss
