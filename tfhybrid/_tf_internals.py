@@ -332,8 +332,10 @@ def rows_once(optimizer: Any, grads_and_vars: list) -> list:
     slices, that is on the mesh (an allgather of the ranks' rows repeats rows). In Keras 3
     each ``IndexedSlices`` gets each row once, summed, unless the optimizer sums them
     itself (it defines ``_deduplicate_sparse_grad``, as tfhybrid's row-wise ones do, in
-    float32); in Keras 2 the pairs are returned as they are."""
-    if not KERAS_3 or hasattr(optimizer, "_deduplicate_sparse_grad"):
+    float32; a loss-scale optimizer is asked about the one it wraps); in Keras 2 the pairs
+    are returned as they are."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not KERAS_3 or hasattr(inner, "_deduplicate_sparse_grad"):
         return list(grads_and_vars)
     out = []
     for grad, variable in grads_and_vars:
