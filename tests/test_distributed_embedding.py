@@ -11,6 +11,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import cost_model
@@ -20,6 +21,7 @@ from tfhybrid.layers import DistributedEmbedding, Embedding
 # four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
 # two ranks would only repeat them at a smaller size
 HOROVOD_NP = (1, 4)
+KERAS = (2, 3)
 
 LOCAL_BATCH = 4
 STEPS = 5
@@ -92,7 +94,8 @@ class _Reference(tf.keras.Model):
     """Plain Keras Embedding layers + combine + Dense, on the global batch."""
 
     def __init__(self, tables):
-        super().__init__()
+        # named: Keras 3 refuses a name scope "__reference" (from the class name) in a graph
+        super().__init__(name="reference")
         self.tables = [tf.keras.layers.Embedding(rows, dim, name=name)
                        for name, rows, dim, _ in tables]
         self.combiners = [c for *_, c in tables]
@@ -121,7 +124,7 @@ class _Reference(tf.keras.Model):
 
 class _Distributed(tf.keras.Model):
     def __init__(self, tables, mesh):
-        super().__init__()
+        super().__init__(name="distributed")
         self.embedding = DistributedEmbedding(
             [Embedding(rows, dim, combiner=c, name=name) if c else
              tf.keras.layers.Embedding(rows, dim, name=name)
@@ -133,6 +136,16 @@ class _Distributed(tf.keras.Model):
         outs = self.embedding(inputs)
         flat = tf.concat([tf.reshape(o, [tf.shape(o)[0], -1]) for o in outs], axis=1)
         return self.head(flat)
+
+
+def _rows_once(grad):
+    """``grad`` with each row of a sparse gradient once (its duplicates summed)."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    rows, position = tf.unique(grad.indices)
+    return tf.IndexedSlices(tf.math.unsorted_segment_sum(grad.values, position,
+                                                         tf.size(rows)),
+                            rows, grad.dense_shape)
 
 
 def logistic_loss(labels, logits):
@@ -184,7 +197,10 @@ class ParityTest(tf.test.TestCase):
         if optimizer_name == "sgd":
             make = lambda: tf.keras.optimizers.SGD(learning_rate=0.5)  # noqa: E731
         else:
-            make = lambda: tf.keras.optimizers.legacy.Adagrad(learning_rate=0.3)  # noqa: E731
+            # Keras 2's legacy Adagrad (DE's scripts use it); Keras 3 has one Adagrad
+            adagrad = (tf.keras.optimizers.Adagrad if _tf_internals.KERAS_3
+                       else tf.keras.optimizers.legacy.Adagrad)
+            make = lambda: adagrad(learning_rate=0.3)  # noqa: E731
         ref_opt = make()
         dist_opt = tfhybrid.DistributedOptimizer(make(), mesh=mesh)
 
@@ -192,6 +208,11 @@ class ParityTest(tf.test.TestCase):
             with tf.GradientTape() as tape:
                 loss = logistic_loss(labels, reference(inputs))
             grads = tape.gradient(loss, reference.trainable_variables)
+            if _tf_internals.KERAS_3:
+                # Keras 2's optimizers sum a sparse gradient's duplicate rows before the
+                # update; Keras 3's update each duplicate on its own, which for Adagrad
+                # is another update (the square of a sum is not the sum of squares)
+                grads = [_rows_once(g) for g in grads]
             ref_opt.apply_gradients(zip(grads, reference.trainable_variables))
             return loss
 

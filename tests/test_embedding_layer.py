@@ -21,6 +21,8 @@ from tfhybrid.layers import (ConcatEmbedding, ConcatOneHotEmbedding, CPUInitiali
                              IntegerLookup)
 from tfhybrid.layers import embedding as embedding_module
 
+KERAS = (2, 3)
+
 TABLE = np.array([[1., 2.], [3., 4.], [5., 6.]], np.float32)
 FUSED_OP = "ResourceEmbeddingLookupCombine"
 
@@ -243,6 +245,8 @@ class ConcatOneHotEmbeddingTest(tf.test.TestCase):
             self.assertAllEqual(out, params[ids + offsets[:-1]])
             self.assertAllEqual(layer(ids.astype(np.int64)), out)
             self.assertAllEqual(layer(ids.astype(np.float32)), out)
+            self.assertEqual(FUSED_OP in _graph_op_types(layer, ids),
+                             kernel and custom_ops.custom_ops_available())
 
     def test_gradient_reaches_only_the_looked_up_rows(self):
         layer = ConcatOneHotEmbedding([2, 3], 2)

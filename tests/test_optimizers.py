@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+from tfhybrid import _tf_internals
 from tfhybrid import roles
 from tfhybrid.custom_ops import custom_ops_available
 from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad, RowWiseAdagrad
@@ -23,6 +24,7 @@ _DISABLED = os.environ.get("TFHYBRID_DISABLE_CUSTOM_OPS", "").strip().lower() in
     "1", "true", "yes")
 _PATHS = (("kernel", True), ("pure_tf", False))
 _ATOL = _RTOL = 1e-6
+KERAS = (2, 3)
 
 
 def _require_path(test: tf.test.TestCase, use_custom_op: bool) -> None:
@@ -281,7 +283,14 @@ class RowWiseAdagradNumericsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsNone(opt.weight_decay)  # the Keras base must not decay all rows
         self.assertEqual(opt.rowwise_weight_decay, 0.3)
         self.assertEqual(opt.get_config()["weight_decay"], 0.3)
-        self.assertFalse(opt.jit_compile)
+        if _tf_internals.KERAS_3:
+            # Keras 3 optimizers have no jit_compile (they compile with the model's step);
+            # a Keras 2 config that names it still loads
+            self.assertNotIn("jit_compile", opt.get_config())
+            clone = RowWiseAdagrad.from_config(dict(opt.get_config(), jit_compile=False))
+            self.assertEqual(clone.get_config(), opt.get_config())
+        else:
+            self.assertFalse(opt.jit_compile)
 
     def test_bad_momentum_scale_attribute(self):
         var = tf.Variable(tf.ones([4, 2]))
@@ -316,8 +325,10 @@ class ConfigAndValidationTest(tf.test.TestCase):
         config = opts[0].get_config()
         self.assertEqual((config["learning_rate"], config["initial_accumulator_value"],
                           config["epsilon"], config["weight_decay"], config["use_custom_op"],
-                          config["name"], config["clipnorm"], config["jit_compile"]),
-                         (0.25, 0.5, 1e-3, 0.01, False, "rw", 2.0, False))
+                          config["name"], config["clipnorm"]),
+                         (0.25, 0.5, 1e-3, 0.01, False, "rw", 2.0))
+        # Keras 3 optimizers have no jit_compile: the model's compile decides
+        self.assertEqual(config.get("jit_compile"), None if _tf_internals.KERAS_3 else False)
         self.assertEqual(opts[2].get_config()["momentum_scale"], 4.0)
         self.assertIsNone(opts[3].get_config()["momentum_scale"])
         # a schedule survives the round trip as the schedule, not its current value
@@ -341,6 +352,154 @@ class ConfigAndValidationTest(tf.test.TestCase):
         for cls, kwargs, text in bad:
             with self.assertRaisesRegex(ValueError, re.escape(text), msg=str(kwargs)):
                 cls(**kwargs)
+
+
+# ------------------------------------------------ the same update in Keras 2 and 3
+class _Weights(tf.keras.layers.Layer):
+    """Keras weights holding given values: what ``fit`` hands an optimizer (in Keras 3 a
+    ``keras.Variable`` around a ``tf.Variable``, in Keras 2 a ``tf.Variable``)."""
+
+    def __init__(self, values: dict, **kwargs):
+        super().__init__(**kwargs)
+        self.values = values
+        self.by_name = {}
+
+    def build(self, input_shape=None):
+        for name, value in self.values.items():
+            weight = self.add_weight(name=name, shape=value.shape, dtype=value.dtype.name,
+                                     initializer="zeros")
+            weight.assign(value)
+            self.by_name[name] = weight
+        self.built = True
+
+
+def _updates_of_every_path() -> dict:
+    """Every value and accumulator after each step of each update path of the row-wise
+    optimizers (sparse and dense 2-D, element-wise, float16 gradients, float64 tables,
+    weight decay, momentum scale by argument and by role, a schedule; eager and traced;
+    C++ kernel and pure TF), with the Keras this process runs. Same inputs every run."""
+    out = {}
+    for path, use_op in _PATHS:
+        if use_op and _DISABLED:
+            continue
+        rng = np.random.default_rng(21)
+        values = {"table": rng.normal(size=(_ROWS, _DIM)).astype(np.float32),
+                  "dense": rng.normal(size=(_ROWS, _DIM)).astype(np.float32),
+                  "wide": rng.normal(size=(_ROWS, _DIM)),   # float64
+                  "bias": rng.normal(size=[6]).astype(np.float32),
+                  "scalar": np.float32(1.5) * np.ones([], np.float32),
+                  "kernel": rng.normal(size=[3, 2, 2]).astype(np.float32)}
+        for name, value in values.items():
+            out[f"{path}/initial/{name}"] = value
+        holder = _Weights(values)
+        holder.build()
+        w = holder.by_name
+        roles.assign(w["dense"], momentum_scale=2.0)
+        schedule = tf.keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1,
+                                                                  decay_rate=0.5)
+        optimizers = {
+            "table": RowWiseAdagrad(0.05, initial_accumulator_value=0.1, epsilon=1e-3,
+                                    weight_decay=0.2, use_custom_op=use_op),
+            "table_fp16": MomentumScaledRowWiseAdagrad(0.05, epsilon=1e-3, weight_decay=0.05,
+                                                       momentum_scale=4.0,
+                                                       use_custom_op=use_op),
+            "dense": MomentumScaledRowWiseAdagrad(0.05, initial_accumulator_value=0.5,
+                                                  epsilon=1e-3, weight_decay=0.1,
+                                                  use_custom_op=use_op),
+            "wide": RowWiseAdagrad(0.05, epsilon=1e-3, weight_decay=0.1,
+                                   use_custom_op=use_op),
+            "others": MomentumScaledRowWiseAdagrad(0.1, initial_accumulator_value=0.1,
+                                                   epsilon=1e-3, weight_decay=0.05,
+                                                   momentum_scale=4.0, use_custom_op=use_op),
+            "schedule": RowWiseAdagrad(schedule, epsilon=1e-3, use_custom_op=use_op),
+        }
+        for step in range(4):
+            ids, vals = _sparse_batches(rng, 1, np.float32)[0]
+            shape = tf.constant([_ROWS, _DIM], tf.int64)
+            sparse = tf.IndexedSlices(tf.constant(vals), tf.constant(ids), shape)
+            half = tf.IndexedSlices(tf.constant(vals.astype(np.float16)), tf.constant(ids),
+                                    shape)
+            wide = tf.IndexedSlices(tf.constant(vals.astype(np.float64)), tf.constant(ids),
+                                    shape)
+            dense = rng.normal(size=(_ROWS, _DIM)).astype(np.float32)
+            dense[0] = 0
+            k_vals = rng.normal(size=[3, 2, 2]).astype(np.float32)
+            applies = {
+                "table": [(sparse, "table")],
+                "table_fp16": [(half, "table")],
+                "dense": [(tf.constant(dense), "dense")],
+                "wide": [(wide, "wide")],
+                "others": [(tf.constant(rng.normal(size=[6]).astype(np.float32)), "bias"),
+                           (tf.constant(np.float32(rng.normal())), "scalar"),
+                           (tf.IndexedSlices(tf.constant(k_vals), tf.constant([2, 0, 2]),
+                                             tf.constant([3, 2, 2])), "kernel")],
+                "schedule": [(sparse, "table")],
+            }
+            for name, opt in optimizers.items():
+                pairs = [(grad, w[weight]) for grad, weight in applies[name]]
+                if step % 2:   # traced steps and eager steps alike
+                    tf.function(_applier(opt, pairs))()
+                else:
+                    opt.apply_gradients(pairs)
+                for (_, weight), (_, var) in zip(applies[name], pairs):
+                    key = f"{path}/{name}/{weight}/{step}"
+                    out[key + "/value"] = var.numpy()
+                    out[key + "/accumulator"] = opt.accumulator_of(var).numpy()
+        out[f"{path}/iterations"] = np.array([int(o.iterations.numpy())
+                                              for o in optimizers.values()])
+    return out
+
+
+def _applier(opt, pairs):
+    """A function applying ``pairs`` (closed over: a tf.function's arguments would turn
+    the weights into tensors)."""
+    return lambda: opt.apply_gradients(pairs)
+
+
+def _dump_updates(path: str) -> None:
+    np.savez(path, **_updates_of_every_path())
+
+
+class SameUpdateInBothKerasesTest(tf.test.TestCase):
+    """Keras 2 (tf-keras) and Keras 3 give the same update, bit for bit: each runs every
+    path of the row-wise optimizers on the same inputs in its own process."""
+
+    def test_keras_2_and_keras_3_updates_are_bitwise_equal(self):
+        import subprocess
+        import sys
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        folder = self.get_temp_dir()
+        jobs = {}
+        for keras, legacy in ((2, "1"), (3, "0")):
+            env = dict(os.environ, TF_USE_LEGACY_KERAS=legacy,
+                       PYTHONPATH=os.pathsep.join(
+                           [root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+            path = os.path.join(folder, f"keras{keras}.npz")
+            code = ("import sys, tests.test_optimizers as t; "
+                    "from tfhybrid import _tf_internals as i; "
+                    f"assert i.KERAS_MAJOR == {keras}, i.KERAS_MAJOR; "
+                    "t._dump_updates(sys.argv[1])")
+            jobs[keras] = (path, subprocess.Popen(
+                [sys.executable, "-c", code, path], cwd=root, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for keras, (path, job) in jobs.items():
+            log, _ = job.communicate(timeout=300)
+            self.assertEqual(job.returncode, 0, f"Keras {keras}:\n{log[-4000:]}")
+        keras2, keras3 = (np.load(jobs[k][0]) for k in (2, 3))
+        self.assertEqual(sorted(keras2.files), sorted(keras3.files))
+        self.assertGreater(len(keras2.files), 100)
+        for key in keras2.files:
+            a, b = keras2[key], keras3[key]
+            self.assertEqual((a.dtype, a.shape), (b.dtype, b.shape), key)
+            self.assertEqual(a.tobytes(), b.tobytes(),
+                             f"{key}: Keras 2 {a.ravel()[:6]} != Keras 3 {b.ravel()[:6]}")
+        # every path changed its values (else equality would say nothing)
+        last = [k for k in keras2.files if k.endswith("/3/value")]
+        self.assertLen(last, 2 * 8 if custom_ops_available() and not _DISABLED else 8)
+        for key in last:
+            path, _, weight = key.split("/")[:3]
+            self.assertFalse(np.array_equal(keras2[key], keras2[f"{path}/initial/{weight}"]),
+                             key)
 
 
 def _tiny_model(seed: int) -> tf.keras.Model:

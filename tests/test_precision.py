@@ -11,6 +11,8 @@ from tfhybrid.train import precision
 from tfhybrid.train.precision import GemmSpeed
 from tests.test_train_app import COMMON_FLAGS, _cli
 
+KERAS = (2, 3)
+
 
 def _speed(float32_ms, half_ms, dtype="bfloat16"):
     return GemmSpeed(dtype, (512, 64, 64), float32_ms, half_ms)

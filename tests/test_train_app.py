@@ -19,10 +19,12 @@ import numpy as np
 import tensorflow as tf
 
 from tests.runner import TEST_ENV
+from tfhybrid._tf_internals import KERAS_MAJOR
 
 # it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
 # modules only
 STARTS_JOBS = True
+KERAS = (2, 3)
 
 # The module starts several jobs of the app (most with 4 ranks on 2 cores): 559 s
 # measured on a slow day, past the runner's default limit of 480 s.
@@ -53,9 +55,15 @@ FIITED_FLAGS = ["--fiited_target=0.5", "--fiited_chunks=4", "--fiited_every=10",
                 "--fiited_ramp=30"]
 
 
-def _cli(flags, np_=1, timeout=420):
+def _cli(flags, np_=1, timeout=420, env_changes=None):
+    """Runs the app; ``env_changes`` sets variables (a value of None unsets one)."""
     env = dict(os.environ, **TEST_ENV)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    for name, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     command = [PYTHON, "-m", "tfhybrid.train"] + flags
     if np_ > 1:
         command = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
@@ -82,7 +90,8 @@ def _side_by_side(jobs):
     they already fill the cores.
     """
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(_cli, flags) for name, flags in jobs.items()}
+        futures = {name: pool.submit(_cli, *job) if isinstance(job, tuple)
+                   else pool.submit(_cli, job) for name, job in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -97,15 +106,20 @@ class TrainAppTest(tf.test.TestCase):
         # started here, in the order its inputs exist; each test still checks its own
         # job's exit code and output. First the one-process jobs that need nothing:
         # the "one" run, its tiered twin and the bad flags.
+        # "one" chooses this module's Keras by --keras, TF_USE_LEGACY_KERAS unset;
+        # "keras_conflict" asks for the other Keras than TF_USE_LEGACY_KERAS does
         cls.jobs = _side_by_side({
-            "one": COMMON_FLAGS + [f"--metrics_json={work}/one.json",
-                                   f"--export_dir={work}/one_export",
-                                   f"--checkpoint_dir={work}/one_ckpt"],
+            "one": (COMMON_FLAGS + [f"--metrics_json={work}/one.json",
+                                    f"--export_dir={work}/one_export",
+                                    f"--checkpoint_dir={work}/one_ckpt",
+                                    f"--keras={KERAS_MAJOR}"], 1, 420,
+                    {"TF_USE_LEGACY_KERAS": None}),
             "tiered": COMMON_FLAGS + [f"--dram_budget={DRAM_BUDGET}",
                                       f"--store_dir={work}/tiered_store",
                                       f"--metrics_json={work}/tiered.json"],
             "bad_bottom": ["--model=dlrm", "--embedding_dim=16", "--bottom_mlp_dims=32,8"],
             "bad_top": ["--top_mlp_dims=8,x"],
+            "keras_conflict": (["--keras=3"], 1, 420, {"TF_USE_LEGACY_KERAS": "1"}),
         })
         cls.runs = {}
         cls._keep("one")
@@ -301,6 +315,18 @@ class TrainAppTest(tf.test.TestCase):
         self.assertAllClose(binary_run["auc"], tsv_run["auc"], atol=1e-6)
         self.assertAllClose(binary_run["logloss"], tsv_run["logloss"], atol=1e-6)
 
+    def test_keras_flag_chooses_keras_and_refuses_a_conflict(self):
+        # --keras chose this module's Keras where TF_USE_LEGACY_KERAS was unset
+        self.assertEqual(self.runs["one"][0]["keras"], KERAS_MAJOR)
+        self.assertIn(f"Keras {KERAS_MAJOR}", self.runs["one"][1])
+        # the user's setting wins over nothing: a conflict is refused, naming both values
+        done = self.jobs["keras_conflict"]   # --keras=3, TF_USE_LEGACY_KERAS=1
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("--keras=3 asks for Keras 3, but TF_USE_LEGACY_KERAS='1' asks for "
+                      "Keras 2", done.stderr)
+        # every other run took this module's Keras from TF_USE_LEGACY_KERAS
+        self.assertEqual(self.runs["mesh"][0]["keras"], KERAS_MAJOR)
+
     def test_bad_flags_name_the_value(self):
         done = self.jobs["bad_bottom"]   # --embedding_dim=16 --bottom_mlp_dims=32,8
         self.assertNotEqual(done.returncode, 0)
@@ -341,6 +367,32 @@ class TrainConfigTest(tf.test.TestCase):
                 TrainConfig(**values).validate()
         with self.assertRaisesRegex(ValueError, "batchsize"):
             config_from_dict({"batchsize": 4})
+
+    def test_sgd_updates_only_the_rows_a_sparse_gradient_names(self):
+        # the app's SGD scatters into the touched rows and keeps no state per table
+        from tfhybrid import mesh as mesh_lib
+        from tfhybrid.train.app import TrainConfig, distributed_optimizer
+        import tfhybrid
+        tfhybrid.init(model_parallel=1)
+        try:
+            table = tf.Variable(tf.ones([1000, 4]))
+            opt = distributed_optimizer(TrainConfig(optimizer="sgd", learning_rate=0.5))
+            grad = tf.IndexedSlices(tf.constant([[1.0, 2.0, 3.0, 4.0]] * 2),
+                                    tf.constant([3, 3]), tf.constant([1000, 4]))
+            @tf.function
+            def step():
+                opt.apply_gradients([(grad, table)])
+            ops = {op.type for op in step.get_concrete_function().graph.get_operations()}
+            self.assertTrue({"ResourceScatterAdd", "ResourceScatterSub"} & ops, sorted(ops))
+            step()
+            expected = np.ones([1000, 4], np.float32)
+            expected[3] -= 0.5 * 2 * np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+            self.assertAllEqual(table.numpy(), expected)
+            variables = opt.variables() if callable(opt.variables) else opt.variables
+            self.assertTrue(all(v.shape.num_elements() < 1000 for v in variables),
+                            [(v.name, v.shape) for v in variables])
+        finally:
+            mesh_lib.reset()
 
     def test_separate_optimizers_for_tables_and_dense_layers(self):
         from tfhybrid import mesh as mesh_lib

@@ -37,6 +37,9 @@ def _keras_major() -> int | None:
 # so this works after `import tensorflow` too). Where the user has not chosen, Keras 2
 # stays, as scripts written for tf-keras and distributed-embeddings expect; a user's
 # setting (TF_USE_LEGACY_KERAS=0 for Keras 3), or tf.keras used before this import, wins.
+# The user's own TF_USE_LEGACY_KERAS (None when unset), read before the default below
+# fills it in: the training app's --keras flag may choose only where the user did not.
+USER_LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS")
 if (_keras_major() or 0) >= 3:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 

@@ -764,7 +764,9 @@ class GradientRoute:
                 continue
             clipped = _clip([grads[i] for i in members], [variables[i] for i in members],
                             _clip_settings(owner), mesh)
-            group_pairs = list(zip(clipped, [variables[i] for i in members]))
+            # each sparse row once, as Keras 2's optimizers take them, whatever the mesh
+            group_pairs = _tf_internals.rows_once(
+                owner, list(zip(clipped, [variables[i] for i in members])))
             if owner is optimizer:
                 results.append(_tf_internals.apply_unscaled(optimizer, apply_group,
                                                             group_pairs, *args, **kwargs))

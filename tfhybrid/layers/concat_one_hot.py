@@ -106,8 +106,9 @@ class ConcatOneHotEmbedding(tf.keras.layers.Layer):
         index_dtype = tf.int64 if tf.int64 in (ids.dtype, self._index_dtype()) else tf.int32
         ids = self._check_ranges(tf.cast(ids, index_dtype))
         rows = ids + tf.constant(self._offsets_np[:-1], dtype=index_dtype)
+        # the tf.Variable inside a Keras 3 weight: the fused op reads a table by its handle
         out = custom_ops.embedding_lookup_combine(
-            self.params, rows, combiner=None, table_name=self.name,
+            _tf_internals.tf_variable(self.params), rows, combiner=None, table_name=self.name,
             use_custom_op=None if self.use_custom_kernel else False)
         return tf.cast(out, self.compute_dtype)
 

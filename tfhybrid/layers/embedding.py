@@ -203,6 +203,12 @@ class Embedding(tf.keras.layers.Embedding):
                                  f"{len(weights)} arrays")
             self.table.write_rows(0, weights[0])
             return None
+        if not self.built:
+            # The table's shape does not depend on the ids: Keras 2 builds the layer when
+            # a Sequential model takes it (its input_shape defaults to (None,)), Keras 3
+            # at the first call, so `Sequential([layer]); layer.set_weights(...)` works in
+            # both only if the layer builds here
+            self.build()
         return super().set_weights(weights)
 
     def adjust(self, target_memory: float | None = None) -> dict:
@@ -266,8 +272,13 @@ class Embedding(tf.keras.layers.Embedding):
         return None if self.use_custom_kernel else False
 
     def _params(self):
-        """What lookups read: the table, or a tiered table's cache (ids are its slots)."""
-        return self.table.cache if self.cache_rows is not None else self.embeddings
+        """What lookups read: the table, or a tiered table's cache (ids are its slots).
+        The ``tf.Variable`` itself, so that the fused op reads it by its handle (a Keras 3
+        weight wraps one, and a lookup given the wrapper would read a copy of the table
+        through plain TF ops); gradients still reach the weight, which shares the handle."""
+        if self.cache_rows is not None:
+            return self.table.cache
+        return _tf_internals.tf_variable(self.embeddings)
 
     def _lookup_flat(self, flat_ids):
         """[N] ids -> [N, output_dim] rows (no combine)."""

@@ -84,7 +84,9 @@ class IntegerLookup(tf.keras.layers.Layer):
                       "the CPU table (same mapping) and keeps frequency counts", self.name)
 
     def build(self, input_shape=None):
-        with tf.device("/CPU:0"):
+        # The table outlives the call that builds it (Keras 2 builds under init_scope,
+        # Keras 3 inside a tf.function's graph when first called there)
+        with tf.init_scope(), tf.device("/CPU:0"):
             # Keys map to 1..max_tokens; absent keys to the default, the OOV index.
             self.table = tf.lookup.experimental.DenseHashTable(
                 key_dtype=tf.int64, value_dtype=tf.int64, default_value=OOV_INDEX,

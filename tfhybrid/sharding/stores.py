@@ -58,7 +58,8 @@ class TableStore(Protocol):
 
 
 def _dense_bytes(variable: tf.Variable) -> dict[str, int]:
-    nbytes = int(np.prod(variable.shape)) * variable.dtype.size
+    # tf.as_dtype: a Keras 3 weight names its dtype by a string
+    nbytes = int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
     return {"embedding": nbytes, "dense": nbytes, "store": 0}
 
 

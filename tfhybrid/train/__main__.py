@@ -15,16 +15,68 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 from absl import app, flags
 
-from tfhybrid import mesh as mesh_lib
-from tfhybrid.train import app as train_app
-from tfhybrid.train import data as data_lib
-from tfhybrid.train.models import MODELS
+import tfhybrid
+
+# TensorFlow's own rule: these values make tf.keras Keras 2 (tf-keras), any other Keras 3
+_LEGACY_VALUES = ("true", "True", "1")
+KERAS_CHOICES = ("2", "3")
+
+
+def _keras_in_argv(argv: list[str]) -> str | None:
+    """The value of ``--keras`` on the command line (``--keras=3`` or ``--keras 3``),
+    read before absl parses it: the choice must be made before tf.keras is first used,
+    which the imports below do."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "--":
+            break
+        if arg.startswith("--keras="):
+            return arg.split("=", 1)[1]
+        if arg == "--keras" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def keras_conflict(keras: str | None, user_setting: str | None) -> str | None:
+    """Why ``--keras=keras`` cannot be honoured when the user set ``TF_USE_LEGACY_KERAS``
+    to ``user_setting`` (None: unset), or None when it can."""
+    if keras not in KERAS_CHOICES or user_setting is None:
+        return None
+    wanted = "2" if user_setting in _LEGACY_VALUES else "3"
+    if wanted == keras:
+        return None
+    return (f"--keras={keras} asks for Keras {keras}, but TF_USE_LEGACY_KERAS="
+            f"{user_setting!r} asks for Keras {wanted}; drop one of them or make them agree")
+
+
+def choose_keras(argv: list[str], environ: dict) -> None:
+    """Sets ``TF_USE_LEGACY_KERAS`` for ``--keras`` where the user did not set it (tfhybrid
+    fills in Keras 2 otherwise). A conflicting setting is left alone; ``main`` refuses it."""
+    keras = _keras_in_argv(argv)
+    # the user's own setting, before tfhybrid filled in its default
+    user_setting = tfhybrid.USER_LEGACY_KERAS
+    if keras in KERAS_CHOICES and user_setting is None:
+        environ["TF_USE_LEGACY_KERAS"] = "1" if keras == "2" else "0"
+
+
+choose_keras(sys.argv, os.environ)
+
+# pylint: disable=wrong-import-position: these import TensorFlow, after the Keras choice
+from tfhybrid import _tf_internals  # noqa: E402
+from tfhybrid import mesh as mesh_lib  # noqa: E402
+from tfhybrid.train import app as train_app  # noqa: E402
+from tfhybrid.train import data as data_lib  # noqa: E402
+from tfhybrid.train.models import MODELS  # noqa: E402
 
 _DEFAULTS = train_app.TrainConfig()
 
+flags.DEFINE_enum("keras", None, list(KERAS_CHOICES),
+                  "The Keras that tf.keras is: 2 (tf-keras) or 3. Sets TF_USE_LEGACY_KERAS "
+                  "(1 or 0) when it is unset; a different setting there is refused. Default: "
+                  "TF_USE_LEGACY_KERAS, or Keras 2 when it is unset.")
 flags.DEFINE_enum("model", _DEFAULTS.model, list(MODELS), "Model to train.")
 flags.DEFINE_enum("dataset", _DEFAULTS.dataset, list(data_lib.DATASETS), "Input data.")
 flags.DEFINE_string("data_dir", None, "Folder of the dataset's files (criteo_tsv: see "
@@ -143,6 +195,13 @@ def _ints(name: str) -> list[int]:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    conflict = keras_conflict(FLAGS.keras, tfhybrid.USER_LEGACY_KERAS)
+    if conflict:
+        raise app.UsageError(conflict)
+    if FLAGS.keras is not None and int(FLAGS.keras) != _tf_internals.KERAS_MAJOR:
+        # tf.keras was chosen before this module ran (main called from a program)
+        raise app.UsageError(f"--keras={FLAGS.keras} asks for Keras {FLAGS.keras}, but "
+                             f"tf.keras is already Keras {_tf_internals.KERAS_MAJOR}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     values = {f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(train_app.TrainConfig)}
     values["bottom_mlp_dims"] = _ints("bottom_mlp_dims")

@@ -345,17 +345,17 @@ def _dct_config(config: TrainConfig) -> dict | None:
 
 def _make_optimizer(name: str, lr: float):
     import tensorflow as tf
+    from tfhybrid import _tf_internals
     from tfhybrid import optimizers
     if name == "sgd":
-        # Keras 2.15's new SGD keeps a momentum slot for every variable even at momentum 0
-        # and updates it densely: a full pass over every table per step, and twice the
-        # memory. The legacy SGD scatters sparse gradients into the rows they touch.
-        return tf.keras.optimizers.legacy.SGD(lr)
+        # SGD that scatters sparse gradients into the rows they touch, with no slot: a
+        # dense update would pass over every table per step
+        return _tf_internals.scattering_sgd(lr)
+    # an XLA-compiled update copies the whole table around its scatter
     if name == "adagrad":
-        # an XLA-compiled update copies the whole table around its scatter
-        return tf.keras.optimizers.Adagrad(lr, jit_compile=False)
+        return tf.keras.optimizers.Adagrad(lr, **_tf_internals.without_xla_update())
     if name == "adam":
-        return tf.keras.optimizers.Adam(lr, jit_compile=False)
+        return tf.keras.optimizers.Adam(lr, **_tf_internals.without_xla_update())
     if name == "rowwise_adagrad":
         return optimizers.RowWiseAdagrad(lr)
     return optimizers.MomentumScaledRowWiseAdagrad(lr)
@@ -636,6 +636,7 @@ def run(config: TrainConfig) -> dict:
     import tensorflow as tf
 
     import tfhybrid
+    from tfhybrid import _tf_internals
     from tfhybrid import callbacks
     from tfhybrid import distributed as distributed_lib
     from tfhybrid.train.models import build_model, example_batch, export_for_serving
@@ -734,7 +735,8 @@ def run(config: TrainConfig) -> dict:
         print(f"tfhybrid.train: {config.model} on {config.dataset}, mesh {mesh.shape[0]}x"
               f"{mesh.shape[1]} (D={mesh.data_parallel} replicas x M={mesh.model_parallel} "
               f"model-parallel ranks), global batch {config.batch_size}, "
-              f"{steps} steps x {config.epochs} epochs, {mixed_precision}"
+              f"{steps} steps x {config.epochs} epochs, {mixed_precision}, Keras "
+              f"{_tf_internals.KERAS_MAJOR}"
               f"{', XLA towers' if config.xla else ''}"
               f"{', pipelined' if config.pipeline else ''}", flush=True)
         if mesh.size > 1:
@@ -766,6 +768,7 @@ def run(config: TrainConfig) -> dict:
         results = evaluate(model, eval_data, mesh)
     results.update(
         model=config.model, dataset=config.dataset, mesh=list(mesh.shape), layout=mesh.layout,
+        keras=_tf_internals.KERAS_MAJOR,
         steps=last_step,
         global_batch=config.batch_size,
         train_loss=train_loss,
