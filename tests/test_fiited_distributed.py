@@ -14,12 +14,14 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.callbacks import FiitedAdjust
 from tfhybrid.optimizers import RowWiseAdagrad
 from tests import _hybrid_case as hc
 
 HOROVOD_NP = (4,)
+KERAS = (2, 3)
 
 TARGET = 0.6
 # adjustments at batches 3, 6, 9, 12: budgets 0.87, 0.73, 0.6, 0.6 of the chunks
@@ -121,6 +123,16 @@ class ColumnSliceTest(tf.test.TestCase):
             self.assertAllEqual(got, want)
 
 
+def _weights_file_entries(path: str) -> dict:
+    """Every array of a Keras 3 weights file, by its name within its object."""
+    import h5py
+    found = {}
+    with h5py.File(path, "r") as weights:
+        weights.visititems(lambda name, item: found.__setitem__(
+            name.rsplit("/", 1)[-1], item[()]) if isinstance(item, h5py.Dataset) else None)
+    return found
+
+
 class CheckpointTest(tf.test.TestCase):
     """A FIITED checkpoint holds whole tables (values, chunk layout, utility) under
     mesh-free names, so it restores onto another mesh and training goes on as if
@@ -140,18 +152,29 @@ class CheckpointTest(tf.test.TestCase):
         made = tempfile.mkdtemp(prefix="tfhybrid-fiited-") if hvd.rank() == 0 else None
         directory = hvd.broadcast_object(made, root_rank=0, name="fiited_ckpt_dir")
         self.addCleanup(shutil.rmtree, directory, True)
-        path = os.path.join(directory, "fiited_ckpt")
+        # Keras 3 writes save_weights as a weights file, which it names .weights.h5
+        path = os.path.join(directory, "fiited_ckpt" + (
+            ".weights.h5" if _tf_internals.KERAS_3 else ""))
 
         mesh = tfhybrid.init(model_parallel=2)
         model, layer = _distributed(case, mesh, **_NO_COLUMN_SLICES)
         model.save_weights(path)
         saved_tables, saved_counts = hc.table_weights(layer), layer.chunks_per_row()
-        # compact: each table's values are its present chunks (one column per chunk here)
-        shapes = dict(tf.train.list_variables(path))
-        for t, (table, counts) in enumerate(zip(case.tables, saved_counts)):
-            key = f"tables/.ATTRIBUTES/table_{t}"
-            self.assertEqual([v for k, v in shapes.items() if k.endswith(key)],
-                             [[int(counts.sum()), 1]], table.name)
+        if _tf_internals.KERAS_3:
+            # a weights file holds each table whole, with its layout and utilities
+            entries = _weights_file_entries(path)
+            for t, (table, counts) in enumerate(zip(case.tables, saved_counts)):
+                self.assertAllEqual(entries[f"table_{t}_chunk_counts"], counts)
+                self.assertEqual(entries[f"table_{t}"].shape, (table.rows, table.dim))
+                self.assertEqual(entries[f"table_{t}_utility"].shape,
+                                 (table.rows, table.dim))   # one column per chunk here
+        else:
+            # compact: each table's values are its present chunks (one column per chunk)
+            shapes = dict(tf.train.list_variables(path))
+            for t, (table, counts) in enumerate(zip(case.tables, saved_counts)):
+                key = f"tables/.ATTRIBUTES/table_{t}"
+                self.assertEqual([v for k, v in shapes.items() if k.endswith(key)],
+                                 [[int(counts.sum()), 1]], table.name)
         _fit(model, more, mesh)
         want_tables, want_counts = hc.table_weights(layer), layer.chunks_per_row()
         want_dense = hc.dense_weights(model)

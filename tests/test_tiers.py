@@ -11,12 +11,15 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
+from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
 from tfhybrid.planner import tier_dram_bytes
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
+
+KERAS = (2, 3)
 
 ROWS, DIM, CACHE, HOT, BATCH = 1000, 8, 100, 3, 32
 
@@ -37,6 +40,15 @@ def _model(store_dir=None, policy="lru", combiner="sum", cache_rows=CACHE):
         rows = tf.keras.layers.Flatten()(rows)
     out = tf.keras.layers.Dense(1, kernel_initializer="ones", name="head")(rows)
     return tf.keras.Model(ids, out)
+
+
+def _weights_path(folder: str) -> str:
+    """Where save_weights writes: Keras 3 writes a weights file, named .weights.h5."""
+    path = os.path.join(folder, "ckpt", "weights")
+    if _tf_internals.KERAS_3:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return f"{path}.weights.h5"
+    return path
 
 
 class _TempDir(unittest.TestCase):
@@ -128,7 +140,7 @@ class TieredTrainingTest(_TempDir):
         ids, labels = _data()
         tiered.fit(ids, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         values, accumulator = table.read_rows(0, ROWS), table.read_accumulator(0, ROWS)
-        path = os.path.join(self.dir, "ckpt", "weights")
+        path = _weights_path(self.dir)
         tiered.save_weights(path)
         # the store on disk equals the table after the flush of the save
         np.testing.assert_array_equal(np.asarray(table.store), values)
@@ -247,7 +259,7 @@ class AdaptiveTierTest(_TempDir):
         ids, labels = _data()
         tiered.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0,
                    callbacks=[FiitedAdjust(every_n_batches=5, ramp_batches=10)])
-        path = os.path.join(self.dir, "ckpt", "weights")
+        path = _weights_path(self.dir)
         tiered.save_weights(path)
         restored = _adaptive_model(self.fresh_dir())
         restored.fit(ids[:BATCH], labels[:BATCH], verbose=0)   # builds the optimizer
@@ -429,9 +441,11 @@ class TieredErrorsTest(_TempDir):
 
     def test_optimizers_whose_slots_would_not_follow_the_rows_are_refused(self):
         ids, labels = _data(steps=1)
-        for name, make in (("Adam", lambda: tf.keras.optimizers.Adam(0.1)),
-                           ("SGD", lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9)),
-                           ("Adam", lambda: tf.keras.optimizers.legacy.Adam(0.1))):
+        optimizers = [("Adam", lambda: tf.keras.optimizers.Adam(0.1)),
+                      ("SGD", lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9))]
+        if not _tf_internals.KERAS_3:   # Keras 3 has no legacy optimizers
+            optimizers.append(("Adam", lambda: tf.keras.optimizers.legacy.Adam(0.1)))
+        for name, make in optimizers:
             with self.subTest(optimizer=make()):
                 model = _model(self.fresh_dir())
                 model.compile(make(), "mse")
@@ -454,7 +468,13 @@ class TieredErrorsTest(_TempDir):
                 with self.assertRaisesRegex(ValueError, r"'on_disk' lives in the disk tier"
                                                         r".*cannot be part of a SavedModel"
                                                         r".*set_weights"):
-                    model.save(os.path.join(self.fresh_dir(), "saved"))
+                    saved = os.path.join(self.fresh_dir(), "saved")
+                    # Keras 3 writes a SavedModel with export; its save writes .keras files
+                    if _tf_internals.KERAS_3:
+                        model.export(saved)
+                    else:
+                        model.save(saved)
+                self.assertFalse(os.path.exists(os.path.join(saved, "saved_model.pb")))
                 # the way it names: the table in memory, with this layer's weights
                 memory = Embedding(100, 4, combiner="sum", **kwargs)
                 memory.build(None)

@@ -24,6 +24,7 @@ from tfhybrid.pipeline import TrainPipeline
 from tests import _hybrid_case as hc
 
 HOROVOD_NP = (4,)
+KERAS = (2, 3)
 
 # Per step the global batch (4 samples) names up to 12 distinct ids of "wide" and "bag"
 # and 8 of "rows" (all may fall in one row shard); a cache holds the rows of two steps

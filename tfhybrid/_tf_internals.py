@@ -25,9 +25,9 @@ one, each installed by an explicit, idempotent call, never by an import:
   a FIITED table's saved shape depends on the checkpoint being read, and TF tells a
   saveable nothing about it; the hook names the path (``restoring_path``) while TF
   gathers. Installed with the saver hook (``tfhybrid/checkpoint/tables.py``).
-- ``install_slot_guard`` wraps the Keras optimizers' slot factories: a slot per entry of
-  a tiered table's cache would be wrong, and Keras has no hook to refuse one. Installed
-  when a ``tfhybrid.tiers.CachedTable`` is made.
+- ``install_slot_guard`` wraps the Keras optimizers' slot factories (and Keras 3's
+  ``build``): a slot per entry of a tiered table's cache would be wrong, and Keras has no
+  hook to refuse one. Installed when a ``tfhybrid.tiers.CachedTable`` is made.
 - ``install_build_hook`` replaces ``build`` of an optimizer instance: Keras makes tracked
   lists there, and TF hands a waiting restoration to a new list by position; the hook
   holds waiting restorations back so the mesh-independent views get them. Installed
@@ -245,6 +245,53 @@ def tf_variable(variable: Any) -> Any:
     if KERAS_3 and isinstance(variable, tf.keras.Variable):
         return variable._value
     return variable
+
+
+def table_variable(add: Callable[..., Any] | None, initial_value: Any, *, name: str,
+                   trainable: bool = True, shape: Any = None, table: str | None = None,
+                   name_scope: bool = False) -> tf.Variable:
+    """A variable of a table that a layer holds (a FIITED pool, a tier's cache, their
+    per-row state), as the ``tf.Variable`` the table reads and updates, from
+    ``initial_value`` (a tensor, or a callable giving one, called outside any function
+    being traced). ``add`` is the layer's ``add_weight`` (None: a table on its own);
+    ``shape`` the static shape when not the initial value's (a ``None`` dimension lets
+    ``assign`` resize it, as a pool's adjustment does); ``table`` the table's name.
+
+    Keras 2, or no ``add``: a plain ``tf.Variable`` ("<table>/<name>" with
+    ``name_scope``, else "<name>", as tfhybrid always named them); a Keras 2 layer
+    tracks, trains and checkpoints the variables of a ``tf.Module`` it holds. Keras 3
+    tracks only ``keras.Variable`` s made through the layer: ``add`` makes the weight,
+    named "<table>_<name>" (Keras 3 names a weight by its own name alone, forbids "/" in
+    it, and gradient syncs name their collectives by it: each table's must differ, alike
+    on every rank), and the ``tf.Variable`` inside it (``tf_variable``) is returned, so
+    that checkpoints find it where the table holds it, as in Keras 2. Keras 3 makes a
+    weight's ``tf.Variable`` of fixed shape, so a resizable one replaces it (its
+    ``_value``), made in the same name scope, and the weight records the ``None``
+    dimension (``_shape``) for its own ``assign``.
+    """
+    if not KERAS_3 or add is None:
+        with tf.name_scope(table) if table and name_scope else contextlib.nullcontext():
+            return tf.Variable(initial_value, trainable=trainable, name=name, shape=shape)
+    name = f"{table}_{name}" if table else name
+    with real_variables():
+        value = tf.convert_to_tensor(initial_value() if callable(initial_value)
+                                     else initial_value)
+        resizable = shape is not None and not tf.TensorShape(shape).is_fully_defined()
+        static = value.shape
+        if resizable:   # a placeholder of no entries until the resizable one replaces it
+            static = [0 if size is None else size for size in tf.TensorShape(shape)]
+        weight = add_weight(
+            add, name=name, shape=tuple(static), dtype=value.dtype, trainable=trainable,
+            initializer=lambda shape, dtype=None: (tf.zeros(shape, dtype) if resizable
+                                                   else value),
+            autocast=False)
+        if resizable:
+            outer = weight._value.name.rpartition("/")[0]
+            with tf.name_scope(f"{outer}/" if outer else ""):
+                weight._value = tf.Variable(value, trainable=trainable, name=name,
+                                            shape=shape)
+            weight._shape = tuple(tf.TensorShape(shape).as_list())
+    return weight._value
 
 
 def is_slot_of(slot: Any, variable: Any) -> str | None:
@@ -732,16 +779,38 @@ _SLOT_FACTORIES = (((lambda: tf.keras.optimizers.Optimizer, "add_variable_from_r
                     (lambda: tf.keras.optimizers.legacy.Optimizer, "add_slot")))
 
 
+# Keras 3's optimizers make no slot that they do not need (its SGD without momentum
+# none), so there the guards also see each variable an optimizer is built with (with slot
+# name None): Keras 2's SGD makes a momentum slot even without momentum
+_BUILDS = ((lambda: tf.keras.optimizers.Optimizer, "build"),) if KERAS_3 else ()
+
+
 def install_slot_guard(check: Callable[[Any, Any, Any], None]) -> None:
     """Runs ``check(optimizer, variable, slot_name)`` before any Keras optimizer (new or
-    legacy) makes a slot for ``variable``; it raises to refuse the slot. Idempotent."""
+    legacy) makes a slot for ``variable``, and, in Keras 3, ``check(optimizer, variable,
+    None)`` for each variable before an optimizer is built with it; it raises to refuse.
+    Idempotent."""
     _check_version("Keras optimizer slot factory")
-    for base, name in _SLOT_FACTORIES:
-        owner = next(k for k in base().__mro__ if name in vars(k))
-        if not getattr(vars(owner)[name], _HOOK_MARK, False):
-            setattr(owner, name, _guarded_slots(vars(owner)[name]))
+    for factories, guard in ((_SLOT_FACTORIES, _guarded_slots), (_BUILDS, _guarded_build)):
+        for base, name in factories:
+            owner = next(k for k in base().__mro__ if name in vars(k))
+            if not getattr(vars(owner)[name], _HOOK_MARK, False):
+                setattr(owner, name, guard(vars(owner)[name]))
     if check not in _SLOT_GUARDS:
         _SLOT_GUARDS.append(check)
+
+
+def _guarded_build(build: Callable) -> Callable:
+    """``build`` (a Keras 3 optimizer's ``build(variables)``) behind the installed
+    guards."""
+    def guarded_build(self, variables, *args, **kwargs):
+        variables = list(variables)
+        for variable in variables:
+            for check in _SLOT_GUARDS:
+                check(self, variable, None)
+        return build(self, variables, *args, **kwargs)
+    setattr(guarded_build, _HOOK_MARK, True)
+    return guarded_build
 
 
 def _guarded_slots(create: Callable) -> Callable:

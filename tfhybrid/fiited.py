@@ -39,12 +39,14 @@ utilities), so every mesh prunes alike.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
@@ -247,7 +249,9 @@ class ChunkedTable(ChunkOptions, tf.Module):
 
     ``rows`` x ``dim`` float32, split into ``chunks`` chunks of ``dim // chunks`` (``dim``
     must divide). Starts with every chunk present: until :meth:`adjust` prunes, lookups and
-    updates equal a dense table's bit for bit.
+    updates equal a dense table's bit for bit. ``add_weight``: the ``add_weight`` of the
+    Keras layer that holds the table, whose weights its variables then are (Keras 3
+    tracks and trains only those).
 
     Example::
 
@@ -265,7 +269,7 @@ class ChunkedTable(ChunkOptions, tf.Module):
                  initial_value: Any = None, seed: int | None = None,
                  utility_decay: float = 0.99, min_chunks: int = MIN_CHUNKS,
                  position_power: float = POSITION_POWER, use_custom_op: bool | None = None,
-                 name: str | None = None):
+                 name: str | None = None, add_weight: Callable[..., Any] | None = None):
         super().__init__(name=name)
         self.rows = checked_int("rows", rows, 1)
         self._set_chunk_options(dim, chunks, utility_decay, min_chunks, position_power,
@@ -281,15 +285,20 @@ class ChunkedTable(ChunkOptions, tf.Module):
         total = self.rows * self.chunks
         if total >= 2**31:
             raise ValueError(f"rows x chunks = {total} chunks exceed the int32 row offsets")
-        self.pool = tf.Variable(
-            tf.concat([tf.reshape(initial_value, [total, self.chunk_dim]),
-                       tf.zeros([1, self.chunk_dim])], 0),
+        # through the holding layer's add_weight: Keras 3 trains only a layer's weights
+        variable = functools.partial(_tf_internals.table_variable, add_weight,
+                                     table=self.name)
+        self.pool = variable(
+            lambda: tf.concat([tf.reshape(initial_value, [total, self.chunk_dim]),
+                               tf.zeros([1, self.chunk_dim])], 0),
             shape=tf.TensorShape([None, self.chunk_dim]), name="pool")
-        self.row_offsets = tf.Variable(tf.range(0, total + 1, self.chunks, dtype=tf.int32),
-                                       trainable=False, name="row_offsets")
-        self.accumulator = tf.Variable(tf.zeros([self.rows]), trainable=False,
-                                       name="accumulator")
-        self.utility = tf.Variable(tf.zeros([self.rows]), trainable=False, name="utility")
+        self.row_offsets = variable(
+            lambda: tf.range(0, total + 1, self.chunks, dtype=tf.int32), trainable=False,
+            name="row_offsets")
+        self.accumulator = variable(lambda: tf.zeros([self.rows]), trainable=False,
+                                    name="accumulator")
+        self.utility = variable(lambda: tf.zeros([self.rows]), trainable=False,
+                                name="utility")
         # how an optimizer finds the table of a pool gradient (table_of)
         roles.assign(self.pool, chunked_table=self)
 
@@ -481,6 +490,34 @@ class ChunkedTable(ChunkOptions, tf.Module):
                              f" expected [{len(slots)}, {self.chunk_dim}] (the rows that "
                              "hold the chunk)")
         self.pool.scatter_nd_update(slots[:, None], values)
+
+    # ------------------------------------------------------------------ weights files
+    def _named_state(self) -> dict:
+        return {"pool": self.pool, "row_offsets": self.row_offsets,
+                "accumulator": self.accumulator, "utility": self.utility}
+
+    def save_own_variables(self, store: Any) -> None:
+        """Writes the table to ``store``, a Keras weights file's entry for the layer that
+        holds it (``save_own_variables``): its variables by name, the pool as it is."""
+        for key, variable in self._named_state().items():
+            store[key] = variable.numpy()
+
+    def load_own_variables(self, store: Any) -> None:
+        """Reads what :meth:`save_own_variables` wrote, the pool at its saved size."""
+        names, expected = sorted(store.keys()), sorted(self._named_state())
+        if names != expected:
+            raise ValueError(f"the weights file holds {names} for FIITED table "
+                             f"{self.name!r}, which saves {expected}")
+        saved = {key: np.asarray(store[key]) for key in expected}
+        present = int(saved["row_offsets"][-1]) if saved["row_offsets"].size else 0
+        want = {"pool": (present + 1, self.chunk_dim), "row_offsets": (self.rows + 1,),
+                "accumulator": (self.rows,), "utility": (self.rows,)}
+        got = {key: value.shape for key, value in saved.items()}
+        if got != want:
+            raise ValueError(f"the weights file holds FIITED table {self.name!r} with "
+                             f"shapes {got}; this table needs {want}")
+        for key, variable in self._named_state().items():
+            variable.assign(saved[key])
 
     # ------------------------------------------------------------------ adjusting
     def resize(self, chunks_per_row: Any) -> dict:

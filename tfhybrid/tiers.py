@@ -40,6 +40,7 @@ cache, which would not follow its rows, so creating one raises ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import weakref
@@ -51,6 +52,7 @@ import tensorflow as tf
 from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
+from tfhybrid import slot_owners
 from tfhybrid.custom_ops import coalesce_rows
 from tfhybrid.fiited import MIN_CHUNKS, POSITION_POWER, ChunkOptions, checked_int, \
     chunked_rowwise_rows, combine_bags, update_utility
@@ -88,8 +90,15 @@ def _momentum_free_sgd(optimizer: Any) -> bool:
 def _refuse_cache_slots(optimizer: Any, variable: Any, slot_name: Any) -> None:
     """A Keras optimizer's slot for a tiered table's cache is refused (the slot guard of
     ``_tf_internals``): a slot per cache entry would stay put while rows move between
-    the cache and the file."""
+    the cache and the file. ``slot_name`` None: ``optimizer`` is being built with
+    ``variable`` (Keras 3, whose SGD makes no slot): only an optimizer that updates the
+    chunks each row holds may train a FIITED table's cache."""
     table = table_of(variable)
+    if table is not None and slot_name is None:
+        from tfhybrid.optimizers import RowWiseAdagrad   # which imports this module
+        if not getattr(table, "chunks", None) or isinstance(
+                slot_owners.slot_owner(optimizer, variable), RowWiseAdagrad):
+            return
     if table is not None and getattr(table, "chunks", None):
         raise ValueError(
             f"{type(optimizer).__name__} would update every entry of table "
@@ -109,7 +118,9 @@ class CachedTable(tf.Module):
 
     ``initializer(start, stop)`` gives rows ``start..stop-1`` as a ``[stop - start, dim]``
     array (default: uniform in [-0.05, 0.05) from ``seed``, drawn per block so a table
-    larger than memory never exists whole); ``policy`` is ``"lru"`` or ``"lfu"``.
+    larger than memory never exists whole); ``policy`` is ``"lru"`` or ``"lfu"``;
+    ``add_weight``: the ``add_weight`` of the Keras layer that holds the table, whose
+    weights the cache and its state then are (Keras 3 tracks and trains only those).
 
     Example::
 
@@ -126,7 +137,7 @@ class CachedTable(tf.Module):
     def __init__(self, rows: int, dim: int, cache_rows: int, directory: str, *,
                  initializer: Callable[[int, int], Any] | None = None,
                  seed: int | None = None, policy: str = "lru", name: str | None = None,
-                 pinned_calls: int = 1):
+                 pinned_calls: int = 1, add_weight: Callable[..., Any] | None = None):
         super().__init__(name=name)
         # optimizers refuse slots for the cache from now on (no slot exists before a
         # table does)
@@ -163,11 +174,13 @@ class CachedTable(tf.Module):
                                shape=(self.rows, self.dim))
         self.store_accumulator = np.memmap(self.paths[1], np.dtype("<f4"), "w+",
                                            shape=(self.rows,))
-        # named after the table: gradient syncs name their collectives by variable name
-        with tf.name_scope(self.name):
-            self.cache = tf.Variable(tf.zeros([self.cache_rows, self.dim]), name="cache")
-            self.cache_accumulator = tf.Variable(tf.zeros([self.cache_rows]),
-                                                 trainable=False, name="cache_accumulator")
+        # named after the table: gradient syncs name their collectives by variable name;
+        # made through the holding layer's add_weight: Keras 3 trains only its weights
+        variable = functools.partial(_tf_internals.table_variable, add_weight,
+                                     table=self.name, name_scope=True)
+        self.cache = variable(lambda: tf.zeros([self.cache_rows, self.dim]), name="cache")
+        self.cache_accumulator = variable(lambda: tf.zeros([self.cache_rows]),
+                                          trainable=False, name="cache_accumulator")
         # how an optimizer finds the table of a cache gradient (table_of), and a
         # checkpoint the table of an accumulator (accumulator_table_of)
         roles.assign(self.cache, cached_table=self)
@@ -189,8 +202,11 @@ class CachedTable(tf.Module):
                 return tf.random.stateless_uniform(
                     [stop - start, self.dim], seed=[base, start], minval=-0.05,
                     maxval=0.05).numpy()
-        for start, stop in self.blocks():
-            self.write_rows(start, initializer(start, stop))
+        # drawn eagerly, also when the table is made while a function is traced (Keras 3
+        # builds a layer inside the trace of its first call)
+        with tf.init_scope():
+            for start, stop in self.blocks():
+                self.write_rows(start, initializer(start, stop))
         self._step = 0
         self._hits = self._misses = self._writebacks = self._synced_rows = 0
 
@@ -215,10 +231,22 @@ class CachedTable(tf.Module):
         if not ids.dtype.is_integer:
             raise ValueError(f"CachedTable {self.name!r}: ids must be integers, got "
                              f"{ids.dtype}")
-        slots = tf.py_function(self._slots_numpy, [ids], tf.int64,
-                               name=f"{self.name}_cache_slots")
+        # A call may evict the rows of the calls before it but the pinned ones, so with
+        # pinned_calls=1 its loads wait for every earlier use of the cache in the function
+        # being traced (Keras 3 unrolls several predict steps into one): the handles of
+        # what the host side writes make it a write of them, which TF orders after the
+        # earlier reads and writes. A pipeline (more pinned calls) loads the next batch's
+        # rows while the step before still runs on its own.
+        written = ([variable.handle for variable in self._host_written()]
+                   if self.pinned_calls == 1 else [])
+        slots = tf.py_function(lambda ids, *_: self._slots_numpy(ids), [ids] + written,
+                               tf.int64, name=f"{self.name}_cache_slots")
         slots.set_shape(ids.shape)
         return slots
+
+    def _host_written(self) -> tuple:
+        """The variables that loading rows into the cache writes."""
+        return (self.cache, self.cache_accumulator)
 
     def _slots_numpy(self, ids: tf.Tensor) -> np.ndarray:
         ids = ids.numpy()
@@ -483,17 +511,27 @@ class CachedTable(tf.Module):
                               name=f"{self.name}_assign_whole")
 
     # ------------------------------------------------------------ checkpoints
+    def _refuse_saved_model(self) -> None:
+        raise ValueError(
+            f"table {self.name!r} lives in the disk tier (cache_rows) and cannot be "
+            "part of a SavedModel: its rows are in a file and its lookups run on the "
+            "host. Save its training state with model.save_weights or "
+            "tf.train.Checkpoint; to serve, build the model with the table in memory "
+            "(no cache_rows) and set_weights from this layer's get_weights()")
+
+    def _trackable_children(self, save_type=_tf_internals.SaveType.CHECKPOINT, **kwargs):
+        # every SavedModel writer walks the objects it saves (Keras 3's model.export
+        # saves the weights and the traced call, never asking the table for its state)
+        if save_type == _tf_internals.SaveType.SAVEDMODEL:
+            self._refuse_saved_model()
+        return super()._trackable_children(save_type, **kwargs)
+
     def _serialize_to_tensors(self):
         if not tf.executing_eagerly():
             # traced: a SavedModel's save function. Its graph could only reach the file
             # through a Python callback, which a SavedModel loaded elsewhere lacks (and
             # so do the lookups, whose rows come through the host)
-            raise ValueError(
-                f"table {self.name!r} lives in the disk tier (cache_rows) and cannot be "
-                "part of a SavedModel: its rows are in a file and its lookups run on the "
-                "host. Save its training state with model.save_weights or "
-                "tf.train.Checkpoint; to serve, build the model with the table in memory "
-                "(no cache_rows) and set_weights from this layer's get_weights()")
+            self._refuse_saved_model()
         # the cache is slot-ordered and meaningless without the host index, so a
         # checkpoint holds the table in row order: the store, flushed first
         self.flush()
@@ -501,15 +539,44 @@ class CachedTable(tf.Module):
                 "accumulator": tf.constant(np.asarray(self.store_accumulator))}
 
     def _restore_from_tensors(self, restored_tensors):
-        values = restored_tensors["values"].numpy()
-        if values.shape != (self.rows, self.dim):
-            raise ValueError(f"CachedTable {self.name!r}: the checkpoint holds a "
-                             f"{list(values.shape)} table; this one is "
-                             f"[{self.rows}, {self.dim}]")
+        self._restore({key: value.numpy() for key, value in restored_tensors.items()},
+                      "the checkpoint")
+        return tf.no_op()
+
+    def _restore(self, saved: dict, source: str) -> None:
+        """Replaces the table by ``saved`` (``_serialize_to_tensors``' arrays) read from
+        ``source``, after checking its shapes; the cache starts empty."""
+        values, accumulator = saved["values"], saved["accumulator"]
+        if values.shape != (self.rows, self.dim) or accumulator.shape != (self.rows,):
+            raise ValueError(f"CachedTable {self.name!r}: {source} holds a "
+                             f"{list(values.shape)} table with a {list(accumulator.shape)} "
+                             f"accumulator; this one is [{self.rows}, {self.dim}] with "
+                             f"[{self.rows}]")
         self.invalidate()
         self.store[:] = values
-        self.store_accumulator[:] = restored_tensors["accumulator"].numpy()
-        return tf.no_op()
+        self.store_accumulator[:] = accumulator
+
+    # ------------------------------------------------------------ weights files
+    def save_own_variables(self, store: Any) -> None:
+        """Writes the table to ``store``, a Keras weights file's entry for the layer that
+        holds it (``save_own_variables``): the rows in row order, as a checkpoint holds
+        them (the store, flushed first), not the cache."""
+        self.flush()
+        for key, value in self._state_arrays().items():
+            store[key] = value
+
+    def load_own_variables(self, store: Any) -> None:
+        """Reads what :meth:`save_own_variables` wrote."""
+        names, expected = sorted(store.keys()), sorted(self._state_arrays())
+        if names != expected:
+            raise ValueError(f"the weights file holds {names} for tiered table "
+                             f"{self.name!r}, which saves {expected}")
+        self._restore({key: np.asarray(store[key]) for key in names}, "the weights file")
+
+    def _state_arrays(self) -> dict:
+        """The table's state in row order, by name (the store: flush first)."""
+        return {"values": np.asarray(self.store),
+                "accumulator": np.asarray(self.store_accumulator)}
 
 
 class ChunkedCachedTable(ChunkOptions, CachedTable):
@@ -552,14 +619,14 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
                              "in one byte; use at most 255 chunks")
         super().__init__(rows, dim, cache_rows, directory, **kwargs)
         self._row_chunks = np.full(self.rows, self.chunks, np.uint8)
-        with tf.name_scope(self.name):
-            self.utility = tf.Variable(tf.zeros([self.rows]), trainable=False,
-                                       name="utility")
-            # what each slot holds, for the update: its row (utility) and chunk count
-            self.slot_rows = tf.Variable(tf.zeros([self.cache_rows], tf.int64),
-                                         trainable=False, name="slot_rows")
-            self.slot_chunks = tf.Variable(tf.zeros([self.cache_rows], tf.int32),
-                                           trainable=False, name="slot_chunks")
+        variable = functools.partial(_tf_internals.table_variable, kwargs.get("add_weight"),
+                                     table=self.name, name_scope=True, trainable=False)
+        self.utility = variable(lambda: tf.zeros([self.rows]), name="utility")
+        # what each slot holds, for the update: its row (utility) and chunk count
+        self.slot_rows = variable(lambda: tf.zeros([self.cache_rows], tf.int64),
+                                  name="slot_rows")
+        self.slot_chunks = variable(lambda: tf.zeros([self.cache_rows], tf.int32),
+                                    name="slot_chunks")
         # the optimizer's route: a FIITED table's gradient goes to apply_pool_gradient
         roles.assign(self.cache, chunked_table=self)
 
@@ -581,6 +648,9 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
         return (self.cache_accumulator, self.utility, self.slot_rows, self.slot_chunks)
 
     # ------------------------------------------------------------------ the cache
+    def _host_written(self) -> tuple:
+        return super()._host_written() + (self.slot_rows, self.slot_chunks)
+
     def _load(self, rows: np.ndarray) -> None:
         super()._load(rows)
         slots = self._slot_of_row[rows]
@@ -752,12 +822,22 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
         tensors["chunks_per_row"] = tf.constant(self._row_chunks.astype(np.int32))
         return tensors
 
-    def _restore_from_tensors(self, restored_tensors):
-        counts = restored_tensors["chunks_per_row"].numpy()
-        if counts.shape != (self.rows,):
-            raise ValueError(f"ChunkedCachedTable {self.name!r}: the checkpoint holds "
-                             f"{counts.shape[0]} rows' chunk counts; this table has "
-                             f"{self.rows} rows")
-        result = super()._restore_from_tensors(restored_tensors)
-        self._row_chunks[:] = self._checked_counts(counts)
-        return result
+    def _restore(self, saved: dict, source: str) -> None:
+        counts = saved["chunks_per_row"]
+        utility = saved.get("utility")   # a TF checkpoint holds it as the variable
+        if counts.shape != (self.rows,) or (utility is not None
+                                            and utility.shape != (self.rows,)):
+            raise ValueError(f"ChunkedCachedTable {self.name!r}: {source} holds chunk "
+                             f"counts of shape {list(counts.shape)}"
+                             + ("" if utility is None else
+                                f" and utilities of shape {list(utility.shape)}")
+                             + f"; this table has {self.rows} rows")
+        counts = self._checked_counts(counts)
+        super()._restore(saved, source)
+        self._row_chunks[:] = counts
+        if utility is not None:
+            self.utility.assign(utility)
+
+    def _state_arrays(self) -> dict:
+        return dict(super()._state_arrays(), chunks_per_row=self._row_chunks.astype(np.int32),
+                    utility=self.utility.numpy())

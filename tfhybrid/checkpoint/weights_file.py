@@ -6,7 +6,9 @@ tables sharded over ranks, what a file must hold is the mesh-independent state t
 TensorFlow checkpoints hold (``tables``, ``slots``):
 
 - a ``DistributedEmbedding`` writes each table whole, once, under ``table_<t>``, gathered
-  from its shards; it reads the file's whole tables onto its current plan;
+  from its shards (a FIITED table also its chunk counts and utilities, under
+  ``table_<t>_chunk_counts`` and ``table_<t>_utility`` as in a checkpoint); it reads the
+  file's whole tables onto its current plan;
 - an optimizer writes its variables other than table slots, numbered as in a list
   (``<member>_<i>``: the optimizer, then the optimizers inside it), and each table slot
   as one full tensor, ``layer_<k>_table_<t>_<slot>`` (a row-wise slot broadcast over
@@ -34,6 +36,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import collectives
+from tfhybrid import fiited
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.checkpoint import pieces
 from tfhybrid.checkpoint import slots
@@ -70,8 +73,11 @@ def _holds_nothing(store: Any) -> None:
 
 def _save_weights_file(model: Any, filepath: Any, original: Any, *args: Any,
                        **kwargs: Any) -> Any:
-    mesh = mesh_lib.current_mesh()
-    if mesh.size == 1 or not any(_holds(model, layer) for layer in tables.built_layers()):
+    # a model saved without a mesh (none made, or reset since the hook was installed)
+    # holds no sharded table
+    mesh = mesh_lib.initialized_mesh()
+    if mesh is None or mesh.size == 1 or not any(_holds(model, layer)
+                                                 for layer in tables.built_layers()):
         return original(model, filepath, *args, **kwargs)
     final = os.fspath(filepath)
     # the gathers below are collectives: no rank enters them alone
@@ -181,22 +187,76 @@ def _assign(held: list, full: np.ndarray) -> None:
 
 
 # ------------------------------------------------------------------ the layer
+def _chunked_tables(layer: Any) -> list[tuple[int, Any, list]]:
+    """(index, spec, held (rect, FIITED table) pairs) of the layer's adaptive tables."""
+    return [(t, spec, [(rect, fiited.table_of(variable)) for rect, variable in held])
+            for t, (spec, held) in enumerate(zip(layer.table_specs,
+                                                  pieces.layer_pieces(layer)))
+            if spec.chunks]
+
+
+def _layer_keys(layer: Any) -> list[str]:
+    return sorted([f"table_{t}" for t in range(len(layer.table_specs))]
+                  + [f"table_{t}{suffix}" for t, _, _ in _chunked_tables(layer)
+                     for suffix in (tables.COUNTS_SUFFIX, tables.UTILITY_SUFFIX)])
+
+
 def save_layer(layer: Any, store: Any) -> None:
-    """``DistributedEmbedding.save_own_variables``: each table whole."""
+    """``DistributedEmbedding.save_own_variables``: each table whole; a FIITED table also
+    its rows' chunk counts (``[rows]``) and utilities (``[rows, chunks]``, each shard's
+    spread over its chunk columns, as a checkpoint holds them), so that a load restores
+    its layout and what the next adjustment plans by, on any mesh."""
     for t, table in enumerate(layer.get_weights(all_ranks=False)):
         store[f"table_{t}"] = table
+    for t, spec, held in _chunked_tables(layer):
+        utility = np.zeros([spec.rows, spec.chunks], np.float32)
+        if _contributes(layer, t):
+            for rect, chunked in held:
+                cols = pieces.in_chunks(spec, rect)
+                utility[cols.row_start:cols.row_end, cols.col_start:cols.col_end] = \
+                    chunked.utility.numpy()[:, None] / chunked.chunks
+        utility = collectives.allreduce(tf.constant(utility), hvd.Sum,
+                                        f"tfhybrid_weights_file_utility_{t}").numpy()
+        store[f"table_{t}{tables.COUNTS_SUFFIX}"] = np.asarray(
+            layer.whole_chunk_counts[t], np.int32)
+        store[f"table_{t}{tables.UTILITY_SUFFIX}"] = utility
 
 
 def load_layer(layer: Any, store: Any) -> None:
     """``DistributedEmbedding.load_own_variables``: the file's whole tables onto this
-    rank's plan."""
-    count = len(layer.table_specs)
-    names = sorted(store.keys())
-    expected = sorted(f"table_{t}" for t in range(count))
+    rank's plan (a FIITED table's layout first, then its values and utilities)."""
+    names, expected = sorted(store.keys()), _layer_keys(layer)
     if names != expected:
         raise ValueError(f"the weights file holds {names} for DistributedEmbedding "
-                         f"{layer.name!r}, which has {count} tables ({expected})")
-    layer.set_weights([np.asarray(store[f"table_{t}"]) for t in range(count)])
+                         f"{layer.name!r}, which has {len(layer.table_specs)} tables "
+                         f"({expected})")
+    chunked_tables = _chunked_tables(layer)
+    for t, spec, held in chunked_tables:
+        counts = np.asarray(store[f"table_{t}{tables.COUNTS_SUFFIX}"])
+        utility = np.asarray(store[f"table_{t}{tables.UTILITY_SUFFIX}"])
+        if (counts.shape != (spec.rows,) or counts.min(initial=0) < 0
+                or counts.max(initial=0) > spec.chunks
+                or utility.shape != (spec.rows, spec.chunks)):
+            raise ValueError(
+                f"the weights file holds FIITED table {spec.name!r} as chunk counts of "
+                f"shape {counts.shape} in [{counts.min(initial=0)}, "
+                f"{counts.max(initial=0)}] and utilities of shape {utility.shape}; it "
+                f"needs {spec.rows} counts in [0, {spec.chunks}] and [{spec.rows}, "
+                f"{spec.chunks}] utilities")
+        for rect, chunked in held:
+            cols = pieces.in_chunks(spec, rect)
+            chunked.resize(np.clip(counts[cols.row_start:cols.row_end] - cols.col_start,
+                                   0, chunked.chunks))
+        layer.whole_chunk_counts[t] = counts.astype(layer.whole_chunk_counts[t].dtype)
+    # the values land in the rows' chunks: a pruned entry is dropped (it was saved as 0)
+    layer.set_weights([np.asarray(store[f"table_{t}"])
+                       for t in range(len(layer.table_specs))])
+    for t, spec, held in chunked_tables:
+        utility = np.asarray(store[f"table_{t}{tables.UTILITY_SUFFIX}"])
+        for rect, chunked in held:
+            cols = pieces.in_chunks(spec, rect)
+            chunked.utility.assign(utility[cols.row_start:cols.row_end,
+                                           cols.col_start:cols.col_end].sum(axis=1))
 
 
 # ------------------------------------------------------------------ the optimizer

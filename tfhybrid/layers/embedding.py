@@ -167,7 +167,8 @@ class Embedding(tf.keras.layers.Embedding):
         if self.cache_rows is not None:
             tier = dict(policy=self.cache_policy, name=self.name,
                         initializer=_block_initializer(self.embeddings_initializer,
-                                                       self.output_dim))
+                                                       self.output_dim),
+                        add_weight=self.add_weight)
             if self.dims == "adaptive":
                 self.table = ChunkedCachedTable(
                     self.input_dim, self.output_dim, self.cache_rows, self.store_dir,
@@ -184,7 +185,7 @@ class Embedding(tf.keras.layers.Embedding):
                                                   dtype=tf.float32)
         self.table = ChunkedTable(self.input_dim, self.output_dim, self.chunks,
                                   initial_value=initial, use_custom_op=self._lookup_option(),
-                                  name="table")
+                                  name="table", add_weight=self.add_weight)
         self.built = True
 
     def get_weights(self) -> list:
@@ -210,6 +211,19 @@ class Embedding(tf.keras.layers.Embedding):
             # both only if the layer builds here
             self.build()
         return super().set_weights(weights)
+
+    def save_own_variables(self, store) -> None:
+        """A Keras weights file's entry for the layer: an adaptive or tiered table writes
+        its own state (a tiered one its rows in row order, not the cache)."""
+        if self.built and (self.cache_rows is not None or self.dims == "adaptive"):
+            return self.table.save_own_variables(store)
+        return super().save_own_variables(store)
+
+    def load_own_variables(self, store) -> None:
+        """Reads what :meth:`save_own_variables` wrote."""
+        if self.built and (self.cache_rows is not None or self.dims == "adaptive"):
+            return self.table.load_own_variables(store)
+        return super().load_own_variables(store)
 
     def adjust(self, target_memory: float | None = None) -> dict:
         """FIITED's adjustment (``dims="adaptive"`` only): keep ``target_memory`` (default:

@@ -239,7 +239,8 @@ def create_store(spec: TableSpec, shard: Shard, name: str,
             initial = slice_initializer(spec, shard)([rows, width], dtype=tf.float32)
         return FiitedPool(ChunkedTable(rows, width, width // spec.chunk_dim,
                                        initial_value=initial, name=name.replace("/", "_"),
-                                       use_custom_op=kernel))
+                                       use_custom_op=kernel,
+                                       add_weight=context.add_weight))
     if spec.custom_class is not None:
         custom = custom_shard_layer(spec, rows, width, name.replace("/", "_"))
         custom.build(tf.TensorShape([None]))
@@ -275,7 +276,7 @@ def _cached_shard(spec: TableSpec, shard: Shard, name: str,
     os.makedirs(directory, exist_ok=True)
     tier = dict(initializer=initializer, policy=spec.cache_policy,
                 name=re.sub(r"\W", "_", f"{context.layer_name}_{name}"),
-                pinned_calls=TIER_PINNED_STEPS)
+                pinned_calls=TIER_PINNED_STEPS, add_weight=context.add_weight)
     cache_rows = shard_cache_rows(spec.cache_rows, spec.rows, rows)
     with tf.init_scope():   # the host side works eagerly, also when built in a trace
         if spec.chunks:
