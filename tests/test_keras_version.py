@@ -10,16 +10,10 @@ import os
 import subprocess
 import sys
 import unittest
-from importlib import metadata
+
+from tfhybrid import installed_keras_major
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _keras_3_installed() -> bool:
-    try:
-        return metadata.version("keras").startswith("3.")
-    except metadata.PackageNotFoundError:
-        return False
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -44,7 +38,7 @@ class KerasVersionTest(unittest.TestCase):
         self.assertRegex(out.stdout, r"KERAS 2\.")
 
     def test_keras_3_as_tf_keras_is_used_as_it_is(self):
-        if not _keras_3_installed():
+        if installed_keras_major() != 3:
             self.skipTest("no Keras 3 installed (TF <= 2.15): tf.keras is always Keras 2")
         fit = ("\nimport numpy as np\nimport tfhybrid\n"
                "from tfhybrid.layers import DistributedEmbedding, Embedding\n"

@@ -25,7 +25,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def _keras_major() -> int | None:
+def installed_keras_major() -> int | None:
+    """The major version of the installed ``keras`` package (None without one): 3 on
+    TF >= 2.16 stacks, where tf.keras may be Keras 3; 2 on TF <= 2.15, whose tf.keras is
+    always Keras 2. Which Keras tf.keras *is* in this process may differ (see below).
+
+    >>> installed_keras_major() in (None, 2, 3)
+    True
+    """
     try:
         return int(metadata.version("keras").split(".")[0])
     except (metadata.PackageNotFoundError, ValueError):
@@ -40,7 +47,7 @@ def _keras_major() -> int | None:
 # The user's own TF_USE_LEGACY_KERAS (None when unset), read before the default below
 # fills it in: the training app's --keras flag may choose only where the user did not.
 USER_LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS")
-if (_keras_major() or 0) >= 3:
+if (installed_keras_major() or 0) >= 3:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 # public name -> module that defines it
@@ -61,7 +68,8 @@ _LAZY_ATTRIBUTES = {
 _LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train",
                     "compression"}
 
-__all__ = sorted(n for n in _LAZY_ATTRIBUTES if not n.startswith("_")) + sorted(_LAZY_SUBMODULES)
+__all__ = (sorted(n for n in _LAZY_ATTRIBUTES if not n.startswith("_")) + sorted(_LAZY_SUBMODULES)
+           + ["installed_keras_major"])
 
 
 def __getattr__(name: str) -> Any:
