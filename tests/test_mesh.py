@@ -3,6 +3,8 @@
 Runs in one process and under horovodrun with 2 and 4 ranks.
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
@@ -155,3 +157,41 @@ class MeshCollectivesTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class FusionTest(tf.test.TestCase):
+    """Every collective call sums its elements in one order, however Horovod's cycles
+    fall: ``init`` starts Horovod with group fusion off, so a grouped allreduce issued
+    beside another is never packed into a shared buffer (a tensor's place in the buffer
+    decides the order in which a ring allreduce adds it)."""
+
+    def test_a_sum_is_the_same_alone_and_beside_another_call(self):
+        from tfhybrid import collectives
+        mesh = tfhybrid.init(model_parallel=1)
+        self.addCleanup(mesh_lib.reset)
+        if mesh.size < 3:
+            self.skipTest("one or two ranks add in one order whatever the buffer")
+        self.assertEqual(os.environ.get(mesh_lib.FUSION_ENV), mesh_lib.FUSION_DEFAULT)
+        # values whose float32 sum depends on the order: 1e8 + 1 rounds to 1e8
+        rng = np.random.default_rng(7)
+        big = rng.choice([-1e8, 1e8], size=[mesh.size, 64]).astype(np.float32)
+        ones = rng.choice([-1.0, 1.0], size=[mesh.size, 64]).astype(np.float32)
+        mine = tf.constant(np.where(np.arange(mesh.size)[:, None] % 2 == 0, big, ones)[
+            mesh.rank])
+        other = tf.constant(np.full([37], float(mesh.rank), np.float32))
+
+        @tf.function
+        def alone():
+            return collectives.grouped_allreduce([mine], hvd.Sum, "fusion_alone")[0]
+
+        @tf.function
+        def beside():
+            # issued together: both are ready in the same Horovod cycle
+            first = collectives.grouped_allreduce([other], hvd.Sum, "fusion_first")[0]
+            second = collectives.grouped_allreduce([mine], hvd.Sum, "fusion_second")[0]
+            return first, second
+
+        want = alone().numpy()
+        for _ in range(5):
+            _, got = beside()
+            self.assertAllEqual(got, want)

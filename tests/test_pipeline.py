@@ -24,10 +24,6 @@ from tests import _hybrid_case as hc
 # checks; one process would only repeat them without a collective
 HOROVOD_NP = (4,)
 KERAS = (2, 3)
-# a job of its own: under Keras 3, after other modules' models in the same processes,
-# the pipelined step ended a few ulp from the plain loop (alone it is exact, as under
-# Keras 2 in any order); docs/stacks.md lists this limit
-OWN_PROCESS = True
 
 STEPS = 50
 

@@ -24,10 +24,7 @@ from tfhybrid.pipeline import TrainPipeline
 from tests import _hybrid_case as hc
 
 HOROVOD_NP = (4,)
-# Keras 2 only for now: under Keras 3 the pipelined rowwise_adagrad cases of
-# ShardedTierTest and WeightSyncTierTest differ from the tables in memory in the last bit
-# when they run after AdaptiveTierTest and MemoryBudgetTest in one process (each class
-# alone is exact); the one-process tier tests (tests/test_tiers.py) run under both
+KERAS = (2, 3)
 
 # Per step the global batch (4 samples) names up to 12 distinct ids of "wide" and "bag"
 # and 8 of "rows" (all may fall in one row shard); a cache holds the rows of two steps

@@ -29,6 +29,15 @@ LAYOUTS = ("model_major", "data_major")
 STALL_CHECK_ENV = "HOROVOD_STALL_CHECK_TIME_SECONDS"
 STALL_SHUTDOWN_ENV = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 STALL_DEFAULTS = {STALL_CHECK_ENV: 60, STALL_SHUTDOWN_ENV: 600}
+# Horovod fuses the collectives that are ready in one cycle into one buffer, and a
+# tensor's place in that buffer decides the order in which a ring allreduce adds its
+# elements. Which calls share a buffer depends on timing, so with fusion across calls a
+# sum could change in its last bit from run to run (a pipelined step and the plain loop
+# ended a few ulp apart after other models had run in the process). tfhybrid already puts
+# each step's syncs of one process set and dtype into one grouped allreduce; with this,
+# every call keeps a buffer of its own. Read once by hvd.init; a user's setting wins.
+FUSION_ENV = "HOROVOD_DISABLE_GROUP_FUSION"
+FUSION_DEFAULT = "1"
 
 _MESH: "Mesh | None" = None
 # process sets this module registered, so a reset can remove exactly those
@@ -192,9 +201,10 @@ def init(model_parallel: int | None = None, layout: str = "model_major") -> Mesh
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
     if not hvd.is_initialized():
-        # a user's own setting wins (see STALL_DEFAULTS)
+        # a user's own setting wins (see STALL_DEFAULTS and FUSION_ENV)
         for name, seconds in STALL_DEFAULTS.items():
             os.environ.setdefault(name, str(seconds))
+        os.environ.setdefault(FUSION_ENV, FUSION_DEFAULT)
         hvd.init(process_sets="dynamic")
     resolved = hvd.local_size() if model_parallel is None else model_parallel
     size = hvd.size()
