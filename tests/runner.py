@@ -145,6 +145,15 @@ def owns_process(path: str) -> bool:
     return bool(_declared(path, "OWN_PROCESS"))
 
 
+def fills_cores(path: str) -> bool:
+    """Whether a module that starts jobs keeps both cores busy by itself
+    (``FILLS_CORES = True``: training jobs of several ranks back to back). Its stage
+    runs it after the modules that mostly wait (for a stall to be noticed, a shaped link,
+    a killed job), which overlap with the one-process modules at little cost; by the
+    time it starts, those no longer compete with it for the cores."""
+    return bool(_declared(path, "FILLS_CORES"))
+
+
 def job_kind(path: str, size: int) -> str:
     """What a module's job is, for what may run beside it (``may_run_beside``):
     ``"ranks"`` (a horovodrun job), ``"starts_jobs"`` (a one-process module that declares
@@ -240,14 +249,17 @@ def stages(plan: list[tuple[str, int]], share: bool = True) -> list[Stage]:
     """The plan's modules as stages, in the order lanes take them: modules that start
     jobs of their own (one at a time, beside one-process modules: the longest chain of
     the suite, so it starts first), one-process modules, then multi-rank ones by size,
-    the largest first. With ``share=False`` every module gets a job of its own."""
+    the largest first; in a stage, the longest module first, except that modules that
+    fill the cores go last (``fills_cores``). With ``share=False`` every module gets a
+    job of its own."""
     grouped: dict[tuple[str, int, bool], list[str]] = {}
     for path, size in plan:
         kind = job_kind(path, size)
         shared = share and kind != "starts_jobs" and not owns_process(path)
         grouped.setdefault((kind, size, shared), []).append(path)
     order = {"starts_jobs": 0, "one": 1, "ranks": 2}
-    return [Stage(kind, size, sorted(paths, key=_lines, reverse=True), shared)
+    return [Stage(kind, size, sorted(paths, key=lambda p: (fills_cores(p), -_lines(p))),
+                  shared)
             for (kind, size, shared), paths in sorted(
                 grouped.items(), key=lambda item: (order[item[0][0]], -item[0][1],
                                                    not item[0][2]))]

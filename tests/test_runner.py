@@ -60,13 +60,15 @@ class ScheduleTest(unittest.TestCase):
         long_one = _module("x = 1\n" * 50)
         short_one = _module("x = 1\n")
         starts = _module("STARTS_JOBS = True\n")
+        # the longest module, but it fills the cores: last in its stage
+        fills = _module("STARTS_JOBS = True\nFILLS_CORES = True\n" + "x = 1\n" * 80)
         own = _module("OWN_PROCESS = True\n")
-        for path in (long_one, short_one, starts, own):
+        for path in (long_one, short_one, starts, fills, own):
             self.addCleanup(os.remove, path)
         plan = [(short_one, 1), (long_one, 1), (own, 4), (short_one, 4), (long_one, 2),
-                (starts, 1)]
+                (fills, 1), (starts, 1)]
         got = [(s.kind, s.size, s.modules, s.shared) for s in runner.stages(plan)]
-        self.assertEqual(got, [("starts_jobs", 1, [starts], False),
+        self.assertEqual(got, [("starts_jobs", 1, [starts, fills], False),
                                ("one", 1, [long_one, short_one], True),
                                ("ranks", 4, [short_one], True),
                                ("ranks", 4, [own], False),

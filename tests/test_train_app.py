@@ -24,6 +24,8 @@ from tfhybrid._tf_internals import KERAS_MAJOR
 # it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
 # modules only
 STARTS_JOBS = True
+# its jobs (four ranks, or two one-process runs side by side) keep both cores busy
+FILLS_CORES = True
 KERAS = (2, 3)
 
 # The module starts several jobs of the app (most with 4 ranks on 2 cores): 559 s
