@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -229,12 +230,15 @@ def main() -> int:
         raise SystemExit("the emulated cluster's runs need root: "
                          + ", ".join(r.name for r in runs if r.root))
     scratch = tempfile.mkdtemp(prefix="tfhybrid-bench-")
+    # every run's own temporary files go under the scratch folder too, so nothing a run
+    # leaves behind (a killed child's folders) outlives the catalog's cleanup
+    env = dict(os.environ, TMPDIR=scratch)
     failed = []
     for run in runs:
         command = [part.replace("{scratch}", scratch) for part in run.command(not args.full)]
         print(f"=== {run.name}: {shlex.join(command)}", flush=True)
         started = time.time()
-        done = subprocess.run(command, cwd=ROOT)
+        done = subprocess.run(command, cwd=ROOT, env=env)
         print(f"=== {run.name}: exit {done.returncode} after {time.time() - started:.0f} s",
               flush=True)
         if done.returncode != 0:
@@ -245,6 +249,9 @@ def main() -> int:
         page = subprocess.run([PYTHON, "benchmarks/docs_page.py"], cwd=ROOT)
         if page.returncode != 0:
             failed.append("docs_page")
+    if args.full:
+        # the full runs write benchmarks/results; the scratch holds only their temporaries
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"{len(runs) - len(failed)} of {len(runs)} runs passed"
           + (f"; failed: {', '.join(failed)}" if failed else "")
           + ("" if args.full else f"; quick outputs in {scratch}"))
