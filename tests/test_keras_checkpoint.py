@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -299,6 +300,45 @@ class KillAndResumeTest(tf.test.TestCase):
         self.assertFalse(os.path.exists(chief))
         self.assertFalse(glob.glob(os.path.join(backup, "*")))
         self.assertTrue(glob.glob(os.path.join(self.directory, "weights-04*")))
+
+
+class SharedFolderTest(tf.test.TestCase):
+    """ModelCheckpoint and BackupAndRestore, on every rank, each check that their folder
+    is missing and then create it; another rank can create it in between. The rank that
+    loses that race must go on, or the others wait for it in the save's collectives."""
+
+    def test_a_folder_made_by_another_rank_after_the_check_is_used(self):
+        from tfhybrid.layers import DistributedEmbedding, Embedding
+        ids = tf.keras.Input([HOTNESS], dtype=tf.int64)
+        layer = DistributedEmbedding([Embedding(16, 2, combiner="sum", name="t")])
+        model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(layer([ids])[0]))
+        model.compile(optimizer="sgd", loss="mse")
+        folder = os.path.join(self.get_temp_dir(), "made-by-another-rank")
+        os.makedirs(folder)
+        if _tf_internals.KERAS_3:
+            from keras.src.utils import file_utils
+            checked, real_exists = "keras.src.utils.file_utils.exists", file_utils.exists
+        else:
+            checked, real_exists = "tensorflow.io.gfile.exists", tf.io.gfile.exists
+
+        def exists_before_the_other_rank(path):
+            return False if os.path.normpath(os.fspath(path)) == folder else real_exists(path)
+
+        with mock.patch(checked, side_effect=exists_before_the_other_rank):
+            model.fit(np.zeros([4, HOTNESS], np.int64), np.zeros([4, 1], np.float32),
+                      epochs=1, verbose=0, callbacks=[
+                          tf.keras.callbacks.ModelCheckpoint(
+                              os.path.join(folder, "weights-{epoch:02d}" + WEIGHTS_SUFFIX),
+                              save_weights_only=True),
+                          tf.keras.callbacks.BackupAndRestore(folder)])
+        self.assertIn("weights-01" + (WEIGHTS_SUFFIX or ".index"), os.listdir(folder))
+        if _tf_internals.KERAS_3:
+            # a file where the folder should be is still an error
+            from keras.src.utils import file_utils
+            in_the_way = os.path.join(folder, "a-file")
+            open(in_the_way, "w").close()
+            with self.assertRaises(FileExistsError):
+                file_utils.makedirs(in_the_way)
 
 
 class RankZeroOnlyTest(tf.test.TestCase):

@@ -907,6 +907,30 @@ def install_weights_file_hook(save: Callable[..., Any]) -> None:
     saving_lib.save_weights_only = save_weights_only
 
 
+def install_shared_folder_hook() -> None:
+    """Makes Keras 3's ``file_utils.makedirs`` accept a local folder that exists once
+    it returns. Keras' callbacks check that a folder is missing, then create it; when
+    every rank of a job runs the callback, another rank can create it in between, and
+    Keras' ``os.makedirs`` then fails on that rank alone, which leaves the others in a
+    collective. A path that exists as a file still fails. Idempotent."""
+    _check_version("Keras 3 file_utils.makedirs")
+    from keras.src.utils import file_utils
+    current = file_utils.makedirs
+    if getattr(current, _HOOK_MARK, False):
+        return
+
+    def makedirs(path):
+        try:
+            return current(path)
+        except FileExistsError:
+            if file_utils.is_remote_path(path) or not os.path.isdir(path):
+                raise
+            return None
+
+    setattr(makedirs, _HOOK_MARK, True)
+    file_utils.makedirs = makedirs
+
+
 def install_backup_cleanup_hook(clean_up: Callable[[Any, Callable[[], None]], None]) -> None:
     """Makes Keras 3's ``BackupAndRestore.on_train_end`` call ``clean_up(callback,
     own)`` (``own()`` runs Keras' own: it deletes the backup folder). Every rank of a

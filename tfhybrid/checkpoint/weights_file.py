@@ -47,10 +47,12 @@ from tfhybrid.plan.types import Kind
 
 def install() -> None:
     """Makes Keras 3 weights files of models with sharded tables be written by rank 0
-    alone, after every rank gave its part (idempotent; nothing to do in Keras 2)."""
+    alone, after every rank gave its part, and the callbacks that every rank runs create
+    their folders without racing each other (idempotent; nothing to do in Keras 2)."""
     if _tf_internals.KERAS_3:
         _tf_internals.install_weights_file_hook(_save_weights_file)
         _tf_internals.install_backup_cleanup_hook(_clean_up_backup)
+        _tf_internals.install_shared_folder_hook()
 
 
 def attach_optimizer(optimizer: Any) -> None:

@@ -546,7 +546,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             for e in config["embeddings"]]
         return cls(**config)
 
-    # ---------------------------------------- checkpoints (issue 12): delegation only
+    # ---------------------------------------- checkpoints: delegation only
     # A checkpoint holds each table whole, under a name that does not depend on the mesh,
     # so it restores onto any mesh; see tfhybrid/checkpoint/tables.py.
     def _register_for_checkpoints(self) -> None:
