@@ -42,6 +42,13 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # (dlrm_throughput.py imports it only in its parent process for that reason.)
 sys.path.insert(0, ROOT)
 
+# The figures are measured with Keras 2 (tf-keras) as tf.keras: the Keras of the baselines
+# (distributed-embeddings, NVIDIA's TF2 DLRM example, TF 2.15), so that a comparison runs
+# one Keras on both sides. Set before any tf.keras use (TensorFlow reads it then); an
+# exported TF_USE_LEGACY_KERAS=0 measures Keras 3 instead. Children inherit it.
+KERAS_ENV = "TF_USE_LEGACY_KERAS"
+os.environ.setdefault(KERAS_ENV, "1")
+
 
 def out_dir(name: str, quick: bool, given: str | None = None) -> str:
     """``given`` if set; else ``results/<name>`` for a full run and a new temporary

@@ -211,15 +211,13 @@ class Outcome:
     seconds: float
 
 
-def run_block(block: Block, workdir: str, legacy_keras: str | None = None) -> Outcome:
+def run_block(block: Block, workdir: str, legacy_keras: str | None) -> Outcome:
     """Runs ``block`` as a reader would; ``legacy_keras`` is the reader's
-    TF_USE_LEGACY_KERAS (None: unset, what tfhybrid's import then chooses)."""
+    TF_USE_LEGACY_KERAS (None: unset, TensorFlow's default Keras)."""
     script = os.path.join(workdir, _script_name(block))
     with open(script, "w", encoding="utf-8") as f:
         f.write(block.code)
     env = dict(os.environ, **BLOCK_ENV)
-    # as in a reader's shell: the runner exports it, and a block that only works with it
-    # set (horovod imported before tfhybrid, say) must fail here
     env.pop("TF_USE_LEGACY_KERAS", None)
     if legacy_keras is not None:
         env["TF_USE_LEGACY_KERAS"] = legacy_keras
@@ -411,12 +409,16 @@ class DocsTest(unittest.TestCase):
         self.addCleanup(shutil.rmtree, workdir, ignore_errors=True)
         runnable = [b for b in self.blocks if not b.skip]
         outcomes: dict[Block, Outcome] = {}
+        # the Keras this suite runs (the runner exports it); README's blocks run again
+        # under TensorFlow's default in tests/test_readme_keras3.py
+        keras = os.environ.get("TF_USE_LEGACY_KERAS")
         # multi-rank blocks alone (their ranks share the cores), the rest two at a time
         for block in (b for b in runnable if b.ranks > 1):
-            outcomes[block] = run_block(block, workdir)
+            outcomes[block] = run_block(block, workdir, keras)
             self._log(block, outcomes[block])
         with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL_BLOCKS) as pool:
-            futures = {pool.submit(run_block, b, workdir): b for b in runnable if b.ranks == 1}
+            futures = {pool.submit(run_block, b, workdir, keras): b
+                       for b in runnable if b.ranks == 1}
             for future in concurrent.futures.as_completed(futures):
                 outcomes[futures[future]] = future.result()
                 self._log(futures[future], outcomes[futures[future]])

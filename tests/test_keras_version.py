@@ -1,12 +1,13 @@
-"""Which Keras tfhybrid runs with: Keras 2 (tf-keras) where nothing chose (its import
-sets TF_USE_LEGACY_KERAS=1 if unset), and Keras 3 where the user's process made Keras 3
-tf.keras (TF_USE_LEGACY_KERAS=0, or tf.keras used before tfhybrid was imported, as TF
->= 2.16 does by default). Each case runs in a fresh interpreter, as a user's script
-would."""
+"""Which Keras tfhybrid runs with: the one TensorFlow gives, which is the user's choice.
+Importing tfhybrid leaves TF_USE_LEGACY_KERAS alone, so tf.keras is what it would be
+without tfhybrid: Keras 3 from TF 2.16 where the variable is unset or 0, Keras 2
+(tf-keras) where it is 1 (and on TF <= 2.15). Each case runs in a fresh interpreter, as a
+user's script would."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import unittest
@@ -32,10 +33,17 @@ _PRINT_KERAS = ("import sys; import tensorflow as tf; "
 
 class KerasVersionTest(unittest.TestCase):
 
-    def test_importing_tfhybrid_first_gives_keras_2(self):
-        out = _run("import tensorflow as tf\nimport tfhybrid.layers\n" + _PRINT_KERAS)
+    def test_importing_tfhybrid_leaves_the_choice_to_tensorflow(self):
+        without = _run("import tensorflow as tf\n" + _PRINT_KERAS)
+        self.assertEqual(without.returncode, 0, without.stderr[-3000:])
+        chosen_by_tf = re.search(r"KERAS (\S+)", without.stdout).group(1)
+        out = _run("import os\nimport tensorflow as tf\nimport tfhybrid.layers\n"
+                   "print('ENV', os.environ.get('TF_USE_LEGACY_KERAS'))\n" + _PRINT_KERAS)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
-        self.assertRegex(out.stdout, r"KERAS 2\.")
+        self.assertIn("ENV None", out.stdout)
+        self.assertIn(f"KERAS {chosen_by_tf}", out.stdout)
+        # the Keras the installed TensorFlow makes its default
+        self.assertEqual(int(chosen_by_tf.split(".")[0]), installed_keras_major() or 2)
 
     def test_keras_3_as_tf_keras_is_used_as_it_is(self):
         if installed_keras_major() != 3:
@@ -52,6 +60,8 @@ class KerasVersionTest(unittest.TestCase):
                "history = model.fit(np.ones([8, 2], np.int64), np.ones([8, 1]), verbose=0)\n"
                "print('LOSS', history.history['loss'][0])\n")
         for code, env, trains in (
+                # nothing chose: TensorFlow's default, and a model trains
+                ("import tensorflow as tf\nimport tfhybrid.optimizers", {}, True),
                 # the user touched tf.keras (Keras 3) before importing tfhybrid
                 ("import tensorflow as tf\ntf.keras.layers.Dense\nimport tfhybrid.layers",
                  {}, False),

@@ -1,9 +1,9 @@
 """README.md's Python blocks run with Keras 3 as tf.keras, as in Keras 2.
 
-``tests/test_docs.py`` runs every block of README.md and docs/ as a reader would, where
-tfhybrid's import chooses Keras 2; this runs README's blocks (the quick start, the three
-training styles, the distributed-embeddings migration) again with TF_USE_LEGACY_KERAS=0,
-what a TensorFlow >= 2.16 user who did not opt into tf-keras has.
+``tests/test_docs.py`` runs every block of README.md and docs/ as a reader would, with the
+Keras the suite runs; this runs README's blocks (the quick start, the three training
+styles, the distributed-embeddings migration) again with TF_USE_LEGACY_KERAS unset: what
+a TensorFlow >= 2.16 user who did not opt into tf-keras has, Keras 3.
 """
 
 import shutil
@@ -26,7 +26,7 @@ class ReadmeKeras3Test(unittest.TestCase):
         self.addCleanup(shutil.rmtree, workdir, ignore_errors=True)
         for block in blocks:
             with self.subTest(block=block.name):
-                outcome = test_docs.run_block(block, workdir, legacy_keras="0")
+                outcome = test_docs.run_block(block, workdir, legacy_keras=None)
                 self.assertEqual(outcome.returncode, 0,
                                  f"{block.name} under Keras 3: exit code "
                                  f"{outcome.returncode}\n{test_docs.tail(outcome.stderr)}")

@@ -39,16 +39,9 @@ def installed_keras_major() -> int | None:
         return None
 
 
-# tfhybrid runs with Keras 2 (tf-keras) or Keras 3 as tf.keras. From TF 2.16 on, tf.keras
-# is Keras 3 unless TF_USE_LEGACY_KERAS is set before its first use (TF reads it lazily,
-# so this works after `import tensorflow` too). Where the user has not chosen, Keras 2
-# stays, as scripts written for tf-keras and distributed-embeddings expect; a user's
-# setting (TF_USE_LEGACY_KERAS=0 for Keras 3), or tf.keras used before this import, wins.
-# The user's own TF_USE_LEGACY_KERAS (None when unset), read before the default below
-# fills it in: the training app's --keras flag may choose only where the user did not.
-USER_LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS")
-if (installed_keras_major() or 0) >= 3:
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+# tfhybrid runs with Keras 2 (tf-keras) or Keras 3 as tf.keras, whichever TensorFlow
+# gives: from TF 2.16 on, Keras 3 unless the user sets TF_USE_LEGACY_KERAS=1 before
+# tf.keras is first used. Importing tfhybrid leaves that choice alone.
 
 # public name -> module that defines it
 _LAZY_ATTRIBUTES = {

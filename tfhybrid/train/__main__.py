@@ -19,11 +19,12 @@ import sys
 
 from absl import app, flags
 
-import tfhybrid
 
 # TensorFlow's own rule: these values make tf.keras Keras 2 (tf-keras), any other Keras 3
 _LEGACY_VALUES = ("true", "True", "1")
 KERAS_CHOICES = ("2", "3")
+# the user's own TF_USE_LEGACY_KERAS (None: unset), read before --keras may fill it in
+USER_LEGACY_KERAS = os.environ.get("TF_USE_LEGACY_KERAS")
 
 
 def _keras_in_argv(argv: list[str]) -> str | None:
@@ -53,12 +54,11 @@ def keras_conflict(keras: str | None, user_setting: str | None) -> str | None:
 
 
 def choose_keras(argv: list[str], environ: dict) -> None:
-    """Sets ``TF_USE_LEGACY_KERAS`` for ``--keras`` where the user did not set it (tfhybrid
-    fills in Keras 2 otherwise). A conflicting setting is left alone; ``main`` refuses it."""
+    """Sets ``TF_USE_LEGACY_KERAS`` for ``--keras`` where the user did not set it
+    (TensorFlow's default stays otherwise). A conflicting setting is left alone; ``main``
+    refuses it."""
     keras = _keras_in_argv(argv)
-    # the user's own setting, before tfhybrid filled in its default
-    user_setting = tfhybrid.USER_LEGACY_KERAS
-    if keras in KERAS_CHOICES and user_setting is None:
+    if keras in KERAS_CHOICES and USER_LEGACY_KERAS is None:
         environ["TF_USE_LEGACY_KERAS"] = "1" if keras == "2" else "0"
 
 
@@ -76,7 +76,7 @@ _DEFAULTS = train_app.TrainConfig()
 flags.DEFINE_enum("keras", None, list(KERAS_CHOICES),
                   "The Keras that tf.keras is: 2 (tf-keras) or 3. Sets TF_USE_LEGACY_KERAS "
                   "(1 or 0) when it is unset; a different setting there is refused. Default: "
-                  "TF_USE_LEGACY_KERAS, or Keras 2 when it is unset.")
+                  "TF_USE_LEGACY_KERAS, else TensorFlow's default (Keras 3 from TF 2.16).")
 flags.DEFINE_enum("model", _DEFAULTS.model, list(MODELS), "Model to train.")
 flags.DEFINE_enum("dataset", _DEFAULTS.dataset, list(data_lib.DATASETS), "Input data.")
 flags.DEFINE_string("data_dir", None, "Folder of the dataset's files (criteo_tsv: see "
@@ -195,7 +195,7 @@ def _ints(name: str) -> list[int]:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    conflict = keras_conflict(FLAGS.keras, tfhybrid.USER_LEGACY_KERAS)
+    conflict = keras_conflict(FLAGS.keras, USER_LEGACY_KERAS)
     if conflict:
         raise app.UsageError(conflict)
     if FLAGS.keras is not None and int(FLAGS.keras) != _tf_internals.KERAS_MAJOR:

@@ -756,8 +756,10 @@ def run(config: TrainConfig) -> dict:
         tfhybrid.TrainPipeline(model)   # model.fit reads a batch ahead
     if steps > 0:
         with _explain_shutdown(mesh.rank, stall), watchdog or contextlib.nullcontext():
+            # the dataset holds its own order; Keras 3 warns at fit's default shuffle=True
             history = model.fit(train, epochs=config.epochs, steps_per_epoch=steps,
-                                callbacks=fit_callbacks, verbose=callbacks.verbose(1, mesh))
+                                shuffle=False, callbacks=fit_callbacks,
+                                verbose=callbacks.verbose(1, mesh))
         train_loss = float(history.history["loss"][-1])
     _sync_replicas(model, optimizer, mesh)
     last_step = first_step + steps * config.epochs
