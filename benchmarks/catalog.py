@@ -76,17 +76,20 @@ def _tiered(name: str, extra: tuple[str, ...], out: str) -> Run:
                 "--out", "{scratch}/" + out + ".txt"))
 
 
-def _dlrm(name: str, cases: str, extra: tuple[str, ...]) -> Run:
+def _dlrm(name: str, cases: str, extra: tuple[str, ...], keras: tuple[str, ...] = ()) -> Run:
+    """``keras``: ``("--keras", "3")`` for a run with another Keras, in its quick check too."""
     out = f"benchmarks/results/dlrm_throughput/{name}.txt"
     return Run(f"dlrm_throughput:{name}", "benchmarks/dlrm_throughput.py",
-               ("--cases", cases, *extra, "--output", out), (f"dlrm_throughput/{name}.txt",),
-               ("--quick", "--cases", cases, "--output", "{scratch}/" + name + ".txt"))
+               ("--cases", cases, *extra, *keras, "--output", out),
+               (f"dlrm_throughput/{name}.txt",),
+               ("--quick", "--cases", cases, *keras, "--output", "{scratch}/" + name + ".txt"))
 
 
 RUNS: tuple[Run, ...] = (
     Run("optimizer_apply", "benchmarks/optimizer_apply.py", (),
         ("optimizer_apply/",), ("--quick",)),
     _dlrm("keras_vs_1x1_fp32", "keras:fp32,1x1:fp32", ("--rounds", "3")),
+    _dlrm("keras3_vs_1x1_fp32", "keras:fp32,1x1:fp32", ("--rounds", "3"), ("--keras", "3")),
     _dlrm("bf16_fp32", "keras:fp32,1x1:fp32,keras:bf16,1x1:bf16", ("--steps", "20")),
     _dlrm("xla_towers", "keras:fp32,1x1:fp32,1x1:fp32:xla,1x1:bf16,1x1:bf16:xla",
           ("--steps", "15", "--rounds", "3")),

@@ -31,7 +31,7 @@ TensorFlow.
 
 Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--quick] [--steps 30] [--warmup 5]
            [--cases keras:fp32,1x1:fp32,1x2:bf16:xla,...] [--max_table_rows 1000000]
-           [--profile] [--rounds 3] [--venvs .venv,.venv-tf2.15] [--output FILE]
+           [--profile] [--rounds 3] [--venvs .venv,.venv-tf2.15] [--keras 2|3] [--output FILE]
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def _child(args: argparse.Namespace) -> None:
     import numpy as np
     import tensorflow as tf
 
+    from tfhybrid import _tf_internals
     from tfhybrid.train.data import CRITEO_1TB_CARDINALITIES
     from tfhybrid.train.models import DLRM, example_batch
 
@@ -118,7 +119,7 @@ def _child(args: argparse.Namespace) -> None:
     tf.keras.mixed_precision.set_global_policy(
         "mixed_bfloat16" if case.precision == "bf16" else "float32")
     rows = [min(r, args.max_table_rows) for r in CRITEO_1TB_CARDINALITIES]
-    sgd = tf.keras.optimizers.legacy.SGD(LEARNING_RATE)  # sparse row updates, no slots
+    sgd = _tf_internals.scattering_sgd(LEARNING_RATE)  # sparse row updates, no slots
     if case.plain_keras:
         rank, size = 0, 1
         model = DLRM(rows, DENSE_FEATURES, EMBEDDING_DIM, bottom_mlp_dims=BOTTOM_MLP,
@@ -162,7 +163,7 @@ def _child(args: argparse.Namespace) -> None:
     if rank == 0:
         timed = step_ends[args.warmup - 1:]  # the end of the last warm-up step starts step 1
         result = {"step_seconds": [b - a for a, b in zip(timed, timed[1:])],
-                  "threads": threads}
+                  "threads": threads, "keras": _tf_internals.KERAS_MAJOR}
         if profile_dir:
             result["profile_ms"] = {category: seconds * 1e3 / args.steps for category, seconds
                                     in _op_seconds_by_category(profile_dir).items()}
@@ -264,6 +265,10 @@ def main() -> None:
                         "profiler's overhead)")
     parser.add_argument("--venvs", help="run every case in each of these venvs, comma "
                         "separated (e.g. .venv,.venv-tf2.15: both TensorFlow stacks)")
+    parser.add_argument("--keras", choices=("2", "3"),
+                        help="the Keras that tf.keras is in every case (sets "
+                             "TF_USE_LEGACY_KERAS; default: as exported, else Keras 2, "
+                             "benchmarks/_results.py)")
     parser.add_argument("--output", help="also write the printed results to this file, "
                         "under a header (command, commit, date, CPU, stacks)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -279,6 +284,9 @@ def main() -> None:
     if args.child:
         _child(args)
         return
+    if args.keras:
+        import _results
+        os.environ[_results.KERAS_ENV] = "1" if args.keras == "2" else "0"
     names = args.cases.split(",")
     if args.venvs:
         names = [f"{n}%{venv}" for venv in args.venvs.split(",") for n in names]
@@ -343,6 +351,9 @@ def main() -> None:
         print(header + "  ratio per round")
         for case in ordered:
             report(case, threads[case.name])
+    kerases = sorted({result["keras"] for result in threads.values()})
+    print(f"tf.keras: Keras {' and '.join(map(str, kerases))}"
+          + (" in every case" if len(kerases) == 1 else ", by case"))
     if profiles:
         print_profiles(profiles, results)
     if args.output:
