@@ -298,6 +298,52 @@ def _benchmark_catalog():
     return _load_script("benchmark_catalog", "benchmarks/catalog.py")
 
 
+def _log(block: Block, outcome: Outcome) -> None:
+    status = ("timed out" if outcome.returncode is None else
+              "ok" if outcome.returncode == 0 else f"exit {outcome.returncode}")
+    ranks = f" [np={block.ranks}]" if block.ranks > 1 else ""
+    print(f"docs block {block.name}{ranks}: {status} in {outcome.seconds:.1f} s",
+          file=sys.stderr, flush=True)
+
+
+def check_blocks(test: unittest.TestCase, blocks: list[Block],
+                 legacy_keras: str | None) -> None:
+    """Runs every block not marked skip as a reader with ``legacy_keras`` would
+    (``run_block``), multi-rank ones alone and the rest two at a time, and fails a
+    subtest of ``test`` per block that fails or overruns, with its stderr's tail."""
+    workdir = tempfile.mkdtemp(prefix="tfhybrid-docs-")
+    test.addCleanup(shutil.rmtree, workdir, ignore_errors=True)
+    runnable = [b for b in blocks if not b.skip]
+    outcomes: dict[Block, Outcome] = {}
+    # multi-rank blocks alone (their ranks share the cores), the rest two at a time
+    for block in (b for b in runnable if b.ranks > 1):
+        outcomes[block] = run_block(block, workdir, legacy_keras)
+        _log(block, outcomes[block])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL_BLOCKS) as pool:
+        futures = {pool.submit(run_block, b, workdir, legacy_keras): b
+                   for b in runnable if b.ranks == 1}
+        for future in concurrent.futures.as_completed(futures):
+            outcomes[futures[future]] = future.result()
+            _log(futures[future], outcomes[futures[future]])
+    skipped = [b for b in blocks if b.skip]
+    print(f"docs test: {len(runnable)} python blocks run, {len(skipped)} skipped"
+          + "".join(f"\n  SKIP {b.name}: {b.skip}" for b in skipped),
+          file=sys.stderr, flush=True)
+    for block in runnable:
+        with test.subTest(block=block.name):
+            outcome = outcomes[block]
+            where = f"{block.name}: python block" + (
+                f" (horovodrun -np {block.ranks})" if block.ranks > 1 else "")
+            if outcome.returncode is None:
+                test.fail(f"{where} ran over its {BLOCK_TIMEOUT_S} s limit\n--- stderr "
+                          f"tail ---\n{_with_doc_lines(tail(outcome.stderr), block)}")
+            test.assertEqual(outcome.returncode, 0,
+                             f"{where} failed with exit code {outcome.returncode}\n"
+                             f"--- stderr tail ---\n"
+                             f"{_with_doc_lines(tail(outcome.stderr), block)}\n"
+                             f"--- stdout tail ---\n{tail(outcome.stdout, 10)}")
+
+
 def _docs_page():
     return _load_script("benchmark_docs_page", "benchmarks/docs_page.py")
 
@@ -405,40 +451,9 @@ class DocsTest(unittest.TestCase):
 
     def test_python_blocks(self):
         self.assertTrue(self.blocks, "no python blocks found in README.md and docs/")
-        workdir = tempfile.mkdtemp(prefix="tfhybrid-docs-")
-        self.addCleanup(shutil.rmtree, workdir, ignore_errors=True)
-        runnable = [b for b in self.blocks if not b.skip]
-        outcomes: dict[Block, Outcome] = {}
-        # the Keras this suite runs (the runner exports it); README's blocks run again
-        # under TensorFlow's default in tests/test_readme_keras3.py
-        keras = os.environ.get("TF_USE_LEGACY_KERAS")
-        # multi-rank blocks alone (their ranks share the cores), the rest two at a time
-        for block in (b for b in runnable if b.ranks > 1):
-            outcomes[block] = run_block(block, workdir, keras)
-            self._log(block, outcomes[block])
-        with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL_BLOCKS) as pool:
-            futures = {pool.submit(run_block, b, workdir, keras): b
-                       for b in runnable if b.ranks == 1}
-            for future in concurrent.futures.as_completed(futures):
-                outcomes[futures[future]] = future.result()
-                self._log(futures[future], outcomes[futures[future]])
-        skipped = [b for b in self.blocks if b.skip]
-        print(f"docs test: {len(runnable)} python blocks run, {len(skipped)} skipped"
-              + "".join(f"\n  SKIP {b.name}: {b.skip}" for b in skipped),
-              file=sys.stderr, flush=True)
-        for block in runnable:
-            with self.subTest(block=block.name):
-                outcome = outcomes[block]
-                where = f"{block.name}: python block" + (
-                    f" (horovodrun -np {block.ranks})" if block.ranks > 1 else "")
-                if outcome.returncode is None:
-                    self.fail(f"{where} ran over its {BLOCK_TIMEOUT_S} s limit\n--- stderr "
-                              f"tail ---\n{_with_doc_lines(tail(outcome.stderr), block)}")
-                self.assertEqual(outcome.returncode, 0,
-                                 f"{where} failed with exit code {outcome.returncode}\n"
-                                 f"--- stderr tail ---\n"
-                                 f"{_with_doc_lines(tail(outcome.stderr), block)}\n"
-                                 f"--- stdout tail ---\n{tail(outcome.stdout, 10)}")
+        # the Keras this suite runs (the runner exports it); tests/test_docs_keras3.py runs
+        # them again under TensorFlow's default
+        check_blocks(self, self.blocks, os.environ.get("TF_USE_LEGACY_KERAS"))
 
     def test_skipped_blocks(self):
         """Each block marked skip, reported as a skipped subtest with its reason (its own
@@ -449,14 +464,6 @@ class DocsTest(unittest.TestCase):
         for block in skipped:
             with self.subTest(block=block.name):
                 self.skipTest(f"{block.name}: {block.skip}")
-
-    @staticmethod
-    def _log(block: Block, outcome: Outcome) -> None:
-        status = ("timed out" if outcome.returncode is None else
-                  "ok" if outcome.returncode == 0 else f"exit {outcome.returncode}")
-        ranks = f" [np={block.ranks}]" if block.ranks > 1 else ""
-        print(f"docs block {block.name}{ranks}: {status} in {outcome.seconds:.1f} s",
-              file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -413,6 +413,20 @@ class AdaptiveLayerTest(unittest.TestCase):
             memory = adaptive.table.memory_bytes()
             self.assertLess(memory["total"], memory["dense"])
 
+    def test_a_layer_first_built_inside_fit_trains_as_the_dense_layer(self):
+        # a Sequential model without an Input builds its layers in fit's first step, which
+        # Keras 3 traces: the pool must still be made from a value outside that function
+        from tfhybrid.optimizers import RowWiseAdagrad
+        dense, adaptive = _layers("sum")
+        x, y = _data()
+        for layer in (dense, adaptive):
+            model = tf.keras.Sequential([layer, tf.keras.layers.Dense(
+                1, kernel_initializer="ones")])
+            model.compile(RowWiseAdagrad(0.1, use_custom_op=False), "mse")
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        np.testing.assert_array_equal(adaptive.table.to_dense().numpy(),
+                                      dense.embeddings.numpy())
+
     def test_adjust_needs_the_row_wise_optimizer(self):
         from tfhybrid.callbacks import FiitedAdjust
         _, adaptive = _layers("sum")

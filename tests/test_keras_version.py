@@ -38,10 +38,12 @@ class KerasVersionTest(unittest.TestCase):
         self.assertEqual(without.returncode, 0, without.stderr[-3000:])
         chosen_by_tf = re.search(r"KERAS (\S+)", without.stdout).group(1)
         out = _run("import os\nimport tensorflow as tf\nimport tfhybrid.layers\n"
-                   "print('ENV', os.environ.get('TF_USE_LEGACY_KERAS'))\n" + _PRINT_KERAS)
+                   "print('ENV', os.environ.get('TF_USE_LEGACY_KERAS'))\n"
+                   "print('MAJOR', tfhybrid.keras_major())\n" + _PRINT_KERAS)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertIn("ENV None", out.stdout)
         self.assertIn(f"KERAS {chosen_by_tf}", out.stdout)
+        self.assertIn(f"MAJOR {chosen_by_tf.split('.')[0]}", out.stdout)
         # the Keras the installed TensorFlow makes its default
         self.assertEqual(int(chosen_by_tf.split(".")[0]), installed_keras_major() or 2)
 

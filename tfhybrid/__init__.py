@@ -28,7 +28,8 @@ __version__ = "0.1.0"
 def installed_keras_major() -> int | None:
     """The major version of the installed ``keras`` package (None without one): 3 on
     TF >= 2.16 stacks, where tf.keras may be Keras 3; 2 on TF <= 2.15, whose tf.keras is
-    always Keras 2. Which Keras tf.keras *is* in this process may differ (see below).
+    always Keras 2. Which Keras tf.keras *is* in this process may differ:
+    :func:`keras_major`.
 
     >>> installed_keras_major() in (None, 2, 3)
     True
@@ -37,6 +38,20 @@ def installed_keras_major() -> int | None:
         return int(metadata.version("keras").split(".")[0])
     except (metadata.PackageNotFoundError, ValueError):
         return None
+
+
+def keras_major() -> int:
+    """The major version of the Keras that ``tf.keras`` is in this process: 2 (tf-keras,
+    or TF <= 2.15's own) or 3. Asking settles TensorFlow's choice, which it makes at the
+    first use of ``tf.keras`` (``TF_USE_LEGACY_KERAS``); code written for both Kerases
+    branches on it, e.g. for the weights file's name, which Keras 3 requires to end in
+    ``.weights.h5``.
+
+    >>> keras_major() in (2, 3)
+    True
+    """
+    from tfhybrid import _tf_internals
+    return _tf_internals.KERAS_MAJOR
 
 
 # tfhybrid runs with Keras 2 (tf-keras) or Keras 3 as tf.keras, whichever TensorFlow
@@ -62,7 +77,7 @@ _LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks"
                     "compression"}
 
 __all__ = (sorted(n for n in _LAZY_ATTRIBUTES if not n.startswith("_")) + sorted(_LAZY_SUBMODULES)
-           + ["installed_keras_major"])
+           + ["installed_keras_major", "keras_major"])
 
 
 def __getattr__(name: str) -> Any:

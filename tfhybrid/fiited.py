@@ -274,11 +274,14 @@ class ChunkedTable(ChunkOptions, tf.Module):
         self.rows = checked_int("rows", rows, 1)
         self._set_chunk_options(dim, chunks, utility_decay, min_chunks, position_power,
                                 use_custom_op)
-        if initial_value is None:
-            initial_value = tf.random.stateless_uniform(
-                [self.rows, self.dim], seed=[0 if seed is None else int(seed), 0],
-                minval=-0.05, maxval=0.05)
-        initial_value = tf.convert_to_tensor(initial_value, tf.float32)
+        # outside any function being traced (Keras 3 builds a layer first called in fit
+        # inside its train function): the variables below are made from it there
+        with tf.init_scope():
+            if initial_value is None:
+                initial_value = tf.random.stateless_uniform(
+                    [self.rows, self.dim], seed=[0 if seed is None else int(seed), 0],
+                    minval=-0.05, maxval=0.05)
+            initial_value = tf.convert_to_tensor(initial_value, tf.float32)
         if initial_value.shape != (self.rows, self.dim):
             raise ValueError(f"initial_value has shape {initial_value.shape}; expected "
                              f"[{self.rows}, {self.dim}]")
