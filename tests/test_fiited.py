@@ -438,6 +438,22 @@ class AdaptiveLayerTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "every_n_batches must be an int >= 1, got 0"):
             FiitedAdjust(every_n_batches=0)
 
+    def test_other_optimizers_are_refused_by_name(self):
+        # SGD without momentum makes no slot: it is refused when it is built with the pool
+        optimizers = [tf.keras.optimizers.SGD(0.1), tf.keras.optimizers.Adam(0.01)]
+        if not _tf_internals.KERAS_3:
+            optimizers.append(tf.keras.optimizers.legacy.SGD(0.1))
+        x, y = _data(16)
+        for optimizer in optimizers:
+            with self.subTest(optimizer=optimizer):
+                _, adaptive = _layers("sum")
+                model = _model(adaptive)
+                model.compile(optimizer, "mse")
+                with self.assertRaisesRegex(
+                        ValueError, rf"{type(optimizer).__name__} cannot train table "
+                        r"'\w+', a FIITED table \(dims='adaptive'\).*RowWiseAdagrad"):
+                    model.fit(x, y, verbose=0)
+
     def test_config_round_trips_and_saved_model_serves(self):
         from tfhybrid.layers import Embedding
         _, adaptive = _layers("mean")

@@ -779,16 +779,18 @@ _SLOT_FACTORIES = (((lambda: tf.keras.optimizers.Optimizer, "add_variable_from_r
                     (lambda: tf.keras.optimizers.legacy.Optimizer, "add_slot")))
 
 
-# Keras 3's optimizers make no slot that they do not need (its SGD without momentum
-# none), so there the guards also see each variable an optimizer is built with (with slot
-# name None): Keras 2's SGD makes a momentum slot even without momentum
-_BUILDS = ((lambda: tf.keras.optimizers.Optimizer, "build"),) if KERAS_3 else ()
+# An optimizer that makes no slot for a variable (SGD without momentum: Keras 3's, and
+# Keras 2's legacy one) would pass the slot guards unseen, so the guards also see each
+# variable an optimizer is built with (with slot name None)
+_BUILDS = (((lambda: tf.keras.optimizers.Optimizer, "build"),) if KERAS_3 else
+           ((lambda: tf.keras.optimizers.Optimizer, "build"),
+            (lambda: tf.keras.optimizers.legacy.Optimizer, "_create_all_weights")))
 
 
 def install_slot_guard(check: Callable[[Any, Any, Any], None]) -> None:
     """Runs ``check(optimizer, variable, slot_name)`` before any Keras optimizer (new or
-    legacy) makes a slot for ``variable``, and, in Keras 3, ``check(optimizer, variable,
-    None)`` for each variable before an optimizer is built with it; it raises to refuse.
+    legacy) makes a slot for ``variable``, and ``check(optimizer, variable, None)`` for
+    each variable before an optimizer is built with it; it raises to refuse.
     Idempotent."""
     _check_version("Keras optimizer slot factory")
     for factories, guard in ((_SLOT_FACTORIES, _guarded_slots), (_BUILDS, _guarded_build)):
@@ -801,8 +803,8 @@ def install_slot_guard(check: Callable[[Any, Any, Any], None]) -> None:
 
 
 def _guarded_build(build: Callable) -> Callable:
-    """``build`` (a Keras 3 optimizer's ``build(variables)``) behind the installed
-    guards."""
+    """``build`` (an optimizer's ``build(variables)``, a legacy one's
+    ``_create_all_weights(variables)``) behind the installed guards."""
     def guarded_build(self, variables, *args, **kwargs):
         variables = list(variables)
         for variable in variables:

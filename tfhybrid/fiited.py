@@ -64,6 +64,26 @@ def table_of(variable: Any) -> "ChunkedTable | None":
     return roles.role_of(variable).chunked_table
 
 
+def refuse_other_optimizers(optimizer: Any, variable: Any, slot_name: Any) -> None:
+    """The slot guard of ``_tf_internals``: only the row-wise AdaGrad optimizers train a
+    FIITED table (a pool or a tier's cache), since only they update the chunks each row
+    holds; any other Keras optimizer is refused by name when it is built with one or
+    makes a slot for one, instead of failing in its update on the pool's shape."""
+    del slot_name
+    table = table_of(variable)
+    if table is None:
+        return
+    from tfhybrid import slot_owners
+    from tfhybrid.optimizers import RowWiseAdagrad   # which imports this module
+    owner = slot_owners.slot_owner(optimizer, variable)
+    if not isinstance(owner, RowWiseAdagrad):
+        raise ValueError(
+            f"{type(owner).__name__} cannot train table {table.name!r}, a FIITED table "
+            "(dims='adaptive') whose rows keep a prefix of their chunks: train it with "
+            "tfhybrid.optimizers.RowWiseAdagrad or MomentumScaledRowWiseAdagrad (for a "
+            "DistributedEmbedding, as DistributedOptimizer's embedding_optimizer)")
+
+
 def checked_int(name: str, value: Any, low: int) -> int:
     """``value`` as an ``int`` if it is an integer (numpy's too, not bool) >= ``low``;
     else ``ValueError`` naming ``name`` and ``value``."""
@@ -304,6 +324,7 @@ class ChunkedTable(ChunkOptions, tf.Module):
                                 name="utility")
         # how an optimizer finds the table of a pool gradient (table_of)
         roles.assign(self.pool, chunked_table=self)
+        _tf_internals.install_slot_guard(refuse_other_optimizers)
 
     @property
     def storage(self) -> tf.Variable:
