@@ -715,6 +715,8 @@ def _check_version(hook: str) -> None:
 
 # a hook's mark on what it installed, holding the callback it calls
 _HOOK_MARK = "_tfhybrid_hook"
+# the callbacks of an optimizer's build hook (install_build_hook)
+_BUILD_HOOK_MARK = "_tfhybrid_build_callbacks"
 SaveCallback = Callable[[Any, Any, Any, Callable[..., Any]], Any]
 
 
@@ -845,7 +847,8 @@ def install_build_hook(optimizer: Any, after_build: Callable[[], None]) -> None:
     _check_version("optimizer build")
     method = "_create_all_weights" if hasattr(optimizer, "get_slot_names") else "build"
     own_build = getattr(optimizer, method)
-    callbacks = getattr(own_build, _HOOK_MARK, None)
+    # a mark of its own: the build it wraps may be a class's, guarded by a slot guard
+    callbacks = getattr(own_build, _BUILD_HOOK_MARK, None)
     if callbacks is not None:
         if after_build not in callbacks:
             callbacks.append(after_build)
@@ -866,7 +869,7 @@ def install_build_hook(optimizer: Any, after_build: Callable[[], None]) -> None:
                 for callback in callbacks:
                     callback()
 
-    setattr(build, _HOOK_MARK, callbacks)
+    setattr(build, _BUILD_HOOK_MARK, callbacks)
     # an instance attribute, past Keras' __setattr__, which would track it
     object.__setattr__(optimizer, method, build)
 

@@ -66,12 +66,14 @@ def table_of(variable: Any) -> "ChunkedTable | None":
 
 def refuse_other_optimizers(optimizer: Any, variable: Any, slot_name: Any) -> None:
     """The slot guard of ``_tf_internals``: only the row-wise AdaGrad optimizers train a
-    FIITED table (a pool or a tier's cache), since only they update the chunks each row
-    holds; any other Keras optimizer is refused by name when it is built with one or
-    makes a slot for one, instead of failing in its update on the pool's shape."""
+    FIITED pool, since only they update the chunks each row holds; any other Keras
+    optimizer is refused by name when it is built with one or makes a slot for one,
+    instead of failing in its update on the pool's shape. (A tier's FIITED cache has the
+    tier's guard, ``tiers._refuse_cache_slots``.)"""
     del slot_name
     table = table_of(variable)
-    if table is None:
+    # a tier's FIITED cache: the tier's own guard says it, in the tier's words
+    if table is None or roles.role_of(variable).cached_table is not None:
         return
     from tfhybrid import slot_owners
     from tfhybrid.optimizers import RowWiseAdagrad   # which imports this module

@@ -55,7 +55,7 @@ from tfhybrid import roles
 from tfhybrid import slot_owners
 from tfhybrid.custom_ops import coalesce_rows
 from tfhybrid.fiited import MIN_CHUNKS, POSITION_POWER, ChunkOptions, checked_int, \
-    chunked_rowwise_rows, combine_bags, refuse_other_optimizers, update_utility
+    chunked_rowwise_rows, combine_bags, update_utility
 
 __all__ = ["CachedTable", "ChunkedCachedTable", "POLICIES", "table_of",
            "accumulator_table_of"]
@@ -629,7 +629,6 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
                                     name="slot_chunks")
         # the optimizer's route: a FIITED table's gradient goes to apply_pool_gradient
         roles.assign(self.cache, chunked_table=self)
-        _tf_internals.install_slot_guard(refuse_other_optimizers)
 
     @property
     def accumulator(self) -> tf.Variable:
