@@ -122,7 +122,10 @@ def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
         expected = [reference[t](x) for x, t in zip(ids, input_table_map)]
         reference_loss = loss_of(expected, global_batch) + tf.add_n(
             [loss for r in reference for loss in r.losses] or [0.0])
-    reference_grads = tape.gradient(reference_loss, variables)
+    # dense: the one-process step on the global batch, whatever an optimizer would make
+    # of a sparse gradient's repeated rows
+    reference_grads = [tf.convert_to_tensor(g)
+                       for g in tape.gradient(reference_loss, variables)]
     optimizer(LEARNING_RATE).apply_gradients(zip(reference_grads, variables))
 
     for got, want in zip(outputs, expected):

@@ -383,31 +383,6 @@ def build_optimizer(optimizer: Any, variables: list) -> None:
         optimizer.build(variables)
 
 
-def rows_once(optimizer: Any, grads_and_vars: list) -> list:
-    """``grads_and_vars`` as a Keras 2 optimizer would update with them: Keras 2's
-    optimizers sum the duplicate rows of a sparse gradient before their update (the new
-    ones in ``_deduplicate_sparse_grad``, the legacy ones in
-    ``_resource_apply_sparse_duplicate_indices``); Keras 3's update each duplicate on its
-    own, so an Adagrad's or Adam's step would depend on how the gradient was split into
-    slices, that is on the mesh (an allgather of the ranks' rows repeats rows). In Keras 3
-    each ``IndexedSlices`` gets each row once, summed, unless the optimizer sums them
-    itself (it defines ``_deduplicate_sparse_grad``, as tfhybrid's row-wise ones do, in
-    float32; a loss-scale optimizer is asked about the one it wraps); in Keras 2 the pairs
-    are returned as they are."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if not KERAS_3 or hasattr(inner, "_deduplicate_sparse_grad"):
-        return list(grads_and_vars)
-    out = []
-    for grad, variable in grads_and_vars:
-        if isinstance(grad, tf.IndexedSlices):
-            rows, position = tf.unique(grad.indices)
-            grad = tf.IndexedSlices(
-                tf.math.unsorted_segment_sum(grad.values, position, tf.size(rows)),
-                rows, grad.dense_shape)
-        out.append((grad, variable))
-    return out
-
-
 def scattering_sgd(learning_rate: float) -> Any:
     """A plain SGD (no momentum) that scatters a sparse gradient into the rows it
     touches and keeps no state per variable. Keras 2's new SGD keeps a momentum slot for

@@ -366,7 +366,31 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                 prescale_factor=pre, postscale_factor=post)
         for (i, _, ctx), value in zip(members, summed):
             reduced[i] = compression.decompress(value, ctx)
-    return reduced
+    return [rows_once(g) if isinstance(g, tf.IndexedSlices) else g for g in reduced]
+
+
+# Ops whose first output holds distinct values: a sparse gradient indexed by one of them
+# (the fused lookup's backward, or an earlier ``rows_once``) has each row once already.
+_DISTINCT_INDEX_OPS = frozenset({"Unique", "UniqueV2", "EmbeddingLookupCombineGrad"})
+
+
+def rows_once(grad: tf.IndexedSlices) -> tf.IndexedSlices:
+    """``grad`` with each row once, duplicates summed in the order they came.
+
+    A sparse gradient repeats rows where several lookups of one table met in the tape (a
+    shared table) or where an allgather joined the ranks' rows. Keras 3's stock
+    optimizers update each repeat on its own (Adagrad adds g1**2 + g2**2, not
+    (g1 + g2)**2), so without this a step would depend on which rank sent which rows,
+    that is on the mesh; Keras 2's sum them, and so does this, for every optimizer.
+    Indices an op known to make distinct values (``_DISTINCT_INDEX_OPS``) are kept as
+    they are, so a traced step pays nothing for gradients that are unique already."""
+    indices = grad.indices
+    if not tf.executing_eagerly() and hasattr(indices, "op") \
+            and indices.op.type in _DISTINCT_INDEX_OPS and indices.value_index == 0:
+        return grad
+    rows, position = tf.unique(indices)
+    return tf.IndexedSlices(tf.math.unsorted_segment_sum(grad.values, position, tf.size(rows)),
+                            rows, grad.dense_shape)
 
 
 def _mark_synced(grad: Any) -> Any:
@@ -764,9 +788,10 @@ class GradientRoute:
                 continue
             clipped = _clip([grads[i] for i in members], [variables[i] for i in members],
                             _clip_settings(owner), mesh)
-            # each sparse row once, as Keras 2's optimizers take them, whatever the mesh
-            group_pairs = _tf_internals.rows_once(
-                owner, list(zip(clipped, [variables[i] for i in members])))
+            # each sparse row once whatever the mesh; synced gradients have that already
+            # (at no cost here when traced), a gradient made after the tape may not
+            group_pairs = [(rows_once(g) if isinstance(g, tf.IndexedSlices) else g,
+                            variables[i]) for g, i in zip(clipped, members)]
             if owner is optimizer:
                 results.append(_tf_internals.apply_unscaled(optimizer, apply_group,
                                                             group_pairs, *args, **kwargs))
