@@ -19,19 +19,27 @@ of medians to the baseline case of this run. NVIDIA's own TF2 DLRM is not run he
 code is not installed on this machine), so nothing is compared with it: published figures
 are not quoted beside these.
 
-``--profile`` traces the timed steps with the TF profiler and prints, per case, where the
-op time goes (MLP GEMMs, interaction, embeddings, updates, the rest). A case may name
+``--profile`` traces PROFILE_STEPS more steps after the timed ones with the TF profiler
+(so the step times stay untraced) and prints, per case, where the op time goes (MLP
+GEMMs, interaction, embeddings, updates, the rest), the time in which some op ran (the
+union over compute threads), the host-only rest of the wall time, and the host threads'
+largest outermost events (the step's function call, the iterator, Keras' work between
+steps). A case may name
 another checkout after ``@`` (``1x1:fp32@/tmp/before``): it imports that tree's tfhybrid,
 so one run compares a change with the code before it. ``--venvs .venv,.venv-tf2.15`` runs
 every case in each venv (each a TensorFlow stack ``make setup TF=...`` installs), so one
 run compares the stacks; a case names its venv after ``%`` (``1x1:bf16%.venv-tf2.15``).
+``--kerases 2,3`` runs every case
+with each Keras as ``tf.keras`` (a case names its Keras as ``:k2`` or ``:k3``, e.g.
+``1x1:fp32:k3``), interleaved in each round, so one run compares the two Kerases.
 ``--output FILE`` also writes what is printed to FILE at the end, under a header with the
 command, commit, date, CPU, the other load on the machine during the run and each venv's
 TensorFlow.
 
 Usage: .venv/bin/python benchmarks/dlrm_throughput.py [--quick] [--steps 30] [--warmup 5]
            [--cases keras:fp32,1x1:fp32,1x2:bf16:xla,...] [--max_table_rows 1000000]
-           [--profile] [--rounds 3] [--venvs .venv,.venv-tf2.15] [--keras 2|3] [--output FILE]
+           [--profile] [--rounds 3] [--venvs .venv,.venv-tf2.15] [--keras 2|3]
+           [--kerases 2,3] [--output FILE]
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ EMBEDDING_DIM, DENSE_FEATURES = 128, 13
 BOTTOM_MLP, TOP_MLP = [512, 256, 128], [1024, 1024, 512, 256, 1]
 LEARNING_RATE = 0.01
 DISTINCT_BATCHES = 4  # cycled: the input pipeline is not what is measured
+PROFILE_STEPS = 5     # traced after the timed steps (--profile)
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class Case:
     xla: bool
     tree: str = ""   # another checkout whose tfhybrid the case imports ("" = this one)
     venv: str = ""   # the venv whose Python runs the case ("" = this Python's)
+    keras: str = ""  # "2" or "3": the Keras that is tf.keras ("" = as exported)
 
     @property
     def processes(self) -> int:
@@ -92,15 +102,17 @@ class Case:
         if venv and not os.access(os.path.join(venv, "bin", "python"), os.X_OK):
             raise ValueError(f"case {name!r}: {venv!r} is not a venv (no bin/python)")
         parts = spec.split(":")
-        if len(parts) < 2 or parts[1] not in ("fp32", "bf16") or \
-                any(p != "xla" for p in parts[2:]):
-            raise ValueError(f"case {name!r}: expected <DxM|{BASELINE_MESH}>:<fp32|bf16>[:xla]")
+        kerases = [p[1:] for p in parts[2:] if p in ("k2", "k3")]
+        if len(parts) < 2 or parts[1] not in ("fp32", "bf16") or len(kerases) > 1 or \
+                any(p not in ("xla", "k2", "k3") for p in parts[2:]):
+            raise ValueError(f"case {name!r}: expected "
+                             f"<DxM|{BASELINE_MESH}>:<fp32|bf16>[:xla][:k2|:k3]")
         if parts[0] == BASELINE_MESH:
             data_parallel, model_parallel = 1, 1
         else:
             data_parallel, model_parallel = (int(x) for x in parts[0].split("x"))
         return Case(name, parts[0] == BASELINE_MESH, data_parallel, model_parallel, parts[1],
-                    "xla" in parts[2:], tree, venv)
+                    "xla" in parts[2:], tree, venv, kerases[0] if kerases else "")
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -151,22 +163,27 @@ def _child(args: argparse.Namespace) -> None:
     class StepEnds(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             step_ends.append(float(tf.timestamp().numpy()))
-            if profile_dir and batch == args.warmup - 1:   # the timed steps, traced
+            if profile_dir and batch == args.warmup + args.steps - 1:   # after the timed
                 tf.profiler.experimental.start(profile_dir)
 
         def on_train_end(self, logs=None):
             if profile_dir:
                 tf.profiler.experimental.stop()
 
-    model.fit(data, steps_per_epoch=args.warmup + args.steps, verbose=0,
+    model.fit(data, steps_per_epoch=args.warmup + args.steps
+              + (PROFILE_STEPS if profile_dir else 0), verbose=0,
               callbacks=callbacks + [StepEnds()])
     if rank == 0:
-        timed = step_ends[args.warmup - 1:]  # the end of the last warm-up step starts step 1
+        # the end of the last warm-up step starts step 1
+        timed = step_ends[args.warmup - 1:args.warmup + args.steps]
         result = {"step_seconds": [b - a for a, b in zip(timed, timed[1:])],
                   "threads": threads, "keras": _tf_internals.KERAS_MAJOR}
         if profile_dir:
-            result["profile_ms"] = {category: seconds * 1e3 / args.steps for category, seconds
-                                    in _op_seconds_by_category(profile_dir).items()}
+            traced = step_ends[args.warmup + args.steps - 1:]
+            result["profile_ms"] = {category: seconds * 1e3 / PROFILE_STEPS for
+                                    category, seconds in
+                                    _op_seconds_by_category(profile_dir).items()}
+            result["profile_ms"]["wall"] = (traced[-1] - traced[0]) * 1e3 / PROFILE_STEPS
         with open(args.out, "w") as f:
             json.dump(result, f)
 
@@ -187,14 +204,26 @@ PROFILE_CATEGORIES = (
 )
 
 
+# the host-time rows: seconds in which no op of the step ran on any compute thread, and
+# the host threads' own events (TraceMe: the step's function call, the executor, Keras'
+# Python-side work between steps), each thread's outermost events by name
+BUSY, HOST, HOST_EVENT = "ops running (union over threads)", "host only: no op running", \
+    "host event: "
+HOST_EVENTS_SHOWN = 6
+
+
 def _op_seconds_by_category(profile_dir: str) -> dict[str, float]:
     """Seconds of TF op time in a profile, per PROFILE_CATEGORIES entry, summed over the
-    threads that ran them (two ops at once both count)."""
+    threads that ran them (two ops at once both count); under ``BUSY`` the seconds in
+    which at least one op ran, and under ``HOST_EVENT + name`` the outermost events of the
+    threads that run no ops (the host's side of the step)."""
     import glob
 
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     totals = {name: 0.0 for name, _ in PROFILE_CATEGORIES}
+    intervals: list[tuple[int, int]] = []
+    host: dict[str, float] = {}
     for path in glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True):
         space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
@@ -203,7 +232,16 @@ def _op_seconds_by_category(profile_dir: str) -> dict[str, float]:
             names = {key: meta.name for key, meta in plane.event_metadata.items()}
             for line in plane.lines:
                 if not line.name.startswith("tf_Compute"):
+                    if plane.name.startswith("/host:CPU"):
+                        end = -1
+                        for event in sorted(line.events, key=lambda e: e.offset_ps):
+                            if event.offset_ps < end:   # nested in the one before
+                                continue
+                            end = event.offset_ps + event.duration_ps
+                            name = names.get(event.metadata_id, "?").split("#")[0][:60]
+                            host[name] = host.get(name, 0.0) + event.duration_ps * 1e-12
                     continue
+                start = line.timestamp_ns * 1000
                 for event in line.events:
                     scope, colon, op = names.get(event.metadata_id, "").rpartition(":")
                     if not colon or scope.endswith(":"):   # the executor's own events
@@ -211,6 +249,18 @@ def _op_seconds_by_category(profile_dir: str) -> dict[str, float]:
                     category = next(name for name, test in PROFILE_CATEGORIES
                                     if test(scope.lower(), op))
                     totals[category] += event.duration_ps * 1e-12
+                    intervals.append((start + event.offset_ps,
+                                      start + event.offset_ps + event.duration_ps))
+    busy, reach = 0, None
+    for begin, finish in sorted(intervals):
+        if reach is None or begin > reach:
+            reach = begin
+        if finish > reach:
+            busy += finish - max(begin, reach)
+            reach = finish
+    totals[BUSY] = busy * 1e-12
+    for name, seconds in sorted(host.items(), key=lambda kv: -kv[1])[:HOST_EVENTS_SHOWN]:
+        totals[HOST_EVENT + name] = seconds
     return totals
 
 
@@ -229,6 +279,8 @@ def _run_case(case: Case, args: argparse.Namespace) -> dict:
         import _results
         # OMP_NUM_THREADS as inherited: a case sets its own thread counts
         env = _results.child_env(OMP_NUM_THREADS=None, PYTHONPATH=case.tree or _results.ROOT)
+        if case.keras:
+            env[_results.KERAS_ENV] = "1" if case.keras == "2" else "0"
         done = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=args.timeout)
         if done.returncode != 0 or not os.path.exists(out):
@@ -260,15 +312,18 @@ def main() -> None:
                         "over the rounds (default 1)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
     parser.add_argument("--profile", action="store_true",
-                        help="trace the timed steps with the TF profiler and print where "
-                        "each case's op time goes (the step times then include the "
-                        "profiler's overhead)")
+                        help=f"trace {PROFILE_STEPS} steps after the timed ones with the TF "
+                        "profiler and print where each case's step time goes: op time "
+                        "by category, the time some op ran, the host-only rest")
     parser.add_argument("--venvs", help="run every case in each of these venvs, comma "
                         "separated (e.g. .venv,.venv-tf2.15: both TensorFlow stacks)")
     parser.add_argument("--keras", choices=("2", "3"),
                         help="the Keras that tf.keras is in every case (sets "
                              "TF_USE_LEGACY_KERAS; default: as exported, else Keras 2, "
                              "benchmarks/_results.py)")
+    parser.add_argument("--kerases", help="run every case with each of these Kerases as "
+                        "tf.keras, comma separated (2,3: both side by side in one run; a "
+                        "case names its Keras as :k2 or :k3)")
     parser.add_argument("--output", help="also write the printed results to this file, "
                         "under a header (command, commit, date, CPU, stacks)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -288,6 +343,10 @@ def main() -> None:
         import _results
         os.environ[_results.KERAS_ENV] = "1" if args.keras == "2" else "0"
     names = args.cases.split(",")
+    if args.kerases and not set(args.kerases.split(",")) <= {"2", "3"}:
+        parser.error(f"--kerases={args.kerases}: expected 2, 3 or 2,3")
+    if args.kerases:
+        names = [f"{n}:k{k}" for k in args.kerases.split(",") for n in names]
     if args.venvs:
         names = [f"{n}%{venv}" for venv in args.venvs.split(",") for n in names]
     try:
@@ -425,10 +484,25 @@ def print_profiles(profiles: dict[str, dict[str, float]],
     for category, _ in PROFILE_CATEGORIES:
         print(f"{category:<40}" + "".join(f"{profiles[n][category]:>{width}.1f}"
                                           for n in names))
-    print(f"{'total op time':<40}" + "".join(f"{sum(profiles[n].values()):>{width}.1f}"
-                                             for n in names))
-    print(f"{'wall time per step (median)':<40}" + "".join(
+    categories = [c for c, _ in PROFILE_CATEGORIES]
+    print(f"{'total op time':<40}" + "".join(
+        f"{sum(profiles[n][c] for c in categories):>{width}.1f}" for n in names))
+    print(f"{'wall time per step (mean, traced steps)':<40}" + "".join(
+        f"{profiles[n]['wall']:>{width}.1f}" for n in names))
+    print(f"{BUSY:<40}" + "".join(f"{profiles[n][BUSY]:>{width}.1f}" for n in names))
+    print(f"{HOST:<40}" + "".join(f"{profiles[n]['wall'] - profiles[n][BUSY]:>{width}.1f}"
+                                  for n in names))
+    print(f"{'wall time per step (median, untraced)':<40}" + "".join(
         f"{results[n].median * 1e3:>{width}.1f}" for n in names))
+    events = sorted({k for n in names for k in profiles[n] if k.startswith(HOST_EVENT)},
+                    key=lambda k: -max(profiles[n].get(k, 0.0) for n in names))
+    if events:
+        print("host threads' outermost events, ms per step (each case's "
+              f"{HOST_EVENTS_SHOWN} largest; '-': not among them):")
+    for key in events:
+        print(f"  {key[len(HOST_EVENT):][:38]:<38}" + "".join(
+            f"{profiles[n][key]:>{width}.1f}" if key in profiles[n] else f"{'-':>{width}}"
+            for n in names))
 
 
 if __name__ == "__main__":

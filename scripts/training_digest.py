@@ -6,8 +6,9 @@ replicated (the planner's thresholds below), a dense tower, and trains it with
 ``model.fit`` for a few steps on fixed data. Its digest is the SHA-256 of every loss,
 every full table (``get_weights(all_ranks=True)``) and every dense weight afterwards.
 A refactor that must leave training unchanged shows it by an identical file before and
-after. Digests depend on the TensorFlow stack (its kernels round differently), so the
-file names it; compare files of one stack.
+after. Digests depend on the TensorFlow stack and on the Keras that runs them (their
+kernels and optimizers round differently), so the file's header and name say both;
+compare files of one stack and one Keras.
 
 Storage kinds: ``table`` (tfhybrid's C++ kernel table), ``keras_layer`` (a plain
 ``tf.keras.layers.Embedding`` as the table), ``fiited`` (``dims="adaptive"``: per-row
@@ -19,6 +20,7 @@ are expected: a tiered table trains bit for bit as one in memory, and a FIITED t
 that was not yet pruned as a plain one.
 
 Usage: .venv/bin/python scripts/training_digest.py [--output FILE] [--cases a:b,...]
+           [--keras 2|3]
 """
 
 from __future__ import annotations
@@ -97,9 +99,12 @@ def _run_case(case: str, mesh, store_dir: str) -> str:
               for name, _, _, hotness in TABLES]
     layer = DistributedEmbedding(_tables(storage, store_dir), mesh=mesh, **THRESHOLDS)
     embedded = layer(inputs)
-    # a plain Keras table returns [batch, hotness, dim]: summed like the others
-    embedded = [tf.reduce_sum(e, axis=1) if e.shape.rank == 3 else e for e in embedded]
-    hidden = tf.keras.layers.Dense(8, activation="relu")(tf.concat(embedded, axis=1))
+    # a plain Keras table returns [batch, hotness, dim]: summed like the others (Keras
+    # layers, since Keras 3 takes no TF op on symbolic tensors; its shapes are tuples)
+    embedded = [tf.keras.layers.Lambda(lambda e: tf.reduce_sum(e, axis=1))(e)
+                if len(e.shape) == 3 else e for e in embedded]
+    hidden = tf.keras.layers.Dense(8, activation="relu")(
+        tf.keras.layers.Concatenate(axis=1)(embedded))
     model = tf.keras.Model(inputs, tf.keras.layers.Dense(1)(hidden))
     rng = np.random.default_rng(0)     # the same start on every rank
     layer.set_weights([rng.normal(0, 0.1, w.shape).astype(np.float32)
@@ -145,6 +150,15 @@ def _rank_main(cases: list[str], output: str) -> None:
             f.write("\n".join(lines) + "\n")
 
 
+def _keras_major() -> int:
+    """The Keras the ranks run as tf.keras, asked of a fresh interpreter with this
+    process's environment (TensorFlow decides it at its first tf.keras use)."""
+    code = "import tensorflow as tf; print(tf.keras.__version__.split('.')[0])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), check=True)
+    return int(done.stdout.split()[-1])
+
+
 def _header(argv: list[str]) -> str:
     from importlib import metadata
 
@@ -152,6 +166,7 @@ def _header(argv: list[str]) -> str:
     from tfhybrid.testing import provenance
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("tensorflow", "tf-keras",
                                                                  "numpy", "horovod"))
+    versions += f"; tf.keras: Keras {_keras_major()}"
     return "\n".join(provenance.header(argv) + [
         f"# stack: {versions}",
         f"# {RANKS} ranks, {RANKS // MODEL_PARALLEL} x {MODEL_PARALLEL} mesh, "
@@ -165,8 +180,14 @@ def main() -> int:
                         help="storage:optimizer, comma separated (default: all)")
     parser.add_argument("--output", help="also write the digests to this file, under a "
                         "header (command, commit, date, CPU, stack)")
+    parser.add_argument("--keras", choices=("2", "3"),
+                        help="the Keras the ranks run as tf.keras (sets TF_USE_LEGACY_KERAS; "
+                        "default: TensorFlow's choice). Digests differ between the two "
+                        "(their optimizers round differently): compare files of one Keras")
     parser.add_argument("--rank-main", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.keras:
+        os.environ["TF_USE_LEGACY_KERAS"] = "1" if args.keras == "2" else "0"
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in all_cases()]
     if unknown:
