@@ -413,10 +413,32 @@ def main() -> None:
     kerases = sorted({result["keras"] for result in threads.values()})
     print(f"tf.keras: Keras {' and '.join(map(str, kerases))}"
           + (" in every case" if len(kerases) == 1 else ", by case"))
+    _print_keras_ratios(cases, results, round_medians)
     if profiles:
         print_profiles(profiles, results)
     if args.output:
         print.write(args.output)
+
+
+def _print_keras_ratios(cases: list[Case], results: dict[str, "_stats.Summary"],
+                        round_medians: dict[str, list[float]]) -> None:
+    """For each case run in both Kerases: Keras 2's median step over Keras 3's (>= 1:
+    Keras 3 is as fast or faster), and its range over the rounds."""
+    pairs = {}
+    for case in cases:
+        if case.keras:
+            pairs.setdefault(case.name.replace(f":k{case.keras}", ""), {})[case.keras] = \
+                case.name
+    pairs = {spec: k for spec, k in pairs.items() if set(k) == {"2", "3"}}
+    if not pairs:
+        return
+    print("Keras 3 against Keras 2 (median step ms of :k2 / of :k3; >= 1: Keras 3 as "
+          "fast or faster; range over rounds):")
+    for spec, names in pairs.items():
+        two, three = names["2"], names["3"]
+        per_round = [a / b for a, b in zip(round_medians[two], round_medians[three])]
+        print(f"  {_label(spec):<14}{results[two].median / results[three].median:.2f}x  "
+              f"[{min(per_round):.2f}, {max(per_round):.2f}]")
 
 
 def _label(case_name: str) -> str:
