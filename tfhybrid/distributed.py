@@ -366,7 +366,9 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                 prescale_factor=pre, postscale_factor=post)
         for (i, _, ctx), value in zip(members, summed):
             reduced[i] = compression.decompress(value, ctx)
-    return [rows_once(g) if isinstance(g, tf.IndexedSlices) else g for g in reduced]
+    # weight-sync shards step on their own replica's gradient, which no collective joined
+    return [rows_once(g) if isinstance(g, tf.IndexedSlices) and weight_sync_every(v) is None
+            else g for g, v in zip(reduced, variables)]
 
 
 # Ops whose first output holds distinct values: a sparse gradient indexed by one of them
@@ -790,7 +792,8 @@ class GradientRoute:
                             _clip_settings(owner), mesh)
             # each sparse row once whatever the mesh; synced gradients have that already
             # (at no cost here when traced), a gradient made after the tape may not
-            group_pairs = [(rows_once(g) if isinstance(g, tf.IndexedSlices) else g,
+            group_pairs = [(rows_once(g) if isinstance(g, tf.IndexedSlices)
+                            and weight_sync_every(variables[i]) is None else g,
                             variables[i]) for g, i in zip(clipped, members)]
             if owner is optimizer:
                 results.append(_tf_internals.apply_unscaled(optimizer, apply_group,
