@@ -366,9 +366,7 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
                 prescale_factor=pre, postscale_factor=post)
         for (i, _, ctx), value in zip(members, summed):
             reduced[i] = compression.decompress(value, ctx)
-    # weight-sync shards step on their own replica's gradient, which no collective joined
-    return [rows_once(g) if isinstance(g, tf.IndexedSlices) and weight_sync_every(v) is None
-            else g for g, v in zip(reduced, variables)]
+    return [rows_once(g, v) for g, v in zip(reduced, variables)]
 
 
 # Ops whose first output holds distinct values: a sparse gradient indexed by one of them
@@ -376,8 +374,10 @@ def allreduce_gradients(grads: Sequence[Any], variables: Sequence[tf.Variable],
 _DISTINCT_INDEX_OPS = frozenset({"Unique", "UniqueV2", "EmbeddingLookupCombineGrad"})
 
 
-def rows_once(grad: tf.IndexedSlices) -> tf.IndexedSlices:
-    """``grad`` with each row once, duplicates summed in the order they came.
+def rows_once(grad: Any, variable: tf.Variable) -> Any:
+    """A sparse ``grad`` of ``variable`` with each row once, duplicates summed in the
+    order they came; other gradients, and those of weight-sync shards (which step on their
+    own replica's gradient, joined by no collective), as they are.
 
     A sparse gradient repeats rows where several lookups of one table met in the tape (a
     shared table) or where an allgather joined the ranks' rows. Keras 3's stock
@@ -386,6 +386,8 @@ def rows_once(grad: tf.IndexedSlices) -> tf.IndexedSlices:
     that is on the mesh; Keras 2's sum them, and so does this, for every optimizer.
     Indices an op known to make distinct values (``_DISTINCT_INDEX_OPS``) are kept as
     they are, so a traced step pays nothing for gradients that are unique already."""
+    if not isinstance(grad, tf.IndexedSlices) or weight_sync_every(variable) is not None:
+        return grad
     indices = grad.indices
     if not tf.executing_eagerly() and hasattr(indices, "op") \
             and indices.op.type in _DISTINCT_INDEX_OPS and indices.value_index == 0:
@@ -792,9 +794,8 @@ class GradientRoute:
                             _clip_settings(owner), mesh)
             # each sparse row once whatever the mesh; synced gradients have that already
             # (at no cost here when traced), a gradient made after the tape may not
-            group_pairs = [(rows_once(g) if isinstance(g, tf.IndexedSlices)
-                            and weight_sync_every(variables[i]) is None else g,
-                            variables[i]) for g, i in zip(clipped, members)]
+            group_pairs = [(rows_once(g, variables[i]), variables[i])
+                           for g, i in zip(clipped, members)]
             if owner is optimizer:
                 results.append(_tf_internals.apply_unscaled(optimizer, apply_group,
                                                             group_pairs, *args, **kwargs))
