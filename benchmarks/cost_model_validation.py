@@ -1,4 +1,4 @@
-"""tfhybrid.cost_model's predicted step time against the emulated cluster's measurements
+"""tfhybrid.plan's predicted step time against the emulated cluster's measurements
 (issue 13, section 3).
 
 Input: the points.json that benchmarks/cluster_comm.py wrote (every point carries the
@@ -50,8 +50,8 @@ import sys
 
 import _results  # beside this script; it puts the checkout first on sys.path
 import cluster_comm  # noqa: E402  (beside this script: the points' format and merge)
-from tfhybrid import cost_model  # noqa: E402
-from tfhybrid.planner import TableConfig  # noqa: E402
+from tfhybrid import plan as planning  # noqa: E402
+from tfhybrid.plan import TableConfig  # noqa: E402
 
 # TCP payload per Ethernet frame at MTU 1500 (timestamps on): the share of tc's rate
 # that carries data
@@ -65,12 +65,12 @@ MACHINE_MEMORY = 24 * 2**30
 UNSHAPED_GRID = [0.02e9 * 1.25 ** i for i in range(32)]
 
 
-def _workload(point: dict, embedding_dim: int) -> cost_model.Workload:
+def _workload(point: dict, embedding_dim: int) -> planning.Workload:
     names = [t["name"] for t in point["plan"]["tables"]]
     tables = tuple(TableConfig(name, rows, embedding_dim)
                    for name, rows in zip(names, point["table_rows"]))
     ranks = point["nodes"] * point["ranks_per_node"]
-    return cost_model.Workload(tables=tables, local_batch_size=point["global_batch"] // ranks,
+    return planning.Workload(tables=tables, local_batch_size=point["global_batch"] // ranks,
                                dense_parameters=point["dense_parameters"],
                                optimizer=point["plan"]["optimizer"], dense_optimizer="adam")
 
@@ -87,14 +87,14 @@ def _model_point(point: dict) -> dict:
             "plan": json.dumps(point["plan"])}
 
 
-def _default_rates(overlap: float = 0.0) -> cost_model.ComputeRates:
+def _default_rates(overlap: float = 0.0) -> planning.ComputeRates:
     # a starting point only: calibrate replaces every figure the points determine
-    return cost_model.ComputeRates(1e9, {"rowwise_adagrad": 1e9}, 1e-5, 0.01, 1e-3, overlap)
+    return planning.ComputeRates(1e9, {"rowwise_adagrad": 1e9}, 1e-5, 0.01, 1e-3, overlap)
 
 
-def _template(nodes: int, per_node: int, unshaped: float, rates=None) -> cost_model.ClusterSpec:
+def _template(nodes: int, per_node: int, unshaped: float, rates=None) -> planning.ClusterSpec:
     rates = rates or _default_rates()
-    return cost_model.ClusterSpec(nodes=nodes, ranks_per_node=per_node,
+    return planning.ClusterSpec(nodes=nodes, ranks_per_node=per_node,
                                   intra_node_bandwidth=unshaped, inter_node_bandwidth=unshaped,
                                   intra_node_latency=LATENCY_S, inter_node_latency=LATENCY_S,
                                   memory_per_rank=MACHINE_MEMORY // (nodes * per_node),
@@ -108,16 +108,16 @@ def _relative_errors(rows) -> list[float]:
 OVERLAP_GRID = [i / 40 for i in range(41)]
 
 
-def held_out_errors(points: list[dict], template: cost_model.ClusterSpec,
-                    workload: cost_model.Workload) -> dict:
+def held_out_errors(points: list[dict], template: planning.ClusterSpec,
+                    workload: planning.Workload) -> dict:
     """How well ``template``'s rates predict ``points``: the overlap, the count within
     TOLERANCE, and the median and largest relative error.
 
-    >>> rates = cost_model.ComputeRates(1e9, {"rowwise_adagrad": 1e9}, overlap=0.5)
+    >>> rates = planning.ComputeRates(1e9, {"rowwise_adagrad": 1e9}, overlap=0.5)
     >>> sorted(held_out_errors([], _template(2, 2, 1e9, rates), None))
     ['inside', 'max_error', 'median_error', 'overlap', 'points']
     """
-    errors = sorted(_relative_errors(cost_model.validate(points, template, workload))
+    errors = sorted(_relative_errors(planning.validate(points, template, workload))
                     if points else [])
     return {"overlap": template.rates.overlap, "points": len(errors),
             "inside": sum(e <= TOLERANCE for e in errors),
@@ -128,7 +128,7 @@ def held_out_errors(points: list[dict], template: cost_model.ClusterSpec,
 def fit_overlap(points: list[dict], rates, unshaped: float, workload) -> float:
     """The overlap in OVERLAP_GRID minimizing the worst relative error on ``points``."""
     def worst(overlap):
-        rows = cost_model.validate(
+        rows = planning.validate(
             points, _template(2, 2, unshaped, dataclasses.replace(rates, overlap=overlap)),
             workload)
         return max(_relative_errors(rows)), statistics.mean(_relative_errors(rows))
@@ -140,8 +140,8 @@ MEASURED_RATES = ("lookup_bytes_per_s", "apply_bytes_per_s", "dense_seconds_per_
                   "collective_overhead_seconds")
 
 
-def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0,
-        measured: cost_model.ComputeRates | None = None):
+def fit(points: list[dict], workload: planning.Workload, overlap: float = 0.0,
+        measured: planning.ComputeRates | None = None):
     """(rates, unshaped link rate) minimizing the worst relative error on ``points``; with
     ``measured`` rates, only what they leave out (the step overhead) is fitted."""
     best = None
@@ -150,11 +150,11 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0,
                  else dataclasses.replace(measured, overlap=overlap))
         template = _template(2, 2, unshaped, start)
         try:
-            rates = cost_model.calibrate(points, template, workload,
+            rates = planning.calibrate(points, template, workload,
                                          measured=() if measured is None else MEASURED_RATES)
         except ValueError:
             continue
-        rows = cost_model.validate(points, _template(2, 2, unshaped, rates), workload)
+        rows = planning.validate(points, _template(2, 2, unshaped, rates), workload)
         score = (max(_relative_errors(rows)), statistics.mean(_relative_errors(rows)))
         if best is None or score < best[0]:
             best = (score, rates, unshaped)
@@ -163,7 +163,7 @@ def fit(points: list[dict], workload: cost_model.Workload, overlap: float = 0.0,
     return best[1], best[2]
 
 
-def measured_rates(path: str, workload: dict) -> cost_model.ComputeRates | None:
+def measured_rates(path: str, workload: dict) -> planning.ComputeRates | None:
     """The rates cost_model_rates.py measured for ``workload`` (its rates_<name>.json), or
     None when ``path`` does not exist; SystemExit when it holds another workload."""
     if not os.path.exists(path):
@@ -172,11 +172,11 @@ def measured_rates(path: str, workload: dict) -> cost_model.ComputeRates | None:
         recorded = json.load(f)
     if recorded["workload"] != workload:
         raise SystemExit(f"{path} measured another workload: {recorded['workload']}")
-    return cost_model.ComputeRates(**recorded["rates"])
+    return planning.ComputeRates(**recorded["rates"])
 
 
-def fit_rates_and_overlap(groups: dict, workload: cost_model.Workload,
-                          measured: cost_model.ComputeRates | None):
+def fit_rates_and_overlap(groups: dict, workload: planning.Workload,
+                          measured: planning.ComputeRates | None):
     """(rates with the fitted overlap, unshaped link rate): the compute on the unshaped
     points, then the overlap on the fastest link's, twice (they depend a little on each
     other)."""
@@ -271,8 +271,8 @@ def main() -> int:
     lines += [header, "-" * len(header)]
 
     def row(p: dict, mp: dict, template, work, kind: str) -> dict:
-        [(_, predicted, measured_s, ratio)] = cost_model.validate([mp], template, work)
-        pred = cost_model.predict(*cost_model.point_setup(mp, template, work))
+        [(_, predicted, measured_s, ratio)] = planning.validate([mp], template, work)
+        pred = planning.predict(*planning.point_setup(mp, template, work))
         link = "unshaped" if p["bandwidth_mbit"] is None else f"{p['bandwidth_mbit']:g} Mb/s"
         spread = f"{1e3 * min(p['run_steps']):.0f}-{1e3 * max(p['run_steps']):.0f}"
         lines.append(f"{p['topology']:8} {link:>10} {p['name']:12} {1e3 * measured_s:11.1f} "

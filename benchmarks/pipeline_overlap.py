@@ -119,8 +119,8 @@ def _dataset(rank: int, w: dict, batches: int):
 def worker(steps: int, blocks: int, warmup: int, out: str, towers: str) -> None:
     import tensorflow as tf
     import tfhybrid
-    from tfhybrid import pipeline as pipeline_lib
-    from tfhybrid.pipeline import TrainPipeline
+    from tfhybrid.sharding import phases
+    from tfhybrid.pipeline import TRIAL_STEPS, TrainPipeline
     import horovod.tensorflow as hvd
     hvd.init()
     w = dict(WORKLOAD, ranks=hvd.size(), model_parallel=hvd.size(),   # 1D: M = N
@@ -136,8 +136,8 @@ def worker(steps: int, blocks: int, warmup: int, out: str, towers: str) -> None:
         the first batch of its block (stale ids, the same work), so that plain - step
         is what the route adds to a plain step."""
         def _step_and_route(self, after_rows, batch, routed, sending, after, ended):
-            phase = pipeline_lib._Stepping(self._layers, routed)
-            with pipeline_lib._PhaseScope(phase):
+            phase = phases.Stepping(self._layers, routed)
+            with phases.PhaseScope(phase):
                 outputs = self._train_step(batch)
             return outputs, routed, tf.constant(False), tf.constant(""), sending
 
@@ -175,7 +175,7 @@ def worker(steps: int, blocks: int, warmup: int, out: str, towers: str) -> None:
     for mode in MODES:
         run(mode, warmup)
     while pipeline.placement is None:   # TrainPipeline times both placements first
-        run("pipelined", 2 * pipeline_lib.TRIAL_STEPS)
+        run("pipelined", 2 * TRIAL_STEPS)
     # short blocks, the modes in turn: a drift of the machine or the link falls on every
     # mode alike, and the statistics resample whole blocks
     for _ in range(blocks):

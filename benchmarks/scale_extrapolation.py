@@ -1,7 +1,7 @@
 """Model predictions: weak scaling of 1D (M = N) vs 2D (M from the cost planner), 8 to 4096 ranks.
 
 NOTHING HERE IS MEASURED. Every number this script prints is a prediction of
-``tfhybrid.cost_model`` from published hardware figures and the assumptions below; the only
+``tfhybrid.plan`` from published hardware figures and the assumptions below; the only
 measured figure shown is the 2D paper's own, with its source.
 
 Hardware (NVIDIA DGX H100; sources: NVIDIA DGX H100 datasheet and user guide, NVIDIA's
@@ -44,9 +44,9 @@ import os
 
 import _results  # beside this script; it puts the checkout first on sys.path
 
-from tfhybrid import cost_model, planner  # noqa: E402
-from tfhybrid.cost_model import ClusterSpec, ComputeRates, Workload  # noqa: E402
-from tfhybrid.planner import TableConfig  # noqa: E402
+from tfhybrid import plan as planning  # noqa: E402
+from tfhybrid.plan import ClusterSpec, ComputeRates, Workload  # noqa: E402
+from tfhybrid.plan import TableConfig  # noqa: E402
 
 GPUS_PER_NODE = 8
 HBM_BYTES = 80 * 10**9
@@ -73,21 +73,21 @@ def cluster(ranks: int, overlap: float = 0.0) -> ClusterSpec:
 
 def least_memory(ranks: int, m: int) -> int:
     """Per-rank memory of the even split (every table row-wise) on M = m."""
-    plan = planner.plan_with_kinds(TABLES, ranks // m, m, [("row_wise", m)] * len(TABLES),
+    plan = planning.plan_with_kinds(TABLES, ranks // m, m, [("row_wise", m)] * len(TABLES),
                                    optimizer=WORKLOAD.optimizer,
                                    local_batch_size=WORKLOAD.local_batch_size)
-    return cost_model.predict(plan, "model_major", cluster(ranks),
+    return planning.predict(plan, "model_major", cluster(ranks),
                               WORKLOAD).memory_per_rank_bytes
 
 
 def one_d(ranks: int, overlap: float = 0.0) -> dict:
     try:
         # refine=False: the tables are alike, so the whole-model candidates span the choice
-        plan = cost_model.plan_mesh(TABLES, 1, ranks, "model_major", cluster(ranks, overlap),
+        plan = planning.plan_mesh(TABLES, 1, ranks, "model_major", cluster(ranks, overlap),
                                     WORKLOAD, refine=False)
     except ValueError:
         return {"fits": False, "memory": least_memory(ranks, ranks)}
-    pred = cost_model.predict(plan, "model_major", cluster(ranks, overlap), WORKLOAD)
+    pred = planning.predict(plan, "model_major", cluster(ranks, overlap), WORKLOAD)
     return {"fits": True, "memory": pred.memory_per_rank_bytes, "step": pred.step_seconds,
             "m": ranks, "layout": "-", "pred": pred}
 
@@ -96,7 +96,7 @@ def two_d(ranks: int, workload: Workload = WORKLOAD, overlap: float = 0.0) -> di
     # M >= 8: below a node's worth of ranks no M fits these tables' 819 GB
     candidates = [m for m in (8, 16, 32, 64, 128, 256) if m <= ranks]
     try:
-        plan, layout, pred = cost_model.plan_for_cluster(TABLES, cluster(ranks, overlap), workload,
+        plan, layout, pred = planning.plan_for_cluster(TABLES, cluster(ranks, overlap), workload,
                                                          model_parallel=candidates,
                                                          refine=False)
     except ValueError:
@@ -109,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(_results.RESULTS,
                                                       "scale_extrapolation.txt"))
-    parser.add_argument("--replica_sync", default="gradients", choices=planner.REPLICA_SYNC,
+    parser.add_argument("--replica_sync", default="gradients", choices=planning.REPLICA_SYNC,
                         help="how 2D keeps a shard's D replicas in step (1D has none)")
     parser.add_argument("--sync_every", type=int, default=1,
                         help="K, steps between weight syncs (--replica_sync=weights)")
@@ -141,7 +141,7 @@ def main() -> None:
     eff2 = efficiency([r[2] for r in rows])
     hidden_eff1 = efficiency([r[1] for r in hidden_rows])
     hidden_eff2 = efficiency([r[2] for r in hidden_rows])
-    say.append("MODEL PREDICTIONS (tfhybrid.cost_model), not measurements. Assumptions: DGX H100 "
+    say.append("MODEL PREDICTIONS (tfhybrid.plan), not measurements. Assumptions: DGX H100 "
                "nodes (8 GPUs, 80 GB, NVLink 450 GB/s/dir/GPU, 8x400 Gb/s IB/node), latencies "
                "2 us / 5 us, 32 tables x 50M x 128 fp32, 20 ids/sample/table, batch 512/GPU, "
                "row-wise AdaGrad, 50M dense params; see the script's docstring. 2D replicas "

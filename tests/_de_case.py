@@ -15,8 +15,9 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid.layers import Embedding
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 LOCAL_BATCH = 3
 LEARNING_RATE = 1.5
@@ -70,7 +71,7 @@ def run_step(test, table_sizes, *, combiner=None, hotness=None, ragged=False,
     """
     input_table_map = input_table_map or list(range(len(table_sizes)))
     # DE's scripts use Keras 2's legacy SGD; Keras 3 has one SGD
-    optimizer = optimizer or (tf.keras.optimizers.SGD if _tf_internals.KERAS_3
+    optimizer = optimizer or (tf.keras.optimizers.SGD if KERAS_3
                               else tf.keras.optimizers.legacy.SGD)
     make = layer_factory or (lambda: make_layers(table_sizes, combiner,
                                                  **(embedding_kwargs or {})))

@@ -155,6 +155,13 @@ class Case:
         self._set_dense(model)
         return model, layer
 
+    def compiled_model(self, mesh, make_optimizer, steps_per_execution=1, **layer_kwargs):
+        """``distributed_model`` compiled with ``DistributedOptimizer(make_optimizer())``."""
+        model, layer = self.distributed_model(mesh, **layer_kwargs)
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(make_optimizer()),
+                      loss=loss_fn, steps_per_execution=steps_per_execution)
+        return model, layer
+
     def reference_model(self):
         inputs = self._inputs()
         embedded = [layer(x) for layer, x in zip(self.embedding_layers(), inputs)]
@@ -200,6 +207,11 @@ def loss_fn(labels, logits, sample_weight=None):
 def table_weights(layer) -> list:
     """Full tables of a DistributedEmbedding, on every rank."""
     return layer.get_weights(all_ranks=True)
+
+
+def model_weights(model, layer) -> list:
+    """Every table of ``layer`` (whole) and the dense weights of ``model``."""
+    return table_weights(layer) + dense_weights(model)
 
 
 def reference_tables(model, case: Case) -> list:

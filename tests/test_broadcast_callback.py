@@ -12,11 +12,12 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import optimizers
 from tests import _hybrid_case as hc
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 # four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
 # two ranks would only repeat them at a smaller size
@@ -211,7 +212,7 @@ class BroadcastCallbackTest(tf.test.TestCase):
         callback = tfhybrid.BroadcastGlobalVariablesCallback(root, device="")
         ours = self._dense_run(mesh, callback)
         self.assertTrue(callback.broadcast_done)
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             # Horovod's Keras callback cannot run in Keras 3 (it calls .ref() on Keras
             # weights): its rule, a broadcast after the first batch, is done by hand
             horovods = self._dense_run(mesh, None)

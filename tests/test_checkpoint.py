@@ -29,7 +29,6 @@ import horovod.tensorflow as hvd
 from tensorflow.python.ops import io_ops
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid.checkpoint import resharding
 from tfhybrid.checkpoint import slots as checkpoint_slots
 from tfhybrid import mesh as mesh_lib
@@ -37,6 +36,8 @@ from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
 from tfhybrid.testing import faults
 from tfhybrid.train import checkpoint
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 HOROVOD_NP = (4,)
 KERAS = (2, 3)
@@ -450,7 +451,7 @@ class FullShapeSlotTest(tf.test.TestCase):
             for (name, *_), got, want in zip(TABLES, restored, saved):
                 # Adam's own slot names: Keras 2's and Keras 3's
                 self.assertEqual(sorted(got), ["momentum", "velocity"] if
-                                 _tf_internals.KERAS_3 else ["m", "v"])
+                                 KERAS_3 else ["m", "v"])
                 for key in want:
                     self.assertFalse(np.isnan(got[key]).any())
                     self.assertAllEqual(got[key], want[key], msg=f"{name} {key}")
@@ -482,7 +483,7 @@ class SaveTogetherTest(tf.test.TestCase):
     def test_ranks_saving_to_different_paths_raise(self):
         # Keras 3 saves weights to .weights.h5 files, Keras 2 to checkpoint prefixes
         path = os.path.join(self.directory, "per_rank", f"weights-{hvd.rank()}"
-                            + (".weights.h5" if _tf_internals.KERAS_3 else ""))
+                            + (".weights.h5" if KERAS_3 else ""))
         with self.assertRaisesRegex(ValueError, r"different paths: rank 0: .*weights-0[.a-z5]*', "
                                                 r"rank 1: .*weights-1"):
             self.model.save_weights(path)
@@ -492,7 +493,7 @@ class SaveTogetherTest(tf.test.TestCase):
         path = os.path.join(self.directory, "together", "weights")
         # Keras 3 writes into an existing folder, as h5py does
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             self.model.save_weights(path + ".weights.h5")
             expected = ["weights.weights.h5"]
         else:

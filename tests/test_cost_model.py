@@ -8,14 +8,14 @@ import math
 import sys
 import unittest
 
-from tfhybrid import cost_model, planner
+from tfhybrid import plan as planning
 from tfhybrid.plan import (calibration, cost_strategy, strategies, tiers, traffic,
                            types as plan_types)
 from tfhybrid.plan import cost_model as plan_cost_model
 from tfhybrid.plan import planner as plan_planner
-from tfhybrid.cost_model import (ClusterSpec, ComputeRates, Workload, calibrate,
-                                 expected_unique_rows, plan_for_cluster, predict, validate)
-from tfhybrid.planner import ShardingPlan, TableConfig, plan_sharding
+from tfhybrid.plan import (ClusterSpec, ComputeRates, ShardingPlan, TableConfig, Workload,
+                           calibrate, expected_unique_rows, plan_for_cluster, plan_sharding,
+                           predict, validate)
 
 RATES = ComputeRates(1e9, {"sgd": 2e9, "rowwise_adagrad": 1e9}, 1e-7, 1e-3, 1e-4)
 
@@ -199,7 +199,7 @@ class CostStrategyTest(unittest.TestCase):
         cluster = _cluster(inter=1.25e7)   # 100 Mbit/s between nodes
         plan, layout, pred = plan_for_cluster(self.TABLES, cluster, self._workload())
         print("\n" + plan.describe(), file=sys.stderr)
-        one_d = cost_model.plan_mesh(self.TABLES, 1, 4, "model_major", cluster,
+        one_d = planning.plan_mesh(self.TABLES, 1, 4, "model_major", cluster,
                                      self._workload())
         one_d_pred = predict(one_d, "model_major", cluster, self._workload())
         self.assertTrue(one_d_pred.fits)
@@ -221,7 +221,7 @@ class CostStrategyTest(unittest.TestCase):
         cluster = _cluster(inter=1.25e7)
 
         def least_memory(m):   # every table row-wise: the even split
-            plan = planner.plan_with_kinds(self.TABLES, 4 // m, m, [("row_wise", m)] * 2,
+            plan = planning.plan_with_kinds(self.TABLES, 4 // m, m, [("row_wise", m)] * 2,
                                            optimizer="rowwise_adagrad", local_batch_size=512)
             return predict(plan, "model_major", cluster, self._workload()).memory_per_rank_bytes
 
@@ -238,7 +238,7 @@ class CostStrategyTest(unittest.TestCase):
         plan, _, pred = plan_for_cluster(self.TABLES, cluster, self._workload())
         for m in (1, 2, 4):
             for lay in ("model_major", "data_major"):
-                other = cost_model.plan_mesh(self.TABLES, 4 // m, m, lay, cluster,
+                other = planning.plan_mesh(self.TABLES, 4 // m, m, lay, cluster,
                                              self._workload())
                 self.assertLessEqual(pred.step_seconds,
                                      predict(other, lay, cluster, self._workload()).step_seconds)
@@ -300,11 +300,28 @@ class SerializationAndErrorsTest(unittest.TestCase):
                     fn()
 
     def test_doctests(self):
-        # the planning package's modules, and the two paths that re-export them
-        for module in (plan_types, tiers, traffic, strategies, plan_cost_model, cost_strategy,
-                       calibration, plan_planner, cost_model, planner):
+        # the planning package and its modules
+        for module in (planning, plan_types, tiers, traffic, strategies, plan_cost_model,
+                       cost_strategy, calibration, plan_planner):
             with self.subTest(module=module.__name__):
                 self.assertEqual(doctest.testmod(module).failed, 0)
+
+    def test_the_old_paths_warn_and_give_the_same_names(self):
+        # in a fresh interpreter: a module warns once, when first imported
+        import subprocess
+        for old in ("planner", "cost_model"):
+            code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+                    f"try:\n    import tfhybrid.{old}\nexcept DeprecationWarning as w:\n"
+                    "    print(w)\n"
+                    "warnings.simplefilter('ignore')\n"
+                    f"import tfhybrid.{old} as o, tfhybrid.plan as p\n"
+                    "print(all(getattr(o, n) is getattr(p, n) for n in p.__all__),"
+                    " o.__all__ == p.__all__)")
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                  text=True, check=True)
+            self.assertEqual(done.stdout.splitlines(), [
+                f"tfhybrid.{old} is deprecated: import the same names from tfhybrid.plan",
+                "True True"], done.stderr)
 
 
 class CalibrationTest(unittest.TestCase):

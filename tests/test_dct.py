@@ -20,7 +20,6 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import compression
 from tfhybrid import distributed
@@ -28,6 +27,8 @@ from tfhybrid import mesh as mesh_lib
 from tfhybrid.compression import DCT
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tests import test_distributed_embedding as de
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 # four ranks only: they cover 1x4 (the 1D route a 1x2 mesh takes) and 2x2
 HOROVOD_NP = (4,)
@@ -345,7 +346,7 @@ class BytesTest(tf.test.TestCase):
 def _scaled_loss(optimizer, loss):
     """Keras 2's LossScaleOptimizer scales with ``get_scaled_loss``, Keras 3's optimizers
     (a LossScaleOptimizer, or any with a ``loss_scale_factor``) with ``scale_loss``."""
-    if _tf_internals.KERAS_3:
+    if KERAS_3:
         return optimizer.scale_loss(loss)
     return optimizer.get_scaled_loss(loss)
 
@@ -353,7 +354,7 @@ def _scaled_loss(optimizer, loss):
 def _to_apply(optimizer, grads):
     """Keras 2's LossScaleOptimizer applies unscaled gradients; Keras 3's optimizers take
     the gradients of the scaled loss and unscale them in ``apply_gradients``."""
-    if _tf_internals.KERAS_3:
+    if KERAS_3:
         return grads
     return optimizer.get_unscaled_gradients(grads)
 
@@ -372,7 +373,7 @@ class LossScaleTest(tf.test.TestCase):
         for scaled in (False, True):
             w = tf.Variable(tf.zeros([300]), name=f"w{int(scaled)}")
             optimizer = tf.keras.optimizers.SGD(0.5)
-            if scaled and _tf_internals.KERAS_3:
+            if scaled and KERAS_3:
                 # Keras 3's fixed loss scale is the optimizer's own (its
                 # LossScaleOptimizer is dynamic only)
                 optimizer = tf.keras.optimizers.SGD(0.5, loss_scale_factor=1024.0)
@@ -415,7 +416,7 @@ class LossScaleTest(tf.test.TestCase):
         # the skipped step left every rank's residual (what waits to be sent) as it was
         self.assertGreater(np.abs(residuals[0]).max(), 0)
         self.assertAllEqual(residuals[1], residuals[0])
-        scale = optimizer.dynamic_scale if _tf_internals.KERAS_3 else optimizer.loss_scale
+        scale = optimizer.dynamic_scale if KERAS_3 else optimizer.loss_scale
         self.assertEqual(float(scale), 4.0)   # the step was skipped
 
 

@@ -15,11 +15,12 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.sharding.placement import on_host
 from tfhybrid.sharding.stores import CustomLayerTable
 from tests import _de_case as de
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 # four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
 # two ranks would only repeat them at a smaller size
@@ -283,7 +284,7 @@ class DeCompatTest(tf.test.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             # Keras 2 also writes a SavedModel; Keras 3 only .keras files (model.export
             # writes a SavedModel, of the layer's single-rank view)
-            paths = ["m.keras"] + ([] if _tf_internals.KERAS_3 else ["saved"])
+            paths = ["m.keras"] + ([] if KERAS_3 else ["saved"])
             for path in paths:
                 with self.assertRaisesRegex(ValueError, "save_weights"):
                     model.save(os.path.join(tmp, path))

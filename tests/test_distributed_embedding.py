@@ -11,12 +11,13 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
-from tfhybrid import cost_model
-from tfhybrid import planner
+from tfhybrid import plan as planning
+from tfhybrid import plan as planning
 from tfhybrid.layers import DistributedEmbedding, Embedding
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 # four ranks hold groups of two both ways (2x2), and the 1D meshes of four;
 # two ranks would only repeat them at a smaller size
@@ -198,7 +199,7 @@ class ParityTest(tf.test.TestCase):
             make = lambda: tf.keras.optimizers.SGD(learning_rate=0.5)  # noqa: E731
         else:
             # Keras 2's legacy Adagrad (DE's scripts use it); Keras 3 has one Adagrad
-            adagrad = (tf.keras.optimizers.Adagrad if _tf_internals.KERAS_3
+            adagrad = (tf.keras.optimizers.Adagrad if KERAS_3
                        else tf.keras.optimizers.legacy.Adagrad)
             make = lambda: adagrad(learning_rate=0.3)  # noqa: E731
         ref_opt = make()
@@ -208,7 +209,7 @@ class ParityTest(tf.test.TestCase):
             with tf.GradientTape() as tape:
                 loss = logistic_loss(labels, reference(inputs))
             grads = tape.gradient(loss, reference.trainable_variables)
-            if _tf_internals.KERAS_3:
+            if KERAS_3:
                 # Keras 2's optimizers sum a sparse gradient's duplicate rows before the
                 # update; Keras 3's update each duplicate on its own, which for Adagrad
                 # is another update (the square of a sum is not the sum of squares)
@@ -398,8 +399,8 @@ class ConfigTest(tf.test.TestCase):
         mesh = tfhybrid.init(model_parallel=_world())
         tables = [Embedding(500, 8, combiner="sum", name="user"),
                   Embedding(40, 4, combiner="sum", name="item")]
-        configs = [planner.TableConfig("user", 500, 8), planner.TableConfig("item", 40, 4)]
-        plan = planner.plan_sharding(configs, mesh.data_parallel, mesh.model_parallel,
+        configs = [planning.TableConfig("user", 500, 8), planning.TableConfig("item", 40, 4)]
+        plan = planning.plan_sharding(configs, mesh.data_parallel, mesh.model_parallel,
                                      strategy="basic", optimizer="rowwise_adagrad",
                                      column_slice_threshold=1000)
         path = os.path.join(self.get_temp_dir(), "plan.json")
@@ -416,7 +417,7 @@ class ConfigTest(tf.test.TestCase):
         clone([tf.constant([[1, 2]] * 2), tf.constant([[3, 4]] * 2)])
         self.assertEqual(clone.plan, plan)
         # a plan for another mesh or other tables is refused, naming both
-        other = planner.plan_sharding(configs, mesh.size + 1, 1)
+        other = planning.plan_sharding(configs, mesh.size + 1, 1)
         with self.assertRaisesRegex(ValueError, rf"plan is for a D x M = {mesh.size + 1} x 1"):
             DistributedEmbedding(tables, mesh=mesh, plan=other)([tf.constant([[1]])] * 2)
         with self.assertRaisesRegex(ValueError, r"plan's tables .* are not this layer's"):
@@ -431,11 +432,11 @@ class ConfigTest(tf.test.TestCase):
         # the planner picks M and the layout for this many ranks (a slow link between
         # one-rank nodes); the layer executes that plan on the mesh started from it
         world = _world()
-        configs = (planner.TableConfig("user", 4000, 8), planner.TableConfig("item", 300, 4))
-        rates = cost_model.ComputeRates(1e9, {"rowwise_adagrad": 1e9})
-        cluster = cost_model.ClusterSpec(world, 1, 1e10, 1e7, 0.0, 0.0, 1 << 30, rates)
-        workload = cost_model.Workload(configs, local_batch_size=2)
-        plan, layout, prediction = cost_model.plan_for_cluster(configs, cluster, workload)
+        configs = (planning.TableConfig("user", 4000, 8), planning.TableConfig("item", 300, 4))
+        rates = planning.ComputeRates(1e9, {"rowwise_adagrad": 1e9})
+        cluster = planning.ClusterSpec(world, 1, 1e10, 1e7, 0.0, 0.0, 1 << 30, rates)
+        workload = planning.Workload(configs, local_batch_size=2)
+        plan, layout, prediction = planning.plan_for_cluster(configs, cluster, workload)
         self.assertEqual(plan.strategy, "cost")
         self.assertIn("predicted by the cost model", plan.describe())
         mesh = tfhybrid.init(model_parallel=plan.model_parallel, layout=layout)

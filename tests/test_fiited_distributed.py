@@ -14,11 +14,12 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.callbacks import FiitedAdjust
 from tfhybrid.optimizers import RowWiseAdagrad
 from tests import _hybrid_case as hc
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 HOROVOD_NP = (4,)
 KERAS = (2, 3)
@@ -154,13 +155,13 @@ class CheckpointTest(tf.test.TestCase):
         self.addCleanup(shutil.rmtree, directory, True)
         # Keras 3 writes save_weights as a weights file, which it names .weights.h5
         path = os.path.join(directory, "fiited_ckpt" + (
-            ".weights.h5" if _tf_internals.KERAS_3 else ""))
+            ".weights.h5" if KERAS_3 else ""))
 
         mesh = tfhybrid.init(model_parallel=2)
         model, layer = _distributed(case, mesh, **_NO_COLUMN_SLICES)
         model.save_weights(path)
         saved_tables, saved_counts = hc.table_weights(layer), layer.chunks_per_row()
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             # a weights file holds each table whole, with its layout and utilities
             entries = _weights_file_entries(path)
             for t, (table, counts) in enumerate(zip(case.tables, saved_counts)):

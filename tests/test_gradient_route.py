@@ -13,12 +13,13 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import optimizers
 from tfhybrid.testing import graphs
 from tests import _hybrid_case as hc
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 HOROVOD_NP = (1, 2, 4)
 KERAS = (2, 3)
@@ -75,11 +76,11 @@ def _tape_loop(case, mesh, config):
         with tf.GradientTape() as tape:
             loss = hc.loss_fn(labels, model(ids, training=True), sample_weight)
             if "policy" in config:
-                loss = (optimizer.scale_loss(loss) if _tf_internals.KERAS_3
+                loss = (optimizer.scale_loss(loss) if KERAS_3
                         else optimizer.get_scaled_loss(loss))
         tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer)
         grads = tape.gradient(loss, model.trainable_variables)
-        if "policy" in config and not _tf_internals.KERAS_3:
+        if "policy" in config and not KERAS_3:
             # Keras 3's LossScaleOptimizer unscales in apply_gradients
             grads = optimizer.get_unscaled_gradients(grads)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -93,7 +94,7 @@ def _tape_loop(case, mesh, config):
 def _loss_scale(optimizer):
     """A LossScaleOptimizer's current scale: Keras 2 calls it ``loss_scale``, Keras 3
     ``dynamic_scale``."""
-    return tf.convert_to_tensor(optimizer.dynamic_scale if _tf_internals.KERAS_3
+    return tf.convert_to_tensor(optimizer.dynamic_scale if KERAS_3
                                 else optimizer.loss_scale)
 
 

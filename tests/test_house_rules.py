@@ -67,6 +67,26 @@ def private_reaches(path: str) -> list[str]:
     return found
 
 
+def private_module_imports(path: str) -> list[str]:
+    """Where the module at ``path`` imports a private module of the package (a dotted
+    path with a ``_x`` part), e.g. ``from tfhybrid import _tf_internals``."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "tfhybrid":
+            dotted = [f"{node.module}.{a.name}" for a in node.names]
+            dotted = [d for d in dotted if _is_module(d)] + [node.module]
+        elif isinstance(node, ast.Import):
+            dotted = [a.name for a in node.names if a.name.split(".")[0] == "tfhybrid"]
+        else:
+            continue
+        found += [f"{node.lineno}: {d}" for d in dict.fromkeys(dotted)
+                  if any(_private(part) for part in d.split("."))]
+    return found
+
+
 # the one module that may import TensorFlow's and Keras' private packages
 DOOR = "tfhybrid._tf_internals"
 PRIVATE_PACKAGES = ("tensorflow.python", "keras.src", "tf_keras.src")
@@ -155,6 +175,8 @@ def suite_files() -> list[str]:
 # distributed-embeddings' own private name, which DE users' scripts call: the drop-in
 # keeps it, and its compatibility test calls it by that name
 DE_PRIVATE_NAMES = {"_dp_to_mp_input"}
+# the tests of the door itself, the one place a test imports it
+DOOR_TESTS = {"test_tf_internals.py"}
 
 
 class PrivateNamesTest(unittest.TestCase):
@@ -182,9 +204,20 @@ class PrivateNamesTest(unittest.TestCase):
         for path in suite_files():
             found = [r for r in private_reaches(path) + foreign_private_reads(path)
                      if r.rsplit(".", 1)[-1] not in DE_PRIVATE_NAMES]
+            if os.path.basename(path) not in DOOR_TESTS:
+                found += private_module_imports(path)
             if found:
                 reads[os.path.relpath(path, ROOT)] = found
         self.assertEqual(reads, {})
+
+    def test_the_private_module_check_sees_an_import(self):
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write("import tfhybrid\nfrom tfhybrid import _tf_internals, mesh\n"
+                    "from tfhybrid._tf_internals import KERAS_MAJOR\n")
+        self.addCleanup(os.remove, f.name)
+        self.assertEqual(private_module_imports(f.name),
+                         ["2: tfhybrid._tf_internals", "3: tfhybrid._tf_internals"])
 
     def test_the_private_read_check_sees_a_read(self):
         import tempfile

@@ -37,8 +37,10 @@ from unittest import mock
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import _tf_internals
+import tfhybrid
 from tests.runner import TEST_ENV
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 # it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
 # modules only
@@ -62,7 +64,7 @@ PAUSED_SAVE = EPOCHS + 2 * 2 + 1
 JOB_TIMEOUT_S = 400
 # Keras 3 writes weights only to ".weights.h5" files (one per save, written by rank 0);
 # Keras 2 to TF checkpoints (an index and a data file per writing rank)
-WEIGHTS_SUFFIX = ".weights.h5" if _tf_internals.KERAS_3 else ""
+WEIGHTS_SUFFIX = ".weights.h5" if KERAS_3 else ""
 
 
 # ------------------------------------------------------- the jobs' side
@@ -231,7 +233,7 @@ class KillAndResumeTest(tf.test.TestCase):
         # a temporary folder per save; every rank writes Keras 3's file under a temporary
         # name, and rank 0's is moved into place
         chief = os.path.join(backup, "chief")
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             # the backup's temporary names carry no epoch: epoch 3's are those written
             # after epoch 2's ModelCheckpoint file
             parts_under_way, parts_expected = (
@@ -258,7 +260,7 @@ class KillAndResumeTest(tf.test.TestCase):
         self.assertLen(parts, parts_expected, _tail(log))
         reference = _load(os.path.join(self.directory, "reference.npz"))
         # the killed save changed nothing: epoch 2's backup is the latest, and complete
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             with open(os.path.join(backup, "training_metadata.json")) as f:
                 self.assertEqual(json.load(f)["epoch"], 2)
             self.assertTrue(os.path.exists(os.path.join(backup, "latest.weights.h5")))
@@ -266,7 +268,7 @@ class KillAndResumeTest(tf.test.TestCase):
             self.assertEqual(tf.train.latest_checkpoint(chief), os.path.join(chief, "ckpt-2"))
             self.assertEqual(glob.glob(os.path.join(chief, "ckpt-3.*")), [])
         written = ["weights-01", "weights-02"]
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             self.assertEqual(sorted(os.path.basename(p) for p in glob.glob(
                 os.path.join(self.directory, "weights-*"))), [w + WEIGHTS_SUFFIX for w in written])
             # ModelCheckpoint on every rank wrote one file per epoch, nothing else
@@ -315,7 +317,7 @@ class SharedFolderTest(tf.test.TestCase):
         model.compile(optimizer="sgd", loss="mse")
         folder = os.path.join(self.get_temp_dir(), "made-by-another-rank")
         os.makedirs(folder)
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             from keras.src.utils import file_utils as checks
         else:
             # the gfile module tf-keras' callbacks call (its own tensorflow.compat.v2)
@@ -337,9 +339,9 @@ class SharedFolderTest(tf.test.TestCase):
                           tf.keras.callbacks.BackupAndRestore(folder)])
         # the callbacks checked the folder, were told it was missing, and went on (both in
         # Keras 3; tf-keras' BackupAndRestore creates its folder without a check)
-        self.assertGreaterEqual(len(asked), 2 if _tf_internals.KERAS_3 else 1)
+        self.assertGreaterEqual(len(asked), 2 if KERAS_3 else 1)
         self.assertIn("weights-01" + (WEIGHTS_SUFFIX or ".index"), os.listdir(folder))
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             # a file where the folder should be is still an error
             from keras.src.utils import file_utils
             in_the_way = os.path.join(folder, "a-file")

@@ -18,10 +18,11 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 HOROVOD_NP = (4,)
 # Keras 2's checkpoints, save_weights included, and their continuation after a restore
@@ -139,9 +140,9 @@ class WeightsFilesTest(tf.test.TestCase):
     def test_save_weights_restores_onto_other_meshes(self):
         def save(model, prefix):
             # Keras 3 writes a weights file; Keras 2 a TensorFlow checkpoint
-            path = prefix + ".weights.h5" if _tf_internals.KERAS_3 else prefix
+            path = prefix + ".weights.h5" if KERAS_3 else prefix
             model.save_weights(path)
-            self.assertTrue(os.path.exists(path if _tf_internals.KERAS_3
+            self.assertTrue(os.path.exists(path if KERAS_3
                                            else path + ".index"))
             return path
 

@@ -5,11 +5,12 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tests import _hybrid_case as hc
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 # four ranks only: they cover 1x4 (the 1D route a 1x2 mesh takes) and 2x2
 HOROVOD_NP = (4,)
@@ -20,7 +21,7 @@ def _loss_scale(optimizer):
     """The factor a LossScaleOptimizer scales losses by now: Keras 2 calls it
     ``loss_scale``; Keras 3 ``dynamic_scale``, a variable its build makes (before it, the
     scale is ``initial_scale``)."""
-    if not _tf_internals.KERAS_3:
+    if not KERAS_3:
         return float(optimizer.loss_scale)
     return float(optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale)
 
@@ -29,7 +30,7 @@ def _as_applied(optimizer, grads):
     """Unscaled gradients as a LossScaleOptimizer's ``apply_gradients`` takes them: Keras 2
     takes them unscaled; Keras 3 takes the gradients of the scaled loss and unscales them
     itself."""
-    if not _tf_internals.KERAS_3:
+    if not KERAS_3:
         return grads
     return grads * _loss_scale(optimizer)
 
@@ -206,7 +207,7 @@ class MixedPrecisionTest(tf.test.TestCase):
                 self.assertEqual([s for _, s, _ in trace], [2.0**14] * steps)
                 # Keras 2's LossScaleOptimizer counts a skipped step in iterations,
                 # Keras 3's counts the applied ones
-                first = 0 if _tf_internals.KERAS_3 else 1
+                first = 0 if KERAS_3 else 1
                 self.assertEqual([i for _, _, i in trace], list(range(first, steps + first)))
                 full_table, = model.layers[1].get_weights(all_ranks=True)
                 dense = model.layers[2].get_weights()
@@ -255,10 +256,10 @@ class MixedPrecisionTest(tf.test.TestCase):
                 with tf.GradientTape() as tape:
                     loss = hc.loss_fn(labels, reference(ids))
                     if policy == "mixed_float16":
-                        loss = (optimizer.scale_loss(loss) if _tf_internals.KERAS_3
+                        loss = (optimizer.scale_loss(loss) if KERAS_3
                                 else optimizer.get_scaled_loss(loss))
                 grads = tape.gradient(loss, reference.trainable_variables)
-                if policy == "mixed_float16" and not _tf_internals.KERAS_3:
+                if policy == "mixed_float16" and not KERAS_3:
                     # Keras 3's LossScaleOptimizer unscales in apply_gradients
                     grads = optimizer.get_unscaled_gradients(grads)
                 optimizer.apply_gradients(zip(grads, reference.trainable_variables))

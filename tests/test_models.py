@@ -6,10 +6,11 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid import _tf_internals as tfhybrid_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.train.models import (DCNv2, DLRM, DotInteraction, build_model,
                                    export_for_serving, serving_copy)
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 ROWS = [50, 7, 300]
 
@@ -93,7 +94,7 @@ class ModelsTest(tf.test.TestCase):
 
     def test_cross_layers_compute_what_tf_recommenders_does(self):
         # TF Recommenders is the reference; it imports under Keras 2 only
-        if tfhybrid_internals.KERAS_3:
+        if KERAS_3:
             self.skipTest("tensorflow_recommenders refuses Keras 3 (its own import check)")
         import tensorflow_recommenders as tfrs
         from tfhybrid.train.models import Cross

@@ -14,11 +14,13 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from tfhybrid import _tf_internals, installed_keras_major
+from tfhybrid import installed_keras_major
 from tfhybrid import roles
 from tfhybrid.custom_ops import custom_ops_available
 from tfhybrid.optimizers import MomentumScaledRowWiseAdagrad, RowWiseAdagrad
 from tfhybrid.testing.graphs import traced_op_types
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 _DISABLED = os.environ.get("TFHYBRID_DISABLE_CUSTOM_OPS", "").strip().lower() in (
     "1", "true", "yes")
@@ -283,7 +285,7 @@ class RowWiseAdagradNumericsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsNone(opt.weight_decay)  # the Keras base must not decay all rows
         self.assertEqual(opt.rowwise_weight_decay, 0.3)
         self.assertEqual(opt.get_config()["weight_decay"], 0.3)
-        if _tf_internals.KERAS_3:
+        if KERAS_3:
             # Keras 3 optimizers have no jit_compile (they compile with the model's step);
             # a Keras 2 config that names it still loads
             self.assertNotIn("jit_compile", opt.get_config())
@@ -328,7 +330,7 @@ class ConfigAndValidationTest(tf.test.TestCase):
                           config["name"], config["clipnorm"]),
                          (0.25, 0.5, 1e-3, 0.01, False, "rw", 2.0))
         # Keras 3 optimizers have no jit_compile: the model's compile decides
-        self.assertEqual(config.get("jit_compile"), None if _tf_internals.KERAS_3 else False)
+        self.assertEqual(config.get("jit_compile"), None if KERAS_3 else False)
         self.assertEqual(opts[2].get_config()["momentum_scale"], 4.0)
         self.assertIsNone(opts[3].get_config()["momentum_scale"])
         # a schedule survives the round trip as the schedule, not its current value
@@ -478,8 +480,8 @@ class SameUpdateInBothKerasesTest(tf.test.TestCase):
                            [root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
             path = os.path.join(folder, f"keras{keras}.npz")
             code = ("import sys, tests.test_optimizers as t; "
-                    "from tfhybrid import _tf_internals as i; "
-                    f"assert i.KERAS_MAJOR == {keras}, i.KERAS_MAJOR; "
+                    "import tfhybrid; "
+                    f"assert tfhybrid.keras_major() == {keras}, tfhybrid.keras_major(); "
                     "t._dump_updates(sys.argv[1])")
             jobs[keras] = (path, subprocess.Popen(
                 [sys.executable, "-c", code, path], cwd=root, env=env,

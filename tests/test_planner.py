@@ -9,7 +9,7 @@ import sys
 import unittest
 from dataclasses import asdict
 
-from tfhybrid.planner import (DE_STRATEGIES, DEFAULT_STRATEGY, KINDS, STRATEGIES, Kind,
+from tfhybrid.plan import (DE_STRATEGIES, DEFAULT_STRATEGY, KINDS, STRATEGIES, Kind,
                               PlannerOptions, ShardingPlan, TableConfig,
                               input_ids_per_position, optimizer_state_bytes,
                               plan_sharding, position_traffic, shard_cache_rows,

@@ -10,26 +10,26 @@ import sys
 import unittest
 
 from tfhybrid.checkpoint import resharding
-from tfhybrid import planner
+from tfhybrid import plan as planning
 from tfhybrid.checkpoint.resharding import Rect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tables() -> list[planner.TableConfig]:
+def _tables() -> list[planning.TableConfig]:
     # a row-sliced, a column-sliced, a table-wise and a data-parallel table
-    return [planner.TableConfig("big", 300, 8), planner.TableConfig("wide", 100, 8),
-            planner.TableConfig("mid", 60, 6), planner.TableConfig("tiny", 20, 4)]
+    return [planning.TableConfig("big", 300, 8), planning.TableConfig("wide", 100, 8),
+            planning.TableConfig("mid", 60, 6), planning.TableConfig("tiny", 20, 4)]
 
 
-def _plan(data_parallel: int, model_parallel: int, **thresholds) -> planner.ShardingPlan:
+def _plan(data_parallel: int, model_parallel: int, **thresholds) -> planning.ShardingPlan:
     options = dict(data_parallel_threshold=100, row_slice_threshold=2000,
                    column_slice_threshold=600)
     options.update(thresholds)
-    return planner.plan_sharding(_tables(), data_parallel, model_parallel, **options)
+    return planning.plan_sharding(_tables(), data_parallel, model_parallel, **options)
 
 
-def _held(plan: planner.ShardingPlan, position: int) -> list[list[Rect]]:
+def _held(plan: planning.ShardingPlan, position: int) -> list[list[Rect]]:
     return [[rect for _, rect in resharding.held_pieces(p.kind, p.shards, position)]
             for p in plan.tables]
 
@@ -188,7 +188,7 @@ class DocTest(unittest.TestCase):
     def test_no_tensorflow(self):
         # in a fresh interpreter: the runner may have imported TensorFlow into this one
         # for a module before this one
-        code = ("import sys, tfhybrid.checkpoint.resharding, tfhybrid.planner; "
+        code = ("import sys, tfhybrid.checkpoint.resharding, tfhybrid.plan; "
                 "print(sorted(m for m in sys.modules if m.split('.')[0] in "
                 "('tensorflow', 'horovod', 'keras', 'tf_keras')))")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -11,13 +11,14 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
-from tfhybrid.planner import tier_dram_bytes
+from tfhybrid.plan import tier_dram_bytes
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
+
+KERAS_3 = tfhybrid.keras_major() == 3
 
 KERAS = (2, 3)
 
@@ -45,7 +46,7 @@ def _model(store_dir=None, policy="lru", combiner="sum", cache_rows=CACHE):
 def _weights_path(folder: str) -> str:
     """Where save_weights writes: Keras 3 writes a weights file, named .weights.h5."""
     path = os.path.join(folder, "ckpt", "weights")
-    if _tf_internals.KERAS_3:
+    if KERAS_3:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return f"{path}.weights.h5"
     return path
@@ -400,7 +401,7 @@ class CachedTableTest(_TempDir):
         self.assertEqual(memory["store"], 1000 * 9 * 4)
         self.assertEqual(os.path.getsize(table.paths[0]), 1000 * 8 * 4)
         self.assertEqual(os.path.getsize(table.paths[1]), 1000 * 4)
-        # the planner's budget counts the same DRAM (tfhybrid.planner.place_in_tiers)
+        # the planner's budget counts the same DRAM (tfhybrid.plan.place_in_tiers)
         self.assertEqual(memory["cache"] + memory["index"], tier_dram_bytes(1000, 8, 100))
 
 
@@ -443,7 +444,7 @@ class TieredErrorsTest(_TempDir):
         ids, labels = _data(steps=1)
         optimizers = [("Adam", lambda: tf.keras.optimizers.Adam(0.1)),
                       ("SGD", lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9))]
-        if not _tf_internals.KERAS_3:   # Keras 3 has no legacy optimizers
+        if not KERAS_3:   # Keras 3 has no legacy optimizers
             optimizers.append(("Adam", lambda: tf.keras.optimizers.legacy.Adam(0.1)))
         for name, make in optimizers:
             with self.subTest(optimizer=make()):
@@ -470,7 +471,7 @@ class TieredErrorsTest(_TempDir):
                                                         r".*set_weights"):
                     saved = os.path.join(self.fresh_dir(), "saved")
                     # Keras 3 writes a SavedModel with export; its save writes .keras files
-                    if _tf_internals.KERAS_3:
+                    if KERAS_3:
                         model.export(saved)
                     else:
                         model.save(saved)

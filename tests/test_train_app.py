@@ -19,7 +19,9 @@ import numpy as np
 import tensorflow as tf
 
 from tests.runner import TEST_ENV
-from tfhybrid._tf_internals import KERAS_MAJOR
+import tfhybrid
+
+KERAS_MAJOR = tfhybrid.keras_major()
 
 # it starts multi-process jobs of its own: tests/runner.py runs it beside one-process
 # modules only

@@ -11,7 +11,7 @@ The public surface is small on purpose, like Horovod's:
 - ``tfhybrid.TrainPipeline`` sends the next batch's ids while a step computes.
 - ``tfhybrid.compression.DCT`` turns on DCT's thresholded communication (both halves).
 
-Attributes load lazily, so ``import tfhybrid.planner`` pulls in neither TensorFlow nor
+Attributes load lazily, so ``import tfhybrid.plan`` pulls in neither TensorFlow nor
 Horovod.
 """
 

@@ -1,26 +1,15 @@
-"""The cost model's import path: every name here is re-exported from ``tfhybrid.plan``.
+"""The cost model's old import path, kept for saved code: every name is ``tfhybrid.plan``'s.
 
-The prediction (ClusterSpec, Workload, predict, ...) is ``tfhybrid.plan.cost_model``, the
-cost strategy (plan_mesh, plan_for_cluster) ``tfhybrid.plan.cost_strategy`` and the fit
-of compute rates (calibrate, validate) ``tfhybrid.plan.calibration``. This module defines
-nothing; it keeps ``tfhybrid.cost_model.X`` working for users, scripts and benchmarks.
-
->>> from tfhybrid.plan.cost_model import predict as priced
->>> predict is priced
-True
+Deprecated: ``tfhybrid.plan`` is the planner's path; this module re-exports its names for
+saved code and warns once on import, naming the new path.
 """
 
 from __future__ import annotations
 
-from tfhybrid.plan.calibration import calibrate, point_setup, validate
-from tfhybrid.plan.cost_model import (ALLREDUCE_ALGORITHMS, DEFAULT_ZIPF_EXPONENT,
-                                      DENSE_VALUE_BYTES, ClusterSpec, CollectiveCost,
-                                      ComputeRates, Prediction, Workload,
-                                      expected_unique_rows, predict)
-from tfhybrid.plan.cost_strategy import plan_for_cluster, plan_mesh
+import warnings
 
-__all__ = ["ComputeRates", "ClusterSpec", "Workload", "CollectiveCost", "Prediction",
-           "predict", "plan_mesh", "plan_for_cluster", "calibrate", "validate",
-           "expected_unique_rows", "ALLREDUCE_ALGORITHMS", "DEFAULT_ZIPF_EXPONENT",
-           # public before the package too, outside the old __all__
-           "DENSE_VALUE_BYTES", "point_setup"]
+from tfhybrid.plan import *  # noqa: F401,F403
+from tfhybrid.plan import __all__  # noqa: F401
+
+warnings.warn("tfhybrid.cost_model is deprecated: import the same names from tfhybrid.plan",
+              DeprecationWarning, stacklevel=2)

@@ -30,21 +30,15 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
+from tfhybrid.sharding import phases
 
-_STATE = threading.local()
 _LOG = logging.getLogger("tfhybrid")
-
-# when some ranks' input ended and others' did not ({}: the ranks that ran out); a
-# template for str.format and tf.strings.format alike
-ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ranks had "
-                 "another batch; every rank must feed the same number of batches")
 
 # Where batch t+1's route collectives start in step t's function: True, once the step's
 # rows have arrived (beside the towers); False, with the function (beside the look-ups).
@@ -57,95 +51,6 @@ ENDED_MESSAGE = ("TrainPipeline: the input of ranks {} ended while the other ran
 PLACEMENTS = (True, False)
 _PLACEMENT_NAMES = {True: "once the step's rows have arrived", False: "with the step"}
 TRIAL_STEPS = 12   # timed steps per placement
-
-
-class _Routing:
-    """The read-ahead's forward: layers hand over what their routes will send (their
-    first half, ``EmbeddingRoute.prepare``), then it stops."""
-    routing = True
-
-    def __init__(self, layers: list, ended: tf.Tensor):
-        self._expected = {id(layer) for layer in layers}
-        self.ended = ended             # this rank's input has ended: a stand-in batch
-        self.prepared: dict[int, tuple] = {}   # per layer: (tensors to send, facts)
-
-    @property
-    def complete(self) -> bool:
-        return self._expected <= set(self.prepared)
-
-    def hand_over(self, layer: Any, sending: list, facts: tuple) -> None:
-        if id(layer) in self.prepared:
-            raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} was called "
-                             "twice in one forward pass; a pipelined model calls each "
-                             "DistributedEmbedding once per step")
-        self.prepared[id(layer)] = (sending, facts)
-        if self.complete:
-            raise _AllRouted("every DistributedEmbedding has its ids")
-
-
-class _AllRouted(Exception):
-    """Stops the read-ahead's forward once the last layer has routed its ids."""
-
-
-class _Stepping:
-    """The step's forward: each layer takes the ids routed for it a step earlier."""
-    routing = False
-
-    def __init__(self, layers: list, routed: list):
-        self._routed = {id(layer): list(ids) for layer, ids in zip(layers, routed)}
-        self._names = {id(layer): layer.name for layer in layers}
-        self._taken: set[int] = set()
-        self.sent: list = []       # each layer's rows as they enter its alltoall
-        self.received: list = []   # ... and as they come out of it
-
-    def sending(self, rows: tf.Tensor) -> None:
-        self.sent.append(rows)
-
-    def arrived(self, rows: tf.Tensor) -> None:
-        self.received.append(rows)
-
-    def take(self, layer: Any) -> list:
-        key = id(layer)
-        if key not in self._routed:
-            raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} is not one "
-                             "of the model's layers the pipeline routes for; build the "
-                             "pipeline on the model that calls it")
-        if key in self._taken:
-            raise ValueError(f"TrainPipeline: DistributedEmbedding {layer.name!r} was called "
-                             "twice in one step; a pipelined model calls each "
-                             "DistributedEmbedding once per step")
-        self._taken.add(key)
-        return self._routed[key]
-
-    def check_all_taken(self) -> None:
-        missing = sorted(name for key, name in self._names.items() if key not in self._taken)
-        if missing:
-            raise ValueError(
-                f"TrainPipeline: the train step did not call DistributedEmbedding layers "
-                f"{missing}, whose ids the pipeline routed; pass the Python train step (a "
-                "tf.function traced elsewhere keeps its own routing) and call the model in it")
-
-
-def phase_of(layer: Any) -> _Routing | _Stepping | None:
-    """What ``layer`` is called for: None (a plain call), a read-ahead or a step. A call
-    on symbolic tensors (Keras 3 building a model on its first call, inside the
-    read-ahead's forward) is a plain call: its ops never run."""
-    if _tf_internals.in_symbolic_call():
-        return None
-    return getattr(_STATE, "phase", None)
-
-
-class _PhaseScope:
-    def __init__(self, phase):
-        self.phase = phase
-
-    def __enter__(self):
-        self._outer = getattr(_STATE, "phase", None)
-        _STATE.phase = self.phase
-        return self.phase
-
-    def __exit__(self, *exc_info):
-        _STATE.phase = self._outer
 
 
 def _relaxed(spec: Any) -> Any:
@@ -192,8 +97,9 @@ class TrainPipeline:
     """Runs training steps with the next batch's ids already sent to their owners.
 
     Beside step t, in the same function, batch t+1's ids are checked on every rank and
-    sent through the model group's ``alltoall`` (``DistributedEmbedding``'s steps 1-2,
-    their payload prepared in the call before), and batch t+2's are prepared. Step t+1
+    sent through the model group's ``alltoall`` (the route's stage 3; the stages are
+    numbered in ``tfhybrid.sharding.phases``), their payload prepared in the call before,
+    and batch t+2's are prepared. Step t+1
     then starts at the look-up, after step t's update, so the weights are those of the
     plain loop bit for bit. Batch t+1's collectives run beside the look-ups or, once the
     step's rows have arrived, beside the towers: over its first 2 * (TRIAL_STEPS + 1)
@@ -416,7 +322,8 @@ class TrainPipeline:
         inputs = self._model_inputs(following)
         if self._prepare_fn is None:
             self._prepare_fn, _ = _traced(
-                lambda inputs, ended: self._prepare(inputs, ended)[0], (inputs,))
+                lambda inputs, ended: [p.sending for p in self._prepare(inputs, ended)],
+                (inputs,))
         return first + (following, self._prepare_fn(inputs, tf.constant(ended)))
 
     def _read(self, iterator: Iterator, first: bool = False) -> tuple | None:
@@ -448,22 +355,23 @@ class TrainPipeline:
                                       "tfhybrid_pipeline_first").numpy().reshape(-1)
         if flags.min() != flags.max():
             ended = [r for r, f in enumerate(flags) if not f]
-            raise ValueError(ENDED_MESSAGE.format(ended))
+            raise ValueError(phases.ENDED_MESSAGE.format(ended))
 
     def _route(self, inputs: Any, ended: tf.Tensor) -> tuple[list, tf.Tensor, tf.Tensor]:
-        """Steps 1-2 of every DistributedEmbedding for ``inputs``: the routed ids, whether
-        every rank's input has ended, and the first failed check's message (or "")."""
-        return self._exchange(*self._prepare(inputs, ended))
+        """Stages 1-3 of every DistributedEmbedding for ``inputs``: the routed ids,
+        whether every rank's input has ended, and the first failed check's message (or
+        "")."""
+        return self._exchange(self._prepare(inputs, ended))
 
-    def _prepare(self, inputs: Any, ended: tf.Tensor) -> tuple[list, list]:
-        """The first half of every DistributedEmbedding's route for ``inputs``: per
-        layer, the tensors its collectives will send and the facts to read them by
+    def _prepare(self, inputs: Any, ended: tf.Tensor) -> list[phases.Prepared]:
+        """Stages 1-2 of every DistributedEmbedding's route for ``inputs``: per layer,
+        what its collectives will send and the facts to read it by
         (``EmbeddingRoute.prepare``)."""
-        phase = _Routing(self._layers, ended)
-        with _PhaseScope(phase):
+        phase = phases.Routing(self._layers, ended)
+        with phases.PhaseScope(phase):
             try:
                 self.model(inputs, training=False)
-            except Exception:   # noqa: BLE001 (autograph may rewrap _AllRouted)
+            except Exception:   # noqa: BLE001 (autograph may rewrap AllRouted)
                 if not phase.complete:
                     raise
         missing = [layer.name for layer in self._layers if id(layer) not in phase.prepared]
@@ -471,19 +379,19 @@ class TrainPipeline:
             raise ValueError(f"TrainPipeline: calling the model did not reach "
                              f"DistributedEmbedding layers {missing}; a pipelined model "
                              "calls every DistributedEmbedding in each forward pass")
-        prepared = [phase.prepared[id(layer)] for layer in self._layers]
-        return [sending for sending, _ in prepared], [facts for _, facts in prepared]
+        return [phase.prepared[id(layer)] for layer in self._layers]
 
-    def _exchange(self, sending: list, facts: list) -> tuple[list, tf.Tensor, tf.Tensor]:
-        """The second half: every layer's collectives on what ``_prepare`` made; the
-        routed ids, whether every rank's input has ended, and the first failed check's
-        message (or "")."""
+    def _exchange(self, prepared: list[phases.Prepared]
+                  ) -> tuple[list, tf.Tensor, tf.Tensor]:
+        """Stage 3: every layer's collectives on what ``_prepare`` made; the routed ids,
+        whether every rank's input has ended, and the first failed check's message (or
+        "")."""
         routed, failures, all_ended = [], [], None
-        for layer, sent, layer_facts in zip(self._layers, sending, facts):
-            ids, ended, failure, _ = layer.route.exchange(list(sent), layer_facts)
-            routed.append(ids)
-            failures.append(failure)
-            all_ended = ended if all_ended is None else all_ended
+        for layer, layer_prepared in zip(self._layers, prepared):
+            exchanged = layer.route.exchange(layer_prepared)
+            routed.append(exchanged.routed)
+            failures.append(exchanged.failure)
+            all_ended = exchanged.all_ended if all_ended is None else all_ended
         failures = tf.stack(failures)
         failure = tf.gather(failures, tf.argmax(tf.cast(failures != "", tf.int32)))
         return routed, all_ended, failure
@@ -506,19 +414,21 @@ class TrainPipeline:
         Horovod's timeline showed its collectives issued with the rows alltoall and run
         before it, and its CPU beside the look-ups.
         """
-        phase = _Stepping(self._layers, routed)
-        with _PhaseScope(phase):
+        phase = phases.Stepping(self._layers, routed)
+        with phases.PhaseScope(phase):
             outputs = self._train_step(batch)
         phase.check_all_taken()
         with tf.control_dependencies(phase.sent):
-            sending_next, facts = self._prepare(after, ended)
+            prepared_next = self._prepare(after, ended)
         if after_rows:
             with tf.control_dependencies(phase.received):
                 sending = tf.nest.map_structure(tf.identity, sending)
         # the facts are trace-time values of a layer and a batch structure, alike for
-        # every batch of the function's signature
-        routed_next, all_ended, failure = self._exchange(sending, facts)
-        return outputs, routed_next, all_ended, failure, sending_next
+        # every batch of the function's signature: batch t+2's read batch t+1's tensors
+        routed_next, all_ended, failure = self._exchange(
+            [phases.Prepared(list(sent), p.facts) for sent, p in zip(sending, prepared_next)])
+        return (outputs, routed_next, all_ended, failure,
+                [p.sending for p in prepared_next])
 
     # ------------------------------------------------------------ Keras
     def _keras_step(self, batch: Any) -> Any:

@@ -87,7 +87,7 @@ class Rect:
 def held_pieces(kind: str, shards: Sequence, position: int) -> list[tuple[int, Rect]]:
     """(shard index, rectangle) of every part of one table that ``position`` holds.
 
-    ``kind`` and ``shards`` are a ``tfhybrid.planner.TablePlacement``'s; a data-parallel
+    ``kind`` and ``shards`` are a ``tfhybrid.plan.TablePlacement``'s; a data-parallel
     table is held whole by every position.
 
     >>> from tfhybrid.plan.types import Shard

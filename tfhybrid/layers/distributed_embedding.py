@@ -88,7 +88,7 @@ def _checked_arguments(embeddings: Sequence[Any], strategy: str,
     if strategy == COST_STRATEGY and given_plan is None:
         raise ValueError(
             f"strategy={strategy!r} needs the cluster and workload: make the plan with "
-            "tfhybrid.cost_model.plan_for_cluster(tables, cluster, workload) and pass "
+            "tfhybrid.plan.plan_for_cluster(tables, cluster, workload) and pass "
             "it as plan=")
     if given_plan is not None:
         strategy = given_plan.strategy
@@ -117,7 +117,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         :meth:`adjust` (or ``tfhybrid.callbacks.FiitedAdjust``) re-divides its chunks.
       mesh: a ``tfhybrid.Mesh``; ``None`` takes ``tfhybrid.init()``'s mesh.
       strategy, column_slice_threshold, row_slice_threshold, data_parallel_threshold:
-        the planner's options (see ``tfhybrid.planner.plan_sharding``), named as in
+        the planner's options (see ``tfhybrid.plan.plan_sharding``), named as in
         NVIDIA distributed-embeddings; thresholds count elements (rows * dim).
       input_table_map: for each input feature, the index of its table, so features can
         share a table. ``None`` means feature i uses table i.
@@ -133,10 +133,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         ``MomentumScaledRowWiseAdagrad`` then scales its accumulators by c = D.
       sync_every: K, the steps between weight syncs in ``"weights"`` mode.
       optimizer: the tables' optimizer as the planner names it (``"rowwise_adagrad"``,
-        ``"adam"``, ... ``tfhybrid.planner.OPTIMIZERS``), so that the plan's memory and
+        ``"adam"``, ... ``tfhybrid.plan.OPTIMIZERS``), so that the plan's memory and
         weight-sync bytes count its state; ``None``: ``"sgd"`` (no state).
-      plan: a ``tfhybrid.planner.ShardingPlan`` (or its JSON, or the path of a JSON
-        file) to execute as it is, e.g. from ``tfhybrid.cost_model.plan_for_cluster``;
+      plan: a ``tfhybrid.plan.ShardingPlan`` (or its JSON, or the path of a JSON
+        file) to execute as it is, e.g. from ``tfhybrid.plan.plan_for_cluster``;
         it must be for this mesh's D x M (and layout, where the plan names one) and for
         these tables. The strategy and threshold arguments are then unused.
       dct: a ``tfhybrid.compression.DCT`` whose ``mp_keep`` thresholds the alltoall that
@@ -146,7 +146,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
       memory_budget: ``{"dram": bytes}`` per rank: the planner moves the largest tables
         into the disk tier (a file per shard behind a DRAM cache, as a
         ``tfhybrid.layers.Embedding`` with ``cache_rows``) until every rank fits
-        (``tfhybrid.planner.place_in_tiers``). A table layer with ``cache_rows`` is in
+        (``tfhybrid.plan.place_in_tiers``). A table layer with ``cache_rows`` is in
         the tier whatever the budget. Tiered tables train as in memory, bit for bit, with
         SGD (no momentum) or ``RowWiseAdagrad`` and ``replica_sync="gradients"``.
       store_dir: the folder of the tiered shards' files for tables the budget tiers (each

@@ -71,11 +71,11 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     its turn); positions serve their tables in table order.
 
     **cost** (:data:`COST_STRATEGY`): each table's kind and shard count minimize the step
-    time ``tfhybrid.cost_model.predict`` gives for this D x M mesh in ``layout`` on
+    time ``tfhybrid.plan.predict`` gives for this D x M mesh in ``layout`` on
     ``cluster`` (a ``ClusterSpec``) running ``workload`` (a ``Workload`` whose tables are
     ``tables``; its optimizer, batch, sync mode and comm dtype are the plan's), under
     ``cluster.memory_per_rank``; the plan records the layout and the predictions
-    (:meth:`ShardingPlan.describe` prints them). ``tfhybrid.cost_model.plan_for_cluster``
+    (:meth:`ShardingPlan.describe` prints them). ``tfhybrid.plan.plan_for_cluster``
     also chooses M and the layout.
 
     ``options`` (a :class:`~tfhybrid.plan.types.PlannerOptions`) gives the strategy and

@@ -368,7 +368,7 @@ class ShardingPlan:
                            "alltoall sent/step", "local/step", "grad sync/step"], rows,
                           set(range(1, 8)))
         if self.predicted:
-            lines += ["", "predicted by the cost model (tfhybrid.cost_model):"]
+            lines += ["", "predicted by the cost model (tfhybrid.plan):"]
             lines += aligned_table(["quantity", "value"], [
                 [name, f"{value * 1e3:.3f} ms" if name.endswith("_seconds") else
                  format_bytes(value) if name.endswith("_bytes") else f"{value:g}"]

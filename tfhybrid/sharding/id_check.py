@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
-from tfhybrid import pipeline as pipeline_lib
+from tfhybrid.sharding import phases
 from tfhybrid.sharding.tables import TableSpec
 
 # per feature in a rank's id report: bad id?, the first bad id, bad input?, bags per sample
@@ -168,7 +168,7 @@ class IdCheck:
             ended_ranks = everyone[:, -1] > 0
             checks.append((tf.equal(tf.reduce_any(ended_ranks), tf.reduce_all(ended_ranks)),
                            tf.strings.format(
-                               pipeline_lib.ENDED_MESSAGE,
+                               phases.ENDED_MESSAGE,
                                [tf.boolean_mask(tf.range(self.mesh.size), ended_ranks)],
                                summarize=-1)))
             all_ended = tf.reduce_all(ended_ranks)

@@ -72,7 +72,7 @@ def load_plan(plan: Any) -> ShardingPlan | None:
             with open(text) as f:
                 text = f.read()
         return ShardingPlan.from_json(text)
-    raise ValueError(f"plan={plan!r} must be a tfhybrid.planner.ShardingPlan, its JSON, or "
+    raise ValueError(f"plan={plan!r} must be a tfhybrid.plan.ShardingPlan, its JSON, or "
                      "the path of a JSON file")
 
 

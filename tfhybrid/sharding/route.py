@@ -43,9 +43,9 @@ import tensorflow as tf
 from tfhybrid import collectives
 from tfhybrid import compression
 from tfhybrid import mesh as mesh_lib
-from tfhybrid import pipeline as pipeline_lib
 from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding.bags import BagReader, Bags
+from tfhybrid.sharding import phases
 from tfhybrid.sharding.id_check import IdCheck, first_failure
 from tfhybrid.sharding.stores import StoreSet
 from tfhybrid.sharding.tables import TableSpec
@@ -125,14 +125,14 @@ class EmbeddingRoute:
         """The layer's outputs for ``inputs`` and the local batch; ``caller`` (the layer)
         is who a ``TrainPipeline`` phase knows the route by."""
         bags, local_batch, invalid = self.bags_of(inputs)
-        phase = pipeline_lib.phase_of(caller)
+        phase = phases.phase_of(caller)
         if phase is not None and phase.routing:
             # TrainPipeline reads this batch ahead: it keeps what the route will send (its
             # collectives run in the next step's function) and stops here
-            phase.hand_over(caller, *self.prepare(bags, local_batch, invalid, phase.ended))
+            phase.hand_over(caller, self.prepare(bags, local_batch, invalid, phase.ended))
             return self.placeholders(bags), local_batch
         if phase is None:
-            # 1-3. validate on every rank together, then ids to their owners
+            # 2-3. validate on every rank together, then ids to their owners
             bags, routed = self.checked_route(bags, local_batch, invalid)
         else:
             # TrainPipeline routed (and validated) this batch during the previous step
@@ -163,31 +163,28 @@ class EmbeddingRoute:
         return outputs, local_batch
 
     def bags_of(self, inputs) -> tuple[dict, Any, dict]:
-        """Step 1 (:class:`~tfhybrid.sharding.bags.BagReader`): the fed features as bags,
+        """Stage 1 (:class:`~tfhybrid.sharding.bags.BagReader`): the fed features as bags,
         the local batch, and dp_input=False's bad inputs."""
         return self.bag_reader.bags_of(inputs)
 
     def checked_route(self, bags: dict, batch, invalid: dict) -> tuple[dict, list]:
-        """Steps 1-2: the checked bags and the ids of the routes this position owns.
+        """Stages 2-3: the checked bags and the ids of the routes this position owns.
 
-        The routed ids are ``[ids of each owned route] + [bag lengths of each]``, for the
-        model group's samples in rank order: what :meth:`look_up_and_return` looks up (a tiered
-        shard's ids as cache slots, its rows loaded). A failed check raises on every
-        rank before any id leaves this one.
+        The routed ids are :class:`~tfhybrid.sharding.phases.Exchanged`'s ``routed``,
+        what :meth:`look_up_and_return` looks up (a tiered shard's ids as cache slots, its
+        rows loaded). A failed check raises on every rank before any id leaves this one.
         """
-        sending, facts = self.prepare(bags, batch, invalid)
-        routed, _, _, asserts = self.exchange(sending, facts)
-        with tf.control_dependencies(asserts):
+        exchanged = self.exchange(self.prepare(bags, batch, invalid))
+        with tf.control_dependencies(exchanged.asserts):
             bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
                     for f, b in bags.items()}
-        return bags, routed
+        return bags, exchanged.routed
 
-    def prepare(self, bags: dict, batch, invalid: dict, ended=None
-                       ) -> tuple[list, tuple]:
-        """The route's first half, on this rank alone: what its collectives will send,
-        as a list of tensors (the id check's report, the batch, and the ids for their
-        owners, or with ``dp_input=False`` this position's own route ids), and the
-        trace-time facts that :meth:`exchange` reads them by.
+    def prepare(self, bags: dict, batch, invalid: dict, ended=None) -> phases.Prepared:
+        """Stage 2, the route's first half, on this rank alone: what its collectives will
+        send (the id check's report, the batch, and the ids for their owners, or with
+        ``dp_input=False`` this position's own route ids) and the trace-time facts that
+        :meth:`exchange` reads them by.
 
         ``ended`` (a bool tensor, ``TrainPipeline``'s) says that this rank's input has
         ended and ``bags`` only stand in for a batch; the ranks agree on it in the same
@@ -214,28 +211,27 @@ class EmbeddingRoute:
         reasons = [reason for reason in invalid.values() if reason] + [
             f"if so, {bag.unsupported_reason}" for bag in bags.values()
             if bag.unsupported_reason]
-        facts = (tuple(reasons[:1]), static,
-                 ended is not None)
-        return [report, tf.cast(batch, tf.int64)] + parts + run_time, facts
+        facts = phases.RouteFacts(reasons=tuple(reasons[:1]), bags_per_route=static,
+                                  read_ahead=ended is not None)
+        return phases.Prepared([report, tf.cast(batch, tf.int64)] + parts + run_time, facts)
 
-    def exchange(self, sending: list, facts: tuple) -> tuple[list, Any, Any, list]:
-        """The route's second half: its collectives on what :meth:`prepare` made,
-        and what follows them. Returns the routed ids (see :meth:`checked_route`), whether every
-        rank's input has ended and the first failed check's message ("" if none), both
-        only for a prepared read-ahead (else None), and otherwise the checks as asserts
-        that every id waits for.
+    def exchange(self, prepared: phases.Prepared) -> phases.Exchanged:
+        """Stage 3, the route's second half: its collectives on what :meth:`prepare`
+        made, and what follows them (:class:`~tfhybrid.sharding.phases.Exchanged`).
 
         The only variables it touches are tiered shards' caches, where it fills slots
         that neither this batch nor the one before uses (``pinned_calls``), so
         ``TrainPipeline`` may run it a step ahead.
         """
-        reasons, static_per_route, read_ahead = facts
-        run_time = iter(sending[len(sending) - static_per_route.count(None):])
-        bags_per_route = tuple(next(run_time) if k is None else k for k in static_per_route)
+        facts, sending = prepared.facts, prepared.sending
+        counted = len(sending) - facts.run_time_counts
+        run_time = iter(sending[counted:])
+        bags_per_route = tuple(next(run_time) if k is None else k
+                               for k in facts.bags_per_route)
         report, batch = sending[0], sending[1]
-        parts = list(sending[2:len(sending) - static_per_route.count(None)])
-        checks, all_ended = self.id_check.checks(report, reasons, read_ahead)
-        if read_ahead:
+        parts = list(sending[2:counted])
+        checks, all_ended = self.id_check.checks(report, facts.reasons, facts.read_ahead)
+        if facts.read_ahead:
             # TrainPipeline raises after the step it runs beside has finished, so that a
             # bad batch read ahead cannot cut that step's update short
             failure, asserts = first_failure(checks), []
@@ -243,7 +239,7 @@ class EmbeddingRoute:
             failure = None
             asserts = [tf.debugging.Assert(holds, [message]) for holds, message in checks]
         if not any(self.routes):
-            return [], all_ended, failure, asserts
+            return phases.Exchanged([], all_ended, failure, asserts)
         if asserts:
             with tf.control_dependencies(asserts):
                 parts = [tf.identity(part) for part in parts]
@@ -260,7 +256,7 @@ class EmbeddingRoute:
             if cached is not None:
                 route_ids[i] = self._cache_slots(cached, route_ids[i],
                                                  f"{r.feature}_{r.shard}")
-        return route_ids + route_lengths, all_ended, failure, asserts
+        return phases.Exchanged(route_ids + route_lengths, all_ended, failure, asserts)
 
     def placeholders(self, bags: dict) -> list:
         """Zeros shaped like the outputs: a read-ahead's forward stops at this layer, and
@@ -289,7 +285,7 @@ class EmbeddingRoute:
                 counts)
 
     def _ids_payload(self, bags: dict) -> tuple[tf.Tensor, tf.Tensor]:
-        """dp_input=True, step 2's input: to each position of the model group, the bag
+        """dp_input=True, stage 2's payload: to each position of the model group, the bag
         lengths and then the ids of its routes, in one buffer, and each one's size."""
         wire = self.wire_id_dtype
         # to each position, [lengths of its routes | ids of its routes]
@@ -307,7 +303,7 @@ class EmbeddingRoute:
 
     def _ids_received(self, payload: tf.Tensor, sizes: tf.Tensor, batch,
                       bags_per_route: tuple) -> tuple[list, list]:
-        """dp_input=True, step 2: every rank sends each owner the ids of its routes
+        """dp_input=True, stage 3: every rank sends each owner the ids of its routes
         (:meth:`_ids_payload`). Returns, for each route this position owns (of
         ``bags_per_route`` bags per sample), the ids and bag lengths of all M ranks'
         samples, in rank order."""
@@ -333,7 +329,7 @@ class EmbeddingRoute:
 
     def look_up_and_return(self, bags: dict, batch, routed: list, pipeline_step=None
                            ) -> dict:
-        """Steps 3-4: owner lookups of the routed ids (:meth:`checked_route`), rows back.
+        """Stage 4: owner lookups of the routed ids (:meth:`checked_route`), rows back.
 
         Returns each (feature, shard)'s rows for this rank's samples. ``pipeline_step``
         (a ``TrainPipeline`` step's phase, or None) is handed the rows as they go into
@@ -344,7 +340,7 @@ class EmbeddingRoute:
         mine = self.routes[mesh.model_position]
         route_ids, route_lengths = routed[:len(mine)], routed[len(mine):]
 
-        # 3. owner: look up and sum the bags of all M ranks of the model group
+        # 4. owner: look up and sum the bags of all M ranks of the model group
         sums = []
         for i, r in enumerate(mine):
             summed = self.stores.lookup_sum(r.table, r.shard, route_ids[i], route_lengths[i])
@@ -356,7 +352,7 @@ class EmbeddingRoute:
         if group == 1:
             return self._kept_here(mine, sums)
 
-        # 4. send each source its rows back: one flat buffer per source
+        # 4, continued: send each source its rows back: one flat buffer per source
         # a sample's values from each owner: its bags' rows of every route, in order
         def sample_width(routes):
             return sum((bags[r.feature].per_sample if self.dp_input else 1) * r.width
@@ -442,7 +438,7 @@ class EmbeddingRoute:
         return partials
 
     def _kept_here(self, mine: list, sums: list) -> dict:
-        """Step 4 in a model group of one: this rank owns every route and keeps its rows.
+        """Stage 4 in a model group of one: this rank owns every route and keeps its rows.
 
         The alltoall would be the identity, but packing the rows into its one flat buffer
         and splitting them out again copies every row twice per step, and its gradient

@@ -97,7 +97,7 @@ class TrainConfig:
     row_slice_threshold: int | None = None
     data_parallel_threshold: int | None = None
     # tables larger than this many bytes of DRAM per rank go to the disk tier
-    # (tfhybrid.planner.place_in_tiers), their files in store_dir
+    # (tfhybrid.plan.place_in_tiers), their files in store_dir
     dram_budget: int | None = None
     store_dir: str | None = None
     skip_malformed: bool = False
@@ -787,7 +787,7 @@ def run(config: TrainConfig) -> dict:
             parse_stats.malformed if parse_stats else 0))
     plan = getattr(model.embedding, "plan", None)
     if plan is not None:
-        # what the run executed, for tfhybrid.cost_model (plain data, JSON)
+        # what the run executed, for tfhybrid.plan (plain data, JSON)
         results["plan"] = json.loads(plan.to_json())
         results["table_rows"] = list(spec.table_rows)
         results["dense_parameters"] = int(sum(
