@@ -242,9 +242,7 @@ class ParityTest(tf.test.TestCase):
             max(np.abs(g - w).max() for g, w in zip(gathered, full_tables)), 1e-3)
 
     def _meshes(self):
-        world = _world()
-        return [(m, layout) for m in range(1, world + 1) if world % m == 0
-                for layout in ("model_major", "data_major")]
+        return mesh_lib.distinct_meshes(_world())
 
     def test_sgd_parity_every_mesh(self):
         tfhybrid.init(model_parallel=1)  # initialises Horovod, so _world() is right

@@ -309,8 +309,7 @@ class TraceOnceTest(tf.test.TestCase):
 def _meshes_and_layouts():
     world = tfhybrid.init(model_parallel=1).size
     mesh_lib.reset()
-    return [(m, layout) for m in range(1, world + 1) if world % m == 0
-            for layout in mesh_lib.LAYOUTS]
+    return mesh_lib.distinct_meshes(world)
 
 
 class RoutingTest(tf.test.TestCase):

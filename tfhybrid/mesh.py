@@ -82,6 +82,26 @@ def mesh_groups(size: int, model_parallel: int, layout: str = "model_major"
     return model_groups, data_groups
 
 
+def distinct_meshes(size: int) -> list[tuple[int, str]]:
+    """Every (model_parallel, layout) of ``size`` ranks whose groups differ from the
+    ones before it: with M = 1 or M = N both layouts give the same groups, so a check
+    over every mesh runs each of those once.
+
+    >>> distinct_meshes(4)
+    [(1, 'model_major'), (2, 'model_major'), (2, 'data_major'), (4, 'model_major')]
+    """
+    seen, meshes = set(), []
+    for model_parallel in range(1, size + 1):
+        if size % model_parallel:
+            continue
+        for layout in LAYOUTS:
+            groups = mesh_groups(size, model_parallel, layout)
+            if groups not in seen:
+                seen.add(groups)
+                meshes.append((model_parallel, layout))
+    return meshes
+
+
 @dataclasses.dataclass(frozen=True)
 class Mesh:
     """This rank's view of the D x M mesh, with its two Horovod process sets.
