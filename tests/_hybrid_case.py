@@ -229,3 +229,16 @@ def world_size() -> int:
     from tfhybrid import mesh as mesh_lib
     mesh_lib.reset()
     return world
+
+
+def meshes_for_this_keras(meshes: list) -> list:
+    """The meshes a parity loop over ``meshes`` (M, or (M, layout) pairs) runs: all of
+    them under Keras 2; under Keras 3 the M = 2 ones (2 x 2 on four ranks: both halves
+    of the route, both layouts), or all if there is none. Which Keras runs changes the
+    optimizers and variables, not the route: the 1D and data-parallel meshes' route is
+    the same code in both, held by the Keras 2 run (and test_stock_optimizers and
+    test_pipeline run 1 x 4 under Keras 3)."""
+    if tfhybrid.keras_major() != 3:
+        return list(meshes)
+    hybrid = [m for m in meshes if (m[0] if isinstance(m, tuple) else m) == 2]
+    return hybrid or list(meshes)

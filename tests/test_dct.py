@@ -26,6 +26,7 @@ from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.compression import DCT
 from tfhybrid.layers import DistributedEmbedding, Embedding
+from tests import _hybrid_case as hc
 from tests import test_distributed_embedding as de
 
 KERAS_3 = tfhybrid.keras_major() == 3
@@ -42,7 +43,8 @@ def _meshes():
     tfhybrid does (with process sets), then forgets the mesh."""
     world = tfhybrid.init(model_parallel=1).size
     mesh_lib.reset()
-    return [world] + ([2] if world == 4 else [])    # 1D, and 2 x 2 on four ranks
+    # 1D, and 2 x 2 on four ranks
+    return hc.meshes_for_this_keras([world] + ([2] if world == 4 else []))
 
 
 class _Model(tf.keras.Model):

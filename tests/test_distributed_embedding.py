@@ -16,6 +16,7 @@ from tfhybrid import mesh as mesh_lib
 from tfhybrid import plan as planning
 from tfhybrid import plan as planning
 from tfhybrid.layers import DistributedEmbedding, Embedding
+from tests import _hybrid_case as hc
 
 KERAS_3 = tfhybrid.keras_major() == 3
 
@@ -242,7 +243,7 @@ class ParityTest(tf.test.TestCase):
             max(np.abs(g - w).max() for g, w in zip(gathered, full_tables)), 1e-3)
 
     def _meshes(self):
-        return mesh_lib.distinct_meshes(_world())
+        return hc.meshes_for_this_keras(mesh_lib.distinct_meshes(_world()))
 
     def test_sgd_parity_every_mesh(self):
         tfhybrid.init(model_parallel=1)  # initialises Horovod, so _world() is right

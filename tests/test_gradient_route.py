@@ -99,7 +99,8 @@ def _loss_scale(optimizer):
 
 
 def _meshes(world):
-    return [m for m in range(1, world + 1) if world % m == 0 and 1 < world]
+    return hc.meshes_for_this_keras(
+        [m for m in range(1, world + 1) if world % m == 0 and 1 < world])
 
 
 class TapeEqualsOptimizerTest(tf.test.TestCase):
