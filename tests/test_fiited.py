@@ -393,7 +393,7 @@ class AdaptiveLayerTest(unittest.TestCase):
             self.assertEqual(len(adaptive.trainable_weights), 1)
             weight, = adaptive.trainable_weights
             self.assertEqual(weight.shape, adaptive.table.pool.shape)
-            self.assertAllEqual(weight, adaptive.table.pool)
+            np.testing.assert_array_equal(weight.numpy(), adaptive.table.pool.numpy())
 
     def test_fit_equals_the_dense_layer_bit_for_bit_then_prunes(self):
         from tfhybrid.callbacks import FiitedAdjust

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+import tfhybrid
 from tfhybrid import installed_keras_major
 from tfhybrid import roles
 from tfhybrid.custom_ops import custom_ops_available

@@ -56,7 +56,7 @@ COMMON_FLAGS = ["--model=dlrm", "--dataset=synthetic", f"--steps={PARITY_STEPS}"
 KERAS_2_ONLY = {
     "dct": "DCT's Keras 3 path is tests/test_dct.py's",
     "tiered": "tiered tables' Keras 3 path is tests/test_tiers.py's",
-    "fiited_tiered": "tiered FIITED tables' Keras 3 path is tests/test_tiers_distributed.py's",
+    "fiited_tiered": "tiered FIITED tables' Keras 3 path is tests/test_tiers.py's",
     "binary": "the input formats hold no Keras",
 }
 
