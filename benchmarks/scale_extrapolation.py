@@ -45,8 +45,7 @@ import os
 import _results  # beside this script; it puts the checkout first on sys.path
 
 from tfhybrid import plan as planning  # noqa: E402
-from tfhybrid.plan import ClusterSpec, ComputeRates, Workload  # noqa: E402
-from tfhybrid.plan import TableConfig  # noqa: E402
+from tfhybrid.plan import ClusterSpec, ComputeRates, TableConfig, Workload  # noqa: E402
 
 GPUS_PER_NODE = 8
 HBM_BYTES = 80 * 10**9

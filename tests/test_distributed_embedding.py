@@ -14,7 +14,6 @@ import tfhybrid
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import plan as planning
-from tfhybrid import plan as planning
 from tfhybrid.layers import DistributedEmbedding, Embedding
 from tests import _hybrid_case as hc
 
