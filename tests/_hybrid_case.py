@@ -232,13 +232,20 @@ def world_size() -> int:
 
 
 def meshes_for_this_keras(meshes: list) -> list:
-    """The meshes a parity loop over ``meshes`` (M, or (M, layout) pairs) runs: all of
-    them under Keras 2; under Keras 3 the M = 2 ones (2 x 2 on four ranks: both halves
-    of the route, both layouts), or all if there is none. Which Keras runs changes the
-    optimizers and variables, not the route: the 1D and data-parallel meshes' route is
-    the same code in both, held by the Keras 2 run (and test_stock_optimizers and
-    test_pipeline run 1 x 4 under Keras 3)."""
-    if tfhybrid.keras_major() != 3:
-        return list(meshes)
+    """The share of ``meshes`` (M, or (M, layout) pairs) a parity loop runs under this
+    Keras: the M = 2 ones (2 x 2 on four ranks: both halves of the route, both layouts)
+    under Keras 3, the others (the 1D meshes) under Keras 2; all of them where one share
+    is empty. Which Keras runs changes the optimizers and variables, not the route, so
+    the two runs of the suite together hold every mesh once, and each Keras trains on
+    2 x 2 in the tests of its own code (test_gradient_route's tape against fit,
+    test_stock_optimizers, test_pipeline, the app).
+
+    >>> import unittest.mock
+    >>> with unittest.mock.patch.object(tfhybrid, "keras_major", lambda: 2):
+    ...     meshes_for_this_keras([1, 2, 4]), meshes_for_this_keras([2])
+    ([1, 4], [2])
+    """
     hybrid = [m for m in meshes if (m[0] if isinstance(m, tuple) else m) == 2]
-    return hybrid or list(meshes)
+    one_dimensional = [m for m in meshes if m not in hybrid]
+    share = hybrid if tfhybrid.keras_major() == 3 else one_dimensional
+    return share or list(meshes)

@@ -16,7 +16,7 @@ from tests import _hybrid_case as hc
 # (a pipeline loads a batch's rows while the step before runs on its own), about what
 # these caches hold, so rows keep moving.
 CACHE_ROWS = {"wide": 24, "rows": 32, "bag": 24}
-STEPS = 20
+STEPS = 10
 
 
 def case(world, seed, steps=STEPS, store_dir=None):

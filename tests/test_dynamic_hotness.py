@@ -182,21 +182,25 @@ class FitOverSequenceTest(tf.test.TestCase):
         data = _global_data(world)
         want = _reference(*data, world)
         want = want[:len(TABLES)] + [want[len(TABLES)]]   # the tables and the kernel
+        # 2 x 2 holds the whole comparison; 1 x 4 (another route) a generator, which
+        # traces the unknown hotness as a Sequence does, against one process
         for model_parallel in (2, 4):
             mesh = tfhybrid.init(model_parallel=model_parallel)
-            static, static_shapes = self._fit(mesh, "static", data)
-            self.assertTrue(all(shape[1] is not None
-                                for shapes in static_shapes for shape in shapes))
-            for got, expected in zip(static, want):
-                self.assertAllClose(got, expected, atol=1e-5, rtol=1e-5)
-            for feed in ("sequence", "generator"):
+            static = None   # 1 x 4: against one process only
+            if model_parallel == 2:
+                static, static_shapes = self._fit(mesh, "static", data)
+                self.assertTrue(all(shape[1] is not None
+                                    for shapes in static_shapes for shape in shapes))
+                for got, expected in zip(static, want):
+                    self.assertAllClose(got, expected, atol=1e-5, rtol=1e-5)
+            for feed in ("sequence", "generator") if model_parallel == 2 else ("generator",):
                 with self.subTest(model_parallel=model_parallel, feed=feed):
                     weights, shapes = self._fit(mesh, feed, data)
                     # the point of the test: fit traced ids of unknown hotness
                     self.assertTrue(shapes)
                     self.assertTrue(all(shape == (None, None)
                                         for traced in shapes for shape in traced), shapes)
-                    for got, expected in zip(weights, static):
+                    for got, expected in zip(weights, static or []):
                         self.assertAllClose(got, expected, atol=1e-6, rtol=1e-6)
                     for got, expected in zip(weights, want):
                         self.assertAllClose(got, expected, atol=1e-5, rtol=1e-5)
@@ -213,17 +217,18 @@ class LayerStepTest(tf.test.TestCase):
 
     def test_both_input_modes_and_every_kind(self):
         sizes = [[400, 8], [120, 16], [60, 4], [10, 4]]
-        for model_parallel in (2, 4):
-            for combiner in ("sum", "mean", None):
-                for dp_input in (True, False):
-                    if dp_input is False and combiner is None:
-                        continue   # one id per sample there: the next test
-                    with self.subTest(model_parallel=model_parallel, combiner=combiner,
-                                      dp_input=dp_input):
-                        tfhybrid.init(model_parallel=model_parallel)
-                        de.run_step(self, sizes, combiner=combiner, hotness=3,
-                                    unknown_hotness=True, dp_input=dp_input, **THRESHOLDS)
-                        mesh_lib.reset()
+        # pairwise: every pair of values of any two of the three factors (mesh,
+        # combiner, input mode) meets in some run, in 6 runs instead of the product's 10
+        runs = [(2, "sum", True), (4, "sum", False), (4, "mean", True), (2, "mean", False),
+                (2, None, True), (4, None, True)]
+        # (model-parallel input without a combiner takes one id per sample: the next test)
+        for model_parallel, combiner, dp_input in runs:
+            with self.subTest(model_parallel=model_parallel, combiner=combiner,
+                              dp_input=dp_input):
+                tfhybrid.init(model_parallel=model_parallel)
+                de.run_step(self, sizes, combiner=combiner, hotness=3,
+                            unknown_hotness=True, dp_input=dp_input, **THRESHOLDS)
+                mesh_lib.reset()
 
     def test_model_parallel_input_without_combiner_takes_one_id_per_sample(self):
         tfhybrid.init(model_parallel=2)

@@ -81,7 +81,7 @@ class FiitedMeshTest(tf.test.TestCase):
             # pruning happened, and unevenly: the test compares real decisions
             self.assertEqual(counts.sum(), math.floor(TARGET * table.rows * table.dim))
             self.assertGreater(len(set(counts.tolist())), 1)
-        for model_parallel in (2, world):
+        for model_parallel in hc.meshes_for_this_keras(sorted({2, world})):
             with self.subTest(model_parallel=model_parallel):
                 mesh = tfhybrid.init(model_parallel=model_parallel)
                 model, layer = _distributed(case, mesh, **_NO_COLUMN_SLICES)

@@ -244,7 +244,9 @@ class MixedPrecisionTest(tf.test.TestCase):
         bounds = {"mixed_bfloat16": 4.7e-3, "mixed_float16": 5.9e-4}
         # each precision on 2 x 2 (both halves of the route) and one 1D mesh: bf16
         # where the rows stay on their rank (M = 1), fp16 where they all travel (M = N)
-        meshes = {"mixed_bfloat16": sorted({1, 2}), "mixed_float16": sorted({2, world})}
+        # (each Keras its share: hc.meshes_for_this_keras)
+        meshes = {"mixed_bfloat16": hc.meshes_for_this_keras(sorted({1, 2})),
+                  "mixed_float16": hc.meshes_for_this_keras(sorted({2, world}))}
         for policy, bound in bounds.items():
             tf.keras.mixed_precision.set_global_policy(policy)
             reference = case.reference_model()

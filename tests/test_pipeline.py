@@ -24,7 +24,9 @@ from tests import _hybrid_case as hc
 HOROVOD_NP = (4,)
 KERAS = (2, 3)
 
-STEPS = 50
+# past the placement trial (TRIAL_STEPS + 1 steps of each placement), so the chosen
+# placement trains too
+STEPS = 2 * (pipeline_lib.TRIAL_STEPS + 1) + 4
 
 
 def _fit(case, mesh, make_optimizer, pipeline, epochs=1, steps_per_execution=1,
@@ -158,11 +160,11 @@ class PipelineEqualsPlainLoopTest(tf.test.TestCase):
         world = hc.world_size()
         mesh_shapes = sorted({min(2, world), world})   # 2x2 and 1x4 (one process: 1x1)
         # (optimizer, layer options, model_parallel, steps of fit, steps of a custom
-        # loop): fit for the 50 steps of the issue on 2x2, the custom loop there too
+        # loop): fit through the placement trial on 2x2, the custom loop there too
         # (both halves of the route), shorter (its steps are fit's; test_gradient_route
         # holds the tape's route to the optimizer's)
         runs = [("rowwise_adagrad", lambda: optimizers.RowWiseAdagrad(0.1), {},
-                 mesh_shapes[0], STEPS, 20),
+                 mesh_shapes[0], STEPS, 8),
                 ("weight_sync", lambda: optimizers.MomentumScaledRowWiseAdagrad(0.1),
                  dict(replica_sync="weights", sync_every=3), mesh_shapes[0], 12, 0),
                 ("sgd", lambda: tf.keras.optimizers.SGD(0.5), {}, mesh_shapes[-1], 12, 0)]
@@ -191,7 +193,8 @@ class PipelineEqualsPlainLoopTest(tf.test.TestCase):
         """A new epoch's iterator drops the batch read ahead from the old one (the plain
         loop never reads it); several steps per call pipeline inside the call."""
         world = hc.world_size()
-        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=9, world=world, seed=6)
+        # 6 steps: four per call, then a call of two
+        case = hc.Case(hc.PLACEMENT_TABLES, local_batch=2, steps=6, world=world, seed=6)
         make = lambda: optimizers.RowWiseAdagrad(0.1)  # noqa: E731
         mesh = tfhybrid.init(model_parallel=min(2, world))
         plain, plain_loss = _fit(case, mesh, make, False, epochs=2)

@@ -39,6 +39,15 @@ FEATURES = ((0, 2), (1, 3), (2, -1), (3, 1), (0, 1), (3, 2))
 # not) run on every mesh
 MESHES = (((2, "model_major"), (2, "data_major"), (4, "model_major"))
           if tfhybrid.keras_major() == 3 else ((2, "data_major"),))
+
+
+def _meshes_for(optimizer: str) -> tuple:
+    """AdaGrad on every mesh of ``MESHES``; Adam on the two layouts of 2 x 2, whose
+    replicas group a row's duplicates differently (on 1 x 4 one rank holds them all)."""
+    return MESHES if optimizer == "adagrad" else tuple(
+        m for m in MESHES if m[0] == 2)
+
+
 OPTIMIZERS = {"adagrad": lambda: tf.keras.optimizers.Adagrad(0.3),
               "adam": lambda: tf.keras.optimizers.Adam(0.01)}
 WORLD, LOCAL_BATCH, STEPS, HIDDEN = 4, 4, 10, 4
@@ -204,7 +213,7 @@ class StockOptimizerLoopTest(tf.test.TestCase):
             # training moved the weights: equality is not the starting point's
             self.assertGreater(np.max(np.abs(want_after - want_before)), 1e-3)
             by_mesh = {}
-            for model_parallel, layout in MESHES:
+            for model_parallel, layout in _meshes_for(name):
                 with self.subTest(optimizer=name, model_parallel=model_parallel,
                                   layout=layout):
                     mesh = tfhybrid.init(model_parallel=model_parallel, layout=layout)
@@ -227,7 +236,7 @@ class StockOptimizerLoopTest(tf.test.TestCase):
                     for i in indices:
                         self.assertEqual(len(np.unique(i)), len(i), i)
                     by_mesh[(model_parallel, layout)] = tables + dense
-            self.assertLen(by_mesh, len(MESHES))
+            self.assertLen(by_mesh, len(_meshes_for(name)))
             first, *others = by_mesh.values()
             for other in others:
                 for a, b in zip(first, other):

@@ -39,7 +39,7 @@ PYTHON = sys.executable
 HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
 
 # N steps of the parity check, and the rest of the run's shape
-PARITY_STEPS = 60
+PARITY_STEPS = 40
 COMMON_FLAGS = ["--model=dlrm", "--dataset=synthetic", f"--steps={PARITY_STEPS}",
                 "--batch_size=512", "--eval_batches=32", "--embedding_dim=8",
                 "--bottom_mlp_dims=32,8", "--top_mlp_dims=32,16,1", "--learning_rate=0.5",
@@ -57,13 +57,14 @@ KERAS_2_ONLY = {
     "dct": "DCT's Keras 3 path is tests/test_dct.py's",
     "tiered": "tiered tables' Keras 3 path is tests/test_tiers.py's",
     "fiited_tiered": "tiered FIITED tables' Keras 3 path is tests/test_tiers.py's",
+    "fiited_one": "tiered FIITED tables' Keras 3 path is tests/test_tiers.py's",
     "binary": "the input formats hold no Keras",
 }
 
 # DRAM for a fraction of the "one" run's tables: the planner tiers the largest
 DRAM_BUDGET = 1_500_000
 
-# DCT at keep fractions that still learn in 60 steps, with thresholds refreshed often
+# DCT at keep fractions that still learn in PARITY_STEPS steps, with thresholds refreshed often
 DCT_FLAGS = ["--dct_dp_keep=0.05", "--dct_mp_keep=0.25", "--dct_refresh_every=10"]
 # FIITED: half of the tables' chunks (of 2 floats) kept, adjusted every 10 batches
 FIITED_FLAGS = ["--fiited_target=0.5", "--fiited_chunks=4", "--fiited_every=10",
@@ -129,7 +130,8 @@ class TrainAppTest(tf.test.TestCase):
         # The one-process jobs run two at a time (_side_by_side), so every job is
         # started here, in the order its inputs exist; each test still checks its own
         # job's exit code and output. First the one-process jobs that need nothing:
-        # the "one" run, its tiered twin and the bad flags.
+        # the "one" run, its tiered twin, a FIITED run and its tiered twin, and the bad
+        # flags.
         # "one" chooses this module's Keras by --keras, TF_USE_LEGACY_KERAS unset;
         # "keras_conflict" asks for the other Keras than TF_USE_LEGACY_KERAS does
         first = {
@@ -141,6 +143,11 @@ class TrainAppTest(tf.test.TestCase):
             "tiered": COMMON_FLAGS + [f"--dram_budget={DRAM_BUDGET}",
                                       f"--store_dir={work}/tiered_store",
                                       f"--metrics_json={work}/tiered.json"],
+            "fiited_one": COMMON_FLAGS + FIITED_FLAGS + [
+                f"--metrics_json={work}/fiited_one.json"],
+            "fiited_tiered": COMMON_FLAGS + FIITED_FLAGS + [
+                f"--dram_budget={DRAM_BUDGET}", f"--store_dir={work}/fiited_tiered_store",
+                f"--metrics_json={work}/fiited_tiered.json"],
             "bad_bottom": ["--model=dlrm", "--embedding_dim=16", "--bottom_mlp_dims=32,8"],
             "bad_top": ["--top_mlp_dims=8,x"],
             "keras_conflict": (["--keras=3"], 1, 420, {"TF_USE_LEGACY_KERAS": "1"}),
@@ -296,17 +303,17 @@ class TrainAppTest(tf.test.TestCase):
 
     def test_fiited_tables_in_the_tier_train_exactly_as_in_memory(self):
         _skip_if_left_out(self, "fiited_tiered")
-        # the "fiited" run's flags (2x2, FIITED adjusting every 10 batches) with DRAM for
-        # about half of a position's tables: the planner tiers the largest, whose rows
-        # keep their FIITED widths in the tier, and nothing else may change
-        out = os.path.join(self.work, "fiited_tiered")
-        done = _cli(COMMON_FLAGS + ["--model_parallel=2"] + FIITED_FLAGS + [
-            "--dram_budget=900000", f"--store_dir={out}_store",
-            f"--metrics_json={out}.json"], np_=4)
-        self.assertEqual(done.returncode, 0, done.stderr[-5000:])
-        with open(f"{out}.json") as f:
+        # a one-process FIITED run (adjusting every 10 batches) with DRAM for a fraction
+        # of the tables: the planner tiers the largest, whose rows keep their FIITED
+        # widths in the tier, and nothing else may change (on a mesh, bit for bit:
+        # tests/test_tiers_fiited_distributed.py)
+        for name in ("fiited_one", "fiited_tiered"):
+            done = self.jobs[name]
+            self.assertEqual(done.returncode, 0, done.stderr[-5000:])
+        with open(os.path.join(self.work, "fiited_tiered.json")) as f:
             tiered = json.load(f)
-        fiited = self.runs["fiited"][0]
+        with open(os.path.join(self.work, "fiited_one.json")) as f:
+            fiited = json.load(f)
         self.assertTrue([t for t in tiered["plan"]["tables"] if t["cache_rows"]])
         self.assertGreater(tiered["embedding_memory"]["store"], 0)
         self.assertLess(tiered["embedding_memory"]["embedding"],
