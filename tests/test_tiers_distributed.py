@@ -32,8 +32,8 @@ class ShardedTierTest(tc.TierDir):
 
     def test_sharded_tiers_train_as_tables_in_memory_bit_for_bit(self):
         world = hc.world_size()
-        # (optimizer, model_parallel, the tiered runs: pipelined or not): each optimizer
-        # and each mesh trains pipelined and not
+        # (optimizer, model_parallel, the tiered runs: pipelined or not): each mesh
+        # trains pipelined and not, row-wise AdaGrad too, SGD pipelined
         runs = [("sgd", lambda: tf.keras.optimizers.SGD(0.5), 2, (True,)),
                 ("rowwise_adagrad", lambda: RowWiseAdagrad(0.1), 2, (False,)),
                 ("rowwise_adagrad", lambda: RowWiseAdagrad(0.1), world, (True,))]
