@@ -43,7 +43,7 @@ def main() -> int:
     import tensorflow as tf
 
     import tfhybrid
-    from tfhybrid import compression, distributed
+    from tfhybrid import compression, roles
     from tfhybrid.train import data as data_lib
     from tfhybrid.train.models import build_model, example_batch
 
@@ -75,7 +75,7 @@ def main() -> int:
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    dense = [v for v in model.trainable_variables if not distributed.is_embedding(v)]
+    dense = [v for v in model.trainable_variables if not roles.is_embedding(v)]
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.keras.losses.binary_crossentropy(
             labels, model(batch, training=True), from_logits=True))

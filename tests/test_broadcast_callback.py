@@ -13,6 +13,7 @@ import horovod.tensorflow as hvd
 
 import tfhybrid
 from tfhybrid import distributed
+from tfhybrid import roles
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import optimizers
 from tests import _hybrid_case as hc
@@ -49,9 +50,9 @@ def _named_after(slot, shard_name):
 
 def _on_one_position(variables):
     """The test's own view: shards, and any variable named after one (its slots)."""
-    shards = [v for v in variables if distributed.is_model_parallel(v)]
+    shards = [v for v in variables if roles.is_model_parallel(v)]
     names = [n for s in shards for n in _names(s)]
-    return [distributed.is_model_parallel(v) or any(_named_after(v, n) for n in names)
+    return [roles.is_model_parallel(v) or any(_named_after(v, n) for n in names)
             for v in variables]
 
 
@@ -108,9 +109,9 @@ class BroadcastVariablesTest(tf.test.TestCase):
         variables = list(model.variables) + distributed.optimizer_variables(optimizer)
         local = _on_one_position(variables)
         # slots of shards are among them (Adam's for dense layers, AdaGrad's for tables)
-        owns_shards = any(distributed.is_model_parallel(v) for v in variables)
+        owns_shards = any(roles.is_model_parallel(v) for v in variables)
         slots = [v for v, one in zip(variables, local)
-                 if one and not distributed.is_model_parallel(v)]
+                 if one and not roles.is_model_parallel(v)]
         self.assertEqual(bool(slots), owns_shards)
         _perturb(variables, mesh.rank)
         # positions hold different shards, so the lists line up per kind: replicated
@@ -153,7 +154,7 @@ class BroadcastVariablesTest(tf.test.TestCase):
         root = mesh.size - 1
         dense = tf.Variable([float(mesh.rank)] * 2, name="dense")
         shard = tf.Variable([10.0 * mesh.rank] * 3, name=f"layer/shard_{mesh.model_position}")
-        distributed.mark_model_parallel(shard, mesh)
+        roles.mark_model_parallel(shard, mesh)
         # a slot no route tagged, made by a plain Keras optimizer (named as it names slots)
         slot = tf.keras.optimizers.SGD(momentum=0.9).add_variable_from_reference(shard, "m")
         slot.assign([100.0 * mesh.rank] * 3)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import tfhybrid
 from tfhybrid import distributed
+from tfhybrid import roles
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import optimizers
 from tfhybrid.testing import graphs
@@ -329,7 +330,7 @@ class RoutingTest(tf.test.TestCase):
             n = mesh.size
             dense = tf.Variable(tf.zeros([3]))
             shard = tf.Variable(tf.zeros([3]))
-            distributed.mark_model_parallel(shard, mesh)
+            roles.mark_model_parallel(shard, mesh)
             value = float(mesh.rank + 1)
             got_dense, got_shard = distributed.allreduce_gradients(
                 [tf.fill([3], value), tf.fill([3], value)], [dense, shard], mesh)
@@ -345,8 +346,8 @@ class RoutingTest(tf.test.TestCase):
         n = mesh.size
         big = tf.Variable(tf.zeros([1000, 8]))
         small = tf.Variable(tf.zeros([4, 8]))
-        distributed.mark_sparse_sync(big, True)
-        distributed.mark_sparse_sync(small, False)
+        roles.mark_sparse_sync(big, True)
+        roles.mark_sparse_sync(small, False)
         rows = tf.constant([mesh.rank % 4, 3], tf.int64)
         slices = tf.IndexedSlices(tf.ones([2, 8]), rows, tf.constant([1000, 8], tf.int64))
         small_slices = tf.IndexedSlices(tf.ones([2, 8]), rows, tf.constant([4, 8], tf.int64))
@@ -391,7 +392,7 @@ class RoutingTest(tf.test.TestCase):
             mesh = tfhybrid.init(model_parallel=m, layout=layout)
             dense = tf.Variable([float(mesh.rank)] * 2)
             shard = tf.Variable([10.0 * mesh.rank] * 3)
-            distributed.mark_model_parallel(shard, mesh)
+            roles.mark_model_parallel(shard, mesh)
             root = mesh.size - 1
             tfhybrid.broadcast_variables([dense, shard], root_rank=root, mesh=mesh)
             self.assertAllEqual(dense, [float(root)] * 2)

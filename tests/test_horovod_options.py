@@ -15,6 +15,7 @@ import horovod.tensorflow as hvd
 
 import tfhybrid
 from tfhybrid import distributed
+from tfhybrid import roles
 from tfhybrid import mesh as mesh_lib
 from tests import _hybrid_case as hc
 
@@ -34,14 +35,14 @@ def _variables(mesh):
     """One variable of every kind the route tells apart."""
     dense = tf.Variable(tf.zeros([3, 2]), name="dense")
     shard = tf.Variable(tf.zeros([3, 2]), name="shard")
-    distributed.mark_model_parallel(shard, mesh)
+    roles.mark_model_parallel(shard, mesh)
     weight_sync = tf.Variable(tf.zeros([3, 2]), name="weight_sync_shard")
-    distributed.mark_model_parallel(weight_sync, mesh, sync_every=2)
+    roles.mark_model_parallel(weight_sync, mesh, sync_every=2)
     table = tf.Variable(tf.zeros([50, 2]), name="table")          # sparse sync planned
-    distributed.mark_sparse_sync(table, True)
+    roles.mark_sparse_sync(table, True)
     sparse_shard = tf.Variable(tf.zeros([50, 2]), name="sparse_shard")
-    distributed.mark_model_parallel(sparse_shard, mesh)
-    distributed.mark_sparse_sync(sparse_shard, True)
+    roles.mark_model_parallel(sparse_shard, mesh)
+    roles.mark_sparse_sync(sparse_shard, True)
     return [dense, shard, weight_sync, table, sparse_shard]
 
 
@@ -227,7 +228,7 @@ class SyncOptionsTest(tf.test.TestCase):
         n, k = mesh.size, 3
         dense = tf.Variable([1.0, 2.0])
         shard = tf.Variable([3.0, 4.0])
-        distributed.mark_model_parallel(shard, mesh)
+        roles.mark_model_parallel(shard, mesh)
         opt = tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(1.0),
                                             backward_passes_per_step=k,
                                             average_aggregated_gradients=True)

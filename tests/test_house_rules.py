@@ -162,6 +162,64 @@ def foreign_private_reads(path: str) -> list[str]:
     return found
 
 
+def imported_modules(path: str) -> set[str]:
+    """The package's modules that the module at ``path`` imports, at its top or inside a
+    function: ``from tfhybrid.x import y`` counts ``tfhybrid.x.y`` where that is a module,
+    else ``tfhybrid.x``; importing a module imports the packages above it too."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    own = _module_name(path)
+    named = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "tfhybrid":
+            named += [f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}")
+                      else node.module for a in node.names]
+        elif isinstance(node, ast.Import):
+            named += [a.name for a in node.names if a.name.split(".")[0] == "tfhybrid"]
+    found = set()
+    for dotted in named:
+        parts = dotted.split(".")
+        for end in range(2, len(parts) + 1):
+            module = ".".join(parts[:end])
+            # a package's own modules import it; the lazy top package imports nothing
+            if _is_module(module) and module != own and not own.startswith(module + "."):
+                found.add(module)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
 def package_files() -> list[str]:
     return sorted(os.path.join(d, f) for d, _, files in os.walk(PACKAGE)
                   for f in files if f.endswith(".py"))
@@ -252,6 +310,29 @@ class PrivateNamesTest(unittest.TestCase):
         self.assertEqual(private_reaches(f.name),
                          ["2: from tfhybrid.fiited import _x", "4: tfhybrid.mesh._MESH",
                           "5: tfhybrid.planner._human"])
+
+
+class ImportsTest(unittest.TestCase):
+
+    def test_no_import_cycle_in_the_package_counting_imports_in_functions(self):
+        graph = {_module_name(p): imported_modules(p) for p in package_files()}
+        self.assertIn("tfhybrid.roles", graph["tfhybrid.distributed.sync"])
+        self.assertEqual(import_cycles(graph), [])
+
+    def test_the_cycle_check_sees_a_cycle(self):
+        graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+        self.assertEqual(import_cycles(graph), [["a", "b", "c"]])
+
+    def test_imports_inside_functions_count(self):
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".py", dir=PACKAGE,
+                                         delete=False) as f:
+            f.write("def f():\n    from tfhybrid.tiers import CachedTable\n"
+                    "    import tfhybrid.distributed.sync\n")
+        self.addCleanup(os.remove, f.name)
+        self.assertEqual(imported_modules(f.name),
+                         {"tfhybrid.tiers", "tfhybrid.distributed",
+                          "tfhybrid.distributed.sync"})
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-
 import tensorflow as tf
 
 from tfhybrid import _tf_internals  # first: checks which Keras tf.keras is
 from tfhybrid import collectives
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import slot_owners
+from tfhybrid.optimizer_traits import Trains, trains_of
 
 
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
@@ -231,12 +232,11 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
                 if getattr(layer, "has_adaptive_tables", False)]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from tfhybrid.optimizers import RowWiseAdagrad
         optimizer = getattr(self.model, "optimizer", None)
         # a DistributedOptimizer may train the tables with its own embedding optimizer
         optimizer = getattr(optimizer, "embedding_optimizer", None) or optimizer
-        optimizer = distributed.base_optimizer(optimizer)   # inside a loss scale one
-        if self._layers() and not isinstance(optimizer, RowWiseAdagrad):
+        optimizer = slot_owners.base_optimizer(optimizer)   # inside a loss scale one
+        if self._layers() and trains_of(optimizer) is not Trains.ROW_STATE:
             raise ValueError(
                 f"FiitedAdjust resizes the adaptive tables, which {type(optimizer).__name__}"
                 "'s per-entry state cannot follow; compile with "

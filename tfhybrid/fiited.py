@@ -49,7 +49,9 @@ import tensorflow as tf
 from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
+from tfhybrid import slot_owners
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
+from tfhybrid.optimizer_traits import Trains, trains_of
 
 __all__ = ["ChunkedTable", "ChunkOptions", "plan_chunk_counts", "table_of"]
 
@@ -69,16 +71,14 @@ def refuse_other_optimizers(optimizer: Any, variable: Any, slot_name: Any) -> No
     FIITED pool, since only they update the chunks each row holds; any other Keras
     optimizer is refused by name when it is built with one or makes a slot for one,
     instead of failing in its update on the pool's shape. (A tier's FIITED cache has the
-    tier's guard, ``tiers._refuse_cache_slots``.)"""
+    tier's guard, ``_refuse_cache_slots`` in ``tfhybrid/tiers/cached_table.py``.)"""
     del slot_name
     table = table_of(variable)
     # a tier's FIITED cache: the tier's own guard says it, in the tier's words
     if table is None or roles.role_of(variable).cached_table is not None:
         return
-    from tfhybrid import slot_owners
-    from tfhybrid.optimizers import RowWiseAdagrad   # which imports this module
     owner = slot_owners.slot_owner(optimizer, variable)
-    if not isinstance(owner, RowWiseAdagrad):
+    if trains_of(owner) is not Trains.ROW_STATE:
         raise ValueError(
             f"{type(owner).__name__} cannot train table {table.name!r}, a FIITED table "
             "(dims='adaptive') whose rows keep a prefix of their chunks: train it with "
@@ -324,8 +324,10 @@ class ChunkedTable(ChunkOptions, tf.Module):
                                     name="accumulator")
         self.utility = variable(lambda: tf.zeros([self.rows]), trainable=False,
                                 name="utility")
-        # how an optimizer finds the table of a pool gradient (table_of)
-        roles.assign(self.pool, chunked_table=self)
+        # how an optimizer finds the table of a pool gradient (table_of), the rows'
+        # state (row_state: one accumulator per logical row, whatever the chunks do) and
+        # who steps the pool (row_step: its update reads the chunks each row holds)
+        roles.assign(self.pool, chunked_table=self, row_state=self.accumulator, row_step=self)
         _tf_internals.install_slot_guard(refuse_other_optimizers)
 
     @property

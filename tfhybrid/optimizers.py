@@ -25,10 +25,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid import _tf_internals  # first: checks which Keras tf.keras is
-from tfhybrid import fiited
 from tfhybrid import roles
-from tfhybrid import tiers
 from tfhybrid.custom_ops import custom_ops_available, rowwise_adagrad_apply
+from tfhybrid.optimizer_traits import Trains, advertises
 
 # the slot name of the row-wise optimizers' per-row state ("<var>/accumulator"), also
 # the one slot a FIITED pool or a tiered table holds (their checkpoints use it)
@@ -70,6 +69,7 @@ def _check_momentum_scale(value: Any, what: str = "momentum_scale") -> float:
 
 
 @tf.keras.utils.register_keras_serializable(package="tfhybrid")
+@advertises(Trains.ROW_STATE)
 class RowWiseAdagrad(_tf_internals.OptimizerBase):
     """Exact row-wise AdaGrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``) for embedding tables.
 
@@ -160,18 +160,13 @@ class RowWiseAdagrad(_tf_internals.OptimizerBase):
         return self._accumulators[self.state_index(variable)]
 
     def _add_accumulator(self, var: tf.Variable) -> tf.Variable:
-        table = fiited.table_of(var)
-        if table is not None:
-            # a FIITED pool: its rows' accumulators live with the table, one per logical row
-            # whatever the pool's chunks do; tracked here so the optimizer saves them too
-            self.track_state(table.accumulator)
-            return table.accumulator
-        cached = tiers.table_of(var)
-        if cached is not None:
-            # a tiered table's cache: each slot's accumulator moves with the slot's row
-            # between the cache and the store, so the table keeps it
-            self.track_state(cached.cache_accumulator)
-            return cached.cache_accumulator
+        kept = roles.role_of(var).row_state
+        if kept is not None:
+            # the table keeps its rows' accumulators (a FIITED pool's one per logical row
+            # whatever its chunks do; a tiered cache's, which move with their rows between
+            # the cache and the store); tracked here so the optimizer saves them too
+            self.track_state(kept)
+            return kept
         if var.shape.rank == 2:
             shape = [var.shape[0] if var.shape[0] is not None else tf.shape(var)[0]]
         else:
@@ -206,9 +201,9 @@ class RowWiseAdagrad(_tf_internals.OptimizerBase):
         lr = tf.cast(learning_rate, tf.float32)
         scale = self._momentum_scale(variable)  # Python float, fixed at trace time
         wd = self.rowwise_weight_decay if self._use_weight_decay(variable) else 0.0
-        table = fiited.table_of(variable)
-        if table is not None:
-            return table.apply_pool_gradient(gradient, lr, self.epsilon, scale, wd)
+        stepper = roles.role_of(variable).row_step
+        if stepper is not None:
+            return stepper.apply_pool_gradient(gradient, lr, self.epsilon, scale, wd)
         if variable.shape.rank == 2:
             if isinstance(gradient, tf.IndexedSlices):
                 return self._sparse_rowwise(variable, accumulator, gradient, lr, scale, wd)

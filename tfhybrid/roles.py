@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tfhybrid import _tf_internals
+
+if TYPE_CHECKING:
+    from tfhybrid.mesh import Mesh
 
 
 @dataclasses.dataclass
@@ -68,6 +71,13 @@ class Role:
     chunked_table_ref: weakref.ref | None = None
     cached_table_ref: weakref.ref | None = None
     cached_state_of_ref: weakref.ref | None = None
+    # Held weakly too: the variable in which the variable's table keeps its row state (a
+    # FIITED pool's per-row accumulators, a tiered cache's per-slot ones, which move with
+    # the rows), which a row-wise optimizer uses instead of a slot of its own; and the
+    # table that takes the optimizer's row-wise step itself (``apply_pool_gradient``: a
+    # FIITED pool, whose update reads the chunks each row holds).
+    row_state_ref: weakref.ref | None = None
+    row_step_ref: weakref.ref | None = None
 
     @property
     def chunked_table(self) -> Any:
@@ -81,9 +91,17 @@ class Role:
     def cached_state_of(self) -> Any:
         return None if self.cached_state_of_ref is None else self.cached_state_of_ref()
 
+    @property
+    def row_state(self) -> Any:
+        return None if self.row_state_ref is None else self.row_state_ref()
+
+    @property
+    def row_step(self) -> Any:
+        return None if self.row_step_ref is None else self.row_step_ref()
+
 
 _ROLES: dict[int, tuple[weakref.ref, Role]] = {}
-_HELD_WEAKLY = ("chunked_table", "cached_table", "cached_state_of")
+_HELD_WEAKLY = ("chunked_table", "cached_table", "cached_state_of", "row_state", "row_step")
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -102,8 +120,9 @@ def role_of(obj: Any) -> Role:
 
 
 def assign(obj: Any, **facts: Any) -> Role:
-    """Records ``facts`` (``Role`` field names; ``chunked_table``, ``cached_table`` and
-    ``cached_state_of`` take the table, kept weakly) for ``obj``, keeping those set
+    """Records ``facts`` (``Role`` field names; ``chunked_table``, ``cached_table``,
+    ``cached_state_of``, ``row_state`` and ``row_step`` take the object, kept weakly)
+    for ``obj``, keeping those set
     before; returns its role. ValueError names an unknown fact."""
     for name in _HELD_WEAKLY:
         if name in facts:
@@ -124,3 +143,61 @@ def assign(obj: Any, **facts: Any) -> Role:
         setattr(entry[1], name, value)
     return entry[1]
 
+
+
+# ------------------------------------------------------------------ writers and readers
+# DistributedEmbedding records what each of its variables is; the gradient route,
+# broadcasts and checkpoints read it back through these.
+def mark_embedding(variable: Any) -> None:
+    """A variable of DistributedEmbedding (tables, shards, anchor): an embedding
+    optimizer's."""
+    assign(variable, embedding=True)
+
+
+def is_embedding(variable: Any) -> bool:
+    return role_of(variable).embedding
+
+
+def mark_model_parallel(variable: Any, mesh: "Mesh", sync_every: int | None = None,
+                        table_key: str | None = None) -> None:
+    """A variable on one position of every model group (a shard, or its row state)."""
+    assign(variable, model_parallel=True)
+    if table_key is not None:
+        assign(variable, table_key=table_key)
+    if sync_every is not None:
+        assign(variable, sync_every=int(sync_every), momentum_scale=float(mesh.data_parallel))
+
+
+def mark_anchor(variable: Any, sharded_table_keys: Sequence[str]) -> None:
+    """The layer's alltoall anchor: never synced, and it names the layer's sharded tables."""
+    assign(variable, local_only=True, sharded_tables=tuple(sharded_table_keys))
+    mark_embedding(variable)
+
+
+def mark_sparse_sync(variable: Any, sparse: bool) -> None:
+    assign(variable, sparse_sync=bool(sparse))
+
+
+def is_model_parallel(variable: Any) -> bool:
+    return role_of(variable).model_parallel
+
+
+def weight_sync_every(variable: Any) -> int | None:
+    """K for a shard in weight-sync mode, else None (gradients are synced every step)."""
+    return role_of(variable).sync_every
+
+
+def mark_synced(grad: Any) -> Any:
+    """Tags a gradient as synced (a DistributedGradientTape's output), so no optimizer
+    syncs it again; returns it. A transformed gradient is a new, untagged tensor; an
+    object that cannot be held weakly stays untagged."""
+    if grad is not None:
+        try:
+            assign(grad, synced=True)
+        except (AttributeError, TypeError):
+            pass
+    return grad
+
+
+def is_synced(grad: Any) -> bool:
+    return role_of(grad).synced

@@ -1,5 +1,6 @@
-"""Which optimizer holds a variable's slots: the embedding tag of ``DistributedEmbedding``'s
-variables, and the optimizer a loss-scale optimizer wraps.
+"""Which optimizer holds a variable's slots: the embedding optimizer for the variables
+whose role (``tfhybrid.roles``) says they are ``DistributedEmbedding``'s, and the
+optimizer a loss-scale optimizer wraps.
 
 The gradient route (``tfhybrid.distributed``) and checkpoints (``tfhybrid.checkpoint``)
 both ask; neither owns the answer, so it lives below both.
@@ -7,9 +8,9 @@ both ask; neither owns the answer, so it lives below both.
 Example::
 
     import tensorflow as tf
-    from tfhybrid import slot_owners
+    from tfhybrid import roles, slot_owners
     table, kernel = tf.Variable([[1.0]]), tf.Variable([2.0])
-    slot_owners.mark_embedding(table)
+    roles.mark_embedding(table)
     dense, embedding = tf.keras.optimizers.SGD(), tf.keras.optimizers.Adagrad()
     dense.embedding_optimizer = embedding
     assert slot_owners.slot_owner(dense, table) is embedding
@@ -24,15 +25,6 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals  # noqa: F401 - first: checks which Keras tf.keras is
 from tfhybrid import roles
-
-def mark_embedding(variable: tf.Variable) -> None:
-    """A variable of DistributedEmbedding (tables, shards, anchor): an embedding
-    optimizer's."""
-    roles.assign(variable, embedding=True)
-
-
-def is_embedding(variable: tf.Variable) -> bool:
-    return roles.role_of(variable).embedding
 
 
 def is_loss_scaling(optimizer: Any) -> bool:
@@ -50,6 +42,6 @@ def slot_owner(optimizer: Any, variable: tf.Variable) -> Any:
     """The optimizer that holds ``variable``'s slots (a loss scale's inner one; the
     embedding optimizer for tables when there is one), or None."""
     embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
-    if embedding_optimizer is not None and is_embedding(variable):
+    if embedding_optimizer is not None and roles.is_embedding(variable):
         optimizer = embedding_optimizer
     return base_optimizer(optimizer)

@@ -7,7 +7,7 @@ rank's stores (``tfhybrid.sharding.rank_stores``), ``call`` (the route's stages,
 and ``get_config``.
 
 Gradients flow back through the route's alltoalls to the owners' shard variables;
-``tfhybrid.DistributedGradientTape`` / ``DistributedOptimizer`` (``tfhybrid/distributed.py``)
+``tfhybrid.DistributedGradientTape`` / ``DistributedOptimizer`` (``tfhybrid/distributed/``)
 allreduce them over the right process set before the optimizer applies them.
 """
 
@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import compression
-from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import roles
 from tfhybrid.checkpoint import tables as checkpoint_tables
 from tfhybrid.checkpoint import weights_file as checkpoint_weights_file
 from tfhybrid.fiited import ChunkedTable
@@ -382,7 +382,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             dtype=tf.float32, autocast=False)
         # it also names the sharded tables, so every rank (owner or not) joins the same
         # norm allreduce when the optimizer clips
-        distributed.mark_anchor(self._anchor, [
+        roles.mark_anchor(self._anchor, [
             table_key(self.name, self._tables[t]) for t, placement in
             enumerate(self.plan.tables) if placement.kind != Kind.DATA_PARALLEL])
         object.__setattr__(self, "_route_stages", EmbeddingRoute(

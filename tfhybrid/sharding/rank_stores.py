@@ -35,9 +35,8 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
-from tfhybrid import slot_owners
+from tfhybrid import roles
 from tfhybrid.plan.traffic import sync_is_sparse
 from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding import stores as stores_lib
@@ -112,8 +111,8 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
         if placement.kind == Kind.DATA_PARALLEL:
             var = add(t, 0, table.name, placement.shards[0]).variable
             made.table_vars[t] = var
-            slot_owners.mark_embedding(var)
-            distributed.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
+            roles.mark_embedding(var)
+            roles.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
                 table.rows, table.dim, ids_per_step, mesh.size))
             continue
         if placement.kind == Kind.ROW_WISE:
@@ -123,22 +122,22 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
                 continue
             store = add(t, s, f"{table.name}_shard_{s}", shard)
             var = store.variable
-            distributed.mark_model_parallel(var, mesh, weight_sync_every,
+            roles.mark_model_parallel(var, mesh, weight_sync_every,
                                             table_key=table_key(layer_name, table))
-            slot_owners.mark_embedding(var)
+            roles.mark_embedding(var)
             # a pool's gradient is rows at logical ids, which only the sparse sync (and
             # the pool's own apply) can place
-            distributed.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
+            roles.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
                 shard.row_end - shard.row_start, shard.col_end - shard.col_start,
                 mesh.model_parallel * ids_per_step, mesh.data_parallel))
             if store.fiited is not None:
                 # the pool's row state lives on the shard's position too (broadcast and
                 # checkpointed with the shard)
                 for state in store.fiited.row_state:
-                    distributed.mark_model_parallel(state, mesh)
+                    roles.mark_model_parallel(state, mesh)
             if store.cache is not None:
-                distributed.mark_model_parallel(store.cache.cache_accumulator, mesh)
+                roles.mark_model_parallel(store.cache.cache_accumulator, mesh)
                 # a cache's gradient rows are at slots, which the replicas share
-                distributed.mark_sparse_sync(var, True)
+                roles.mark_sparse_sync(var, True)
             made.shard_vars[(t, s)] = var
     return made

@@ -396,7 +396,7 @@ class EmbeddingRoute:
                 f"tfhybrid_{self.name}_positions")
         # The backward alltoall sums the M ranks' gradients of their own mean losses; 1/M
         # (in float32) makes the shard's gradient that of the model group's mean loss, so
-        # the optimizer's sync is a plain average (tfhybrid/distributed.py). Every rank,
+        # the optimizer's sync is a plain average (tfhybrid/distributed/sync.py). Every rank,
         # owner or not, scales: the ops before a collective must be the same on every
         # rank, or the backward alltoall's name scope, and so its name, would differ.
         back = _scale_gradient(back, 1.0 / group)

@@ -638,7 +638,7 @@ def run(config: TrainConfig) -> dict:
     import tfhybrid
     from tfhybrid import _tf_internals
     from tfhybrid import callbacks
-    from tfhybrid import distributed as distributed_lib
+    from tfhybrid import roles
     from tfhybrid.train.models import build_model, example_batch, export_for_serving
 
     stall, stall_notes = apply_stall_settings(config)
@@ -792,7 +792,7 @@ def run(config: TrainConfig) -> dict:
         results["table_rows"] = list(spec.table_rows)
         results["dense_parameters"] = int(sum(
             v.shape.num_elements() for v in model.trainable_variables
-            if not distributed_lib.is_embedding(v)))
+            if not roles.is_embedding(v)))
         # this rank's tables in DRAM and on disk, and its tiered shards' cache hits
         results["embedding_memory"] = model.embedding.memory_bytes()
         cached = [store.cache for _, store in model.embedding.stores.items()

@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import mesh as mesh_lib
+from tfhybrid import roles
 from tfhybrid import slot_owners
 from tfhybrid.checkpoint import writer
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
@@ -171,8 +172,8 @@ def _build_optimizer(model: Any, optimizer: Any) -> None:
     embedding_optimizer = getattr(optimizer, "embedding_optimizer", None)
     groups = [(optimizer, variables)]
     if embedding_optimizer is not None:
-        groups = [(optimizer, [v for v in variables if not slot_owners.is_embedding(v)]),
-                  (embedding_optimizer, [v for v in variables if slot_owners.is_embedding(v)])]
+        groups = [(optimizer, [v for v in variables if not roles.is_embedding(v)]),
+                  (embedding_optimizer, [v for v in variables if roles.is_embedding(v)])]
     for owner, owned in groups:
         owner = slot_owners.base_optimizer(owner)   # a loss scale's inner optimizer
         _tf_internals.build_optimizer(owner, owned)
