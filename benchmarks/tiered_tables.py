@@ -89,12 +89,14 @@ def _model(args, share: float | None, store_dir: str, rows: int, tables: int):
     return embeddings, call, (bottom, top)
 
 
-def _train_step(call, optimizer):
+def _train_step(call, optimizer, variables):
     import tensorflow as tf
     loss_fn = tf.keras.losses.BinaryCrossentropy(from_logits=True)
 
+    # the variables are closed over, not arguments: a Keras 3 weight passed into a
+    # tf.function is not the variable its optimizer indexes (Keras 3 fails to build)
     @tf.function
-    def step(dense, ids, labels, variables):
+    def step(dense, ids, labels):
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, call(dense, ids))
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
@@ -128,10 +130,10 @@ class _Config:
         top.build((None, args.dim + features * (features - 1) // 2))
         self.variables = [w for layer in self.embeddings + [bottom, top]
                           for w in layer.trainable_weights]
-        self.step = _train_step(call, RowWiseAdagrad(0.05))
+        self.step = _train_step(call, RowWiseAdagrad(0.05), self.variables)
 
     def run(self, dense, ids, labels) -> float:
-        return float(self.step(dense, ids, labels, self.variables))
+        return float(self.step(dense, ids, labels))
 
     def caches_full(self) -> bool:
         return all(e.table.stats()["cached_rows"] == e.table.cache_rows

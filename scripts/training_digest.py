@@ -153,9 +153,11 @@ def _rank_main(cases: list[str], output: str) -> None:
 def _keras_major() -> int:
     """The Keras the ranks run as tf.keras, asked of a fresh interpreter with this
     process's environment (TensorFlow decides it at its first tf.keras use)."""
-    code = "import tensorflow as tf; print(tf.keras.__version__.split('.')[0])"
+    # tfhybrid's own answer: tf-keras' tf.keras has no __version__
+    code = "import tfhybrid; print(tfhybrid.keras_major())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"), check=True)
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT),
+                          check=True)
     return int(done.stdout.split()[-1])
 
 

@@ -57,7 +57,7 @@ TEST_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 # Named subsets (--subset). "tf-compat" is what CI runs on the other supported
-# TensorFlow stack: every version switch and hook in tfhybrid/_tf_internals.py (the
+# TensorFlow stack: every version switch and hook in tfhybrid/_tf_internals/ (the
 # checkpoint writer's view of the saver, an optimizer's cached checkpoint children, the
 # Keras 2 check that every import makes) and each module that broke when TF moved on
 # (checkpoints, optimizer slots, FIITED, tiers), plus the op library, which is built

@@ -1,4 +1,4 @@
-"""The hooks of tfhybrid's one door to TF's private structures (tfhybrid/_tf_internals.py):
+"""The hooks of tfhybrid's one door to TF's private structures (tfhybrid/_tf_internals/):
 each installs only when called, once however often it is called, and refuses a
 TensorFlow it was not written for, naming the version and the hook."""
 
@@ -15,6 +15,7 @@ from tensorflow.python.checkpoint import functional_saver
 from tensorflow.python.checkpoint import restore as restore_lib
 
 from tfhybrid import _tf_internals
+from tfhybrid._tf_internals import versions
 from tfhybrid.checkpoint import writer
 
 
@@ -28,14 +29,17 @@ class HooksTest(unittest.TestCase):
         script = (
             "import tensorflow as tf\n"
             "from tensorflow.python.checkpoint import functional_saver, restore\n"
-            "before = (functional_saver.MultiDeviceSaver.save,\n"
-            "          restore.CheckpointPosition.gather_ops_or_named_saveables,\n"
-            "          vars(tf.keras.optimizers.Optimizer).get('add_variable_from_reference'))\n"
+            "from tensorflow.python.autograph.core import config\n"
+            "def patchable():\n"
+            "    return (functional_saver.MultiDeviceSaver.save,\n"
+            "            restore.CheckpointPosition.gather_ops_or_named_saveables,\n"
+            "            vars(tf.keras.optimizers.Optimizer).get('add_variable_from_reference'),\n"
+            "            vars(tf.keras.optimizers.Optimizer).get('build'),\n"
+            "            tf.keras.Model.make_train_function, config.CONVERSION_RULES)\n"
+            "before = patchable()\n"
             "import tfhybrid, tfhybrid.layers, tfhybrid.tiers, tfhybrid.distributed\n"
-            "import tfhybrid.train.checkpoint\n"
-            "after = (functional_saver.MultiDeviceSaver.save,\n"
-            "         restore.CheckpointPosition.gather_ops_or_named_saveables,\n"
-            "         vars(tf.keras.optimizers.Optimizer).get('add_variable_from_reference'))\n"
+            "import tfhybrid.train.checkpoint, tfhybrid.pipeline, tfhybrid.optimizers\n"
+            "after = patchable()\n"
             "print('SAME' if all(a is b for a, b in zip(before, after)) else 'PATCHED')\n")
         env = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -74,15 +78,47 @@ class HooksTest(unittest.TestCase):
         optimizer.build([tf.Variable([1.0])])
         self.assertEqual(calls, ["built"])
 
+        _tf_internals.install_autograph_rule()
+        from tensorflow.python.autograph.core import config
+        rules = config.CONVERSION_RULES
+        _tf_internals.install_autograph_rule()
+        self.assertIs(config.CONVERSION_RULES, rules)
+        self.assertTrue(any(r.matches("tfhybrid") for r in rules
+                            if isinstance(r, config.DoNotConvert)))
+
+    def test_the_train_function_swap_is_undone_only_by_its_own_make(self):
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+        keras_make = model.make_train_function
+        made = []
+
+        def make(own_make, force):
+            made.append(own_make)
+            return "ours"
+
+        _tf_internals.replace_make_train_function(model, make)
+        self.assertIsNone(model.train_function)
+        self.assertEqual(model.make_train_function(), "ours")
+        self.assertEqual(model.train_function, "ours")
+        self.assertEqual(made, [keras_make])
+        # a second swap keeps Keras' own make underneath
+        _tf_internals.replace_make_train_function(model, lambda own, force: own)
+        self.assertEqual(model.make_train_function(), keras_make)
+        _tf_internals.restore_make_train_function(model, make)   # not the installed one
+        self.assertNotEqual(model.make_train_function, keras_make)
+
     def test_a_hook_refuses_a_tensorflow_it_was_not_written_for(self):
         installs = {"MultiDeviceSaver.save": lambda: _tf_internals.install_saver_hook(_never),
                     "CheckpointPosition.gather_ops_or_named_saveables":
                         _tf_internals.install_restore_hook,
                     "slot factory": lambda: _tf_internals.install_slot_guard(_never),
                     "optimizer build": lambda: _tf_internals.install_build_hook(
-                        tf.keras.optimizers.SGD(), lambda: None)}
+                        tf.keras.optimizers.SGD(), lambda: None),
+                    "make_train_function": lambda: _tf_internals.replace_make_train_function(
+                        tf.keras.Sequential(), lambda own, force: own)}
         for version in ((2, 14), (2, 22), (3, 0)):
-            with mock.patch.object(_tf_internals, "TF_VERSION", version):
+            with mock.patch.object(versions, "TF_VERSION", version):
+                # a speed-up only: making a layer never fails for it
+                _tf_internals.install_autograph_rule()
                 for hook, install in installs.items():
                     with self.assertRaisesRegex(
                             RuntimeError, rf"{hook}.*TensorFlow 2\.15 to 2\.21.*this is "

@@ -318,7 +318,8 @@ class CriteoTsvTest(ShardingMixin, tf.test.TestCase):
                 got = _stack(list((f["dense"], f["categorical"], y)
                                   for f, y in skipping.as_numpy_iterator()))
                 np.testing.assert_array_equal(got[1], _reference(self.train_lines[:9])[1])
-                stats = skipping.parse_stats
+                stats = data.parse_stats(skipping)
+                self.assertIsNone(data.parse_stats(skipping.repeat()))
                 self.assertEqual((stats.lines, stats.examples, stats.malformed), (10, 9, 1))
                 self.assertRegex(stats.first_malformed, f"{path}, line 6: ")
         # skipping keeps the sharding contract (the skipped line shifts later batches alike)

@@ -292,6 +292,7 @@ class ChunkedTable(ChunkOptions, tf.Module):
                  utility_decay: float = 0.99, min_chunks: int = MIN_CHUNKS,
                  position_power: float = POSITION_POWER, use_custom_op: bool | None = None,
                  name: str | None = None, add_weight: Callable[..., Any] | None = None):
+        _tf_internals.install_autograph_rule()
         super().__init__(name=name)
         self.rows = checked_int("rows", rows, 1)
         self._set_chunk_options(dim, chunks, utility_decay, min_chunks, position_power,

@@ -335,15 +335,7 @@ class MomentumScaledRowWiseAdagrad(RowWiseAdagrad):
 def _momentum_scale_role(variable) -> Any:
     """The momentum scale recorded for `variable`, or for its tf.distribute container
     (strategies hand update_step the per-device component, which has no role)."""
-    candidates = [variable]
-    container = getattr(variable, "_distributed_container", None)
-    if callable(container):
-        candidates.append(container())
-    handle_container = getattr(getattr(variable, "handle", None), "_distributed_container",
-                               None)
-    if callable(handle_container):
-        candidates.append(handle_container())
-    for candidate in candidates:
+    for candidate in [variable] + _tf_internals.distributed_containers(variable):
         value = roles.role_of(candidate).momentum_scale
         if value is not None:
             return value

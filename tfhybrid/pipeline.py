@@ -135,6 +135,7 @@ class TrainPipeline:
 
     def __init__(self, model: tf.keras.Model, train_step: Callable | None = None,
                  model_inputs: Callable | None = None, enabled: bool = True):
+        _tf_internals.install_autograph_rule()
         if not isinstance(model, tf.keras.Model):
             raise ValueError(f"TrainPipeline needs a tf.keras.Model; got {model!r}")
         if train_step is not None and not callable(train_step):
@@ -166,9 +167,7 @@ class TrainPipeline:
         self._placement: bool | None = None
         self._trial: dict[bool, list] = {p: [] for p in PLACEMENTS}
         if self._keras:
-            self._keras_make_train_function = model.make_train_function
-            model.make_train_function = self._make_train_function
-            model.train_function = None
+            _tf_internals.replace_make_train_function(model, self._make_train_function)
 
     # ------------------------------------------------------------ custom loops
     def progress(self, iterator: Iterator) -> Any:
@@ -296,9 +295,8 @@ class TrainPipeline:
 
     def detach(self) -> None:
         """``model.fit`` runs Keras' own train function again (a read-ahead is dropped)."""
-        if self._keras and self.model.make_train_function == self._make_train_function:
-            self.model.make_train_function = self._keras_make_train_function
-            self.model.train_function = None
+        if self._keras:
+            _tf_internals.restore_make_train_function(self.model, self._make_train_function)
         self._pending = None
 
     # ------------------------------------------------------------ the phases
@@ -438,9 +436,10 @@ class TrainPipeline:
             _tf_internals.count_train_step(self.model)
         return outputs
 
-    def _make_train_function(self, force: bool = False) -> Callable:
+    def _make_train_function(self, keras_make: Callable[..., Any], force: bool = False
+                             ) -> Callable:
         if not self.enabled:
-            return self._keras_make_train_function(force=force)
+            return keras_make(force=force)
 
         def train_function(iterator):
             steps = _tf_internals.steps_per_execution(self.model)
@@ -454,5 +453,4 @@ class TrainPipeline:
                     break
             return outputs
 
-        self.model.train_function = train_function
         return train_function

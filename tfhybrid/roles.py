@@ -79,6 +79,11 @@ class Role:
     row_state_ref: weakref.ref | None = None
     row_step_ref: weakref.ref | None = None
 
+    def record(self, facts: dict[str, Any]) -> None:
+        """Sets ``facts`` (field names, checked by ``assign``)."""
+        for name, value in facts.items():
+            setattr(self, name, value)
+
     @property
     def chunked_table(self) -> Any:
         return None if self.chunked_table_ref is None else self.chunked_table_ref()
@@ -139,8 +144,7 @@ def assign(obj: Any, **facts: Any) -> Role:
         ref = weakref.ref(obj, lambda dead, key=key: _forget(key, dead))
         entry = (ref, Role())
         _ROLES[key] = entry
-    for name, value in facts.items():
-        setattr(entry[1], name, value)
+    entry[1].record(facts)
     return entry[1]
 
 

@@ -158,6 +158,10 @@ class _WithoutTableSlots(_DerivedChildren):
         self._state = state
         self.source = source
 
+    def follow(self, source: Any) -> None:
+        """Stands in for ``source`` now (the list Keras made in place of the last one)."""
+        self.source = source
+
     def entries(self) -> list:
         # Keras 3 also tracks the variables it trains (``_trainable_variables``), whose
         # shards are mesh-dependent too; the layer's checkpoint holds them
@@ -257,7 +261,7 @@ class _OptimizerState:
                     continue
                 view = self._views.setdefault((id(member), name),
                                               _WithoutTableSlots(self, child))
-                view.source = child
+                view.follow(child)
                 _tf_internals.track_child(member, name, view)
             _tf_internals.forget_checkpoint_children(member)
 

@@ -43,8 +43,10 @@ def route_optimizer(optimizer: Any, mesh: mesh_lib.Mesh | None) -> None:
 
 
 # The routes of optimizers a DistributedGradientTape was given (their own class is the
-# user's; a DistributedOptimizer's class carries its route).
+# user's), and of the classes DistributedOptimizer makes (every instance of one, copies
+# Keras makes from its config included, applies through its route).
 _ADDED_ROUTES: "weakref.WeakKeyDictionary[Any, GradientRoute]" = weakref.WeakKeyDictionary()
+_CLASS_ROUTES: "weakref.WeakKeyDictionary[type, GradientRoute]" = weakref.WeakKeyDictionary()
 
 
 def route_of(optimizer: Any) -> "GradientRoute | None":
@@ -52,7 +54,9 @@ def route_of(optimizer: Any) -> "GradientRoute | None":
     or the one a DistributedGradientTape gave it; None for a plain optimizer."""
     if optimizer is None:
         return None
-    route = getattr(type(optimizer), "_gradient_route", None)
+    # a subclass of a routed class applies through the route it inherits
+    route = next((_CLASS_ROUTES[cls] for cls in type(optimizer).__mro__
+                  if cls in _CLASS_ROUTES), None)
     return route if route is not None else _ADDED_ROUTES.get(optimizer)
 
 
@@ -179,6 +183,7 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
     # legacy Keras optimizers make their slots per variable, in apply_gradients
     mixins = (_RoutedApply, _RoutedBuild) if hasattr(base, "build") else (_RoutedApply,)
     cls = type(base.__name__, mixins + (base,), {"_gradient_route": route})
+    _CLASS_ROUTES[cls] = route
     routed = cls.from_config(optimizer.get_config())
     if embedding_optimizer is not None:
         # a checkpoint child, so checkpoints of the optimizer hold its slots too (under

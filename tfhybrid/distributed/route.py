@@ -57,6 +57,7 @@ class GradientRoute:
                  options: SyncOptions | None = None, backward_passes_per_step: int = 1,
                  average_aggregated_gradients: bool = False, sync_in_apply: bool = True,
                  dct: compression_lib.DCT | None = None):
+        _tf_internals.install_autograph_rule()
         self._mesh = mesh
         # DCT-DP: per-variable residuals and thresholds, kept as long as the route
         self.thresholder: compression_lib.GradientThresholder | None = None

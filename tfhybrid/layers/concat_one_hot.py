@@ -60,6 +60,7 @@ class ConcatOneHotEmbedding(tf.keras.layers.Layer):
     def __init__(self, feature_sizes: Sequence[int], embedding_width: int,
                  embeddings_initializer: Any = "glorot_uniform", use_custom_kernel: bool = True,
                  **kwargs: Any):
+        _tf_internals.install_autograph_rule()
         super().__init__(**kwargs)
         if isinstance(feature_sizes, (str, bytes)) or not hasattr(feature_sizes, "__len__") \
                 or len(feature_sizes) == 0:

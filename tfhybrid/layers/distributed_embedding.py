@@ -189,6 +189,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                  dct: compression.DCT | None = None,
                  memory_budget: dict[str, int] | None = None, store_dir: str | None = None,
                  **kwargs: Any):
+        _tf_internals.install_autograph_rule()
         super().__init__(**kwargs)
         self._given_plan = load_plan(plan)
         strategy = _checked_arguments(

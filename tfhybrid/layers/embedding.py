@@ -120,6 +120,7 @@ class Embedding(tf.keras.layers.Embedding):
                  use_custom_kernel: bool = True, dims: str | None = None, chunks: int = 8,
                  target_memory: float = 0.35, cache_rows: int | None = None,
                  store_dir: str | None = None, cache_policy: str = "lru", **kwargs: Any):
+        _tf_internals.install_autograph_rule()
         if combiner not in COMBINERS:
             hint = (" (distributed-embeddings' 'indices_weight' is not supported)"
                     if combiner == "indices_weight" else "")
@@ -249,17 +250,18 @@ class Embedding(tf.keras.layers.Embedding):
     def call(self, inputs):
         ids = inputs
         if self.dims == "adaptive" and self.combiner is None and (
-                isinstance(ids, tf.SparseTensor) or getattr(self, "_use_one_hot_matmul", False)):
+                isinstance(ids, tf.SparseTensor)
+                or _tf_internals.uses_one_hot_matmul(self)):
             raise ValueError(f"Embedding {self.name!r}: dims='adaptive' without a combiner "
                              "takes dense or ragged ids, got a SparseTensor or one-hot matmul")
         if self.cache_rows is not None and self.combiner is None and (
                 isinstance(ids, tf.SparseTensor)
-                or getattr(self, "_use_one_hot_matmul", False)):
+                or _tf_internals.uses_one_hot_matmul(self)):
             raise ValueError(f"Embedding {self.name!r}: cache_rows without a combiner takes "
                              "dense or ragged ids, got a SparseTensor or one-hot matmul")
         if self.combiner is None and (isinstance(ids, tf.SparseTensor)
                                       or getattr(self, "sparse", False)
-                                      or getattr(self, "_use_one_hot_matmul", False)):
+                                      or _tf_internals.uses_one_hot_matmul(self)):
             # Keras' own semantics for SparseTensor ids (safe_embedding_lookup_sparse), a
             # SparseTensor output or the one-hot matmul are what a combiner-less table
             # promises; only Keras implements them.

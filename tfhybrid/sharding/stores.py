@@ -246,7 +246,7 @@ def create_store(spec: TableSpec, shard: Shard, name: str,
         custom.build(tf.TensorShape([None]))
         # as Keras' own first call would: a build that does not call super().build()
         # leaves built False, and the call would build again
-        custom.built = True
+        _tf_internals.mark_built(custom)
         return CustomLayerTable(custom, spec.combiner)
     variable = _tf_internals.add_weight(
         context.add_weight, name=name, shape=[rows, width],

@@ -89,6 +89,7 @@ class CachedTable(tf.Module):
                  initializer: Callable[[int, int], Any] | None = None,
                  seed: int | None = None, policy: str = "lru", name: str | None = None,
                  pinned_calls: int = 1, add_weight: Callable[..., Any] | None = None):
+        _tf_internals.install_autograph_rule()
         super().__init__(name=name)
         # optimizers refuse slots for the cache from now on (no slot exists before a
         # table does)

@@ -690,7 +690,7 @@ def run(config: TrainConfig) -> dict:
         first_step = checkpoint.restore(config.checkpoint_dir, model, optimizer, mesh)
 
     train = data_lib.make_dataset(config.dataset, "train", **shard)
-    parse_stats = getattr(train, "parse_stats", None)
+    parse_stats = data_lib.parse_stats(train)
     if config.steps is None:
         if int(train.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
             raise ValueError(f"--dataset={config.dataset!r} is endless; give --steps")

@@ -54,12 +54,11 @@ criteo_tsv
     (tf.data re-raises it as ``tf.errors.InvalidArgumentError`` or ``UnknownError`` whose
     message holds the same text). Every rank validates every line, so all ranks fail at
     the same batch. With ``skip_malformed=True`` such lines are skipped and counted
-    instead: the returned dataset has a ``parse_stats`` attribute, a live
+    instead: ``parse_stats(dataset)`` of the returned dataset is a live
     :class:`ParseStats` (lines read, examples kept, lines skipped, the first problem); read
-    ``dataset.parse_stats.malformed`` after iterating. It covers everything that dataset
+    ``parse_stats(dataset).malformed`` after iterating. It covers everything that dataset
     object has read, over all its iterations (prefetching reads a little ahead); keep a
-    reference to it, since datasets derived with ``.repeat()``, ``.map()``... lack the
-    attribute.
+    reference to it, since datasets derived with ``.repeat()``, ``.map()``... have none.
 
 criteo_binary
     Criteo preprocessed once by ``python -m tfhybrid.train.preprocess`` into fixed-width
@@ -99,6 +98,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 import zipfile
 from typing import Callable, Iterator, Sequence
 
@@ -150,6 +150,18 @@ class ParseStats:
     examples: int = 0               # valid lines
     malformed: int = 0              # lines skipped as malformed (skip_malformed=True)
     first_malformed: str | None = None  # "<path>, line <n>: <reason>" of the first one
+
+
+# each criteo_tsv dataset's counts, held as long as the dataset (facts about a
+# tf.data object live here, not as attributes on it)
+_PARSE_STATS: "weakref.WeakKeyDictionary[tf.data.Dataset, ParseStats]" = \
+    weakref.WeakKeyDictionary()
+
+
+def parse_stats(dataset: tf.data.Dataset) -> ParseStats | None:
+    """The live :class:`ParseStats` of a ``criteo_tsv`` dataset ``make_dataset`` returned
+    (None for any other dataset, a derived one included)."""
+    return _PARSE_STATS.get(dataset)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -236,8 +248,8 @@ def make_dataset(name: str, split: str, *, global_batch_size: int, rank: int = 0
     labels float32 [b, 1])`` with ``b = global_batch_size // size``; global batch k is the
     rank-ordered concatenation of every rank's k-th element. ``num_batches`` fixes the
     number of global batches for train (repeating data) and caps it for eval. Bad
-    arguments raise ``ValueError`` naming the value. ``criteo_tsv`` datasets carry a
-    ``parse_stats`` attribute (:class:`ParseStats`). See the module docstring for each
+    arguments raise ``ValueError`` naming the value. A ``criteo_tsv`` dataset's
+    :class:`ParseStats` is ``parse_stats(dataset)``. See the module docstring for each
     dataset's contents, splits and layout.
     """
     _check_common(name, max_table_rows, cardinality_scale)
@@ -652,7 +664,7 @@ def _criteo_dataset(files: list[str], split: str, global_batch: int, rank: int, 
         lambda: _criteo_batches(files, global_batch, rank, local, rows, skip_malformed,
                                 stats, num_batches, repeat),
         output_signature=_signature(local, CRITEO_DENSE_FEATURES, len(rows))).prefetch(2)
-    dataset.parse_stats = stats
+    _PARSE_STATS[dataset] = stats
     return dataset
 
 

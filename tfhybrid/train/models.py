@@ -359,11 +359,18 @@ def export_for_serving(model: _ClickModel, export_dir: str, rank: int = 0) -> st
     # A module that holds the weights and the signature, not the Keras model: saving a
     # Keras model traces every layer's call for its own loader (tf-keras: 13 of an
     # export's 14 s for the app's DLRM here), which the stock SavedModel does not need.
-    served = tf.Module(name="served")
-    served.weights = [_tf_internals.tf_variable(w) for w in copy.weights]
-    served.serve = serve
+    served = _Served([_tf_internals.tf_variable(w) for w in copy.weights], serve)
     tf.saved_model.save(served, export_dir, signatures={"serving_default": serve})
     return export_dir
+
+
+class _Served(tf.Module):
+    """What a serving export saves: the weights the signature reads, and the signature."""
+
+    def __init__(self, weights: list, serve: Any):
+        super().__init__(name="served")
+        self.weights = weights
+        self.serve = serve
 
 
 __all__ = ["DLRM", "DCNv2", "DotInteraction", "MODELS", "build_model", "export_for_serving",
