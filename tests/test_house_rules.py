@@ -155,11 +155,7 @@ def foreign_private_reads(path: str) -> list[str]:
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and _private(node.attr)):
             continue
-        owner = node.value
-        if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in classes):
-            continue
-        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) \
-                and owner.func.id == "super":
+        if _own(node.value, classes):
             continue
         text = ast.unparse(node)
         if text not in STDLIB_PRIVATE:
@@ -325,6 +321,17 @@ def suite_files() -> list[str]:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py"))
 
 
+def source_file(test: unittest.TestCase, text: str, in_package: bool = False) -> str:
+    """A Python file holding ``text`` (inside ``tfhybrid/`` with ``in_package``, where
+    a module's own name counts), removed when ``test`` ends."""
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".py", dir=PACKAGE if in_package else None,
+                                     delete=False) as f:
+        f.write(text)
+    test.addCleanup(os.remove, f.name)
+    return f.name
+
+
 # distributed-embeddings' own private name, which DE users' scripts call: the drop-in
 # keeps it, and its compatibility test calls it by that name
 DE_PRIVATE_NAMES = {"_dp_to_mp_input"}
@@ -357,19 +364,17 @@ class PrivateNamesTest(unittest.TestCase):
         self.assertTrue(stores[DOOR + ".hooks"])   # the door does: the check sees it
 
     def test_the_attribute_store_check_sees_a_store(self):
-        import tempfile
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write("import threading\nclass A:\n    def f(self, model, mine: 'A'):\n"
-                    "        self.a = 1; mine.b = 2; model.c = 3; outer = self; outer.d = 4\n"
-                    "        made = A(); made.e = 5; setattr(model, 'f', 6)\n"
-                    "        object.__setattr__(model, 'g', 7); getattr(model, '_h', 8)\n"
-                    "        self._j = 1; getattr(self, '_j'); getattr(self, '_keras_k')\n"
-                    "STATE = threading.local()\nSTATE.i = 9\n")
-        self.addCleanup(os.remove, f.name)
-        self.assertEqual(foreign_attribute_stores(f.name),
+        path = source_file(self, (
+            "import threading\nclass A:\n    def f(self, model, mine: 'A'):\n"
+            "        self.a = 1; mine.b = 2; model.c = 3; outer = self; outer.d = 4\n"
+            "        made = A(); made.e = 5; setattr(model, 'f', 6)\n"
+            "        object.__setattr__(model, 'g', 7); getattr(model, '_h', 8)\n"
+            "        self._j = 1; getattr(self, '_j'); getattr(self, '_keras_k')\n"
+            "STATE = threading.local()\nSTATE.i = 9\n"))
+        self.assertEqual(foreign_attribute_stores(path),
                          ["4: model.c =", "5: setattr(model, ...)",
                           "6: object.__setattr__(model, ...)"])
-        self.assertEqual(foreign_private_reads(f.name), ["6: getattr(model, '_h')",
+        self.assertEqual(foreign_private_reads(path), ["6: getattr(model, '_h')",
                                                          "7: getattr(self, '_keras_k')"])
 
     def test_tests_read_only_public_names(self):
@@ -386,21 +391,17 @@ class PrivateNamesTest(unittest.TestCase):
         self.assertEqual(reads, {})
 
     def test_the_private_module_check_sees_an_import(self):
-        import tempfile
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write("import tfhybrid\nfrom tfhybrid import _tf_internals, mesh\n"
-                    "from tfhybrid._tf_internals import KERAS_MAJOR\n")
-        self.addCleanup(os.remove, f.name)
-        self.assertEqual(private_module_imports(f.name),
+        path = source_file(self, (
+            "import tfhybrid\nfrom tfhybrid import _tf_internals, mesh\n"
+            "from tfhybrid._tf_internals import KERAS_MAJOR\n"))
+        self.assertEqual(private_module_imports(path),
                          ["2: tfhybrid._tf_internals", "3: tfhybrid._tf_internals"])
 
     def test_the_private_read_check_sees_a_read(self):
-        import tempfile
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write("class A:\n    def f(self, m):\n        self._a; super()._b; A._c\n"
-                    "        m._d; self.model._e; os._exit(0)\n")
-        self.addCleanup(os.remove, f.name)
-        self.assertEqual(foreign_private_reads(f.name), ["4: m._d", "4: self.model._e"])
+        path = source_file(self, (
+            "class A:\n    def f(self, m):\n        self._a; super()._b; A._c\n"
+            "        m._d; self.model._e; os._exit(0)\n"))
+        self.assertEqual(foreign_private_reads(path), ["4: m._d", "4: self.model._e"])
 
     def test_no_module_tags_objects_with_attributes(self):
         # the door marks its own wrapper functions (a hook installed once); nothing else
@@ -408,23 +409,18 @@ class PrivateNamesTest(unittest.TestCase):
         self.assertEqual({m: t for m, t in tagged.items() if t and not in_door(m)}, {})
 
     def test_the_tag_check_sees_a_tag(self):
-        import tempfile
-        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-            f.write('_A = "_tfhybrid_a"\nv._tfhybrid_b = 1\nsetattr(v, _A, 2)\n'
-                    'setattr(v, "_tfhybrid_c", 3)\nsetattr(v, "plain", 4)\n')
-        self.addCleanup(os.remove, f.name)
-        self.assertEqual(tags_set(f.name), ["2: ._tfhybrid_b", "3: setattr _tfhybrid_a",
+        path = source_file(self, (
+            '_A = "_tfhybrid_a"\nv._tfhybrid_b = 1\nsetattr(v, _A, 2)\n'
+            'setattr(v, "_tfhybrid_c", 3)\nsetattr(v, "plain", 4)\n'))
+        self.assertEqual(tags_set(path), ["2: ._tfhybrid_b", "3: setattr _tfhybrid_a",
                                             "4: setattr _tfhybrid_c"])
 
     def test_the_check_sees_a_reach(self):
         # the rule's own check must be able to fail
-        import tempfile
-        with tempfile.NamedTemporaryFile("w", suffix=".py", dir=PACKAGE,
-                                         delete=False) as f:
-            f.write("from tfhybrid import mesh as m\nfrom tfhybrid.fiited import _x\n"
-                    "import tfhybrid.planner\nm._MESH\ntfhybrid.planner._human(1)\n")
-        self.addCleanup(os.remove, f.name)
-        self.assertEqual(private_reaches(f.name),
+        path = source_file(self, (
+            "from tfhybrid import mesh as m\nfrom tfhybrid.fiited import _x\n"
+            "import tfhybrid.planner\nm._MESH\ntfhybrid.planner._human(1)\n"), in_package=True)
+        self.assertEqual(private_reaches(path),
                          ["2: from tfhybrid.fiited import _x", "4: tfhybrid.mesh._MESH",
                           "5: tfhybrid.planner._human"])
 
@@ -461,13 +457,10 @@ class ImportsTest(unittest.TestCase):
         self.assertEqual(import_cycles(graph), [["a", "b", "c"]])
 
     def test_imports_inside_functions_count(self):
-        import tempfile
-        with tempfile.NamedTemporaryFile("w", suffix=".py", dir=PACKAGE,
-                                         delete=False) as f:
-            f.write("def f():\n    from tfhybrid.tiers import CachedTable\n"
-                    "    import tfhybrid.distributed.sync\n")
-        self.addCleanup(os.remove, f.name)
-        self.assertEqual(imported_modules(f.name),
+        path = source_file(self, (
+            "def f():\n    from tfhybrid.tiers import CachedTable\n"
+            "    import tfhybrid.distributed.sync\n"), in_package=True)
+        self.assertEqual(imported_modules(path),
                          {"tfhybrid.tiers", "tfhybrid.distributed",
                           "tfhybrid.distributed.sync"})
 

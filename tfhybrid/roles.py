@@ -84,25 +84,16 @@ class Role:
         for name, value in facts.items():
             setattr(self, name, value)
 
-    @property
-    def chunked_table(self) -> Any:
-        return None if self.chunked_table_ref is None else self.chunked_table_ref()
+    chunked_table = property(lambda self: _dereferenced(self.chunked_table_ref))
+    cached_table = property(lambda self: _dereferenced(self.cached_table_ref))
+    cached_state_of = property(lambda self: _dereferenced(self.cached_state_of_ref))
+    row_state = property(lambda self: _dereferenced(self.row_state_ref))
+    row_step = property(lambda self: _dereferenced(self.row_step_ref))
 
-    @property
-    def cached_table(self) -> Any:
-        return None if self.cached_table_ref is None else self.cached_table_ref()
 
-    @property
-    def cached_state_of(self) -> Any:
-        return None if self.cached_state_of_ref is None else self.cached_state_of_ref()
-
-    @property
-    def row_state(self) -> Any:
-        return None if self.row_state_ref is None else self.row_state_ref()
-
-    @property
-    def row_step(self) -> Any:
-        return None if self.row_step_ref is None else self.row_step_ref()
+def _dereferenced(ref: weakref.ref | None) -> Any:
+    """What a weak reference of a role holds (None once it is gone, or if never set)."""
+    return None if ref is None else ref()
 
 
 _ROLES: dict[int, tuple[weakref.ref, Role]] = {}
