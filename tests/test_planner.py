@@ -576,6 +576,8 @@ class ValidationTest(unittest.TestCase):
             with self.subTest(pattern=pattern):
                 with self.assertRaisesRegex(ValueError, pattern):
                     fn()
+        with self.assertRaisesRegex(TypeError, r"\['stratgy'\].*'strategy'"):
+            plan_sharding(t, 1, 2, stratgy="basic")
         plan = plan_sharding(t, 1, 2)
         with self.assertRaisesRegex(ValueError, "nope"):
             plan.table("nope")
@@ -594,6 +596,18 @@ class OptionsTest(unittest.TestCase):
                 options = PlannerOptions(strategy, **THRESHOLDS)
                 self.assertEqual(plan_sharding(tables, 2, 4, options=options), keywords)
 
+    def test_every_option_travels_in_the_options_object(self):
+        tables = _random_tables(5)
+        settings = dict(optimizer="adam", local_batch_size=32, replica_sync="weights",
+                        sync_every=4, comm_dtype="float16", memory_budget_bytes=1 << 40,
+                        **THRESHOLDS)
+        options = PlannerOptions("memory_balanced", **settings)
+        plan = plan_sharding(tables, 2, 4, options=options)
+        self.assertEqual(plan, plan_sharding(tables, 2, 4, strategy="memory_balanced",
+                                             **settings))
+        self.assertEqual((plan.optimizer, plan.replica_sync, plan.sync_every),
+                         ("adam", "weights", 4))
+
     def test_bad_options_name_the_value(self):
         t = [TableConfig("t", 10, 4)]
         cases = [
@@ -603,11 +617,17 @@ class OptionsTest(unittest.TestCase):
             (lambda: plan_sharding(t, 1, 2, options="basic"), "'basic'"),
             (lambda: plan_sharding(t, 1, 2, options=PlannerOptions("basic"),
                                    row_slice_threshold=7), r"row_slice_threshold=7"),
+            (lambda: PlannerOptions(optimizer="lamb"), "'lamb'"),
+            (lambda: PlannerOptions(local_batch_size=0), "local_batch_size"),
+            (lambda: PlannerOptions(unique_rows=3), "unique_rows.*3"),
+            (lambda: PlannerOptions(cluster=object()), "strategy='cost'"),
         ]
         for fn, pattern in cases:
             with self.subTest(pattern=pattern):
                 with self.assertRaisesRegex(ValueError, pattern):
                     fn()
+        with self.assertRaisesRegex(TypeError, r"\['stratgy'\].*'strategy'"):
+            plan_sharding(t, 1, 2, stratgy="basic")
 
     def test_kinds_are_plain_strings_in_plans(self):
         self.assertEqual(KINDS, tuple(kind.value for kind in Kind))

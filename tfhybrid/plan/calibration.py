@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from tfhybrid.plan.cost_model import ClusterSpec, ComputeRates, Workload, predict
 from tfhybrid.plan.strategies import plan_with_strategy
-from tfhybrid.plan.types import ShardingPlan, check_int, check_number
+from tfhybrid.plan.types import PlannerOptions, ShardingPlan, check_int, check_number
 
 
 # A measured point (one benchmark configuration), as the emulated-cluster benchmark writes it:
@@ -53,11 +53,10 @@ def point_setup(point: Mapping[str, Any], cluster_template: ClusterSpec,
         check_int("model_parallel", m, 1)
         if cluster.ranks % m:
             raise ValueError(f"model_parallel={m} does not divide {cluster.ranks} ranks")
-        plan = plan_with_strategy(
-            workload.tables, cluster.ranks // m, m, optimizer=workload.optimizer,
-            local_batch_size=workload.local_batch_size, replica_sync=workload.replica_sync,
-            sync_every=workload.sync_every, comm_dtype=workload.comm_dtype,
-            unique_rows=workload.unique_rows)
+        plan = plan_with_strategy(workload.tables, cluster.ranks // m, m, PlannerOptions(
+            optimizer=workload.optimizer, local_batch_size=workload.local_batch_size,
+            replica_sync=workload.replica_sync, sync_every=workload.sync_every,
+            comm_dtype=workload.comm_dtype, unique_rows=workload.unique_rows))
     return plan, point["layout"], cluster, workload
 
 

@@ -7,32 +7,17 @@ It stands above the strategies (:mod:`tfhybrid.plan.strategies`) and the cost st
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from tfhybrid.plan.cost_strategy import plan_mesh
 from tfhybrid.plan.strategies import plan_with_strategy
 from tfhybrid.plan.tiers import dram_budget_bytes, place_in_tiers
-from tfhybrid.plan.types import (COST_STRATEGY, DEFAULT_STRATEGY, PlannerOptions,
-                                 ShardingPlan, TableConfig, check_int, check_optional_int,
-                                 check_settings, check_tables)
+from tfhybrid.plan.types import (COST_STRATEGY, PLANNER_OPTION_NAMES, PlannerOptions,
+                                 ShardingPlan, TableConfig, check_int, check_tables)
 
 
-def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_parallel: int, *,
-                  options: PlannerOptions | None = None,
-                  strategy: str = DEFAULT_STRATEGY,
-                  column_slice_threshold: int | None = None,
-                  row_slice_threshold: int | None = None,
-                  data_parallel_threshold: int | None = None,
-                  memory_budget_bytes: int | None = None,
-                  memory_budget: dict[str, int] | None = None,
-                  optimizer: str = "sgd",
-                  local_batch_size: int = 1,
-                  replica_sync: str = "gradients",
-                  sync_every: int = 1,
-                  comm_dtype: str | None = None,
-                  unique_rows: Callable[[TableConfig, float], float] | None = None,
-                  cluster: Any = None, workload: Any = None,
-                  layout: str = "model_major") -> ShardingPlan:
+def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_parallel: int,
+                  options: PlannerOptions | None = None, **keywords: Any) -> ShardingPlan:
     """Decide the kind and owners of every table's shards and estimate per-position cost.
 
     **DE strategies** (``basic``, ``memory_balanced``, ``memory_optimized``) reproduce
@@ -78,14 +63,13 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     (:meth:`ShardingPlan.describe` prints them). ``tfhybrid.plan.plan_for_cluster``
     also chooses M and the layout.
 
-    ``options`` (a :class:`~tfhybrid.plan.types.PlannerOptions`) gives the strategy and
-    the three thresholds in one value; the keywords of the same names are then left out.
-
-    Load = param + optimizer bytes.  With ``memory_budget_bytes`` a shard or position
-    over budget raises ValueError naming the table and the bytes. ``memory_budget``
-    (``{"dram": bytes}``, per rank) instead moves tables into the disk tier until every
-    position fits (:func:`place_in_tiers`); a table's ``cache_rows`` puts it there
-    explicitly, and a tiered table is never replicated. ``optimizer``,
+    **Options** are one :class:`~tfhybrid.plan.types.PlannerOptions` (``options=``), or
+    its fields as keywords (``strategy="basic"``, ``optimizer="adam"``, ...), which make
+    one; not both. Load = param + optimizer bytes. With ``memory_budget_bytes`` a shard or
+    position over budget raises ValueError naming the table and the bytes.
+    ``memory_budget`` (``{"dram": bytes}``, per rank) instead moves tables into the disk
+    tier until every position fits (:func:`place_in_tiers`); a table's ``cache_rows``
+    puts it there explicitly, and a tiered table is never replicated. ``optimizer``,
     ``replica_sync``/``sync_every``, ``comm_dtype`` and ``unique_rows`` change the
     estimates (module docstring), and the plan records them.
 
@@ -103,29 +87,31 @@ def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_paral
     """
     check_int("data_parallel", data_parallel, 1)
     check_int("model_parallel", model_parallel, 1)
-    check_int("local_batch_size", local_batch_size, 1)
-    keywords = PlannerOptions(strategy, column_slice_threshold, row_slice_threshold,
-                              data_parallel_threshold)
-    if options is None:
-        options = keywords
-    elif not isinstance(options, PlannerOptions):
-        raise ValueError(f"options must be a PlannerOptions, got {options!r}")
-    elif keywords != PlannerOptions():
-        raise ValueError(f"options={options!r} and the keywords of {keywords!r} both set "
-                         "the strategy and thresholds: give one of them")
-    check_settings(optimizer, replica_sync, sync_every, comm_dtype)
-    check_optional_int("memory_budget_bytes", memory_budget_bytes)
-    dram_budget = dram_budget_bytes(memory_budget, memory_budget_bytes)
+    options = planner_options(options, keywords)
+    dram_budget = dram_budget_bytes(options.memory_budget, options.memory_budget_bytes)
     tables = check_tables(tables)
     if options.strategy == COST_STRATEGY:
-        plan = plan_mesh(tables, data_parallel, model_parallel, layout, cluster, workload)
-    elif cluster is not None or workload is not None:
-        raise ValueError(f"cluster and workload are for strategy={COST_STRATEGY!r}, not "
-                         f"{options.strategy!r}")
+        plan = plan_mesh(tables, data_parallel, model_parallel, options.layout,
+                         options.cluster, options.workload)
     else:
-        plan = plan_with_strategy(
-            tables, data_parallel, model_parallel, options,
-            memory_budget_bytes=memory_budget_bytes, optimizer=optimizer,
-            local_batch_size=local_batch_size, replica_sync=replica_sync,
-            sync_every=sync_every, comm_dtype=comm_dtype, unique_rows=unique_rows)
+        plan = plan_with_strategy(tables, data_parallel, model_parallel, options)
     return plan if dram_budget is None else place_in_tiers(plan, dram_budget, tables)
+
+
+def planner_options(options: PlannerOptions | None, keywords: dict[str, Any]
+                    ) -> PlannerOptions:
+    """The one ``PlannerOptions`` of ``options=`` or of its fields given as keywords;
+    ``TypeError`` names a keyword that is not a field, ``ValueError`` a mix of both."""
+    unknown = sorted(set(keywords) - set(PLANNER_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"plan_sharding got unknown options {unknown}; expected "
+                        f"PlannerOptions fields {list(PLANNER_OPTION_NAMES)}")
+    if options is None:
+        return PlannerOptions(**keywords)
+    if not isinstance(options, PlannerOptions):
+        raise ValueError(f"options must be a PlannerOptions, got {options!r}")
+    if keywords:
+        given = ", ".join(f"{name}={value!r}" for name, value in sorted(keywords.items()))
+        raise ValueError(f"options=PlannerOptions(...) and the keywords {given} both set "
+                         "planner options: give one of them")
+    return options

@@ -341,12 +341,7 @@ def plan_with_kinds(tables: Sequence[TableConfig], data_parallel: int, model_par
 
 
 def plan_with_strategy(tables: Sequence[TableConfig], data_parallel: int, model_parallel: int,
-                       options: PlannerOptions = PlannerOptions(), *,
-                       memory_budget_bytes: int | None = None, optimizer: str = "sgd",
-                       local_batch_size: int = 1, replica_sync: str = "gradients",
-                       sync_every: int = 1, comm_dtype: str | None = None,
-                       unique_rows: Callable[[TableConfig, float], float] | None = None
-                       ) -> ShardingPlan:
+                       options: PlannerOptions = PlannerOptions()) -> ShardingPlan:
     """The plan of one of :data:`~tfhybrid.plan.types.STRATEGIES` (DE's or
     ``bytes_balanced``; the rules are ``plan_sharding``'s), without the disk tier.
 
@@ -356,19 +351,17 @@ def plan_with_strategy(tables: Sequence[TableConfig], data_parallel: int, model_
     """
     check_int("data_parallel", data_parallel, 1)
     check_int("model_parallel", model_parallel, 1)
-    check_int("local_batch_size", local_batch_size, 1)
     if options.strategy == COST_STRATEGY:
         raise ValueError(f"strategy={COST_STRATEGY!r} prices plans on a cluster: use "
                          "tfhybrid.plan.cost_strategy.plan_mesh")
-    check_settings(optimizer, replica_sync, sync_every, comm_dtype)
-    check_optional_int("memory_budget_bytes", memory_budget_bytes)
     tables = check_tables(tables)
     m = model_parallel
-    load_of = _load_function(tables, optimizer, memory_budget_bytes)
+    load_of = _load_function(tables, options.optimizer, options.memory_budget_bytes)
     if options.strategy in DE_STRATEGIES:
         layout, order = _layout_de(tables, m, options)
     else:   # bytes_balanced, tfhybrid's own
         layout, order = _layout_bytes_balanced(tables, m, options, load_of)
-    settings = EstimateSettings(optimizer, replica_sync, sync_every, comm_dtype, unique_rows)
+    settings = EstimateSettings(options.optimizer, options.replica_sync, options.sync_every,
+                                options.comm_dtype, options.unique_rows)
     return _finish_plan(tables, data_parallel, m, options, layout, order,
-                        memory_budget_bytes, local_batch_size, settings)
+                        options.memory_budget_bytes, options.local_batch_size, settings)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import enum
 import json
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Sequence
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 COMBINERS = (None, "sum", "mean")
@@ -400,11 +400,25 @@ def shard_bytes(t: TableConfig, nrows: int, width: int, optimizer: str) -> tuple
 
 @dataclass(frozen=True)
 class PlannerOptions:
-    """Which strategy places the tables, and its thresholds (elements, rows*dim; None: no
-    threshold); validated on construction. ``plan_sharding`` takes one as ``options=``.
+    """Every option of the planner, in one value, validated on construction:
+    ``plan_sharding(tables, D, M, options=...)`` takes it (its keywords of the same names
+    make one).
+
+    - ``strategy`` and its thresholds (elements, rows*dim; None: no threshold):
+      ``column_slice_threshold``, ``row_slice_threshold``, ``data_parallel_threshold``;
+    - memory: ``memory_budget_bytes`` refuses a shard or position over it;
+      ``memory_budget`` (``{"dram": bytes}`` per rank) moves tables into the disk tier
+      until every position fits (one of the two);
+    - what the estimates assume: ``optimizer`` (a key of :data:`OPTIMIZER_STATE`),
+      ``local_batch_size``, ``replica_sync`` / ``sync_every``, ``comm_dtype`` (None: the
+      tables' own), ``unique_rows`` (``(table, ids) -> distinct rows``);
+    - for ``strategy="cost"``: ``cluster`` (a ``ClusterSpec``), ``workload`` (a
+      ``Workload``) and the mesh ``layout``.
 
     >>> PlannerOptions("basic", column_slice_threshold=1000).thresholds
     (1000, None, None)
+    >>> PlannerOptions(optimizer="adam", local_batch_size=64).optimizer
+    'adam'
     >>> PlannerOptions("round_robin")
     Traceback (most recent call last):
     ...
@@ -416,20 +430,44 @@ class PlannerOptions:
     column_slice_threshold: int | None = None
     row_slice_threshold: int | None = None
     data_parallel_threshold: int | None = None
+    memory_budget_bytes: int | None = None
+    memory_budget: dict[str, int] | None = None
+    optimizer: str = "sgd"
+    local_batch_size: int = 1
+    replica_sync: str = "gradients"
+    sync_every: int = 1
+    comm_dtype: str | None = None
+    unique_rows: Callable[[TableConfig, float], float] | None = None
+    cluster: Any = None
+    workload: Any = None
+    layout: str = "model_major"
 
     def __post_init__(self) -> None:
         if self.strategy not in ALL_STRATEGIES:
             raise ValueError(f"strategy must be one of {ALL_STRATEGIES}, "
                              f"got {self.strategy!r}")
         for name in ("column_slice_threshold", "row_slice_threshold",
-                     "data_parallel_threshold"):
+                     "data_parallel_threshold", "memory_budget_bytes"):
             check_optional_int(name, getattr(self, name))
+        check_settings(self.optimizer, self.replica_sync, self.sync_every, self.comm_dtype)
+        check_int("local_batch_size", self.local_batch_size, 1)
+        if self.unique_rows is not None and not callable(self.unique_rows):
+            raise ValueError(f"unique_rows must be None or a function (table, ids) -> rows, "
+                             f"got {self.unique_rows!r}")
+        if self.strategy != COST_STRATEGY and (self.cluster is not None
+                                              or self.workload is not None):
+            raise ValueError(f"cluster and workload are for strategy={COST_STRATEGY!r}, "
+                             f"not {self.strategy!r}")
 
     @property
     def thresholds(self) -> tuple[int | None, int | None, int | None]:
         """(column_slice, row_slice, data_parallel) thresholds, the order plans keep."""
         return (self.column_slice_threshold, self.row_slice_threshold,
                 self.data_parallel_threshold)
+
+
+# the names plan_sharding takes as keywords, each a PlannerOptions field
+PLANNER_OPTION_NAMES = tuple(f.name for f in fields(PlannerOptions))
 
 
 def table_ids_per_position(plan: ShardingPlan) -> list[list[int]]:

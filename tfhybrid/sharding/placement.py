@@ -235,11 +235,12 @@ class LayerPlanner:
             [TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0), combiner=t.combiner,
                          features=f, cache_rows=t.cache_rows, adaptive=bool(t.chunks))
              for t, h, f in zip(self.tables, hotness, features)],
-            mesh.data_parallel, mesh.model_parallel, options=self.options,
-            local_batch_size=local_batch, optimizer=self.optimizer or "sgd",
-            replica_sync=self.replica_sync, sync_every=self.sync_every,
-            comm_dtype=(compute.name if compute in (tf.float16, tf.bfloat16) else None),
-            layout=mesh.layout, memory_budget=self.memory_budget)
+            mesh.data_parallel, mesh.model_parallel, options=dataclasses.replace(
+                self.options, local_batch_size=local_batch,
+                optimizer=self.optimizer or "sgd", replica_sync=self.replica_sync,
+                sync_every=self.sync_every,
+                comm_dtype=(compute.name if compute in (tf.float16, tf.bfloat16) else None),
+                layout=mesh.layout, memory_budget=self.memory_budget))
 
     def _checked(self, plan: ShardingPlan, mesh: mesh_lib.Mesh) -> ShardingPlan:
         """``plan`` if it fits this mesh and these tables; ValueError naming what differs."""
