@@ -11,8 +11,8 @@ import tensorflow as tf
 import tfhybrid  # noqa: F401 - before tf.keras is used: checks it is Keras 2
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
-from tfhybrid.sharding import (bags, full_tables, id_check, placement, rank_stores, route,
-                               stores, tables)
+from tfhybrid.sharding import (bags, full_tables, id_check, ownership, placement, rank_stores,
+                               route, stores, tables)
 from tfhybrid.tiers import CachedTable
 
 ROWS, WIDTH = 40, 4
@@ -99,11 +99,34 @@ class StoreSetTest(tf.test.TestCase):
             self.assertEqual(len(list(held.items())), 4)
 
 
+class OwnershipTest(tf.test.TestCase):
+
+    def test_row_ranges_route_each_id_to_the_one_shard_that_owns_it(self):
+        rng = np.random.default_rng(3)
+        ids = rng.integers(0, 100, 40)
+        lengths = np.array([5, 0, 10, 25])
+        cuts = [0, 30, 31, 77, 100]
+        owned = []
+        for start, end in zip(cuts, cuts[1:]):
+            rows, counts = ownership.ownership_of("row_wise").shard_ids(
+                tf.constant(ids, tf.int64), tf.constant(lengths, tf.int64), start, end)
+            # the reference: a plain loop over the bags
+            bags = np.split(ids, np.cumsum(lengths)[:-1])
+            self.assertAllEqual(counts, [np.sum((b >= start) & (b < end)) for b in bags])
+            self.assertAllEqual(rows, [i - start for i in ids if start <= i < end])
+            owned += [i for i in ids if start <= i < end]
+        self.assertCountEqual(owned, ids)
+
+    def test_an_unknown_kind_is_named(self):
+        with self.assertRaisesRegex(ValueError, "'hash_wise'"):
+            ownership.ownership_of("hash_wise")
+
+
 class ExamplesTest(tf.test.TestCase):
 
     def test_module_and_class_examples_run(self):
         for module in (tables, stores, route, bags, id_check, full_tables, placement,
-                       rank_stores):
+                       rank_stores, ownership):
             self.assertEqual(doctest.testmod(module).failed, 0, module.__name__)
             docs = [inspect.getdoc(module)] + [
                 inspect.getdoc(cls) for _, cls in inspect.getmembers(module, inspect.isclass)
@@ -114,13 +137,14 @@ class ExamplesTest(tf.test.TestCase):
                     exec(textwrap.dedent(doc.split("Example::", 1)[1]), {})  # pylint: disable=exec-used
 
     def test_public_classes_have_examples(self):
-        for module in (stores, route, bags, id_check, full_tables, placement, rank_stores):
+        for module in (stores, route, bags, id_check, full_tables, placement, rank_stores,
+                       ownership):
             for name, cls in inspect.getmembers(module, inspect.isclass):
                 if cls.__module__ != module.__name__ or name.startswith("_"):
                     continue
                 if name in ("TableStore", "StoreContext", "RouteEntry", "Bags",
-                            "LayerPlacement", "RankStores"):
-                    continue    # a protocol and plain records
+                            "LayerPlacement", "RankStores", "Ownership"):
+                    continue    # protocols and plain records
                 self.assertIn("Example::", inspect.getdoc(cls), f"{module.__name__}.{name}")
 
 

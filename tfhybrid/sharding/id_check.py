@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.sharding import phases
+from tfhybrid.sharding.ownership import ownership_of
 from tfhybrid.sharding.tables import TableSpec
 
 # per feature in a rank's id report: bad id?, the first bad id, bad input?, bags per sample
@@ -25,8 +26,10 @@ REPORT_FIELDS = 4
 class IdCheck:
     """The id check of one DistributedEmbedding on one rank (module docstring).
 
-    ``bags`` are the route's: per fed feature, an object with ``values`` (ids),
-    ``per_sample`` (bags per sample) and ``unsupported`` (a bool, or a bool tensor).
+    ``kinds``: each table's sharding kind, whose way of owning rows says which ids are
+    valid (``sharding/ownership.py``). ``bags`` are the route's: per fed feature, an
+    object with ``values`` (ids), ``per_sample`` (bags per sample) and ``unsupported``
+    (a bool, or a bool tensor).
 
     In one process, as in the example, the check gathers only this rank's row.
 
@@ -45,12 +48,15 @@ class IdCheck:
     """
 
     def __init__(self, name: str, mesh: mesh_lib.Mesh, tables: Sequence[TableSpec],
-                 input_table_map: Sequence[int], dp_input: bool):
+                 input_table_map: Sequence[int], dp_input: bool, kinds: Sequence[str]):
         self.name = name
         self.mesh = mesh
         self.tables = list(tables)
         self.input_table_map = list(input_table_map)
         self.dp_input = dp_input
+        # each table's valid ids, [0, bound), as its sharding kind owns rows
+        self.id_bounds = [ownership_of(kind).id_bound(t.rows)
+                          for kind, t in zip(kinds, self.tables)]
 
     def report(self, bags: dict, batch, invalid: dict, ended=None) -> tf.Tensor:
         """This rank's row of the check (:meth:`checks`): [batch, (bad?, first
@@ -78,7 +84,7 @@ class IdCheck:
         feature_of = tf.reshape(tf.raw_ops.UpperBound(
             sorted_inputs=tf.reshape(tf.cumsum(sizes), [1, -1]),
             values=tf.reshape(places, [1, -1]), out_type=tf.int64), [-1])
-        limits = tf.constant([self.tables[self.input_table_map[f]].rows for f in fed],
+        limits = tf.constant([self.id_bounds[self.input_table_map[f]] for f in fed],
                              tf.int64)
         bad = tf.logical_or(values < 0, values >= tf.gather(limits, feature_of))
         # each feature's first bad id, by its place in the list (past the end: none; the
@@ -126,7 +132,7 @@ class IdCheck:
         flags = tf.reshape(everyone[:, 1:1 + REPORT_FIELDS * num_features],
                            [self.mesh.size, num_features, REPORT_FIELDS])
         names = tf.constant([self.tables[t].name for t in self.input_table_map])
-        rows = tf.constant([self.tables[t].rows for t in self.input_table_map], tf.int64)
+        rows = tf.constant([self.id_bounds[t] for t in self.input_table_map], tf.int64)
 
         def first(mask):
             where = tf.argmax(tf.cast(tf.reshape(mask, [-1]), tf.int32))

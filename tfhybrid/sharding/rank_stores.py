@@ -40,6 +40,7 @@ from tfhybrid import roles
 from tfhybrid.plan.traffic import sync_is_sparse
 from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding import stores as stores_lib
+from tfhybrid.sharding.ownership import ownership_of
 from tfhybrid.sharding.stores import StoreSet
 from tfhybrid.sharding.tables import TableSpec
 
@@ -115,7 +116,7 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
             roles.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
                 table.rows, table.dim, ids_per_step, mesh.size))
             continue
-        if placement.kind == Kind.ROW_WISE:
+        if ownership_of(placement.kind).splits_rows:
             ids_per_step /= len(placement.shards)
         for s, shard in enumerate(placement.shards):
             if shard.owner != position:

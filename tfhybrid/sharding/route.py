@@ -47,6 +47,7 @@ from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding.bags import BagReader, Bags
 from tfhybrid.sharding import phases
 from tfhybrid.sharding.id_check import IdCheck, first_failure
+from tfhybrid.sharding.ownership import ownership_of
 from tfhybrid.sharding.stores import StoreSet
 from tfhybrid.sharding.tables import TableSpec
 from tfhybrid.tiers import CachedTable
@@ -103,7 +104,8 @@ class EmbeddingRoute:
         self.replica_sync = replica_sync
         self.bag_reader = BagReader(name, mesh, plan, tables, input_table_map,
                                     fed_features, dp_input)
-        self.id_check = IdCheck(name, mesh, tables, input_table_map, dp_input)
+        self.id_check = IdCheck(name, mesh, tables, input_table_map, dp_input,
+                                [plan.tables[t].kind for t in range(len(self.tables))])
         # the (feature, shard) pairs each position serves, in one fixed order that every
         # rank derives from the same plan
         self.routes: list[list[RouteEntry]] = [[] for _ in range(mesh.model_parallel)]
@@ -270,19 +272,10 @@ class EmbeddingRoute:
         return outputs
 
     def _shard_ids(self, bag: Bags, route: RouteEntry) -> tuple[tf.Tensor, tf.Tensor]:
-        """The route's ids (relative to its shard) and the number of them in each bag."""
-        if self.plan.tables[route.table].kind != Kind.ROW_WISE:
-            return bag.values, bag.lengths
-        inside = tf.logical_and(bag.values >= route.row_start, bag.values < route.row_end)
-        # a bag's count is the difference of the running count of inside ids at its two
-        # ends: a third of the ops of tf.repeat + a segment sum, built at every trace
-        lengths = tf.cast(bag.lengths, tf.int64)
-        inside_before = tf.concat([tf.zeros([1], tf.int64),
-                                   tf.cumsum(tf.cast(inside, tf.int64))], 0)
-        ends = tf.cumsum(lengths)
-        counts = tf.gather(inside_before, ends) - tf.gather(inside_before, ends - lengths)
-        return (tf.gather(bag.values, tf.reshape(tf.where(inside), [-1])) - route.row_start,
-                counts)
+        """The route's ids (relative to its shard) and the number of them in each bag,
+        as its table's kind owns rows (``sharding/ownership.py``)."""
+        return ownership_of(self.plan.tables[route.table].kind).shard_ids(
+            bag.values, bag.lengths, route.row_start, route.row_end)
 
     def _ids_payload(self, bags: dict) -> tuple[tf.Tensor, tf.Tensor]:
         """dp_input=True, stage 2's payload: to each position of the model group, the bag

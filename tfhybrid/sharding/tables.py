@@ -22,7 +22,8 @@ from typing import Any
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
-from tfhybrid.plan.types import Kind, Shard
+from tfhybrid.plan.types import Shard
+from tfhybrid.sharding.ownership import ownership_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,7 @@ def custom_shard_layer(table: TableSpec, rows: int, width: int, name: str) -> An
 
 def check_custom_table(table: TableSpec, placement: Any) -> None:
     """A custom table layer runs on its shards' ids, so it must look up each id alone."""
-    if placement.kind == Kind.ROW_WISE:
+    if ownership_of(placement.kind).splits_rows:
         raise ValueError(
             f"embedding layer {table.name!r} is a custom layer ({table.custom_class.__name__})"
             f", which the plan would split row_wise; raise row_slice_threshold above its "
@@ -139,7 +140,7 @@ def check_table_config(layer: Any, table: TableSpec, placement: Any) -> None:
     axis = constraint.get_config().get("axis") if hasattr(constraint, "get_config") else None
     axes = set(axis if isinstance(axis, (list, tuple)) else [axis]) if axis is not None else set()
     # a norm over an axis the plan splits would see only part of its vector
-    split = {0} if placement.kind == Kind.ROW_WISE else {1, -1}
+    split = {0} if ownership_of(placement.kind).splits_rows else {1, -1}
     if axes & split or (axis is None and not isinstance(
             constraint, tf.keras.constraints.NonNeg)):
         raise ValueError(
