@@ -68,8 +68,8 @@ class RolesTest(tf.test.TestCase):
             pass
 
         table, pool, state = Table(), tf.Variable(tf.zeros([2, 2])), tf.Variable([0.0, 0.0])
-        roles.assign(pool, row_state=state, row_step=table)
-        self.assertIs(roles.role_of(pool).row_state, state)
+        roles.assign(pool, row_accumulator=state, row_step=table)
+        self.assertIs(roles.role_of(pool).row_accumulator, state)
         self.assertIs(roles.role_of(pool).row_step, table)
         del table
         gc.collect()

@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import tensorflow as tf
 
-import tfhybrid  # noqa: F401 - before tf.keras is used: checks it is Keras 2
+import tfhybrid  # before tf.keras is used: checks which Keras it is
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.sharding import (bags, full_tables, id_check, ownership, placement, rank_stores,
@@ -55,6 +55,7 @@ class StoreProtocolTest(tf.test.TestCase):
     def test_every_kind_sums_bags_like_a_numpy_table(self):
         # the users' path: the C++ kernels (the suite builds them; fails if missing)
         custom_ops.require_library()
+        replicas = stores.ShardReplicas("layer", tfhybrid.init(model_parallel=1), "gradients")
         ids = np.array([0, 5, 5, 39, 7, 2, 1], np.int64)
         bags = {"pooled": np.array([3, 0, 1, 3], np.int64),
                 # a custom layer without a combiner looks up one id per bag
@@ -68,11 +69,10 @@ class StoreProtocolTest(tf.test.TestCase):
                     ends = np.cumsum(lengths)
                     expected = np.stack([_values()[ids[end - n:end]].sum(axis=0)
                                          for n, end in zip(lengths, ends)])
-                    looked_up = ids
-                    if store.cache is not None:
-                        # a tiered store is looked up at cache slots, as the route gives
-                        looked_up = store.cache.slots(tf.constant(ids))
-                    got = store.lookup_sum(tf.constant(looked_up), tf.constant(lengths))
+                    # the rows each store reads for routed ids (a tier's cache slots),
+                    # as the route asks for them
+                    looked_up = store.rows_of(tf.constant(ids), replicas, "t")
+                    got = store.lookup_sum(looked_up, tf.constant(lengths))
                     self.assertAllClose(got, expected, rtol=0, atol=1e-5,
                                         msg=f"{kind}, {shape}")
 
@@ -86,7 +86,7 @@ class StoreProtocolTest(tf.test.TestCase):
 
 class StoreSetTest(tf.test.TestCase):
 
-    def test_finds_the_fiited_and_cache_parts_by_shard(self):
+    def test_finds_the_fiited_parts_by_shard(self):
         with tempfile.TemporaryDirectory() as directory:
             made = _stores(directory)
             held = stores.StoreSet()
@@ -94,7 +94,6 @@ class StoreSetTest(tf.test.TestCase):
                 held.add(index, 0, made[kind])
             self.assertIsNone(held.fiited(0, 0))
             self.assertIs(held.fiited(1, 0), made["fiited"].fiited)
-            self.assertIs(held.cache(2, 0), made["tiered"].cache)
             self.assertIsNone(held.get(1, 1))
             self.assertEqual(len(list(held.items())), 4)
 

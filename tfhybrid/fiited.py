@@ -326,9 +326,10 @@ class ChunkedTable(ChunkOptions, tf.Module):
         self.utility = variable(lambda: tf.zeros([self.rows]), trainable=False,
                                 name="utility")
         # how an optimizer finds the table of a pool gradient (table_of), the rows'
-        # state (row_state: one accumulator per logical row, whatever the chunks do) and
+        # accumulators (row_accumulator: one per logical row, whatever the chunks do) and
         # who steps the pool (row_step: its update reads the chunks each row holds)
-        roles.assign(self.pool, chunked_table=self, row_state=self.accumulator, row_step=self)
+        roles.assign(self.pool, chunked_table=self, row_accumulator=self.accumulator,
+                     row_step=self)
         _tf_internals.install_slot_guard(refuse_other_optimizers)
 
     @property

@@ -6,7 +6,7 @@ prefixes, a tiered table's DRAM cache) cannot take a slot shaped like its variab
 slot would not follow the rows. Its guard asks :func:`trains_of` instead:
 
 - ``Trains.ROW_STATE``: the optimizer keeps one accumulator per row in the variable the
-  table names (``tfhybrid.roles``' ``row_state``), and lets a table that applies its
+  table names (``tfhybrid.roles``' ``row_accumulator``), and lets a table that applies its
   own rows (``row_step``) take the step: ``tfhybrid.optimizers``' row-wise AdaGrads,
   which advertise it with :func:`advertises`;
 - ``Trains.NO_STATE``: it carries nothing from step to step (SGD without momentum);

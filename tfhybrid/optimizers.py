@@ -160,7 +160,7 @@ class RowWiseAdagrad(_tf_internals.OptimizerBase):
         return self._accumulators[self.state_index(variable)]
 
     def _add_accumulator(self, var: tf.Variable) -> tf.Variable:
-        kept = roles.role_of(var).row_state
+        kept = roles.role_of(var).row_accumulator
         if kept is not None:
             # the table keeps its rows' accumulators (a FIITED pool's one per logical row
             # whatever its chunks do; a tiered cache's, which move with their rows between

@@ -71,12 +71,13 @@ class Role:
     chunked_table_ref: weakref.ref | None = None
     cached_table_ref: weakref.ref | None = None
     cached_state_of_ref: weakref.ref | None = None
-    # Held weakly too: the variable in which the variable's table keeps its row state (a
-    # FIITED pool's per-row accumulators, a tiered cache's per-slot ones, which move with
-    # the rows), which a row-wise optimizer uses instead of a slot of its own; and the
-    # table that takes the optimizer's row-wise step itself (``apply_pool_gradient``: a
-    # FIITED pool, whose update reads the chunks each row holds).
-    row_state_ref: weakref.ref | None = None
+    # Held weakly too: the variable in which the variable's table keeps its row-wise
+    # optimizer state (a FIITED pool's per-row accumulators, a tiered cache's per-slot
+    # ones, which move with the rows), which a row-wise optimizer uses instead of a slot
+    # of its own; and the table that takes the optimizer's row-wise step itself
+    # (``apply_pool_gradient``: a FIITED pool, whose update reads the chunks each row
+    # holds).
+    row_accumulator_ref: weakref.ref | None = None
     row_step_ref: weakref.ref | None = None
 
     def record(self, facts: dict[str, Any]) -> None:
@@ -87,7 +88,7 @@ class Role:
     chunked_table = property(lambda self: _dereferenced(self.chunked_table_ref))
     cached_table = property(lambda self: _dereferenced(self.cached_table_ref))
     cached_state_of = property(lambda self: _dereferenced(self.cached_state_of_ref))
-    row_state = property(lambda self: _dereferenced(self.row_state_ref))
+    row_accumulator = property(lambda self: _dereferenced(self.row_accumulator_ref))
     row_step = property(lambda self: _dereferenced(self.row_step_ref))
 
 
@@ -97,7 +98,8 @@ def _dereferenced(ref: weakref.ref | None) -> Any:
 
 
 _ROLES: dict[int, tuple[weakref.ref, Role]] = {}
-_HELD_WEAKLY = ("chunked_table", "cached_table", "cached_state_of", "row_state", "row_step")
+_HELD_WEAKLY = ("chunked_table", "cached_table", "cached_state_of", "row_accumulator",
+                "row_step")
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -117,9 +119,9 @@ def role_of(obj: Any) -> Role:
 
 def assign(obj: Any, **facts: Any) -> Role:
     """Records ``facts`` (``Role`` field names; ``chunked_table``, ``cached_table``,
-    ``cached_state_of``, ``row_state`` and ``row_step`` take the object, kept weakly)
-    for ``obj``, keeping those set
-    before; returns its role. ValueError names an unknown fact."""
+    ``cached_state_of``, ``row_accumulator`` and ``row_step`` take the object, kept
+    weakly) for ``obj``, keeping those set before; returns its role. ValueError names an
+    unknown fact."""
     for name in _HELD_WEAKLY:
         if name in facts:
             table = facts.pop(name)

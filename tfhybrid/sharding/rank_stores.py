@@ -110,10 +110,11 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
                 f"data_parallel_threshold={data_parallel_threshold} or keep it in "
                 "memory (a replicated table is small)")
         if placement.kind == Kind.DATA_PARALLEL:
-            var = add(t, 0, table.name, placement.shards[0]).variable
+            store = add(t, 0, table.name, placement.shards[0])
+            var = store.variable
             made.table_vars[t] = var
             roles.mark_embedding(var)
-            roles.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
+            roles.mark_sparse_sync(var, store.sparse_sync or sync_is_sparse(
                 table.rows, table.dim, ids_per_step, mesh.size))
             continue
         if ownership_of(placement.kind).splits_rows:
@@ -126,19 +127,12 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
             roles.mark_model_parallel(var, mesh, weight_sync_every,
                                             table_key=table_key(layer_name, table))
             roles.mark_embedding(var)
-            # a pool's gradient is rows at logical ids, which only the sparse sync (and
-            # the pool's own apply) can place
-            roles.mark_sparse_sync(var, bool(table.chunks) or sync_is_sparse(
+            roles.mark_sparse_sync(var, store.sparse_sync or sync_is_sparse(
                 shard.row_end - shard.row_start, shard.col_end - shard.col_start,
                 mesh.model_parallel * ids_per_step, mesh.data_parallel))
-            if store.fiited is not None:
-                # the pool's row state lives on the shard's position too (broadcast and
-                # checkpointed with the shard)
-                for state in store.fiited.row_state:
-                    roles.mark_model_parallel(state, mesh)
-            if store.cache is not None:
-                roles.mark_model_parallel(store.cache.cache_accumulator, mesh)
-                # a cache's gradient rows are at slots, which the replicas share
-                roles.mark_sparse_sync(var, True)
+            # the store's row state lives on the shard's position too (broadcast and
+            # checkpointed with the shard)
+            for state in store.row_state:
+                roles.mark_model_parallel(state, mesh)
             made.shard_vars[(t, s)] = var
     return made

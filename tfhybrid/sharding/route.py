@@ -9,7 +9,7 @@ One step of the forward, as :meth:`EmbeddingRoute.forward` runs it:
 3. ``exchange`` (collectives): every rank checks every rank's report (one allgather, so
    bad input fails on every rank at once instead of hanging a collective), then the ids
    travel to the position owning each shard (one ``alltoall`` in the model group);
-   tiered shards' ids become cache slots;
+   each store turns them into the rows it reads (a tiered shard's cache slots);
 4. ``look_up_and_return``: each owner sums the bags of all M ranks of its model group
    from its stores, and the rows return in one ``alltoall`` (DCT-MP thresholds it), its
    gradient the reverse alltoall;
@@ -48,9 +48,8 @@ from tfhybrid.sharding.bags import BagReader, Bags
 from tfhybrid.sharding import phases
 from tfhybrid.sharding.id_check import IdCheck, first_failure
 from tfhybrid.sharding.ownership import ownership_of
-from tfhybrid.sharding.stores import StoreSet
+from tfhybrid.sharding.stores import ShardReplicas, StoreSet
 from tfhybrid.sharding.tables import TableSpec
-from tfhybrid.tiers import CachedTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +103,8 @@ class EmbeddingRoute:
         self.replica_sync = replica_sync
         self.bag_reader = BagReader(name, mesh, plan, tables, input_table_map,
                                     fed_features, dp_input)
+        # what a tiered shard's store needs to load its replicas' ids alike
+        self.replicas = ShardReplicas(name, mesh, replica_sync)
         self.id_check = IdCheck(name, mesh, tables, input_table_map, dp_input,
                                 [plan.tables[t].kind for t in range(len(self.tables))])
         # the (feature, shard) pairs each position serves, in one fixed order that every
@@ -251,13 +252,12 @@ class EmbeddingRoute:
         else:
             half = len(parts) // 2
             route_ids, route_lengths = parts[:half], parts[half:]
-        # a tiered shard's ids become cache slots, their rows loaded now: read ahead by
-        # a pipeline, the rows are in the cache before the step that looks them up
+        # the routed ids become the rows each store reads (a tiered shard's cache
+        # slots, their rows loaded now: read ahead by a pipeline, the rows are in the
+        # cache before the step that looks them up)
         for i, r in enumerate(self.routes[self.mesh.model_position]):
-            cached = self.stores.cache(r.table, r.shard)
-            if cached is not None:
-                route_ids[i] = self._cache_slots(cached, route_ids[i],
-                                                 f"{r.feature}_{r.shard}")
+            route_ids[i] = self.stores.get(r.table, r.shard).rows_of(
+                route_ids[i], self.replicas, f"{r.feature}_{r.shard}")
         return phases.Exchanged(route_ids + route_lengths, all_ended, failure, asserts)
 
     def placeholders(self, bags: dict) -> list:
@@ -449,35 +449,6 @@ class EmbeddingRoute:
         first = (mine[0].feature, mine[0].shard)
         partials[first] = partials[first] + tf.reduce_sum(self.anchor)
         return partials
-
-    def _cache_slots(self, cached: CachedTable, ids: tf.Tensor, route: str) -> tf.Tensor:
-        """The cache slots of a tiered shard's ``ids`` (its routed ids), their rows
-        loaded first.
-
-        Every replica of the shard (its data group) loads the ids of all of them, in
-        one call with the same set of ids: their caches then make the same choices and
-        stay alike, slot for slot, so the replicas' gradients (rows at slots) add up
-        as those of a table in memory. The cache must hold the group's distinct ids.
-        """
-        mesh = self.mesh
-        # Valid ids pass unchanged. A batch read ahead whose check failed is never looked
-        # up (TrainPipeline raises after the step beside it), and its bad ids must not
-        # fail the host step inside that step's function.
-        ids = tf.clip_by_value(ids, 0, cached.rows - 1)
-        if mesh.data_parallel == 1:
-            return cached.slots(ids)
-        everyone = collectives.allgather(ids, mesh.data_parallel,
-                                         f"tfhybrid_{self.name}_tier_ids_{route}",
-                                         mesh.data_process_set)
-        after = []
-        if self.replica_sync == "weights":
-            # A weight sync rewrites every slot, so rows must not move in or out while it
-            # runs: a pipeline reads batch t+1's rows in step t's function, and reading
-            # the cache here orders that after the step's last write to it (its sync).
-            after = [cached.cache.read_value()]
-        with tf.control_dependencies(after):
-            slots = cached.slots(tf.concat([everyone, ids], 0))
-        return slots[tf.size(everyone):]
 
     def finish(self, bag, summed):
         if bag.combiner == "mean":

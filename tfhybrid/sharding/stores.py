@@ -1,9 +1,11 @@
 """Where a table's rows live: one store class per kind, one protocol for all.
 
 A store holds one table of a rank (a replicated table) or one shard of it, and answers
-the same questions whatever it keeps: the bag sums of routed ids (``lookup_sum``), its
-rows in row order for whole-table reads and writes (``read_rows`` / ``write_rows``), and
-its memory. The kinds:
+the same questions whatever it keeps: the rows it reads for routed ids (``rows_of``: a
+tier's cache slots), their bag sums (``lookup_sum``), its rows in row order for
+whole-table reads and writes (``read_rows`` / ``write_rows``), the variables it keeps
+per row besides the one trained (``row_state``), whether its gradient must be synced
+sparse (``sparse_sync``), and its memory. The kinds:
 
 - ``KernelTable``: a dense variable, looked up by the fused C++ kernel (pure TF where
   the op library is not built);
@@ -35,7 +37,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
+from tfhybrid import collectives
 from tfhybrid import custom_ops
+from tfhybrid import mesh as mesh_lib
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.plan.tiers import TIER_PINNED_STEPS, shard_cache_rows
 from tfhybrid.plan.types import Shard
@@ -47,6 +51,16 @@ class TableStore(Protocol):
     """What every store answers (see the module docstring)."""
 
     variable: tf.Variable    # what the optimizer trains and the gradient route syncs
+    # the variables it keeps per row (or per cache slot) besides ``variable``, which
+    # live, are broadcast and checkpointed where the shard is
+    row_state: tuple
+    # True: its gradient must be synced sparse (rows at logical ids or at cache slots,
+    # which only the sparse sync places); None: as the sizes make cheaper
+    sparse_sync: bool | None
+
+    def rows_of(self, ids: tf.Tensor, replicas: "ShardReplicas", route: str) -> tf.Tensor:
+        """The rows ``lookup_sum`` reads for routed ``ids`` (a tier's cache slots, their
+        rows loaded; the ids themselves elsewhere); ``route`` names the collectives."""
 
     def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor: ...
 
@@ -55,6 +69,34 @@ class TableStore(Protocol):
     def write_rows(self, start: int, values: np.ndarray) -> None: ...
 
     def memory_bytes(self) -> dict[str, int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardReplicas:
+    """The replicas of this rank's shards (its data group), as a store may need them to
+    turn routed ids into rows: a tier's replicas load every replica's ids alike.
+
+    In one process there is no other replica.
+
+    Example::
+
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.sharding.stores import ShardReplicas
+        replicas = ShardReplicas("emb", tfhybrid.init(model_parallel=1), "gradients")
+        assert replicas.gather(tf.constant([1, 2], tf.int64), "t") is None
+    """
+    layer_name: str
+    mesh: mesh_lib.Mesh
+    replica_sync: str
+
+    def gather(self, ids: tf.Tensor, route: str) -> tf.Tensor | None:
+        """Every replica's ``ids``, in data-group order (None with one replica)."""
+        if self.mesh.data_parallel == 1:
+            return None
+        return collectives.allgather(ids, self.mesh.data_parallel,
+                                     f"tfhybrid_{self.layer_name}_tier_ids_{route}",
+                                     self.mesh.data_process_set)
 
 
 def _dense_bytes(variable: tf.Variable) -> dict[str, int]:
@@ -77,6 +119,8 @@ class KernelTable:
 
     fiited = None
     cache = None
+    row_state: tuple = ()
+    sparse_sync = None
 
     def __init__(self, variable: tf.Variable, table_name: str, use_custom_kernel: bool):
         self.variable = variable
@@ -84,6 +128,10 @@ class KernelTable:
         self._storage = _tf_internals.tf_variable(variable)
         self._table_name = table_name
         self._use_custom_kernel = use_custom_kernel
+
+    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
+        del replicas, route
+        return ids
 
     def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
@@ -119,10 +167,21 @@ class FiitedPool:
     """
 
     cache = None
+    # a pool's gradient is rows at logical ids, which only the sparse sync (and the
+    # pool's own apply) can place
+    sparse_sync = True
 
     def __init__(self, table: ChunkedTable):
         self.fiited = table
         self.variable = table.pool
+
+    @property
+    def row_state(self) -> tuple:
+        return tuple(self.fiited.row_state)
+
+    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
+        del replicas, route
+        return ids
 
     def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
         return self.fiited.lookup_combine(
@@ -158,12 +217,47 @@ class TieredCache:
         assert store.read_rows(5, 6).tolist() == [[1.0, 1.0]]
     """
 
+    # a cache's gradient rows are at slots, which the replicas share
+    sparse_sync = True
+
     def __init__(self, table: CachedTable, table_name: str, use_custom_kernel: bool):
         self.cache = table
         self.fiited = table if isinstance(table, ChunkedCachedTable) else None
         self.variable = table.cache
         self._table_name = table_name
         self._use_custom_kernel = use_custom_kernel
+
+    @property
+    def row_state(self) -> tuple:
+        # an adaptive tier's per-slot state holds its accumulators
+        if self.fiited is not None:
+            return tuple(self.fiited.row_state)
+        return (self.cache.cache_accumulator,)
+
+    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
+        """The cache slots of routed ``ids``, their rows loaded first.
+
+        Every replica of the shard (its data group) loads the ids of all of them, in
+        one call with the same set of ids: their caches then make the same choices and
+        stay alike, slot for slot, so the replicas' gradients (rows at slots) add up
+        as those of a table in memory. The cache must hold the group's distinct ids.
+        """
+        # Valid ids pass unchanged. A batch read ahead whose check failed is never looked
+        # up (TrainPipeline raises after the step beside it), and its bad ids must not
+        # fail the host step inside that step's function.
+        ids = tf.clip_by_value(ids, 0, self.cache.rows - 1)
+        everyone = replicas.gather(ids, route)
+        if everyone is None:
+            return self.cache.slots(ids)
+        after = []
+        if replicas.replica_sync == "weights":
+            # A weight sync rewrites every slot, so rows must not move in or out while it
+            # runs: a pipeline reads batch t+1's rows in step t's function, and reading
+            # the cache here orders that after the step's last write to it (its sync).
+            after = [self.variable.read_value()]
+        with tf.control_dependencies(after):
+            slots = self.cache.slots(tf.concat([everyone, ids], 0))
+        return slots[tf.size(everyone):]
 
     def lookup_sum(self, slots: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
         ragged = tf.RaggedTensor.from_row_lengths(slots, lengths, validate=False)
@@ -322,8 +416,3 @@ class StoreSet:
         adaptive."""
         store = self._stores.get((table, shard))
         return None if store is None else store.fiited
-
-    def cache(self, table: int, shard: int) -> CachedTable | None:
-        """The tier of the shard, if held here and tiered."""
-        store = self._stores.get((table, shard))
-        return None if store is None else store.cache

@@ -134,9 +134,9 @@ class CachedTable(tf.Module):
         self.cache_accumulator = variable(lambda: tf.zeros([self.cache_rows]),
                                           trainable=False, name="cache_accumulator")
         # how an optimizer finds the table of a cache gradient (table_of) and where each
-        # row's state lives (row_state: it moves with the row), and a checkpoint the
-        # table of an accumulator (accumulator_table_of)
-        roles.assign(self.cache, cached_table=self, row_state=self.cache_accumulator)
+        # row's accumulator lives (row_accumulator: it moves with the row), and a
+        # checkpoint the table of an accumulator (accumulator_table_of)
+        roles.assign(self.cache, cached_table=self, row_accumulator=self.cache_accumulator)
         roles.assign(self.cache_accumulator, cached_state_of=self)
         self._slot_of_row = np.full(self.rows, -1, np.int32)   # 4 bytes per row
         self._row_of_slot = np.full(self.cache_rows, -1, np.int64)
