@@ -37,7 +37,7 @@ from tfhybrid.plan.planner import plan_sharding
 from tfhybrid.plan.types import (COST_STRATEGY, Kind, PlannerOptions, ShardingPlan,
                                  TableConfig, TablePlacement, input_ids_per_position,
                                  table_ids_per_position)
-from tfhybrid.sharding.tables import TableSpec
+from tfhybrid.sharding.tables import TableSpec, in_tier
 
 _LOG = logging.getLogger("tfhybrid")
 
@@ -226,7 +226,7 @@ class LayerPlanner:
                              f"(cache_rows={placement.cache_rows}); pass store_dir=, the "
                              "folder of its files")
         return dataclasses.replace(table, cache_rows=placement.cache_rows,
-                                   store_dir=store_dir)
+                                   store_dir=store_dir, storage=in_tier(table))
 
     def _planned(self, mesh: mesh_lib.Mesh, hotness: Sequence[float], local_batch: int,
                  features: Sequence[int], compute_dtype: Any) -> ShardingPlan:

@@ -14,8 +14,9 @@ sparse (``sparse_sync``), and its memory. The kinds:
   FIITED's per-row widths for an adaptive table; its routed ids are cache slots;
 - ``CustomLayerTable``: an instance of the user's own embedding layer class.
 
-``create_store`` picks the kind from the table's spec; the layer keeps the stores in a
-``StoreSet`` keyed by (table, shard). A fifth kind is one more class here.
+``create_store`` makes the store of the storage kind the table's spec names
+(``TableSpec.storage``), through :data:`STORAGE_KINDS`; the layer keeps the stores in a
+``StoreSet`` keyed by (table, shard).
 
 Example::
 
@@ -43,7 +44,8 @@ from tfhybrid import mesh as mesh_lib
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.plan.tiers import TIER_PINNED_STEPS, shard_cache_rows
 from tfhybrid.plan.types import Shard
-from tfhybrid.sharding.tables import TableSpec, custom_shard_layer, slice_initializer
+from tfhybrid.sharding.tables import (CUSTOM, FIITED, KERNEL, TIERED, TIERED_FIITED,
+                                      TableSpec, custom_shard_layer, slice_initializer)
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
 
@@ -321,32 +323,55 @@ class StoreContext:
 def create_store(spec: TableSpec, shard: Shard, name: str,
                  context: StoreContext, regularizer: Any = None,
                  constraint: Any = None) -> TableStore:
-    """The store of ``spec``'s ``shard`` (the whole table for a replicated one) of the kind
-    the spec asks for, its rows initialized to the shard's slice of the table."""
+    """The store of ``spec``'s ``shard`` (the whole table for a replicated one) of the
+    storage kind the spec names (:data:`STORAGE_KINDS`), its rows initialized to the
+    shard's slice of the table; ``ValueError`` names an unknown kind."""
+    make = STORAGE_KINDS.get(spec.storage)
+    if make is None:
+        raise ValueError(f"table {spec.name!r}: storage kind {spec.storage!r} has no store; "
+                         f"expected one of {sorted(STORAGE_KINDS)}")
+    return make(spec, shard, name, context, regularizer, constraint)
+
+
+def _kernel_store(spec: TableSpec, shard: Shard, name: str, context: StoreContext,
+                  regularizer: Any, constraint: Any) -> KernelTable:
     rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
-    kernel = None if context.use_custom_kernel else False
-    if spec.cache_rows:
-        return TieredCache(_cached_shard(spec, shard, name, context), spec.name,
-                           context.use_custom_kernel)
-    if spec.chunks:
-        with tf.init_scope():
-            initial = slice_initializer(spec, shard)([rows, width], dtype=tf.float32)
-        return FiitedPool(ChunkedTable(rows, width, width // spec.chunk_dim,
-                                       initial_value=initial, name=name.replace("/", "_"),
-                                       use_custom_op=kernel,
-                                       add_weight=context.add_weight))
-    if spec.custom_class is not None:
-        custom = custom_shard_layer(spec, rows, width, name.replace("/", "_"))
-        custom.build(tf.TensorShape([None]))
-        # as Keras' own first call would: a build that does not call super().build()
-        # leaves built False, and the call would build again
-        _tf_internals.mark_built(custom)
-        return CustomLayerTable(custom, spec.combiner)
     variable = _tf_internals.add_weight(
         context.add_weight, name=name, shape=[rows, width],
         initializer=slice_initializer(spec, shard), regularizer=regularizer,
         constraint=constraint, dtype=tf.float32, autocast=False)
     return KernelTable(variable, spec.name, context.use_custom_kernel)
+
+
+def _fiited_store(spec: TableSpec, shard: Shard, name: str, context: StoreContext,
+                  regularizer: Any, constraint: Any) -> FiitedPool:
+    del regularizer, constraint   # only a kernel table's variable takes them
+    rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
+    with tf.init_scope():
+        initial = slice_initializer(spec, shard)([rows, width], dtype=tf.float32)
+    return FiitedPool(ChunkedTable(rows, width, width // spec.chunk_dim,
+                                   initial_value=initial, name=name.replace("/", "_"),
+                                   use_custom_op=None if context.use_custom_kernel else False,
+                                   add_weight=context.add_weight))
+
+
+def _tiered_store(spec: TableSpec, shard: Shard, name: str, context: StoreContext,
+                  regularizer: Any, constraint: Any) -> TieredCache:
+    del regularizer, constraint   # only a kernel table's variable takes them
+    return TieredCache(_cached_shard(spec, shard, name, context), spec.name,
+                       context.use_custom_kernel)
+
+
+def _custom_store(spec: TableSpec, shard: Shard, name: str, context: StoreContext,
+                  regularizer: Any, constraint: Any) -> CustomLayerTable:
+    del context, regularizer, constraint   # the user's layer holds its own
+    rows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
+    custom = custom_shard_layer(spec, rows, width, name.replace("/", "_"))
+    custom.build(tf.TensorShape([None]))
+    # as Keras' own first call would: a build that does not call super().build()
+    # leaves built False, and the call would build again
+    _tf_internals.mark_built(custom)
+    return CustomLayerTable(custom, spec.combiner)
 
 
 def _cached_shard(spec: TableSpec, shard: Shard, name: str,
@@ -373,7 +398,7 @@ def _cached_shard(spec: TableSpec, shard: Shard, name: str,
                 pinned_calls=TIER_PINNED_STEPS, add_weight=context.add_weight)
     cache_rows = shard_cache_rows(spec.cache_rows, spec.rows, rows)
     with tf.init_scope():   # the host side works eagerly, also when built in a trace
-        if spec.chunks:
+        if spec.storage == TIERED_FIITED:
             return ChunkedCachedTable(
                 rows, width, cache_rows, directory, chunks=width // spec.chunk_dim,
                 use_custom_op=None if context.use_custom_kernel else False, **tier)
@@ -416,3 +441,10 @@ class StoreSet:
         adaptive."""
         store = self._stores.get((table, shard))
         return None if store is None else store.fiited
+
+
+# each storage kind's store maker, (spec, shard, name, context, regularizer, constraint)
+# -> store: the one place a kind's name meets its store
+STORAGE_KINDS: dict[str, Callable[..., TableStore]] = {
+    KERNEL: _kernel_store, FIITED: _fiited_store, TIERED: _tiered_store,
+    TIERED_FIITED: _tiered_store, CUSTOM: _custom_store}

@@ -26,9 +26,19 @@ from tfhybrid.plan.types import Shard
 from tfhybrid.sharding.ownership import ownership_of
 
 
+# Storage kinds, as a table's spec names them (``sharding/stores.py`` maps each to its
+# store). A tier over FIITED chunks is a kind of its own, not a tier wrapping a FIITED
+# store: the tier's cache holds each slot's chunk prefix, and its update reads the
+# chunks each slot holds, so the FIITED pool's store cannot run behind a cache unchanged
+# (one table class, ``ChunkedCachedTable``, does both).
+KERNEL, FIITED, TIERED, TIERED_FIITED, CUSTOM = (
+    "kernel", "fiited", "tiered", "tiered_fiited", "custom")
+
+
 @dataclasses.dataclass(frozen=True)
 class TableSpec:
-    """One table as the layer shards it (from its Keras embedding layer)."""
+    """One table as the layer shards it (from its Keras embedding layer); ``storage``
+    names its storage kind (a key of ``sharding.stores.STORAGE_KINDS``)."""
     name: str
     rows: int
     dim: int
@@ -47,6 +57,7 @@ class TableSpec:
     cache_rows: int | None = None
     store_dir: str | None = None
     cache_policy: str = "lru"
+    storage: str = KERNEL
 
     @property
     def chunk_dim(self) -> int:
@@ -74,7 +85,11 @@ def table_from_layer(layer: Any, custom: bool = False) -> TableSpec:
             # table starts the same on every mesh.
             initializer = type(initializer).from_config(
                 dict(init_config, seed=random.randint(1, 2**31 - 2)))
-    return TableSpec(name=layer.name, rows=int(config["input_dim"]),
+    adaptive = config.get("dims") == "adaptive"
+    tiered = config.get("cache_rows") is not None
+    storage = (TIERED_FIITED if adaptive else TIERED) if tiered else (
+        FIITED if adaptive else CUSTOM if custom else KERNEL)
+    return TableSpec(name=layer.name, rows=int(config["input_dim"]), storage=storage,
                   dim=int(config["output_dim"]),
                   combiner=getattr(layer, "combiner", None),
                   initializer=initializer,
@@ -82,11 +97,17 @@ def table_from_layer(layer: Any, custom: bool = False) -> TableSpec:
                   custom_config=config if custom else None,
                   **({"chunks": int(config["chunks"]),
                       "target_memory": float(config["target_memory"])}
-                     if config.get("dims") == "adaptive" else {}),
+                     if adaptive else {}),
                   **({"cache_rows": int(config["cache_rows"]),
                       "store_dir": config["store_dir"],
                       "cache_policy": config.get("cache_policy", "lru")}
-                     if config.get("cache_rows") is not None else {}))
+                     if tiered else {}))
+
+
+def in_tier(table: TableSpec) -> str:
+    """The storage kind of ``table`` once in the disk tier: a tier over FIITED chunks
+    for an adaptive table, else a tier of dense rows."""
+    return TIERED_FIITED if table.chunks else TIERED
 
 
 def custom_shard_layer(table: TableSpec, rows: int, width: int, name: str) -> Any:
