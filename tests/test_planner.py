@@ -621,6 +621,9 @@ class OptionsTest(unittest.TestCase):
             (lambda: PlannerOptions(local_batch_size=0), "local_batch_size"),
             (lambda: PlannerOptions(unique_rows=3), "unique_rows.*3"),
             (lambda: PlannerOptions(cluster=object()), "strategy='cost'"),
+            (lambda: PlannerOptions(memory_budget=[1]), r"memory_budget=\[1\]"),
+            (lambda: PlannerOptions(memory_budget={"dram": 10}, memory_budget_bytes=5),
+             "give one of them"),
         ]
         for fn, pattern in cases:
             with self.subTest(pattern=pattern):

@@ -19,6 +19,10 @@ from tfhybrid._tf_internals import versions
 from tfhybrid.checkpoint import writer
 
 
+# the hooks are written for both Kerases
+KERAS = (2, 3)
+
+
 def _never(*args) -> None:
     del args
 
@@ -60,10 +64,12 @@ class HooksTest(unittest.TestCase):
         self.assertIs(restore_lib.CheckpointPosition.gather_ops_or_named_saveables, gather)
 
         _tf_internals.install_slot_guard(_never)
-        factory = vars(tf.keras.optimizers.Optimizer)["add_variable_from_reference"]
+        # the class that defines the factory (Keras 3: a base of tf.keras's Optimizer)
+        owner = next(k for k in tf.keras.optimizers.Optimizer.__mro__
+                     if "add_variable_from_reference" in vars(k))
+        factory = vars(owner)["add_variable_from_reference"]
         _tf_internals.install_slot_guard(_never)
-        self.assertIs(vars(tf.keras.optimizers.Optimizer)["add_variable_from_reference"],
-                      factory)
+        self.assertIs(vars(owner)["add_variable_from_reference"], factory)
 
         optimizer = tf.keras.optimizers.Adam()
         calls = []
@@ -100,11 +106,29 @@ class HooksTest(unittest.TestCase):
         self.assertEqual(model.make_train_function(), "ours")
         self.assertEqual(model.train_function, "ours")
         self.assertEqual(made, [keras_make])
-        # a second swap keeps Keras' own make underneath
-        _tf_internals.replace_make_train_function(model, lambda own, force: own)
-        self.assertEqual(model.make_train_function(), keras_make)
-        _tf_internals.restore_make_train_function(model, make)   # not the installed one
-        self.assertNotEqual(model.make_train_function, keras_make)
+        ours = model.make_train_function
+
+        def falls_back(own_make, force):
+            return own_make(force=force)
+
+        # a second swap falls back on the first; undoing the first does nothing then
+        _tf_internals.replace_make_train_function(model, falls_back)
+        self.assertEqual(model.make_train_function(), "ours")
+        _tf_internals.restore_make_train_function(model, make)
+        self.assertNotEqual(model.make_train_function, ours)
+        _tf_internals.restore_make_train_function(model, falls_back)
+        self.assertEqual(model.make_train_function, ours)
+        _tf_internals.restore_make_train_function(model, make)
+        self.assertEqual(model.make_train_function, keras_make)
+
+    def test_a_swap_that_falls_back_on_keras_keeps_fit_working(self):
+        # Keras 3's own make_train_function sets model.train_function and returns None
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+        model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+        _tf_internals.replace_make_train_function(
+            model, lambda own_make, force: own_make(force=force))
+        history = model.fit(tf.ones([4, 2]), tf.ones([4, 1]), batch_size=2, verbose=0)
+        self.assertEqual(len(history.history["loss"]), 1)
 
     def test_a_hook_refuses_a_tensorflow_it_was_not_written_for(self):
         installs = {"MultiDeviceSaver.save": lambda: _tf_internals.install_saver_hook(_never),

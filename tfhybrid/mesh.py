@@ -217,7 +217,9 @@ def init(model_parallel: int | None = None, layout: str = "model_major") -> Mesh
     """
     global _MESH
     import horovod.tensorflow as hvd
+    from tfhybrid import _tf_internals   # TensorFlow's: not at import, for tfhybrid.plan
 
+    _tf_internals.install_autograph_rule()
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is unknown; expected one of {LAYOUTS}")
     if not hvd.is_initialized():

@@ -10,8 +10,9 @@ or (2.21) Keras 3 as ``tf.keras``. The rest of tfhybrid reads it as one module,
 
 - ``versions``: ``TF_VERSION``, ``KERAS_MAJOR`` / ``KERAS_3`` (which Keras ``tf.keras``
   is: any other is refused at import, naming it), ``HOOKS_WRITTEN_FOR`` and
-  ``check_version``, which every hook calls when it is installed: another TensorFlow is
-  refused, naming it and the hook.
+  ``check_version``, which every hook that patches a TensorFlow or Keras class or
+  instance calls when it is installed: another TensorFlow is refused, naming it and the
+  hook.
 - ``keras_switch``: every difference between the two Kerases that tfhybrid meets in
   layers and tables (``add_weight``, ``tf_variable``, ``table_variable``, slot names
   ``is_slot_of`` / ``state_name``, ``real_variables``, ``in_symbolic_call``,
@@ -37,7 +38,8 @@ or (2.21) Keras 3 as ``tf.keras``. The rest of tfhybrid reads it as one module,
 
   - ``install_autograph_rule`` adds tfhybrid to autograph's module rules (exempt from
     conversion, as TF and Keras exempt themselves; there is only a per-function
-    decorator). Installed when a layer, table, optimizer, route or pipeline is made.
+    decorator). Installed by ``tfhybrid.init`` and when a layer, table, optimizer,
+    route or pipeline is made; on another TensorFlow it installs nothing.
   - ``install_saver_hook`` patches ``MultiDeviceSaver.save``: every Keras and TF save
     path ends there, and a save of sharded tables needs every rank to write its part of
     one checkpoint; TF's savers write a whole checkpoint per process. The checkpoint

@@ -26,8 +26,9 @@ def install_autograph_rule(package: str = "tfhybrid") -> None:
     transpiling the layer's and the gradient route's methods on first trace. A user's
     own function, and a user's subclass overriding a method, are still converted.
     The rules are a module-level tuple read on every conversion (TF 2.15 to 2.21).
-    Installed by what a traced step calls into before it traces: the layers, tables,
-    optimizers, the gradient route and the pipeline, when they are made. On a
+    Installed by ``tfhybrid.init`` and by what a traced step calls into before it
+    traces: the layers, tables, optimizers, the gradient route and the pipeline, when
+    they are made. On a
     TensorFlow it was not written for it installs nothing (conversion is only slower
     then), so that making a layer never fails for it.
     """
@@ -313,18 +314,20 @@ def mark_built(layer: Any) -> None:
 def replace_make_train_function(model: Any,
                                 make: Callable[[Callable[..., Any], bool], Any]) -> None:
     """Makes ``model.fit`` step with the train function ``make(own_make, force)`` returns
-    (``own_make``: the model's own ``make_train_function``, to fall back on), and drops
+    (``own_make``: the ``make_train_function`` the model had, to fall back on), and drops
     the one it built. Keras 2 (2.15, 2.21) and Keras 3 both call
     ``model.make_train_function()`` when ``fit`` starts and step through
     ``model.train_function``, and neither has a public hook for a train function of
-    one's own. A second call, for this model, replaces ``make``."""
+    one's own. A ``make`` that falls back on ``own_make`` gets what the model's own
+    gives: Keras 3's sets ``model.train_function`` and returns None, Keras 2's returns
+    it too."""
     check_version("Keras make_train_function")
-    installed = getattr(model.make_train_function, _HOOK_MARK, None)
-    own_make = installed[0] if installed else model.make_train_function
+    own_make = model.make_train_function
 
     def make_train_function(force: bool = False) -> Any:
         function = make(own_make, force)
-        model.train_function = function   # where fit and Keras' own make leave it
+        if function is not None:
+            model.train_function = function   # where fit and Keras' own make leave it
         return function
 
     setattr(make_train_function, _HOOK_MARK, (own_make, make))
@@ -333,9 +336,9 @@ def replace_make_train_function(model: Any,
 
 
 def restore_make_train_function(model: Any, make: Callable[..., Any]) -> None:
-    """Undoes ``replace_make_train_function(model, make)``: ``fit`` builds Keras' own
-    train function again. A model whose train function another ``make`` replaced since
-    is left alone."""
+    """Undoes ``replace_make_train_function(model, make)``: ``fit`` builds its train
+    function as before it again. A model whose train function another ``make`` replaced
+    since is left alone."""
     installed = getattr(model.make_train_function, _HOOK_MARK, None)
     if installed is None or installed[1] != make:
         return

@@ -201,7 +201,7 @@ def agree_on_overflow(grads: list, mesh: mesh_lib.Mesh) -> tuple[list, tf.Tensor
         return grads, None
     # a rank with no gradient still joins the vote
     everywhere = collectives.allreduce(tf.cast(all_finite(grads), tf.float32), op=hvd.Min,
-                                       name="tfhybridall_finite")
+                                       name="tfhybrid_all_finite")
     poison = tf.where(everywhere > 0, 0.0, float("nan"))
     return [None if g is None else gradients.plus(g, poison) for g in grads], everywhere > 0
 

@@ -26,7 +26,7 @@ from tfhybrid.checkpoint import tables as checkpoint_tables
 from tfhybrid.checkpoint import weights_file as checkpoint_weights_file
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.layers.embedding import Embedding
-from tfhybrid.plan.tiers import dram_budget_bytes
+from tfhybrid.plan.types import dram_budget_bytes
 from tfhybrid.plan.types import (COST_STRATEGY, DEFAULT_STRATEGY, Kind, OPTIMIZERS,
                                  PlannerOptions, REPLICA_SYNC, STRATEGIES, ShardingPlan)
 from tfhybrid.sharding.full_tables import WholeTables

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
+
 __all__ = ["IntegerLookup"]
 
 _LOG = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class IntegerLookup(tf.keras.layers.Layer):
     """
 
     def __init__(self, max_tokens: int, use_gpu: bool = True, **kwargs: Any):
+        _tf_internals.install_autograph_rule()
         kwargs.setdefault("dtype", tf.int64)
         # Ids must never be autocast to a float compute dtype.
         kwargs["autocast"] = False

@@ -6,6 +6,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfhybrid import _tf_internals
+
 
 class XlaCompiled(tf.keras.layers.Layer):
     """Wraps a layer (an MLP, an interaction) so its forward and backward run XLA-compiled.
@@ -25,6 +27,7 @@ class XlaCompiled(tf.keras.layers.Layer):
     """
 
     def __init__(self, layer: tf.keras.layers.Layer, **kwargs: Any):
+        _tf_internals.install_autograph_rule()
         super().__init__(**kwargs)
         self.layer = layer
         self._compiled = tf.function(self._forward, jit_compile=True, reduce_retracing=True)

@@ -31,20 +31,21 @@ from tfhybrid.plan.cost_model import (ALLREDUCE_ALGORITHMS, DEFAULT_ZIPF_EXPONEN
 from tfhybrid.plan.cost_strategy import plan_for_cluster, plan_mesh
 from tfhybrid.plan.planner import plan_sharding
 from tfhybrid.plan.strategies import plan_with_kinds, plan_with_strategy
-from tfhybrid.plan.tiers import (BUDGET_TIERS, TIER_BYTES_PER_ROW, TIER_BYTES_PER_SLOT,
+from tfhybrid.plan.tiers import (TIER_BYTES_PER_ROW, TIER_BYTES_PER_SLOT,
                                  TIER_FIITED_BYTES_PER_ROW, TIER_FIITED_BYTES_PER_SLOT,
-                                 TIER_OPTIMIZERS, TIER_PINNED_STEPS, dram_budget_bytes,
-                                 place_in_tiers, shard_cache_rows, tier_dram_bytes)
+                                 TIER_OPTIMIZERS, TIER_PINNED_STEPS, place_in_tiers,
+                                 shard_cache_rows, tier_dram_bytes)
 from tfhybrid.plan.traffic import (PositionTraffic, position_traffic, positions_traffic,
                                    sync_bytes, sync_is_sparse, weight_sync_bytes)
-from tfhybrid.plan.types import (ALL_STRATEGIES, COMBINERS, COST_STRATEGY,
+from tfhybrid.plan.types import (ALL_STRATEGIES, BUDGET_TIERS, COMBINERS, COST_STRATEGY,
                                  DEFAULT_STRATEGY, DEFAULT_SYNC_VALUE_BYTES, DE_STRATEGIES,
                                  DTYPE_BYTES, ID_BYTES_LARGE, ID_BYTES_SMALL, INDEX_BYTES,
                                  KINDS, OPTIMIZER_STATE, OPTIMIZERS, REPLICA_SYNC, STRATEGIES,
                                  Kind, PlannerOptions, RankEstimate, Shard, ShardingPlan,
                                  TableConfig, TablePlacement, aligned_table, check_int,
                                  check_tables, format_bytes, input_ids_per_position,
-                                 optimizer_state_bytes, table_ids_per_position)
+                                 dram_budget_bytes, optimizer_state_bytes,
+                                 table_ids_per_position)
 
 __all__ = sorted([
     "TableConfig", "Shard", "TablePlacement", "RankEstimate", "PositionTraffic",

@@ -11,9 +11,10 @@ from typing import Any, Sequence
 
 from tfhybrid.plan.cost_strategy import plan_mesh
 from tfhybrid.plan.strategies import plan_with_strategy
-from tfhybrid.plan.tiers import dram_budget_bytes, place_in_tiers
+from tfhybrid.plan.tiers import place_in_tiers
 from tfhybrid.plan.types import (COST_STRATEGY, PLANNER_OPTION_NAMES, PlannerOptions,
-                                 ShardingPlan, TableConfig, check_int, check_tables)
+                                 ShardingPlan, TableConfig, check_int, check_tables,
+                                 dram_budget_bytes)
 
 
 def plan_sharding(tables: Sequence[TableConfig], data_parallel: int, model_parallel: int,

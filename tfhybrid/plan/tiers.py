@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 from tfhybrid.plan.types import (Kind, Shard, ShardingPlan, TableConfig, check_int,
                                  optimizer_state_bytes)
 
-# the memory tiers a budget may name (the disk tier below them is unbounded)
-BUDGET_TIERS = ("dram",)
 # DRAM of a tiered shard besides its cached rows (tfhybrid.tiers.CachedTable): per row,
 # its cache slot or -1 (int32); per cache slot, its row (int64), the policy's and the
 # last lookup's step (2 x int64), two flags and the row's optimizer accumulator (float32)
@@ -30,25 +28,6 @@ TIER_OPTIMIZERS = ("sgd", "rowwise_adagrad")
 # steps whose rows a tiered shard's cache holds at once: the layer loads a batch's rows
 # when it routes its ids, which a pipeline does while the step before still runs
 TIER_PINNED_STEPS = 2
-
-
-def dram_budget_bytes(memory_budget: Any, memory_budget_bytes: int | None) -> int | None:
-    """The DRAM bytes per rank of a ``memory_budget`` dict (None without one); raises
-    ``ValueError`` naming a malformed budget or one given together with
-    ``memory_budget_bytes``."""
-    if memory_budget is None:
-        return None
-    if not isinstance(memory_budget, dict) or set(memory_budget) - set(BUDGET_TIERS):
-        raise ValueError(f"memory_budget={memory_budget!r} must be a dict of bytes per rank "
-                         f"by tier, with keys from {BUDGET_TIERS}")
-    if memory_budget_bytes is not None:
-        raise ValueError(f"memory_budget={memory_budget!r} moves tables into the disk tier "
-                         f"to fit; memory_budget_bytes={memory_budget_bytes} refuses plans "
-                         "that do not fit in memory: give one of them")
-    if "dram" not in memory_budget:
-        return None
-    check_int("memory_budget['dram']", memory_budget["dram"], 1)
-    return memory_budget["dram"]
 
 
 def shard_cache_rows(cache_rows: int, rows: int, shard_rows: int) -> int:

@@ -397,6 +397,28 @@ def shard_bytes(t: TableConfig, nrows: int, width: int, optimizer: str) -> tuple
     return nrows * width * DTYPE_BYTES[t.dtype], optimizer_state_bytes(nrows, width, optimizer)
 
 
+# the memory tiers a budget may name (the disk tier below them is unbounded)
+BUDGET_TIERS = ("dram",)
+
+
+def dram_budget_bytes(memory_budget: Any, memory_budget_bytes: int | None) -> int | None:
+    """The DRAM bytes per rank of a ``memory_budget`` dict (None without one); raises
+    ``ValueError`` naming a malformed budget or one given together with
+    ``memory_budget_bytes``."""
+    if memory_budget is None:
+        return None
+    if not isinstance(memory_budget, dict) or set(memory_budget) - set(BUDGET_TIERS):
+        raise ValueError(f"memory_budget={memory_budget!r} must be a dict of bytes per rank "
+                         f"by tier, with keys from {BUDGET_TIERS}")
+    if memory_budget_bytes is not None:
+        raise ValueError(f"memory_budget={memory_budget!r} moves tables into the disk tier "
+                         f"to fit; memory_budget_bytes={memory_budget_bytes} refuses plans "
+                         "that do not fit in memory: give one of them")
+    if "dram" not in memory_budget:
+        return None
+    check_int("memory_budget['dram']", memory_budget["dram"], 1)
+    return memory_budget["dram"]
+
 
 @dataclass(frozen=True)
 class PlannerOptions:
@@ -450,6 +472,7 @@ class PlannerOptions:
                      "data_parallel_threshold", "memory_budget_bytes"):
             check_optional_int(name, getattr(self, name))
         check_settings(self.optimizer, self.replica_sync, self.sync_every, self.comm_dtype)
+        dram_budget_bytes(self.memory_budget, self.memory_budget_bytes)
         check_int("local_batch_size", self.local_batch_size, 1)
         if self.unique_rows is not None and not callable(self.unique_rows):
             raise ValueError(f"unique_rows must be None or a function (table, ids) -> rows, "
