@@ -79,6 +79,10 @@ class Role:
     # holds).
     row_accumulator_ref: weakref.ref | None = None
     row_step_ref: weakref.ref | None = None
+    # The table that keeps rows of the variable outside it (a disk tier's file), held
+    # weakly: weight syncs and broadcasts hand it its rows (``replica_state``,
+    # ``sync_replicas(average)``, ``broadcast_rows(broadcast)``, ``name``).
+    rows_outside_ref: weakref.ref | None = None
 
     def record(self, facts: dict[str, Any]) -> None:
         """Sets ``facts`` (field names, checked by ``assign``)."""
@@ -90,6 +94,7 @@ class Role:
     cached_state_of = property(lambda self: _dereferenced(self.cached_state_of_ref))
     row_accumulator = property(lambda self: _dereferenced(self.row_accumulator_ref))
     row_step = property(lambda self: _dereferenced(self.row_step_ref))
+    rows_outside = property(lambda self: _dereferenced(self.rows_outside_ref))
 
 
 def _dereferenced(ref: weakref.ref | None) -> Any:
@@ -99,7 +104,7 @@ def _dereferenced(ref: weakref.ref | None) -> Any:
 
 _ROLES: dict[int, tuple[weakref.ref, Role]] = {}
 _HELD_WEAKLY = ("chunked_table", "cached_table", "cached_state_of", "row_accumulator",
-                "row_step")
+                "row_step", "rows_outside")
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -119,8 +124,8 @@ def role_of(obj: Any) -> Role:
 
 def assign(obj: Any, **facts: Any) -> Role:
     """Records ``facts`` (``Role`` field names; ``chunked_table``, ``cached_table``,
-    ``cached_state_of``, ``row_accumulator`` and ``row_step`` take the object, kept
-    weakly) for ``obj``, keeping those set before; returns its role. ValueError names an
+    ``cached_state_of``, ``row_accumulator``, ``row_step`` and ``rows_outside`` take the
+    object, kept weakly) for ``obj``, keeping those set before; returns its role. ValueError names an
     unknown fact."""
     for name in _HELD_WEAKLY:
         if name in facts:

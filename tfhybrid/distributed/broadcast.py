@@ -13,7 +13,6 @@ from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import roles
-from tfhybrid import tiers
 from tfhybrid.distributed.options import is_global_process_set
 
 
@@ -138,31 +137,23 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int = 0,
                 var.assign(collectives.broadcast(var, shard_root, "tfhybrid_broadcast_shard",
                                                  mesh.data_process_set))
 
-    tiered = [tiers.table_of(var) for var in shards if tiers.table_of(var) is not None]
+    outside = [roles.role_of(var).rows_outside for var in shards
+               if roles.role_of(var).rows_outside is not None]
     if tf.executing_eagerly():
         # one function, so Horovod negotiates (and fuses) the broadcasts together
         tf.function(assign_all, autograph=False)()
-    elif tiered and mesh.data_parallel > 1:
+    elif outside and mesh.data_parallel > 1:
         raise ValueError(
             f"broadcast_variables inside a tf.function cannot send tiered tables "
-            f"{[t.name for t in tiered]} (cache_rows: most rows are in files); call it "
+            f"{[t.name for t in outside]} (cache_rows: most rows are in files); call it "
             "eagerly, as tfhybrid.callbacks.BroadcastGlobalVariablesCallback does")
     else:
         assign_all()
     if mesh.data_parallel > 1:
-        for table in tiered:
-            _broadcast_tier(table, shard_root, mesh)
-            table.mark_replicas_alike()
-
-
-def _broadcast_tier(table: Any, root: int, mesh: mesh_lib.Mesh) -> None:
-    """A tiered shard's rows and row state, file and cache, from ``root`` (its data
-    group's member in the root replica), a block at a time."""
-    table.flush()
-    for start, stop in table.blocks():
-        values, state = (collectives.broadcast(
-            tf.constant(read(start, stop)), root, f"tfhybrid_broadcast_tier_{what}",
-            mesh.data_process_set).numpy()
-            for what, read in (("rows", table.read_rows),
-                               ("state", table.read_accumulator)))
-        table.write_rows(start, values, state)
+        def from_root(values, what):
+            # the shard's rows, from its data group's member in the root replica
+            return collectives.broadcast(tf.constant(values), shard_root,
+                                         f"tfhybrid_broadcast_tier_{what}",
+                                         mesh.data_process_set).numpy()
+        for table in outside:
+            table.broadcast_rows(from_root)

@@ -21,7 +21,6 @@ from tfhybrid import _tf_internals
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import roles
-from tfhybrid import tiers
 from tfhybrid.slot_owners import slot_owner
 
 
@@ -69,20 +68,22 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
         return
     state = [_tf_internals.tf_variable(s)
              for v in shards for s in [v] + optimizer_state_of(optimizer, v)]
-    tiered = [tiers.table_of(v) for v in shards if tiers.table_of(v) is not None]
-    # a tiered shard's cache holds its rows' row state, whatever the optimizer
-    state += [t.cache_accumulator for t in tiered
-              if not any(s is t.cache_accumulator for s in state)]
+    outside = [roles.role_of(v).rows_outside for v in shards
+               if roles.role_of(v).rows_outside is not None]
+    # a table with rows outside its variable (a tier) averages its row state with it,
+    # whatever the optimizer
+    state += [s for t in outside for s in t.replica_state
+              if not any(s is kept for kept in state)]
     averaged = collectives.grouped_allreduce([tf.convert_to_tensor(v) for v in state],
                                              op=hvd.Average, name="tfhybrid_weight_sync",
                                              process_set=mesh.data_process_set)
     collectives.count("allreduce", sum(v.shape.num_elements() * v.dtype.size for v in state),
                       "tfhybrid_weight_sync", mesh.data_process_set)
     assigned = [var.assign(value, read_value=False) for var, value in zip(state, averaged)]
-    for table in tiered:
-        # the rest of a tiered shard: the rows its replicas wrote back since the last
-        # sync, read once the cache is averaged (a row the cache then gives up carries
-        # the average)
+    for table in outside:
+        # the rest of such a shard (a tier's): the rows its replicas wrote back since the
+        # last sync, read once the cache is averaged (a row the cache then gives up
+        # carries the average)
         name = f"tfhybrid_weight_sync_{table.name}"
 
         def average(tensors, name=name):

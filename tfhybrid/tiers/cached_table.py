@@ -136,7 +136,8 @@ class CachedTable(tf.Module):
         # how an optimizer finds the table of a cache gradient (table_of) and where each
         # row's accumulator lives (row_accumulator: it moves with the row), and a
         # checkpoint the table of an accumulator (accumulator_table_of)
-        roles.assign(self.cache, cached_table=self, row_accumulator=self.cache_accumulator)
+        roles.assign(self.cache, cached_table=self, row_accumulator=self.cache_accumulator,
+                     rows_outside=self)
         roles.assign(self.cache_accumulator, cached_state_of=self)
         self._slot_of_row = np.full(self.rows, -1, np.int32)   # 4 bytes per row
         self._row_of_slot = np.full(self.cache_rows, -1, np.int64)
@@ -364,6 +365,23 @@ class CachedTable(tf.Module):
     def mark_replicas_alike(self) -> None:
         """Every replica holds the same table now (after a broadcast): no row to sync."""
         self._written_since_sync = []
+
+    @property
+    def replica_state(self) -> tuple:
+        """The variables a weight sync averages with the cache whatever the optimizer:
+        the cache's row state, which moves with its rows."""
+        return (self.cache_accumulator,)
+
+    def broadcast_rows(self, broadcast: Callable[[np.ndarray, str], np.ndarray]) -> None:
+        """Makes this replica's rows and row state, file and cache, the root replica's, a
+        block at a time: ``broadcast(values, what)`` returns the root's ``values``
+        (``what``: "rows" or "state"). The replicas are alike after it."""
+        self.flush()
+        for start, stop in self.blocks():
+            values = broadcast(self.read_rows(start, stop), "rows")
+            state = broadcast(self.read_accumulator(start, stop), "state")
+            self.write_rows(start, values, state)
+        self.mark_replicas_alike()
 
     def stats(self) -> dict:
         """Distinct ids per call that found their row cached (``hits``) or loaded it
