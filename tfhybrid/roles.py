@@ -67,10 +67,9 @@ class Role:
     synced: bool = False
     # The tables a variable belongs to, held weakly (a table holds its variables, and
     # the registry must not keep either alive): the FIITED table whose chunk pool it is,
-    # the tiered table whose DRAM cache it is, and the one whose cache accumulator it is.
+    # and the tiered table whose DRAM cache it is.
     chunked_table_ref: weakref.ref | None = None
     cached_table_ref: weakref.ref | None = None
-    cached_state_of_ref: weakref.ref | None = None
     # Held weakly too: the variable in which the variable's table keeps its row-wise
     # optimizer state (a FIITED pool's per-row accumulators, a tiered cache's per-slot
     # ones, which move with the rows), which a row-wise optimizer uses instead of a slot
@@ -80,9 +79,13 @@ class Role:
     row_accumulator_ref: weakref.ref | None = None
     row_step_ref: weakref.ref | None = None
     # The table that keeps rows of the variable outside it (a disk tier's file), held
-    # weakly: weight syncs and broadcasts hand it its rows (``replica_state``,
-    # ``sync_replicas(average)``, ``broadcast_rows(broadcast)``, ``name``).
+    # weakly: weight syncs, broadcasts and checkpoints hand it its rows
+    # (``replica_state``, ``sync_replicas(average)``, ``broadcast_rows(broadcast)``,
+    # ``whole()`` / ``assign_whole(value)``, ``name``); and, for a row-state variable
+    # (a tier's cache accumulator), the table keeping its rows outside it
+    # (``whole(accumulator=True)`` / ``assign_whole(value, accumulator=True)``).
     rows_outside_ref: weakref.ref | None = None
+    state_outside_ref: weakref.ref | None = None
 
     def record(self, facts: dict[str, Any]) -> None:
         """Sets ``facts`` (field names, checked by ``assign``)."""
@@ -91,10 +94,10 @@ class Role:
 
     chunked_table = property(lambda self: _dereferenced(self.chunked_table_ref))
     cached_table = property(lambda self: _dereferenced(self.cached_table_ref))
-    cached_state_of = property(lambda self: _dereferenced(self.cached_state_of_ref))
     row_accumulator = property(lambda self: _dereferenced(self.row_accumulator_ref))
     row_step = property(lambda self: _dereferenced(self.row_step_ref))
     rows_outside = property(lambda self: _dereferenced(self.rows_outside_ref))
+    state_outside = property(lambda self: _dereferenced(self.state_outside_ref))
 
 
 def _dereferenced(ref: weakref.ref | None) -> Any:
@@ -103,8 +106,8 @@ def _dereferenced(ref: weakref.ref | None) -> Any:
 
 
 _ROLES: dict[int, tuple[weakref.ref, Role]] = {}
-_HELD_WEAKLY = ("chunked_table", "cached_table", "cached_state_of", "row_accumulator",
-                "row_step", "rows_outside")
+_HELD_WEAKLY = ("chunked_table", "cached_table", "row_accumulator", "row_step",
+                "rows_outside", "state_outside")
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -123,9 +126,8 @@ def role_of(obj: Any) -> Role:
 
 
 def assign(obj: Any, **facts: Any) -> Role:
-    """Records ``facts`` (``Role`` field names; ``chunked_table``, ``cached_table``,
-    ``cached_state_of``, ``row_accumulator``, ``row_step`` and ``rows_outside`` take the
-    object, kept weakly) for ``obj``, keeping those set before; returns its role. ValueError names an
+    """Records ``facts`` (``Role`` field names; the objects of ``_HELD_WEAKLY``,
+    ``chunked_table`` to ``state_outside``, are kept weakly) for ``obj``, keeping those set before; returns its role. ValueError names an
     unknown fact."""
     for name in _HELD_WEAKLY:
         if name in facts:

@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
-from tfhybrid import tiers
+from tfhybrid import roles
 from tfhybrid.checkpoint import resharding
 from tfhybrid.checkpoint import writer
 from tfhybrid.plan.types import Kind
@@ -70,11 +70,11 @@ def _write_rows(variable: tf.Variable, value: tf.Tensor) -> Any:
 
 def variable_piece(rect: resharding.Rect, variable: tf.Variable) -> Piece:
     """A table's variable (a shard, a whole table, or a slot of its shape) as ``rect``."""
-    cached = tiers.table_of(variable)
-    if cached is not None:
-        # a tiered shard's variable is its cache: the piece is the whole shard, in row
-        # order, from its file and cache
-        return Piece(rect, tf.float32, "/cpu:0", cached.whole, cached.assign_whole)
+    outside = roles.role_of(variable).rows_outside
+    if outside is not None:
+        # a variable whose rows live outside it (a tier's cache): the piece is the whole
+        # shard, in row order, from its file and cache
+        return Piece(rect, tf.float32, "/cpu:0", outside.whole, outside.assign_whole)
     variable = _tf_internals.tf_variable(variable)
     return Piece(rect, variable.dtype, variable.device, variable.read_value,
                  lambda value: _write_rows(variable, value))
@@ -83,13 +83,13 @@ def variable_piece(rect: resharding.Rect, variable: tf.Variable) -> Piece:
 def slot_piece(rect: resharding.Rect, slot: tf.Variable) -> Piece:
     """A slot as a rectangle of its table: row-wise slots broadcast over the columns."""
     slot = _tf_internals.tf_variable(slot)
-    cached = tiers.accumulator_table_of(slot)
-    if cached is None and resharding.slot_layout(slot.shape.as_list(), rect) == "full":
+    outside = roles.role_of(slot).state_outside
+    if outside is None and resharding.slot_layout(slot.shape.as_list(), rect) == "full":
         return variable_piece(rect, slot)
     rows, cols = rect.shape
-    if cached is not None:   # a tiered shard's row state, in row order
-        read_rows = lambda: cached.whole(accumulator=True)  # noqa: E731
-        write_rows = lambda value: cached.assign_whole(value, accumulator=True)  # noqa: E731
+    if outside is not None:   # row state whose rows live outside it (a tier's), in order
+        read_rows = lambda: outside.whole(accumulator=True)  # noqa: E731
+        write_rows = lambda value: outside.assign_whole(value, accumulator=True)  # noqa: E731
     else:
         read_rows = slot.read_value
         write_rows = lambda value: _write_rows(slot, value)  # noqa: E731
@@ -102,7 +102,7 @@ def slot_piece(rect: resharding.Rect, slot: tf.Variable) -> Piece:
         # columns it shares with this shard (see resharding.rowwise_weights)
         return write_rows(tf.reduce_mean(tf.cast(value, tf.float64), axis=1))
 
-    return Piece(rect, slot.dtype, "/cpu:0" if cached is not None else slot.device, read,
+    return Piece(rect, slot.dtype, "/cpu:0" if outside is not None else slot.device, read,
                  assign)
 
 

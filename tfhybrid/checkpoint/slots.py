@@ -27,9 +27,8 @@ from typing import Any
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
-from tfhybrid import fiited
+from tfhybrid import roles
 from tfhybrid import slot_owners
-from tfhybrid import tiers
 from tfhybrid.checkpoint import pieces
 from tfhybrid.checkpoint import tables
 from tfhybrid.optimizers import ROW_STATE_SLOT
@@ -54,11 +53,10 @@ def slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
     owner = slot_owners.slot_owner(optimizer, variable)
     if owner is None:
         return {}
-    chunked, cached = fiited.table_of(variable), tiers.table_of(variable)
-    if chunked is not None or cached is not None:
-        # a FIITED pool's or tiered shard's only state is its rows' accumulator, which
-        # the table holds
-        state = chunked.accumulator if chunked is not None else cached.cache_accumulator
+    state = roles.role_of(variable).row_accumulator
+    if state is not None:
+        # a table that keeps its rows' accumulator itself (a FIITED pool, a tier's
+        # cache) has no other state
         return ({ROW_STATE_SLOT: state}
                 if any(v is state for v in variables_of(owner)) else {})
     if hasattr(owner, "get_slot_names"):   # legacy Keras optimizers

@@ -36,7 +36,7 @@ def table_of(variable: Any) -> "CachedTable | None":
 
 def accumulator_table_of(variable: Any) -> "CachedTable | None":
     """The CachedTable whose ``cache_accumulator`` ``variable`` is, else None."""
-    return roles.role_of(variable).cached_state_of
+    return roles.role_of(variable).state_outside
 
 
 def _refuse_cache_slots(optimizer: Any, variable: Any, slot_name: Any) -> None:
@@ -138,7 +138,7 @@ class CachedTable(tf.Module):
         # checkpoint the table of an accumulator (accumulator_table_of)
         roles.assign(self.cache, cached_table=self, row_accumulator=self.cache_accumulator,
                      rows_outside=self)
-        roles.assign(self.cache_accumulator, cached_state_of=self)
+        roles.assign(self.cache_accumulator, state_outside=self)
         self._slot_of_row = np.full(self.rows, -1, np.int32)   # 4 bytes per row
         self._row_of_slot = np.full(self.cache_rows, -1, np.int64)
         self._stamp = np.zeros(self.cache_rows, np.int64)      # LFU: steps used since loaded
