@@ -58,7 +58,8 @@ def build(args, target: float | None):
     optimizer.apply_gradients(zip(grads, layer.trainable_variables))
     if target is not None:
         for _, store in layer.stores.items():
-            store.fiited.utility.assign(rng.random(store.fiited.rows).astype(np.float32))
+            widths = store.widths
+            widths.utility.assign(rng.random(widths.utility.shape[0]).astype(np.float32))
         layer.adjust(target)
     return layer, optimizer
 

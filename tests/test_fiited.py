@@ -620,8 +620,8 @@ class CompactCheckpointTest(unittest.TestCase):
                         reader.get_tensor([k for k, _ in tf.train.list_variables(path)
                                            if k.endswith(f"table_{t}_chunk_counts")][0]),
                         counts[t])
-                pools = [store.fiited for _, store in layer.stores.items()
-                         if store.fiited is not None]
+                pools = [store.widths for _, store in layer.stores.items()
+                         if store.widths is not None]
                 wanted = {t: (table.accumulator.numpy(), table.utility.numpy())
                           for t, table in enumerate(pools)}
                 mesh_lib.reset()
@@ -633,8 +633,8 @@ class CompactCheckpointTest(unittest.TestCase):
                 np.testing.assert_array_equal(got, want)
             for got, want in zip(fresh.get_weights(), weights):
                 np.testing.assert_array_equal(got, want)
-            pools = [store.fiited for _, store in fresh.stores.items()
-                     if store.fiited is not None]
+            pools = [store.widths for _, store in fresh.stores.items()
+                     if store.widths is not None]
             self.assertEqual(len(pools), len(counts))
             for t, table in enumerate(pools):
                 np.testing.assert_array_equal(table.accumulator.numpy(), wanted[t][0])
@@ -651,10 +651,10 @@ class CompactCheckpointTest(unittest.TestCase):
     def test_compact_layout_places_every_shard_in_one_run_per_chunk(self):
         import doctest
         import sys
-        from tfhybrid.checkpoint import tables
-        self.assertEqual(doctest.testmod(sys.modules[tables.__name__]).failed, 0)
+        from tfhybrid.fiited import saved
+        self.assertEqual(doctest.testmod(sys.modules[saved.__name__]).failed, 0)
         counts = np.random.default_rng(3).integers(0, CHUNKS + 1, ROWS)
-        layout = tables.CompactLayout.of(counts, CHUNKS)
+        layout = saved.CompactLayout.of(counts, CHUNKS)
         # chunk-major: every (row, chunk) present exactly once, in order
         order = [(j, i) for j in range(CHUNKS) for i in range(ROWS) if counts[i] > j]
         self.assertEqual(layout.present, len(order))

@@ -445,6 +445,69 @@ class SizesTest(unittest.TestCase):
         for module in LONG_MODULES:
             self.assertIn("one module", (sizes[module][1] or "").lower(), module)
 
+# What names a storage kind: its modules, its table and store classes, its name's constant.
+KIND_PACKAGES = ("tfhybrid.fiited", "tfhybrid.tiers")
+KIND_NAMES = {"KERNEL", "FIITED", "TIERED", "TIERED_FIITED", "CUSTOM", "KernelTable",
+              "FiitedPool", "TieredCache", "CustomLayerTable", "ChunkedTable", "CachedTable",
+              "ChunkedCachedTable", "ChunkOptions"}
+# Where a kind may be named: the kinds' own modules (and the registry and the spec that
+# map a kind's name to them), and what users set: the layers' options
+# (``Embedding(dims="adaptive", cache_rows=...)``), the planner's tier placement, the
+# app's flags and the FIITED callback.
+KIND_MODULES = KIND_PACKAGES + ("tfhybrid.sharding.stores", "tfhybrid.sharding.tables")
+USER_FACING = ("tfhybrid.layers", "tfhybrid.plan", "tfhybrid.train", "tfhybrid.callbacks")
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def kind_names(path: str) -> list[str]:
+    """Where the module at ``path`` names a storage kind: imports a kind's module, or
+    uses a kind's class or constant (``KIND_NAMES``) by name or attribute."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            dotted = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            kinds = [d for d in dotted if _within(d, KIND_PACKAGES)]
+            if kinds:
+                found.append(f"{node.lineno}: import {kinds[-1]}")
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if a.name in KIND_NAMES and not kinds]
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if _within(a.name, KIND_PACKAGES)]
+        elif isinstance(node, ast.Name) and node.id in KIND_NAMES:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in KIND_NAMES:
+            found.append(f"{node.lineno}: .{node.attr}")
+    return sorted(set(found), key=lambda r: (int(r.split(":")[0]), r))
+
+
+class KindsTest(unittest.TestCase):
+
+    def test_only_the_kinds_modules_and_user_facing_options_name_a_kind(self):
+        named = {_module_name(p): kind_names(p) for p in package_files()}
+        elsewhere = {m: n for m, n in named.items()
+                     if n and not _within(m, KIND_MODULES + USER_FACING)}
+        self.assertEqual(elsewhere, {})
+        # the check reads the kinds' modules too, and sees them name kinds
+        self.assertTrue(named["tfhybrid.sharding.stores"])
+        self.assertTrue(named["tfhybrid.layers.embedding"])
+
+    def test_the_kind_check_sees_a_kind(self):
+        path = source_file(self, (
+            "from tfhybrid import fiited\nfrom tfhybrid.tiers import CachedTable\n"
+            "import tfhybrid.tiers.cached_table\nfrom tfhybrid.sharding.tables import FIITED\n"
+            "from tfhybrid.sharding import stores\nx = stores.TieredCache\n"
+            "y = stores.create_store\n"), in_package=True)
+        self.assertEqual(kind_names(path), [
+            "1: import tfhybrid.fiited", "2: import tfhybrid.tiers.CachedTable",
+            "3: import tfhybrid.tiers.cached_table", "4: import FIITED", "6: .TieredCache"])
+
+
 class ImportsTest(unittest.TestCase):
 
     def test_no_import_cycle_in_the_package_counting_imports_in_functions(self):

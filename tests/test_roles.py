@@ -37,14 +37,14 @@ class RolesTest(tf.test.TestCase):
             pass
 
         table, pool = Table(), tf.Variable(tf.zeros([2, 2]))
-        roles.assign(pool, chunked_table=table)
-        self.assertIs(roles.role_of(pool).chunked_table, table)
+        roles.assign(pool, table=table)
+        self.assertIs(roles.role_of(pool).table, table)
         dead_table = weakref.ref(table)
         del table
         gc.collect()
         # the registry does not keep the table alive
         self.assertIsNone(dead_table())
-        self.assertIsNone(roles.role_of(pool).chunked_table)
+        self.assertIsNone(roles.role_of(pool).table)
         # the pool's own entry leaves with it (a count of all entries would also move
         # with whatever else a shared process frees meanwhile)
         dead_role = weakref.ref(roles.role_of(pool))

@@ -11,9 +11,11 @@ import tensorflow as tf
 import tfhybrid  # before tf.keras is used: checks which Keras it is
 from tfhybrid import custom_ops
 from tfhybrid.fiited import ChunkedTable
+from tfhybrid.fiited import saved as fiited_saved, sharded as fiited_sharded
 from tfhybrid.sharding import (bags, full_tables, id_check, ownership, placement, rank_stores,
                                route, stores, tables)
-from tfhybrid.tiers import CachedTable
+from tfhybrid.optimizer_traits import Trains
+from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
 ROWS, WIDTH = 40, 4
 
@@ -36,6 +38,10 @@ def _stores(directory: str) -> dict:
         "tiered": stores.TieredCache(
             CachedTable(ROWS, WIDTH, ROWS, directory, name="tiered",
                         initializer=lambda a, b: np.zeros([b - a, WIDTH], np.float32)),
+            "t", use_custom_kernel=True),
+        "tiered_fiited": stores.TieredCache(
+            ChunkedCachedTable(ROWS, WIDTH, ROWS, directory, chunks=2, name="tiered_fiited",
+                               initializer=lambda a, b: np.zeros([b - a, WIDTH], np.float32)),
             "t", use_custom_kernel=True),
         "custom": stores.CustomLayerTable(custom, combiner=None),
     }
@@ -72,9 +78,35 @@ class StoreProtocolTest(tf.test.TestCase):
                     # the rows each store reads for routed ids (a tier's cache slots),
                     # as the route asks for them
                     looked_up = store.rows_of(tf.constant(ids), replicas, "t")
-                    got = store.lookup_sum(looked_up, tf.constant(lengths))
+                    got = store.lookup(looked_up, tf.constant(lengths))
                     self.assertAllClose(got, expected, rtol=0, atol=1e-5,
                                         msg=f"{kind}, {shape}")
+                    # mean: the sum over the bag's length, zeros for an empty bag
+                    mean = store.lookup(looked_up, tf.constant(lengths), "mean")
+                    self.assertAllClose(mean, expected / np.maximum(lengths, 1)[:, None],
+                                        rtol=0, atol=1e-5, msg=f"{kind}, {shape}, mean")
+
+    def test_a_combiner_or_weights_no_store_takes_are_named(self):
+        ids, lengths = tf.constant([1, 2], tf.int64), tf.constant([1, 1], tf.int64)
+        with tempfile.TemporaryDirectory() as directory:
+            for kind, store in _stores(directory).items():
+                with self.assertRaisesRegex(
+                        ValueError, r"combiner='sqrtn' is unknown.*\('sum', 'mean'\)", msg=kind):
+                    store.lookup(ids, lengths, "sqrtn")
+                with self.assertRaisesRegex(ValueError, "no per-id weights", msg=kind):
+                    store.lookup(ids, lengths, weights=tf.ones([2]))
+
+    def test_every_kind_names_the_optimizers_that_train_it(self):
+        with tempfile.TemporaryDirectory() as directory:
+            made = _stores(directory)
+        self.assertEqual(made["kernel"].trained_by, frozenset(Trains))
+        self.assertEqual(made["fiited"].trained_by, {Trains.ROW_STATE})
+        self.assertEqual(made["tiered"].trained_by, {Trains.ROW_STATE, Trains.NO_STATE})
+        self.assertEqual(made["tiered_fiited"].trained_by, {Trains.ROW_STATE})
+        # and what Keras tracks for the layer, and which have per-row widths
+        self.assertIsNone(made["kernel"].tracked)
+        self.assertEqual({k for k, store in made.items() if store.widths is not None},
+                         {"fiited", "tiered_fiited"})
 
     def test_memory_names_the_same_keys_for_every_kind(self):
         with tempfile.TemporaryDirectory() as directory:
@@ -86,14 +118,15 @@ class StoreProtocolTest(tf.test.TestCase):
 
 class StoreSetTest(tf.test.TestCase):
 
-    def test_finds_the_fiited_parts_by_shard(self):
+    def test_finds_stores_by_table_and_shard(self):
         with tempfile.TemporaryDirectory() as directory:
             made = _stores(directory)
             held = stores.StoreSet()
             for index, kind in enumerate(("kernel", "fiited", "tiered", "custom")):
                 held.add(index, 0, made[kind])
-            self.assertIsNone(held.fiited(0, 0))
-            self.assertIs(held.fiited(1, 0), made["fiited"].fiited)
+            self.assertIs(held.get(1, 0), made["fiited"])
+            self.assertIsNone(held.get(0, 0).widths)
+            self.assertIsNotNone(held.get(1, 0).widths)
             self.assertIsNone(held.get(1, 1))
             self.assertEqual(len(list(held.items())), 4)
 
@@ -125,7 +158,7 @@ class ExamplesTest(tf.test.TestCase):
 
     def test_module_and_class_examples_run(self):
         for module in (tables, stores, route, bags, id_check, full_tables, placement,
-                       rank_stores, ownership):
+                       rank_stores, ownership, fiited_saved, fiited_sharded):
             self.assertEqual(doctest.testmod(module).failed, 0, module.__name__)
             docs = [inspect.getdoc(module)] + [
                 inspect.getdoc(cls) for _, cls in inspect.getmembers(module, inspect.isclass)
@@ -137,12 +170,13 @@ class ExamplesTest(tf.test.TestCase):
 
     def test_public_classes_have_examples(self):
         for module in (stores, route, bags, id_check, full_tables, placement, rank_stores,
-                       ownership):
+                       ownership, fiited_saved, fiited_sharded):
             for name, cls in inspect.getmembers(module, inspect.isclass):
                 if cls.__module__ != module.__name__ or name.startswith("_"):
                     continue
-                if name in ("TableStore", "StoreContext", "RouteEntry", "Bags",
-                            "LayerPlacement", "RankStores", "Ownership"):
+                if name in ("TableStore", "RowWidths", "SavedLayout", "StoreContext",
+                            "RouteEntry", "Bags", "LayerPlacement", "RankStores",
+                            "Ownership"):
                     continue    # protocols and plain records
                 self.assertIn("Example::", inspect.getdoc(cls), f"{module.__name__}.{name}")
 

@@ -61,9 +61,12 @@ class AdaptiveTierTest(tc.TierDir):
                     self.assertEqual(got.sum(), int(self.TARGET * table.rows * table.dim))
                     self.assertGreater(len(set(got.tolist())), 1)
                 tiered_shards = [t for t in tc.tiered(layer)]
-                self.assertTrue(all(store.cache is store.fiited
-                                    for _, store in layer.stores.items()
-                                    if store.cache is not None))
+                # a tiered shard's per-row widths are its tier's own
+                tiered_stores = [store for _, store in layer.stores.items()
+                                 if "hits" in store.stats()]
+                self.assertTrue(tiered_stores)
+                self.assertTrue(all(store.widths is not None and store.widths is store.tracked
+                                    for store in tiered_stores))
                 self.assertGreater(sum(hvd.allgather_object(
                     sum(t.stats()["writebacks"] for t in tiered_shards))), 0)
 

@@ -2,7 +2,7 @@
 
 ``DistributedEmbedding`` builds its variables from the plan and records here what the plan
 says of each: a table of the layer, a model-parallel shard (of which table, synced how),
-the anchor, a FIITED pool or a tiered shard's cache. The gradient route, broadcasts,
+the anchor, a variable of a table object (a pool, a cache). The gradient route, broadcasts,
 weight syncs, optimizers and checkpoints ask :func:`role_of` instead of reading attributes
 stuck on TensorFlow objects, so the facts have one writer, one reader API, and a Keras 3
 variable can take a ``tf.Variable``'s place.
@@ -65,11 +65,10 @@ class Role:
     shard_state: bool = False
     # a gradient a DistributedGradientTape returned: synced already, never again
     synced: bool = False
-    # The tables a variable belongs to, held weakly (a table holds its variables, and
-    # the registry must not keep either alive): the FIITED table whose chunk pool it is,
-    # and the tiered table whose DRAM cache it is.
-    chunked_table_ref: weakref.ref | None = None
-    cached_table_ref: weakref.ref | None = None
+    # The table object whose trained variable it is (a chunk pool's, a DRAM cache's),
+    # held weakly (a table holds its variables, and the registry must not keep either
+    # alive): its kind's module asks it (its slot guard, its saved layout).
+    table_ref: weakref.ref | None = None
     # Held weakly too: the variable in which the variable's table keeps its row-wise
     # optimizer state (a FIITED pool's per-row accumulators, a tiered cache's per-slot
     # ones, which move with the rows), which a row-wise optimizer uses instead of a slot
@@ -92,8 +91,7 @@ class Role:
         for name, value in facts.items():
             setattr(self, name, value)
 
-    chunked_table = property(lambda self: _dereferenced(self.chunked_table_ref))
-    cached_table = property(lambda self: _dereferenced(self.cached_table_ref))
+    table = property(lambda self: _dereferenced(self.table_ref))
     row_accumulator = property(lambda self: _dereferenced(self.row_accumulator_ref))
     row_step = property(lambda self: _dereferenced(self.row_step_ref))
     rows_outside = property(lambda self: _dereferenced(self.rows_outside_ref))
@@ -106,8 +104,7 @@ def _dereferenced(ref: weakref.ref | None) -> Any:
 
 
 _ROLES: dict[int, tuple[weakref.ref, Role]] = {}
-_HELD_WEAKLY = ("chunked_table", "cached_table", "row_accumulator", "row_step",
-                "rows_outside", "state_outside")
+_HELD_WEAKLY = ("table", "row_accumulator", "row_step", "rows_outside", "state_outside")
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -127,8 +124,8 @@ def role_of(obj: Any) -> Role:
 
 def assign(obj: Any, **facts: Any) -> Role:
     """Records ``facts`` (``Role`` field names; the objects of ``_HELD_WEAKLY``,
-    ``chunked_table`` to ``state_outside``, are kept weakly) for ``obj``, keeping those set before; returns its role. ValueError names an
-    unknown fact."""
+    ``table`` to ``state_outside``, are kept weakly) for ``obj``, keeping those set
+    before; returns its role. ValueError names an unknown fact."""
     for name in _HELD_WEAKLY:
         if name in facts:
             table = facts.pop(name)

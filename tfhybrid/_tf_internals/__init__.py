@@ -46,8 +46,8 @@ or (2.21) Keras 3 as ``tf.keras``. The rest of tfhybrid reads it as one module,
     writer (``tfhybrid/checkpoint/writer.py``) installs it when a
     ``DistributedEmbedding`` is built.
   - ``install_restore_hook`` patches ``CheckpointPosition.gather_ops_or_named_saveables``:
-    a FIITED table's saved shape depends on the checkpoint being read, and TF tells a
-    saveable nothing about it; the hook names the path (``restoring_path``) while TF
+    a kind's saved shape (a FIITED table's) depends on the checkpoint being read, and TF
+    tells a saveable nothing about it; the hook names the path (``restoring_path``) while TF
     gathers. Installed with the saver hook (``tfhybrid/checkpoint/tables.py``).
   - ``install_slot_guard`` wraps the Keras optimizers' slot factories and builds: a slot
     per entry of a tiered cache or a FIITED pool would be wrong, and Keras has no hook
@@ -73,8 +73,12 @@ or (2.21) Keras 3 as ``tf.keras``. The rest of tfhybrid reads it as one module,
 
 Checkpoints hold tables and their slots under mesh-independent keys through TF's own
 extension points: ``_gather_saveables_for_checkpoint`` nodes (the layer's ``tables``,
-the optimizer's ``tfhybrid_table_slots``) and ``Trackable`` children that stand in for
-an optimizer's numbered lists; those stay in their modules.
+the optimizer's ``tfhybrid_table_slots``), ``Trackable`` children that stand in for
+an optimizer's numbered lists, and ``SaveableObject`` subclasses; those stay in their
+modules: ``checkpoint/pieces.py`` (``FullTensorSaveable``, a dense table's slices),
+``checkpoint/tables.py`` and ``slots.py`` (the nodes), and a storage kind's own saved
+layout, ``fiited/saved.py`` (``_CompactSaveable``, a FIITED table's compact chunks, which
+reads ``restoring_path``).
 
 Example::
 

@@ -116,9 +116,3 @@ def layer_pieces(layer: Any) -> list[list[tuple[resharding.Rect, tf.Variable]]]:
         held.append([(rect, layer.stores.get(t, 0 if replicated else s).variable)
                      for s, rect in pieces])
     return held
-
-
-def in_chunks(table: Any, rect: resharding.Rect) -> resharding.Rect:
-    """``rect`` of a FIITED table in chunk columns (its slices hold whole chunks)."""
-    return resharding.Rect(rect.row_start, rect.row_end, rect.col_start // table.chunk_dim,
-                           rect.col_end // table.chunk_dim)

@@ -32,6 +32,7 @@ from tfhybrid import slot_owners
 from tfhybrid.checkpoint import pieces
 from tfhybrid.checkpoint import tables
 from tfhybrid.optimizers import ROW_STATE_SLOT
+from tfhybrid.sharding.stores import keeps_row_state, saved_layout_of
 
 # The optimizer's checkpoint child (part of the checkpoint format).
 SLOTS_CHILD = "tfhybrid_table_slots"
@@ -107,18 +108,21 @@ def layer_slot_pieces(optimizer: Any, layer: Any) -> dict[str, tuple[int, tuple,
     names = sorted(slots_of(optimizer, layer.anchor))
     found = {}
     for t, (table, held) in enumerate(zip(layer.table_specs, pieces.layer_pieces(layer))):
-        # a FIITED pool's or tiered table's only state is its rows' accumulator
-        # (slots_of): a momentum-free SGD's "m", which carries nothing from step to
-        # step, has no place there. Every rank knows which tables these are.
+        # a table that keeps its rows' state itself (as its storage kind says) has its
+        # rows' accumulator as its only state (slots_of): a momentum-free SGD's "m",
+        # which carries nothing from step to step, has no place there. Every rank knows
+        # which tables these are.
         table_names = ([n for n in names if n == ROW_STATE_SLOT]
-                       if table.chunks or table.cache_rows else names)
+                       if keeps_row_state(table) else names)
         per_slot: dict[str, list[pieces.Piece]] = {name: [] for name in table_names}
-        # a FIITED table's row-wise slot is saved per chunk column (its column
-        # slices hold whole chunks), not broadcast over every column
-        full_shape = (table.rows, table.chunks) if table.chunks else (table.rows, table.dim)
+        # a kind's own saved layout may place the row-wise slot otherwise (a FIITED
+        # table's per chunk column, its column slices holding whole chunks); else it is
+        # broadcast over every column
+        layout = saved_layout_of(table)
+        full_shape = layout.slot_shape(table) if layout else (table.rows, table.dim)
         for rect, var in held:
-            if table.chunks:
-                rect = pieces.in_chunks(table, rect)
+            if layout is not None:
+                rect = layout.slot_rect(table, rect)
             slots = slots_of(optimizer, var)
             if sorted(slots) != table_names:
                 raise ValueError(

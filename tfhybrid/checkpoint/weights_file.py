@@ -36,13 +36,13 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import collectives
-from tfhybrid import fiited
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.checkpoint import pieces
 from tfhybrid.checkpoint import slots
 from tfhybrid.checkpoint import tables
 from tfhybrid.checkpoint import writer
 from tfhybrid.plan.types import Kind
+from tfhybrid.sharding.stores import saved_layout_of
 
 
 def install() -> None:
@@ -178,7 +178,7 @@ def _whole(layer: Any, table: int, full_shape: tuple, held: list, name: str) -> 
             rect = piece.rect
             full[rect.row_start:rect.row_end, rect.col_start:rect.col_end] = \
                 tf.convert_to_tensor(piece.read()).numpy()
-    return collectives.allreduce(tf.constant(full), hvd.Sum, name).numpy()
+    return _all_sum(full, name)
 
 
 def _assign(held: list, full: np.ndarray) -> None:
@@ -189,76 +189,53 @@ def _assign(held: list, full: np.ndarray) -> None:
 
 
 # ------------------------------------------------------------------ the layer
-def _chunked_tables(layer: Any) -> list[tuple[int, Any, list]]:
-    """(index, spec, held (rect, FIITED table) pairs) of the layer's adaptive tables."""
-    return [(t, spec, [(rect, fiited.table_of(variable)) for rect, variable in held])
-            for t, (spec, held) in enumerate(zip(layer.table_specs,
-                                                  pieces.layer_pieces(layer)))
-            if spec.chunks]
+def _laid_out_tables(layer: Any) -> list[tuple[int, Any, list]]:
+    """(index, saved layout, held (rect, variable) pairs) of the layer's tables whose
+    storage kind has a saved layout of its own (``stores.saved_layout_of``)."""
+    found = []
+    for t, (spec, held) in enumerate(zip(layer.table_specs, pieces.layer_pieces(layer))):
+        layout = saved_layout_of(spec)
+        if layout is not None:
+            found.append((t, layout, held))
+    return found
 
 
 def _layer_keys(layer: Any) -> list[str]:
     return sorted([f"table_{t}" for t in range(len(layer.table_specs))]
-                  + [f"table_{t}{suffix}" for t, _, _ in _chunked_tables(layer)
-                     for suffix in (tables.COUNTS_SUFFIX, tables.UTILITY_SUFFIX)])
+                  + [key for t, layout, _ in _laid_out_tables(layer)
+                     for key in layout.weights_file_keys(t)])
+
+
+def _all_sum(array: np.ndarray, name: str) -> np.ndarray:
+    return collectives.allreduce(tf.constant(array), hvd.Sum, name).numpy()
 
 
 def save_layer(layer: Any, store: Any) -> None:
-    """``DistributedEmbedding.save_own_variables``: each table whole; a FIITED table also
-    its rows' chunk counts (``[rows]``) and utilities (``[rows, chunks]``, each shard's
-    spread over its chunk columns, as a checkpoint holds them), so that a load restores
-    its layout and what the next adjustment plans by, on any mesh."""
+    """``DistributedEmbedding.save_own_variables``: each table whole, and what a table's
+    own saved layout adds (a FIITED table's chunk counts and utilities), so that a load
+    restores it on any mesh."""
     for t, table in enumerate(layer.get_weights(all_ranks=False)):
         store[f"table_{t}"] = table
-    for t, spec, held in _chunked_tables(layer):
-        utility = np.zeros([spec.rows, spec.chunks], np.float32)
-        if _contributes(layer, t):
-            for rect, chunked in held:
-                cols = pieces.in_chunks(spec, rect)
-                utility[cols.row_start:cols.row_end, cols.col_start:cols.col_end] = \
-                    chunked.utility.numpy()[:, None] / chunked.chunks
-        utility = collectives.allreduce(tf.constant(utility), hvd.Sum,
-                                        f"tfhybrid_weights_file_utility_{t}").numpy()
-        store[f"table_{t}{tables.COUNTS_SUFFIX}"] = np.asarray(
-            layer.whole_chunk_counts[t], np.int32)
-        store[f"table_{t}{tables.UTILITY_SUFFIX}"] = utility
+    for t, layout, held in _laid_out_tables(layer):
+        layout.save_to_weights_file(layer, t, held, store, _contributes(layer, t), _all_sum)
 
 
 def load_layer(layer: Any, store: Any) -> None:
     """``DistributedEmbedding.load_own_variables``: the file's whole tables onto this
-    rank's plan (a FIITED table's layout first, then its values and utilities)."""
+    rank's plan (a table's own layout first, then the values, then its other state)."""
     names, expected = sorted(store.keys()), _layer_keys(layer)
     if names != expected:
         raise ValueError(f"the weights file holds {names} for DistributedEmbedding "
                          f"{layer.name!r}, which has {len(layer.table_specs)} tables "
                          f"({expected})")
-    chunked_tables = _chunked_tables(layer)
-    for t, spec, held in chunked_tables:
-        counts = np.asarray(store[f"table_{t}{tables.COUNTS_SUFFIX}"])
-        utility = np.asarray(store[f"table_{t}{tables.UTILITY_SUFFIX}"])
-        if (counts.shape != (spec.rows,) or counts.min(initial=0) < 0
-                or counts.max(initial=0) > spec.chunks
-                or utility.shape != (spec.rows, spec.chunks)):
-            raise ValueError(
-                f"the weights file holds FIITED table {spec.name!r} as chunk counts of "
-                f"shape {counts.shape} in [{counts.min(initial=0)}, "
-                f"{counts.max(initial=0)}] and utilities of shape {utility.shape}; it "
-                f"needs {spec.rows} counts in [0, {spec.chunks}] and [{spec.rows}, "
-                f"{spec.chunks}] utilities")
-        for rect, chunked in held:
-            cols = pieces.in_chunks(spec, rect)
-            chunked.resize(np.clip(counts[cols.row_start:cols.row_end] - cols.col_start,
-                                   0, chunked.chunks))
-        layer.whole_chunk_counts[t] = counts.astype(layer.whole_chunk_counts[t].dtype)
+    laid_out = _laid_out_tables(layer)
+    for t, layout, held in laid_out:
+        layout.load_layout_from_weights_file(layer, t, held, store)
     # the values land in the rows' chunks: a pruned entry is dropped (it was saved as 0)
     layer.set_weights([np.asarray(store[f"table_{t}"])
                        for t in range(len(layer.table_specs))])
-    for t, spec, held in chunked_tables:
-        utility = np.asarray(store[f"table_{t}{tables.UTILITY_SUFFIX}"])
-        for rect, chunked in held:
-            cols = pieces.in_chunks(spec, rect)
-            chunked.utility.assign(utility[cols.row_start:cols.row_end,
-                                           cols.col_start:cols.col_end].sum(axis=1))
+    for t, layout, held in laid_out:
+        layout.load_state_from_weights_file(layer, t, held, store)
 
 
 # ------------------------------------------------------------------ the optimizer

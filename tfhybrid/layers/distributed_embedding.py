@@ -25,6 +25,7 @@ from tfhybrid import roles
 from tfhybrid.checkpoint import tables as checkpoint_tables
 from tfhybrid.checkpoint import weights_file as checkpoint_weights_file
 from tfhybrid.fiited import ChunkedTable
+from tfhybrid.fiited.sharded import ShardedWidths
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.plan.types import dram_budget_bytes
 from tfhybrid.plan.types import (COST_STRATEGY, DEFAULT_STRATEGY, Kind, OPTIMIZERS,
@@ -358,14 +359,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self.use_custom_kernel, self.add_weight,
             on_host(self.plan, mesh.model_position, self.gpu_embedding_size, self.name),
             self.data_parallel_threshold)
-        # Tracked, so their variables are this layer's weights: a custom table's shards
-        # (instances of its layer), the variables of replicated tables and of the shards
-        # this rank owns, FIITED and tiered stores
-        self._custom_shards = made.custom_shards
+        # Tracked, so their variables are this layer's weights: what the stores have
+        # Keras track (a custom table's shards, instances of its layer; table objects),
+        # the variables of replicated tables and of the shards this rank owns
+        self._store_objects = made.tracked
         self._table_vars = made.table_vars
         self._shard_vars = made.shard_vars
-        self._chunked_tables = made.chunked_tables
-        self._cached_tables = made.cached_tables
         # plain objects: set past Keras' __setattr__, which would track them. Per FIITED
         # table, every row's chunk count as every rank planned it at the last adjustment
         # (or read it from a restored checkpoint): where a shard's chunks go in the
@@ -391,6 +390,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self.dp_input, self._stores, self._anchor, self.compute_dtype, self._mp_keep,
             self.replica_sync))
         object.__setattr__(self, "_whole_tables", WholeTables(
+            self.name, mesh, self.plan, self._tables, self._stores))
+        object.__setattr__(self, "_sharded_widths", ShardedWidths(
             self.name, mesh, self.plan, self._tables, self._stores,
             self._whole_chunk_counts))
 
@@ -495,7 +496,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         the chunks each adaptive table keeps, by table name."""
         if target_memory is not None:
             ChunkedTable.check_target(target_memory)
-        return self._whole("adjust").adjust(
+        self._whole("adjust")
+        return self._sharded_widths.adjust(
             lambda table: table.target_memory if target_memory is None else target_memory)
 
     @property
@@ -506,13 +508,15 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     def adjust_ramp(self, ramp: float) -> dict[str, int]:
         """:meth:`adjust` with each table's budget ``ramp`` (0 to 1) of the way from the
         whole table to its ``target_memory`` (``FiitedAdjust``'s schedule)."""
-        return self._whole("adjust").adjust(
+        self._whole("adjust")
+        return self._sharded_widths.adjust(
             lambda table: 1.0 - (1.0 - table.target_memory) * ramp)
 
     def chunks_per_row(self) -> list:
         """Per table, how many chunks each row holds (None for a dense table); every
         rank must call it (the counts of shards are gathered over the model group)."""
-        return self._whole("chunks_per_row").chunks_per_row()
+        self._whole("chunks_per_row")
+        return self._sharded_widths.chunks_per_row()
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of this rank's tables and shards in memory: ``"embedding"`` (tables,

@@ -48,15 +48,14 @@ from tfhybrid.sharding.tables import TableSpec
 @dataclasses.dataclass
 class RankStores:
     """The stores, and the variables and objects the layer tracks for Keras (so they are
-    its weights): replicated tables' variables by table, shards' by (table, shard), FIITED
-    pools and tiered caches by ``"<table>_<shard>"``, custom layers by (table, shard)."""
+    its weights): replicated tables' variables by table, shards' by (table, shard), and
+    what each store has Keras track besides (``TableStore.tracked``: a table object, the
+    user's layer) by ``"<table>_<shard>"``."""
 
     stores: StoreSet
     table_vars: dict = dataclasses.field(default_factory=dict)
     shard_vars: dict = dataclasses.field(default_factory=dict)
-    chunked_tables: dict = dataclasses.field(default_factory=dict)
-    cached_tables: dict = dataclasses.field(default_factory=dict)
-    custom_shards: dict = dataclasses.field(default_factory=dict)
+    tracked: dict = dataclasses.field(default_factory=dict)
 
 
 def table_key(layer_name: str, table: TableSpec) -> str:
@@ -92,23 +91,19 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
                 tables[t], shard, name, context,
                 regularizer=getattr(layer, "embeddings_regularizer", None),
                 constraint=getattr(layer, "embeddings_constraint", None))
-        if store.fiited is not None:
-            made.chunked_tables[f"{t}_{s}"] = store.fiited
-        if store.cache is not None:
-            made.cached_tables[f"{t}_{s}"] = store.cache
-        if isinstance(store, stores_lib.CustomLayerTable):
-            made.custom_shards[(t, s)] = store.layer
+        if store.tracked is not None:
+            made.tracked[f"{t}_{s}"] = store.tracked
         made.stores.add(t, s, store)
         return store
 
     for t, (table, placement) in enumerate(zip(tables, plan.tables)):
         ids_per_step = local_batch * hotness[t]
-        if placement.kind == Kind.DATA_PARALLEL and table.cache_rows:
+        if placement.kind == Kind.DATA_PARALLEL and not stores_lib.kind_of(table).replicable:
             raise ValueError(
-                f"table {table.name!r} has cache_rows={table.cache_rows} (a disk tier) "
-                "but the plan replicates it (data_parallel): raise its size above "
-                f"data_parallel_threshold={data_parallel_threshold} or keep it in "
-                "memory (a replicated table is small)")
+                f"table {table.name!r} is stored as {table.storage!r}, whose rows stay on "
+                "their shard's rank, but the plan replicates it (data_parallel): raise "
+                f"its size above data_parallel_threshold={data_parallel_threshold} or "
+                "store it in memory (a replicated table is small)")
         if placement.kind == Kind.DATA_PARALLEL:
             store = add(t, 0, table.name, placement.shards[0])
             var = store.variable

@@ -150,7 +150,7 @@ class EmbeddingRoute:
             placement = self.plan.tables[t]
             if placement.kind == Kind.DATA_PARALLEL:
                 # 5. data-parallel tables: local lookup
-                outputs.append(self.finish(bags[f], self.stores.lookup_sum(
+                outputs.append(self.finish(bags[f], self.stores.lookup(
                     t, 0, bags[f].values, bags[f].lengths)))
                 continue
             if placement.kind == Kind.COLUMN_WISE:
@@ -336,7 +336,7 @@ class EmbeddingRoute:
         # 4. owner: look up and sum the bags of all M ranks of the model group
         sums = []
         for i, r in enumerate(mine):
-            summed = self.stores.lookup_sum(r.table, r.shard, route_ids[i], route_lengths[i])
+            summed = self.stores.lookup(r.table, r.shard, route_ids[i], route_lengths[i])
             if not self.dp_input and self.tables[r.table].combiner == "mean":
                 # only the owner sees whole bags here (a row shard's ids are a part)
                 counts = tf.maximum(bags[r.feature].lengths, 1)

@@ -2,10 +2,12 @@
 
 A store holds one table of a rank (a replicated table) or one shard of it, and answers
 the same questions whatever it keeps: the rows it reads for routed ids (``rows_of``: a
-tier's cache slots), their bag sums (``lookup_sum``), its rows in row order for
+tier's cache slots), their bags combined (``lookup``), its rows in row order for
 whole-table reads and writes (``read_rows`` / ``write_rows``), the variables it keeps
 per row besides the one trained (``row_state``), whether its gradient must be synced
-sparse (``sparse_sync``), and its memory. The kinds:
+sparse (``sparse_sync``), the optimizers that can train it (``trained_by``), what the
+layer tracks for Keras (``tracked``), its per-row widths if it has them (``widths``),
+its counters (``stats``) and its memory. The kinds:
 
 - ``KernelTable``: a dense variable, looked up by the fused C++ kernel (pure TF where
   the op library is not built);
@@ -14,8 +16,11 @@ sparse (``sparse_sync``), and its memory. The kinds:
   FIITED's per-row widths for an adaptive table; its routed ids are cache slots;
 - ``CustomLayerTable``: an instance of the user's own embedding layer class.
 
-``create_store`` makes the store of the storage kind the table's spec names
-(``TableSpec.storage``), through :data:`STORAGE_KINDS`; the layer keeps the stores in a
+Each storage kind is one entry of :data:`STORAGE_KINDS` (a :class:`StorageKind`): how its
+store is made, and what its saved form adds to the table's values (``saved_layout``: a
+FIITED table's compact chunks, ``tfhybrid.fiited.saved``). ``create_store`` makes the
+store of the kind the table's spec names (``TableSpec.storage``); checkpoints ask
+:func:`saved_layout_of` and :func:`keeps_row_state`. The layer keeps the stores in a
 ``StoreSet`` keyed by (table, shard).
 
 Example::
@@ -23,8 +28,9 @@ Example::
     import tensorflow as tf
     from tfhybrid.sharding.stores import KernelTable
     store = KernelTable(tf.Variable(tf.ones([4, 2])), "t", use_custom_kernel=False)
-    sums = store.lookup_sum(tf.constant([0, 1, 3], tf.int64), tf.constant([2, 1], tf.int64))
-    assert sums.numpy().tolist() == [[2.0, 2.0], [1.0, 1.0]]
+    ids, lengths = tf.constant([0, 1, 3], tf.int64), tf.constant([2, 1], tf.int64)
+    assert store.lookup(ids, lengths).numpy().tolist() == [[2.0, 2.0], [1.0, 1.0]]
+    assert store.lookup(ids, lengths, "mean").numpy().tolist() == [[1.0, 1.0], [1.0, 1.0]]
 """
 
 from __future__ import annotations
@@ -42,11 +48,56 @@ from tfhybrid import collectives
 from tfhybrid import custom_ops
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.fiited import ChunkedTable
+from tfhybrid.fiited.saved import COMPACT_CHUNKS
+from tfhybrid.optimizer_traits import Trains
 from tfhybrid.plan.tiers import TIER_PINNED_STEPS, shard_cache_rows
 from tfhybrid.plan.types import Shard
 from tfhybrid.sharding.tables import (CUSTOM, FIITED, KERNEL, TIERED, TIERED_FIITED,
                                       TableSpec, custom_shard_layer, slice_initializer)
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
+
+
+# the combiners every store's lookup takes
+COMBINERS = ("sum", "mean")
+
+
+class RowWidths(Protocol):
+    """A store's per-row widths (FIITED's chunk prefixes: a FIITED pool's, or a tier's
+    over FIITED chunks), as the mesh-wide adjustment (``tfhybrid.fiited.sharded``) asks."""
+
+    chunks: int
+    utility: tf.Variable     # [rows]: what the adjustment divides the chunks by
+
+    def chunks_per_row(self) -> np.ndarray: ...
+
+    def adjust(self, target_memory: float) -> dict: ...
+
+    def resize(self, chunks_per_row: Any) -> dict: ...
+
+
+class SavedLayout(Protocol):
+    """What a kind's saved form adds to its table's ``[rows, dim]`` values, for
+    checkpoints (``tfhybrid.checkpoint.tables``), weights files
+    (``tfhybrid.checkpoint.weights_file``) and optimizer slots
+    (``tfhybrid.checkpoint.slots``). ``held``: the (rect, variable) pairs of table ``t``
+    this rank holds. ``tfhybrid.fiited.saved.CompactChunks`` is one."""
+
+    def checkpoint_saveable(self, layer: Any, t: int, held: list) -> Callable: ...
+
+    def weights_file_keys(self, t: int) -> list[str]: ...
+
+    def save_to_weights_file(self, layer: Any, t: int, held: list, store: Any,
+                             contributes: bool, all_sum: Callable) -> None: ...
+
+    def load_layout_from_weights_file(self, layer: Any, t: int, held: list,
+                                      store: Any) -> None: ...
+
+    def load_state_from_weights_file(self, layer: Any, t: int, held: list,
+                                     store: Any) -> None: ...
+
+    def slot_shape(self, spec: TableSpec) -> tuple[int, int]: ...
+
+    def slot_rect(self, spec: TableSpec, rect: Any) -> Any: ...
 
 
 class TableStore(Protocol):
@@ -59,18 +110,53 @@ class TableStore(Protocol):
     # True: its gradient must be synced sparse (rows at logical ids or at cache slots,
     # which only the sparse sync places); None: as the sizes make cheaper
     sparse_sync: bool | None
+    # the optimizers that can train it, by what they keep (``optimizer_traits``): its
+    # table's slot guard refuses the others
+    trained_by: frozenset
+    # what the layer tracks for Keras besides ``variable`` (a table object, the user's
+    # layer), so its variables are the layer's weights; None: nothing
+    tracked: Any
+    # its per-row widths, if its rows have them (else None)
+    widths: RowWidths | None
 
     def rows_of(self, ids: tf.Tensor, replicas: "ShardReplicas", route: str) -> tf.Tensor:
-        """The rows ``lookup_sum`` reads for routed ``ids`` (a tier's cache slots, their
+        """The rows ``lookup`` reads for routed ``ids`` (a tier's cache slots, their
         rows loaded; the ids themselves elsewhere); ``route`` names the collectives."""
 
-    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor: ...
+    def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
+               weights: tf.Tensor | None = None) -> tf.Tensor:
+        """[bags, width]: each bag's rows (``lengths`` ids each) combined by
+        ``combiner`` (:data:`COMBINERS`; an empty bag is zeros), each row scaled by its
+        per-id weight if ``weights`` is given."""
 
     def read_rows(self, start: int, stop: int) -> Any: ...
 
     def write_rows(self, start: int, values: np.ndarray) -> None: ...
 
     def memory_bytes(self) -> dict[str, int]: ...
+
+    def stats(self) -> dict[str, Any]:
+        """Its counters (a cache's hits and misses); {} where it keeps none."""
+
+
+def combined(bag_sums: Callable[[tf.Tensor, tf.Tensor], tf.Tensor], ids: tf.Tensor,
+             lengths: tf.Tensor, combiner: str, weights: tf.Tensor | None,
+             table_name: str) -> tf.Tensor:
+    """A store's ``lookup`` from its ``bag_sums(ids, lengths)``: the one rule of the
+    combiners for every kind (``"mean"``: the sum over the bag's length, zeros for an
+    empty bag). ``ValueError`` names an unknown combiner or per-id weights, which no
+    kind takes yet."""
+    if combiner not in COMBINERS:
+        raise ValueError(f"table {table_name!r}: combiner={combiner!r} is unknown to its "
+                         f"store; expected one of {COMBINERS}")
+    if weights is not None:
+        raise ValueError(f"table {table_name!r}: its store takes no per-id weights yet; "
+                         "got weights, expected weights=None")
+    sums = bag_sums(ids, lengths)
+    if combiner == "mean":
+        counts = tf.cast(tf.maximum(lengths, 1), sums.dtype)
+        sums = sums / counts[:, None]
+    return sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +205,12 @@ class KernelTable:
         assert store.read_rows(1, 2).numpy().tolist() == [[1.0, 2.0]]
     """
 
-    fiited = None
-    cache = None
     row_state: tuple = ()
     sparse_sync = None
+    # a dense variable: every optimizer's slots fit it
+    trained_by = frozenset(Trains)
+    tracked = None
+    widths = None
 
     def __init__(self, variable: tf.Variable, table_name: str, use_custom_kernel: bool):
         self.variable = variable
@@ -135,7 +223,11 @@ class KernelTable:
         del replicas, route
         return ids
 
-    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
+               weights: tf.Tensor | None = None) -> tf.Tensor:
+        return combined(self._bag_sums, ids, lengths, combiner, weights, self._table_name)
+
+    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
         # use_custom_kernel=True: the C++ op where it is built (else pure TF)
         return custom_ops.embedding_lookup_combine(
@@ -155,6 +247,9 @@ class KernelTable:
     def memory_bytes(self) -> dict[str, int]:
         return _dense_bytes(self.variable)
 
+    def stats(self) -> dict[str, Any]:
+        return {}
+
 
 class FiitedPool:
     """A FIITED table (or shard): its chunk pool, rows of per-row widths.
@@ -168,38 +263,47 @@ class FiitedPool:
         assert store.read_rows(0, 1).numpy().tolist() == [[1.0, 1.0, 1.0, 1.0]]
     """
 
-    cache = None
     # a pool's gradient is rows at logical ids, which only the sparse sync (and the
     # pool's own apply) can place
     sparse_sync = True
 
     def __init__(self, table: ChunkedTable):
-        self.fiited = table
+        self._table = table
         self.variable = table.pool
+        self.trained_by = table.trained_by
+        self.tracked = table
+        self.widths = table
 
     @property
     def row_state(self) -> tuple:
-        return tuple(self.fiited.row_state)
+        return tuple(self._table.row_state)
 
     def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
         del replicas, route
         return ids
 
-    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
-        return self.fiited.lookup_combine(
+    def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
+               weights: tf.Tensor | None = None) -> tf.Tensor:
+        return combined(self._bag_sums, ids, lengths, combiner, weights, self._table.name)
+
+    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+        return self._table.lookup_combine(
             tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False))
 
     def read_rows(self, start: int, stop: int) -> tf.Tensor:
-        return tf.convert_to_tensor(self.fiited.read_rows(start, stop))
+        return tf.convert_to_tensor(self._table.read_rows(start, stop))
 
     def write_rows(self, start: int, values: np.ndarray) -> None:
         # a row keeps its width: pruned entries are dropped
-        self.fiited.write_rows(start, values)
+        self._table.write_rows(start, values)
 
     def memory_bytes(self) -> dict[str, int]:
-        memory = self.fiited.memory_bytes()
+        memory = self._table.memory_bytes()
         return {"embedding": memory["pool"] + memory["zero_chunk"] + memory["row_offsets"],
-                "dense": self.fiited.rows * self.fiited.dim * 4, "store": 0}
+                "dense": self._table.rows * self._table.dim * 4, "store": 0}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
 
 class TieredCache:
@@ -223,18 +327,23 @@ class TieredCache:
     sparse_sync = True
 
     def __init__(self, table: CachedTable, table_name: str, use_custom_kernel: bool):
-        self.cache = table
-        self.fiited = table if isinstance(table, ChunkedCachedTable) else None
+        self._tier = table
+        # an adaptive tier keeps FIITED's per-row widths: its lookups and widths are
+        # its own
+        self._chunked = table if isinstance(table, ChunkedCachedTable) else None
         self.variable = table.cache
+        self.trained_by = table.trained_by
+        self.tracked = table
+        self.widths = self._chunked
         self._table_name = table_name
         self._use_custom_kernel = use_custom_kernel
 
     @property
     def row_state(self) -> tuple:
         # an adaptive tier's per-slot state holds its accumulators
-        if self.fiited is not None:
-            return tuple(self.fiited.row_state)
-        return (self.cache.cache_accumulator,)
+        if self._chunked is not None:
+            return tuple(self._chunked.row_state)
+        return (self._tier.cache_accumulator,)
 
     def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
         """The cache slots of routed ``ids``, their rows loaded first.
@@ -247,10 +356,10 @@ class TieredCache:
         # Valid ids pass unchanged. A batch read ahead whose check failed is never looked
         # up (TrainPipeline raises after the step beside it), and its bad ids must not
         # fail the host step inside that step's function.
-        ids = tf.clip_by_value(ids, 0, self.cache.rows - 1)
+        ids = tf.clip_by_value(ids, 0, self._tier.rows - 1)
         everyone = replicas.gather(ids, route)
         if everyone is None:
-            return self.cache.slots(ids)
+            return self._tier.slots(ids)
         after = []
         if replicas.replica_sync == "weights":
             # A weight sync rewrites every slot, so rows must not move in or out while it
@@ -258,28 +367,35 @@ class TieredCache:
             # the cache here orders that after the step's last write to it (its sync).
             after = [self.variable.read_value()]
         with tf.control_dependencies(after):
-            slots = self.cache.slots(tf.concat([everyone, ids], 0))
+            slots = self._tier.slots(tf.concat([everyone, ids], 0))
         return slots[tf.size(everyone):]
 
-    def lookup_sum(self, slots: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def lookup(self, slots: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
+               weights: tf.Tensor | None = None) -> tf.Tensor:
+        return combined(self._bag_sums, slots, lengths, combiner, weights, self._table_name)
+
+    def _bag_sums(self, slots: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
         ragged = tf.RaggedTensor.from_row_lengths(slots, lengths, validate=False)
-        if self.fiited is not None:
-            return self.fiited.lookup_combine(ragged)
+        if self._chunked is not None:
+            return self._chunked.lookup_combine(ragged)
         return custom_ops.embedding_lookup_combine(
             self.variable, ragged, combiner="sum", table_name=self._table_name,
             use_custom_op=None if self._use_custom_kernel else False)
 
     def read_rows(self, start: int, stop: int) -> Any:
-        return self.cache.read_rows(start, stop)
+        return self._tier.read_rows(start, stop)
 
     def write_rows(self, start: int, values: np.ndarray) -> None:
         # writes the file and the rows the cache holds
-        self.cache.write_rows(start, values)
+        self._tier.write_rows(start, values)
 
     def memory_bytes(self) -> dict[str, int]:
-        memory = self.cache.memory_bytes()
+        memory = self._tier.memory_bytes()
         return {"embedding": memory["cache"] + memory["index"],
-                "dense": self.cache.rows * self.cache.dim * 4, "store": memory["store"]}
+                "dense": self._tier.rows * self._tier.dim * 4, "store": memory["store"]}
+
+    def stats(self) -> dict[str, Any]:
+        return self._tier.stats()
 
 
 class CustomLayerTable(KernelTable):
@@ -295,18 +411,19 @@ class CustomLayerTable(KernelTable):
         layer.build(tf.TensorShape([None]))
         store = CustomLayerTable(layer, combiner=None)
         ids, lengths = tf.constant([3], tf.int64), tf.constant([1], tf.int64)
-        assert store.lookup_sum(ids, lengths).numpy().tolist() == [[1.0, 1.0]]
+        assert store.lookup(ids, lengths).numpy().tolist() == [[1.0, 1.0]]
     """
 
     def __init__(self, layer: tf.keras.layers.Layer, combiner: str | None):
         super().__init__(layer.weights[0], layer.name, use_custom_kernel=False)
-        self.layer = layer
+        self.tracked = layer
+        self._layer = layer
         self._combiner = combiner
 
-    def lookup_sum(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
         # without a combiner every bag is one id (checked when the layer is built)
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
-        return tf.cast(self.layer(ragged if self._combiner else ids), tf.float32)
+        return tf.cast(self._layer(ragged if self._combiner else ids), tf.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,11 +443,27 @@ def create_store(spec: TableSpec, shard: Shard, name: str,
     """The store of ``spec``'s ``shard`` (the whole table for a replicated one) of the
     storage kind the spec names (:data:`STORAGE_KINDS`), its rows initialized to the
     shard's slice of the table; ``ValueError`` names an unknown kind."""
-    make = STORAGE_KINDS.get(spec.storage)
-    if make is None:
+    return kind_of(spec).make(spec, shard, name, context, regularizer, constraint)
+
+
+def kind_of(spec: TableSpec) -> "StorageKind":
+    """The storage kind ``spec`` names; ``ValueError`` names an unknown one."""
+    kind = STORAGE_KINDS.get(spec.storage)
+    if kind is None:
         raise ValueError(f"table {spec.name!r}: storage kind {spec.storage!r} has no store; "
                          f"expected one of {sorted(STORAGE_KINDS)}")
-    return make(spec, shard, name, context, regularizer, constraint)
+    return kind
+
+
+def saved_layout_of(spec: TableSpec) -> SavedLayout | None:
+    """What ``spec``'s kind saves besides its values (None: only its values)."""
+    return kind_of(spec).saved_layout
+
+
+def keeps_row_state(spec: TableSpec) -> bool:
+    """Whether ``spec``'s kind keeps its rows' optimizer state itself (a FIITED pool's
+    accumulators, a tier's, which move with the rows): its only optimizer state."""
+    return kind_of(spec).keeps_row_state
 
 
 def _kernel_store(spec: TableSpec, shard: Shard, name: str, context: StoreContext,
@@ -431,20 +564,37 @@ class StoreSet:
     def items(self) -> Iterator[tuple[tuple[int, int], TableStore]]:
         return iter(self._stores.items())
 
-    def lookup_sum(self, table: int, shard: int, ids: tf.Tensor, lengths: tf.Tensor
-                   ) -> tf.Tensor:
-        """The sum of each bag's rows of one table or shard held here."""
-        return self._stores[(table, shard)].lookup_sum(ids, lengths)
-
-    def fiited(self, table: int, shard: int) -> ChunkedTable | ChunkedCachedTable | None:
-        """The FIITED pool (or tiered FIITED table) of the shard, if held here and
-        adaptive."""
-        store = self._stores.get((table, shard))
-        return None if store is None else store.fiited
+    def lookup(self, table: int, shard: int, ids: tf.Tensor, lengths: tf.Tensor,
+               combiner: str = "sum") -> tf.Tensor:
+        """Each bag's rows of one table or shard held here, combined."""
+        return self._stores[(table, shard)].lookup(ids, lengths, combiner)
 
 
-# each storage kind's store maker, (spec, shard, name, context, regularizer, constraint)
-# -> store: the one place a kind's name meets its store
-STORAGE_KINDS: dict[str, Callable[..., TableStore]] = {
-    KERNEL: _kernel_store, FIITED: _fiited_store, TIERED: _tiered_store,
-    TIERED_FIITED: _tiered_store, CUSTOM: _custom_store}
+@dataclasses.dataclass(frozen=True)
+class StorageKind:
+    """One storage kind: how its store is made and what it saves.
+
+    Example::
+
+        from tfhybrid.sharding.stores import STORAGE_KINDS
+        assert STORAGE_KINDS["kernel"].saved_layout is None
+        assert STORAGE_KINDS["fiited"].keeps_row_state
+    """
+    # (spec, shard, name, context, regularizer, constraint) -> its store
+    make: Callable[..., TableStore]
+    # what its saved form adds to the table's values (None: only the values)
+    saved_layout: SavedLayout | None = None
+    # it keeps its rows' optimizer state itself (``keeps_row_state``)
+    keeps_row_state: bool = False
+    # a plan may replicate it (a disk tier's rows stay in its shard's files)
+    replicable: bool = True
+
+
+# the one place a kind's name meets its store
+STORAGE_KINDS: dict[str, StorageKind] = {
+    KERNEL: StorageKind(_kernel_store),
+    FIITED: StorageKind(_fiited_store, COMPACT_CHUNKS, keeps_row_state=True),
+    TIERED: StorageKind(_tiered_store, keeps_row_state=True, replicable=False),
+    TIERED_FIITED: StorageKind(_tiered_store, COMPACT_CHUNKS, keeps_row_state=True,
+                               replicable=False),
+    CUSTOM: StorageKind(_custom_store)}

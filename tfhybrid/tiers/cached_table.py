@@ -31,7 +31,8 @@ _OPEN_STORES: "weakref.WeakValueDictionary[str, CachedTable]" = weakref.WeakValu
 
 def table_of(variable: Any) -> "CachedTable | None":
     """The CachedTable whose cache ``variable`` is, else None."""
-    return roles.role_of(variable).cached_table
+    table = roles.role_of(variable).table
+    return table if isinstance(table, CachedTable) else None
 
 
 def accumulator_table_of(variable: Any) -> "CachedTable | None":
@@ -46,17 +47,21 @@ def _refuse_cache_slots(optimizer: Any, variable: Any, slot_name: Any) -> None:
     ``variable`` (Keras 3, whose SGD makes no slot): only an optimizer that updates the
     chunks each row holds may train a FIITED table's cache."""
     table = table_of(variable)
-    if table is not None and slot_name is None:
+    if table is None:
+        return
+    if slot_name is None:
+        # an optimizer the table is trained by passes; one keeping a slot per entry is
+        # refused when it makes the slot, which names it
         if not getattr(table, "chunks", None) or trains_of(
-                slot_owners.slot_owner(optimizer, variable)) is Trains.ROW_STATE:
+                slot_owners.slot_owner(optimizer, variable)) in table.trained_by:
             return
-    if table is not None and getattr(table, "chunks", None):
+    if getattr(table, "chunks", None):
         raise ValueError(
             f"{type(optimizer).__name__} would update every entry of table "
             f"{table.name!r}, whose rows keep FIITED chunk prefixes (dims='adaptive') in a "
             "DRAM cache (cache_rows): train it with tfhybrid.optimizers.RowWiseAdagrad, "
             "which updates the chunks each row holds")
-    if table is not None and trains_of(optimizer) is not Trains.NO_STATE:
+    if trains_of(optimizer) is not Trains.NO_STATE:
         raise ValueError(
             f"{type(optimizer).__name__} keeps a {slot_name!r} slot per entry of table "
             f"{table.name!r}, whose rows move between a DRAM cache and its file "
@@ -84,6 +89,10 @@ class CachedTable(tf.Module):
         assert (rows.numpy()[1, 1] == table.read_rows(999, 1000)[0]).all()
         assert table.stats()["misses"] == 3
     """
+
+    # what can train it: a row-wise optimizer (its row state moves with the rows) or
+    # one that keeps nothing; a slot per entry would stay put while rows move
+    trained_by = frozenset({Trains.ROW_STATE, Trains.NO_STATE})
 
     def __init__(self, rows: int, dim: int, cache_rows: int, directory: str, *,
                  initializer: Callable[[int, int], Any] | None = None,
@@ -136,7 +145,7 @@ class CachedTable(tf.Module):
         # how an optimizer finds the table of a cache gradient (table_of) and where each
         # row's accumulator lives (row_accumulator: it moves with the row), and a
         # checkpoint the table of an accumulator (accumulator_table_of)
-        roles.assign(self.cache, cached_table=self, row_accumulator=self.cache_accumulator,
+        roles.assign(self.cache, table=self, row_accumulator=self.cache_accumulator,
                      rows_outside=self)
         roles.assign(self.cache_accumulator, state_outside=self)
         self._slot_of_row = np.full(self.rows, -1, np.int32)   # 4 bytes per row

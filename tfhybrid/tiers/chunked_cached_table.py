@@ -14,8 +14,9 @@ from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
 from tfhybrid.custom_ops import coalesce_rows
-from tfhybrid.fiited import MIN_CHUNKS, POSITION_POWER, ChunkOptions, \
+from tfhybrid.fiited.table import MIN_CHUNKS, POSITION_POWER, ChunkOptions, \
     chunked_rowwise_rows, combine_bags, update_utility
+from tfhybrid.optimizer_traits import Trains
 from tfhybrid.tiers.cached_table import CachedTable
 
 
@@ -48,6 +49,9 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
         assert table.lookup(table.slots(tf.constant([3]))).shape == (1, 8)
     """
 
+    # only a row-wise optimizer updates the chunks each row holds
+    trained_by = frozenset({Trains.ROW_STATE})
+
     def __init__(self, rows: int, dim: int, cache_rows: int, directory: str, *,
                  chunks: int = 8, utility_decay: float = 0.99, min_chunks: int = MIN_CHUNKS,
                  position_power: float = POSITION_POWER, use_custom_op: bool | None = None,
@@ -68,7 +72,7 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
         self.slot_chunks = variable(lambda: tf.zeros([self.cache_rows], tf.int32),
                                     name="slot_chunks")
         # the optimizer's route: a FIITED table's gradient goes to apply_pool_gradient
-        roles.assign(self.cache, chunked_table=self, row_step=self)
+        roles.assign(self.cache, row_step=self)
 
     @property
     def accumulator(self) -> tf.Variable:

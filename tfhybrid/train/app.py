@@ -795,12 +795,12 @@ def run(config: TrainConfig) -> dict:
             if not roles.is_embedding(v)))
         # this rank's tables in DRAM and on disk, and its tiered shards' cache hits
         results["embedding_memory"] = model.embedding.memory_bytes()
-        cached = [store.cache for _, store in model.embedding.stores.items()
-                  if store.cache is not None]
-        if cached:
-            looked = sum(t.stats()["hits"] + t.stats()["misses"] for t in cached)
-            results["tier_hit_rate"] = (sum(t.stats()["hits"] for t in cached) / looked
-                                        if looked else 0.0)
+        counted = [stats for stats in (store.stats() for _, store in
+                                         model.embedding.stores.items()) if "hits" in stats]
+        if counted:
+            hits = sum(stats["hits"] for stats in counted)
+            looked = hits + sum(stats["misses"] for stats in counted)
+            results["tier_hit_rate"] = hits / looked if looked else 0.0
     if traffic is not None and steps > 0:
         # this rank's collectives over every training step (warm-up included)
         results["collective_bytes_per_step"] = {

@@ -53,8 +53,6 @@ from tfhybrid import slot_owners
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 from tfhybrid.optimizer_traits import Trains, trains_of
 
-__all__ = ["ChunkedTable", "ChunkOptions", "plan_chunk_counts", "table_of"]
-
 # The adjustment's defaults: chunks every row keeps, and how fast a row's later chunks lose
 # score (see plan_chunk_counts).
 MIN_CHUNKS = 1
@@ -63,7 +61,8 @@ POSITION_POWER = 3.0
 
 def table_of(variable: Any) -> "ChunkedTable | None":
     """The ChunkedTable whose pool ``variable`` is, else None."""
-    return roles.role_of(variable).chunked_table
+    table = roles.role_of(variable).table
+    return table if isinstance(table, ChunkedTable) else None
 
 
 def refuse_other_optimizers(optimizer: Any, variable: Any, slot_name: Any) -> None:
@@ -74,11 +73,10 @@ def refuse_other_optimizers(optimizer: Any, variable: Any, slot_name: Any) -> No
     tier's guard, ``_refuse_cache_slots`` in ``tfhybrid/tiers/cached_table.py``.)"""
     del slot_name
     table = table_of(variable)
-    # a tier's FIITED cache: the tier's own guard says it, in the tier's words
-    if table is None or roles.role_of(variable).cached_table is not None:
+    if table is None:     # (a tier's FIITED cache: the tier's own guard says it)
         return
     owner = slot_owners.slot_owner(optimizer, variable)
-    if trains_of(owner) is not Trains.ROW_STATE:
+    if trains_of(owner) not in table.trained_by:
         raise ValueError(
             f"{type(owner).__name__} cannot train table {table.name!r}, a FIITED table "
             "(dims='adaptive') whose rows keep a prefix of their chunks: train it with "
@@ -287,6 +285,9 @@ class ChunkedTable(ChunkOptions, tf.Module):
         assert table.lookup(ids).shape == (3, 8)
     """
 
+    # only a row-wise optimizer updates the chunks each row holds
+    trained_by = frozenset({Trains.ROW_STATE})
+
     def __init__(self, rows: int, dim: int, chunks: int = 8, *,
                  initial_value: Any = None, seed: int | None = None,
                  utility_decay: float = 0.99, min_chunks: int = MIN_CHUNKS,
@@ -328,7 +329,7 @@ class ChunkedTable(ChunkOptions, tf.Module):
         # how an optimizer finds the table of a pool gradient (table_of), the rows'
         # accumulators (row_accumulator: one per logical row, whatever the chunks do) and
         # who steps the pool (row_step: its update reads the chunks each row holds)
-        roles.assign(self.pool, chunked_table=self, row_accumulator=self.accumulator,
+        roles.assign(self.pool, table=self, row_accumulator=self.accumulator,
                      row_step=self)
         _tf_internals.install_slot_guard(refuse_other_optimizers)
 
