@@ -64,8 +64,9 @@ def weights(model):
 
 def tiered_by_key(layer) -> dict:
     """This rank's tiered shards of ``layer``, by "<table>_<shard>"."""
-    return {f"{t}_{s}": store.cache for (t, s), store in layer.stores.items()
-            if store.cache is not None}
+    # a tiered store counts its cache's hits, and has Keras track its table
+    return {f"{t}_{s}": store.tracked for (t, s), store in layer.stores.items()
+            if "hits" in store.stats()}
 
 
 def tiered(layer) -> list:

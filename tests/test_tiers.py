@@ -329,7 +329,7 @@ class DistributedTierTest(_TempDir):
         self.assertEqual(got.history["loss"], want.history["loss"])
         np.testing.assert_array_equal(tiered_layer.get_weights()[0],
                                       memory_layer.get_weights()[0])
-        stats = tiered_layer.route.stores.get(0, 0).cache.stats()
+        stats = tiered_layer.route.stores.get(0, 0).stats()
         self.assertGreater(stats["writebacks"], 0)
         self.assertGreater(stats["misses"], 2 * CACHE)
 

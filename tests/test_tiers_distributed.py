@@ -113,8 +113,7 @@ class WeightSyncTierTest(tc.TierDir):
                     self.assert_same(tc.weights(tiered), tc.weights(memory))
                     # rows left the caches between syncs, and the syncs averaged them in
                     # the files: the equality above needed the files' half
-                    stats = [store.cache.stats() for _, store in tc.layer_of(tiered).stores.items()
-                             if store.cache is not None]
+                    stats = [table.stats() for table in tc.tiered(tc.layer_of(tiered))]
                     for key in ("writebacks", "synced_rows"):
                         self.assertGreater(sum(hvd.allgather_object(
                             sum(s[key] for s in stats))), 0, key)

@@ -30,6 +30,7 @@ from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.fiited.table import plan_chunk_counts
 from tfhybrid.plan.types import Kind, ShardingPlan
+from tfhybrid.sharding.tables import TableSpec
 
 
 class ShardedWidths:

@@ -2,8 +2,8 @@
 
 ``WholeTables`` serves ``DistributedEmbedding.get_weights`` / ``set_weights`` (NVIDIA
 distributed-embeddings' API: full tables in, full tables out, in chunks so that no rank
-holds more than the tables it returns plus one chunk) and the memory the stores take. It reads rows only through the stores' protocol
-(``tfhybrid.sharding.stores``).
+holds more than the tables it returns plus one chunk) and the memory the stores take.
+It reads rows only through the stores' protocol (``tfhybrid.sharding.stores``).
 
 Example (one process; under horovodrun every rank calls the same)::
 

@@ -98,12 +98,13 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
 
     for t, (table, placement) in enumerate(zip(tables, plan.tables)):
         ids_per_step = local_batch * hotness[t]
-        if placement.kind == Kind.DATA_PARALLEL and not stores_lib.kind_of(table).replicable:
+        not_replicable = stores_lib.kind_of(table).not_replicable
+        if placement.kind == Kind.DATA_PARALLEL and not_replicable is not None:
             raise ValueError(
-                f"table {table.name!r} is stored as {table.storage!r}, whose rows stay on "
-                "their shard's rank, but the plan replicates it (data_parallel): raise "
-                f"its size above data_parallel_threshold={data_parallel_threshold} or "
-                "store it in memory (a replicated table is small)")
+                f"table {table.name!r} {not_replicable(table)} but the plan replicates it "
+                "(data_parallel): raise its size above "
+                f"data_parallel_threshold={data_parallel_threshold} or keep it in memory "
+                "(a replicated table is small)")
         if placement.kind == Kind.DATA_PARALLEL:
             store = add(t, 0, table.name, placement.shards[0])
             var = store.variable

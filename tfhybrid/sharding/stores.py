@@ -126,8 +126,8 @@ class TableStore(Protocol):
     def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
                weights: tf.Tensor | None = None) -> tf.Tensor:
         """[bags, width]: each bag's rows (``lengths`` ids each) combined by
-        ``combiner`` (:data:`COMBINERS`; an empty bag is zeros), each row scaled by its
-        per-id weight if ``weights`` is given."""
+        ``combiner`` (:data:`COMBINERS`; an empty bag is zeros). ``weights`` (per-id
+        weights) is refused by every kind today (``combined``)."""
 
     def read_rows(self, start: int, stop: int) -> Any: ...
 
@@ -570,6 +570,10 @@ class StoreSet:
         return self._stores[(table, shard)].lookup(ids, lengths, combiner)
 
 
+def _in_disk_tier(spec: TableSpec) -> str:
+    return f"has cache_rows={spec.cache_rows} (a disk tier)"
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageKind:
     """One storage kind: how its store is made and what it saves.
@@ -586,15 +590,17 @@ class StorageKind:
     saved_layout: SavedLayout | None = None
     # it keeps its rows' optimizer state itself (``keeps_row_state``)
     keeps_row_state: bool = False
-    # a plan may replicate it (a disk tier's rows stay in its shard's files)
-    replicable: bool = True
+    # why a plan may not replicate it, in the words of the user's options (a disk
+    # tier's rows stay in its shard's files): spec -> text; None: it may
+    not_replicable: Callable[[TableSpec], str] | None = None
 
 
 # the one place a kind's name meets its store
 STORAGE_KINDS: dict[str, StorageKind] = {
     KERNEL: StorageKind(_kernel_store),
     FIITED: StorageKind(_fiited_store, COMPACT_CHUNKS, keeps_row_state=True),
-    TIERED: StorageKind(_tiered_store, keeps_row_state=True, replicable=False),
+    TIERED: StorageKind(_tiered_store, keeps_row_state=True,
+                        not_replicable=_in_disk_tier),
     TIERED_FIITED: StorageKind(_tiered_store, COMPACT_CHUNKS, keeps_row_state=True,
-                               replicable=False),
+                               not_replicable=_in_disk_tier),
     CUSTOM: StorageKind(_custom_store)}

@@ -50,8 +50,9 @@ def _refuse_cache_slots(optimizer: Any, variable: Any, slot_name: Any) -> None:
     if table is None:
         return
     if slot_name is None:
-        # an optimizer the table is trained by passes; one keeping a slot per entry is
-        # refused when it makes the slot, which names it
+        # built with a plain tier's cache, any optimizer passes here (one that keeps a
+        # slot per entry is refused when it makes the slot, which names it); a FIITED
+        # tier's, only one it is trained by
         if not getattr(table, "chunks", None) or trains_of(
                 slot_owners.slot_owner(optimizer, variable)) in table.trained_by:
             return

@@ -1,6 +1,7 @@
-// CPU kernels for FIITED's chunk pool (tfhybrid/fiited.py): ChunkedEmbeddingLookup,
+// CPU kernels for FIITED's chunk pool (tfhybrid/fiited/table.py): ChunkedEmbeddingLookup,
 // ChunkedEmbeddingLookupCombine and ChunkedRowwiseAdagradApply; and the same update on a
-// tiered FIITED table's cache (tfhybrid/tiers.py), CachedChunkedRowwiseAdagradApply.
+// tiered FIITED table's cache (tfhybrid/tiers/chunked_cached_table.py),
+// CachedChunkedRowwiseAdagradApply.
 //
 // Row r's chunks are pool rows [row_offsets[r], row_offsets[r + 1]), side by side, so a
 // row's present entries are one contiguous run of the flat pool: a lookup is one copy per
