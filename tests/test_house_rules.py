@@ -446,10 +446,10 @@ class SizesTest(unittest.TestCase):
             self.assertIn("one module", (sizes[module][1] or "").lower(), module)
 
 # What names a storage kind: its modules, its table and store classes, its name's constant.
-KIND_PACKAGES = ("tfhybrid.fiited", "tfhybrid.tiers")
+KIND_PACKAGES = ("tfhybrid.fiited", "tfhybrid.tiers", "tfhybrid.dynamic")
 KIND_NAMES = {"KERNEL", "FIITED", "TIERED", "TIERED_FIITED", "CUSTOM", "KernelTable",
               "FiitedPool", "TieredCache", "CustomLayerTable", "ChunkedTable", "CachedTable",
-              "ChunkedCachedTable", "ChunkOptions"}
+              "ChunkedCachedTable", "ChunkOptions", "DynamicTable"}
 # Where a kind may be named: the kinds' own modules (and the registry and the spec that
 # map a kind's name to them), and what users set: the layers' options
 # (``Embedding(dims="adaptive", cache_rows=...)``), the planner's tier placement, the

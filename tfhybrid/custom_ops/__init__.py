@@ -660,6 +660,22 @@ def cached_chunked_rowwise_adagrad_apply(cache, accum, slot_chunks, slot_rows, c
         chunk_dim=chunk_dim)
 
 
+def dynamic_find_or_insert(state, keys, call, admit_after: int, evict: str, ttl: int,
+                           pinned: int, insert: bool = True):
+    """One call of a dynamic table's shard on int64 ``keys`` in C++ (the rules are in
+    ``cc/kernels/dynamic_table_kernels.cc``): (each key's slot, -1 where not admitted;
+    the slots that took a new key; those keys; with ``insert=False`` only finds, changing
+    nothing). ``state`` holds the shard's variables
+    (``slot_keys``, ``slot_seen``, ``slot_count``, ``index``, ``cand_keys``,
+    ``cand_seen``, ``cand_count``, ``cand_index``, ``counters``)."""
+    return require_library().dynamic_find_or_insert(
+        state.slot_keys.handle, state.slot_seen.handle, state.slot_count.handle,
+        state.index.handle, state.cand_keys.handle, state.cand_seen.handle,
+        state.cand_count.handle, state.cand_index.handle, state.counters.handle,
+        tf.cast(keys, tf.int64), tf.cast(call, tf.int64), admit_after=admit_after,
+        evict=evict, ttl=ttl, pinned=pinned, insert=insert)
+
+
 def _chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
                            utility_decay) -> list:
     """The inputs both FIITED update ops take after their ids: the gradient, the AdaGrad

@@ -50,6 +50,7 @@ from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
 from tfhybrid import slot_owners
+from tfhybrid.combiners import bag_means
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 from tfhybrid.optimizer_traits import Trains, trains_of
 
@@ -148,6 +149,8 @@ def _combine_rows(lookup, ids, combiner: str):
         out = tf.reduce_sum(rows, axis=1)
         sizes = tf.shape(ids)[1]
     if combiner == "mean":
+        # dense bags share one size: a scalar divisor, as the dense layer's lookup divides
+        # (so the two stay equal bit for bit)
         out = out / tf.cast(tf.maximum(sizes, 1), out.dtype)
     return out
 
@@ -175,8 +178,7 @@ def combine_bags(ids, combiner: str, lookup, fused_sums) -> tf.Tensor:
         return _combine_rows(lookup, ids, combiner)
     out = fused_sums(flat, tf.cast(splits, tf.int64))
     if combiner == "mean":
-        sizes = tf.cast(tf.maximum(splits[1:] - splits[:-1], 1), out.dtype)
-        out = out / sizes[:, None]
+        out = bag_means(out, splits[1:] - splits[:-1])
     out.set_shape([ids.shape[0], out.shape[1]])
     return out
 

@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from tfhybrid import collectives
 from tfhybrid import compression
+from tfhybrid.combiners import bag_means
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding.bags import BagReader, Bags
@@ -339,8 +340,7 @@ class EmbeddingRoute:
             summed = self.stores.lookup(r.table, r.shard, route_ids[i], route_lengths[i])
             if not self.dp_input and self.tables[r.table].combiner == "mean":
                 # only the owner sees whole bags here (a row shard's ids are a part)
-                counts = tf.maximum(bags[r.feature].lengths, 1)
-                summed = summed / tf.cast(counts, summed.dtype)[:, None]
+                summed = bag_means(summed, bags[r.feature].lengths)
             sums.append(tf.reshape(summed, [group, -1]))   # [source, bags * width]
         if group == 1:
             return self._kept_here(mine, sums)
@@ -452,8 +452,7 @@ class EmbeddingRoute:
 
     def finish(self, bag, summed):
         if bag.combiner == "mean":
-            counts = tf.cast(tf.maximum(bag.lengths, 1), summed.dtype)
-            summed = summed / counts[:, None]
+            summed = bag_means(summed, bag.lengths)
         if bag.out_shape is not None:
             # the batch, not -1: with zero hotness the size says nothing about it
             summed = tf.reshape(summed, [bag.batch, bag.out_shape, summed.shape[-1]])

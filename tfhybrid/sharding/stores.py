@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import collectives
+from tfhybrid.combiners import COMBINERS, bag_means
 from tfhybrid import custom_ops
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.fiited import ChunkedTable
@@ -55,10 +56,6 @@ from tfhybrid.plan.types import Shard
 from tfhybrid.sharding.tables import (CUSTOM, FIITED, KERNEL, TIERED, TIERED_FIITED,
                                       TableSpec, custom_shard_layer, slice_initializer)
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
-
-
-# the combiners every store's lookup takes
-COMBINERS = ("sum", "mean")
 
 
 class RowWidths(Protocol):
@@ -153,10 +150,7 @@ def combined(bag_sums: Callable[[tf.Tensor, tf.Tensor], tf.Tensor], ids: tf.Tens
         raise ValueError(f"table {table_name!r}: its store takes no per-id weights yet; "
                          "got weights, expected weights=None")
     sums = bag_sums(ids, lengths)
-    if combiner == "mean":
-        counts = tf.cast(tf.maximum(lengths, 1), sums.dtype)
-        sums = sums / counts[:, None]
-    return sums
+    return bag_means(sums, lengths) if combiner == "mean" else sums
 
 
 @dataclasses.dataclass(frozen=True)

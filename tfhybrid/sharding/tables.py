@@ -68,6 +68,11 @@ def table_from_layer(layer: Any, custom: bool = False) -> TableSpec:
     """The spec of a Keras embedding layer's table; ``custom``: the layer has its own
     ``call`` (every shard is then an instance of its class)."""
     config = layer.get_config() if isinstance(layer, tf.keras.layers.Layer) else {}
+    if {"capacity", "key_dtype"} <= set(config or {}):
+        raise ValueError(
+            f"{type(layer).__name__} {layer.name!r} is a dynamic table, which runs in one "
+            "process for now: DistributedEmbedding does not shard dynamic tables yet; use "
+            "the layer beside it (docs/dynamic-tables.md)")
     if not {"input_dim", "output_dim"} <= set(config or {}):
         raise ValueError(
             "embeddings must hold tf.keras.layers.Embedding / tfhybrid.layers.Embedding "

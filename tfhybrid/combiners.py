@@ -1,0 +1,26 @@
+"""How a bag's rows combine: one rule for every table, store and route.
+
+``sum`` adds a bag's rows; ``mean`` divides that sum by the bag's length, ``max(length,
+1)``, so an empty bag gives zeros (as ``tf.nn.embedding_lookup_sparse`` and
+distributed-embeddings define it).
+
+Example::
+
+    import tensorflow as tf
+    from tfhybrid.combiners import bag_means
+    sums = tf.constant([[4.0, 2.0], [0.0, 0.0]])
+    assert bag_means(sums, tf.constant([2, 0])).numpy().tolist() == [[2.0, 1.0], [0.0, 0.0]]
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# what every store's lookup combines by
+COMBINERS = ("sum", "mean")
+
+
+def bag_means(sums: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    """[bags, width] ``sums`` divided by each bag's length (at least 1)."""
+    counts = tf.cast(tf.maximum(lengths, 1), sums.dtype)
+    return sums / counts[:, None]

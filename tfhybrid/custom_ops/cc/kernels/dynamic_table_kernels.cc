@@ -1,0 +1,440 @@
+// CPU kernel of dynamic tables (tfhybrid/dynamic/): DynamicFindOrInsert, one shard's
+// batched find-or-insert of keys, with admission, eviction and expiry.
+//
+// A shard has `capacity` slots. Its state is variables, so that checkpoints, broadcasts
+// and replicas see it like any other: per slot its key, the call that last saw it (-1: a
+// free slot) and its sightings; an open-addressing index over a power-of-two number of
+// buckets (at least twice the slots; a bucket holds a slot or -1), probed linearly from
+// the top bits of mix64(key) (the owner of a key in its model group is mix64 mod M, the
+// low bits: the top bits stay spread inside one shard); the same for the admission
+// candidates; and counters. One call, on one list of keys:
+//
+//   1. its distinct keys, sorted, and how often each occurs;
+//   2. a key held by a slot is a hit: the slot is seen now, its sightings grow;
+//   3. with ttl > 0, slots unseen for more than ttl calls are freed (expired);
+//   4. a missing key is admitted at once (admit_after 1) or counted as a candidate until
+//      its sightings reach admit_after (candidates are bounded by their arrays: when
+//      they are full, the least recently seen, then the smallest key, makes room);
+//   5. admitted keys, in key order, take free slots (lowest first), then never used ones,
+//      then the slots of evicted rows: with evict lfu the fewest sightings (then least
+//      recently seen, then smallest key), with lru the least recently seen (then fewest
+//      sightings, then smallest key), never a slot seen in the last `pinned` calls; with
+//      evict none, or no slot to evict, a key is refused (it reads the default row);
+//   6. every input key's slot is returned (-1: not admitted), and the slots that took a
+//      new key with those keys, for their rows to be initialized.
+//
+// With insert false (inference) a call only finds: the state is not touched.
+//
+// The result depends on nothing but the state and the list of keys, so the replicas of a
+// shard, called with the same keys, stay identical slot for slot.
+
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+
+namespace tensorflow {
+namespace tfhybrid {
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+// splitmix64's finalizer: tfhybrid/dynamic/keys.py's mix64.
+inline uint64 Mix64(uint64 z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// Where the counters live in their variable.
+enum Counter : int {
+  kAdmissions = 0,
+  kEvictions = 1,     // rows evicted to make room, and rows expired (ttl)
+  kRefusals = 2,      // sightings of keys that found no slot
+  kHits = 3,          // sightings of keys held by a slot
+  kMisses = 4,        // sightings of keys not held
+  kLive = 5,          // slots holding a key
+  kNextFresh = 6,     // slots [next_fresh, capacity) were never used
+  kCandidates = 7,    // candidates held
+  kNumCounters = 8,
+};
+
+// Open addressing with linear probing over `keys` (slot -> key); buckets hold slots.
+class SlotIndex {
+ public:
+  SlotIndex(int32* buckets, int64 num_buckets, const int64* keys)
+      : buckets_(buckets), mask_(num_buckets - 1), keys_(keys) {
+    int bits = 0;
+    while ((int64{1} << bits) < num_buckets) ++bits;
+    shift_ = 64 - bits;
+  }
+
+  int32 Find(int64 key) const {
+    for (int64 b = Home(key);; b = (b + 1) & mask_) {
+      const int32 s = buckets_[b];
+      if (s < 0) return -1;
+      if (keys_[s] == key) return s;
+    }
+  }
+
+  void Insert(int64 key, int32 slot) {
+    int64 b = Home(key);
+    while (buckets_[b] >= 0) b = (b + 1) & mask_;
+    buckets_[b] = slot;
+  }
+
+  // Removes `key` (its slot still holds it), shifting later entries of its run back so
+  // that no lookup stops early at the hole.
+  void Erase(int64 key) {
+    int64 hole = Home(key);
+    for (;; hole = (hole + 1) & mask_) {
+      const int32 s = buckets_[hole];
+      if (s < 0) return;
+      if (keys_[s] == key) break;
+    }
+    for (int64 j = (hole + 1) & mask_;; j = (j + 1) & mask_) {
+      const int32 s = buckets_[j];
+      if (s < 0) break;
+      const int64 home = Home(keys_[s]);
+      // s may stay at j only if its home lies cyclically in (hole, j]
+      const bool stays = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+      if (!stays) {
+        buckets_[hole] = s;
+        hole = j;
+      }
+    }
+    buckets_[hole] = -1;
+  }
+
+ private:
+  int64 Home(int64 key) const {
+    if (shift_ >= 64) return 0;
+    return static_cast<int64>(Mix64(static_cast<uint64>(key)) >> shift_);
+  }
+
+  int32* buckets_;
+  int64 mask_;
+  int shift_;
+  const int64* keys_;
+};
+
+// One table of keys (the slots, or the candidates): key, last call seen, sightings.
+struct KeyArrays {
+  int64* keys;
+  int64* seen;
+  int64* count;
+  int64 size;
+};
+
+Status CheckIndex(const Tensor& index_t, int64 size, const char* what) {
+  const int64 buckets = index_t.NumElements();
+  if (buckets < 2 * size || (buckets & (buckets - 1)) != 0) {
+    return errors::InvalidArgument(what, " index must have a power-of-two number of buckets, "
+                                   "at least twice its ", size, " entries; got ", buckets);
+  }
+  return OkStatus();
+}
+
+class DynamicFindOrInsertOp : public OpKernel {
+ public:
+  explicit DynamicFindOrInsertOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("admit_after", &admit_after_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ttl", &ttl_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("pinned", &pinned_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("insert", &insert_));
+    std::string evict;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("evict", &evict));
+    evict_ = evict == "lfu" ? kLfu : evict == "lru" ? kLru : kNone;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    // inputs 0..8: slot_keys, slot_seen, slot_count, index, cand_keys, cand_seen,
+    // cand_count, cand_index, counters (variables); 9: keys; 10: call
+    auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, int64>(
+        ctx, /*do_lock=*/true, /*sparse=*/false, {0, 1, 2, 3, 4, 5, 6, 7, 8});
+    Tensor t[9];
+    for (int i : {0, 1, 2, 4, 5, 6, 8}) {
+      OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, int64>(ctx, i, true, false,
+                                                                         &t[i]));
+    }
+    for (int i : {3, 7}) {
+      OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, int32>(ctx, i, true, false,
+                                                                         &t[i]));
+    }
+    const int64 capacity = t[0].NumElements();
+    OP_REQUIRES(ctx, capacity > 0 && capacity < (int64{1} << 31) &&
+                         t[1].NumElements() == capacity && t[2].NumElements() == capacity,
+                errors::InvalidArgument("slot_keys, slot_seen and slot_count must have one "
+                                        "entry per slot (1 to 2**31 - 1); got ",
+                                        capacity, ", ", t[1].NumElements(), " and ",
+                                        t[2].NumElements()));
+    OP_REQUIRES_OK(ctx, CheckIndex(t[3], capacity, "the slots'"));
+    const int64 cand_size = t[4].NumElements();
+    OP_REQUIRES(ctx, t[5].NumElements() == cand_size && t[6].NumElements() == cand_size &&
+                         cand_size < (int64{1} << 31),
+                errors::InvalidArgument("cand_keys, cand_seen and cand_count must have the "
+                                        "same size"));
+    if (admit_after_ > 1) {
+      OP_REQUIRES(ctx, cand_size > 0,
+                  errors::InvalidArgument("admit_after ", admit_after_, " needs candidates"));
+      OP_REQUIRES_OK(ctx, CheckIndex(t[7], cand_size, "the candidates'"));
+    }
+    OP_REQUIRES(ctx, t[8].NumElements() == kNumCounters,
+                errors::InvalidArgument("counters must have ", kNumCounters, " entries"));
+    const Tensor& keys_t = ctx->input(9);
+    const Tensor& call_t = ctx->input(10);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(call_t.shape()),
+                errors::InvalidArgument("call must be a scalar"));
+    const int64 call = call_t.scalar<int64>()();
+    OP_REQUIRES(ctx, call >= 0, errors::InvalidArgument("call must be >= 0, got ", call));
+
+    KeyArrays slots{t[0].flat<int64>().data(), t[1].flat<int64>().data(),
+                    t[2].flat<int64>().data(), capacity};
+    KeyArrays cands{t[4].flat<int64>().data(), t[5].flat<int64>().data(),
+                    t[6].flat<int64>().data(), cand_size};
+    int64* counters = t[8].flat<int64>().data();
+    SlotIndex index(t[3].flat<int32>().data(), t[3].NumElements(), slots.keys);
+
+    // 1. distinct keys, sorted, with their occurrences
+    const int64 n = keys_t.NumElements();
+    const int64* keys = keys_t.flat<int64>().data();
+    std::vector<int64> sorted(keys, keys + n);
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int64> distinct, occurs;
+    for (int64 i = 0; i < n; ++i) {
+      if (i == 0 || sorted[i] != sorted[i - 1]) {
+        distinct.push_back(sorted[i]);
+        occurs.push_back(0);
+      }
+      ++occurs.back();
+    }
+    const int64 u = static_cast<int64>(distinct.size());
+    std::vector<int32> slot_of(u, -1);
+
+    // 2. hits (without insert: only finds, the state untouched)
+    std::vector<int64> missing;
+    for (int64 i = 0; i < u; ++i) {
+      const int32 s = index.Find(distinct[i]);
+      if (!insert_) {
+        slot_of[i] = s;
+      } else if (s >= 0) {
+        slots.seen[s] = call;
+        slots.count[s] += occurs[i];
+        slot_of[i] = s;
+        counters[kHits] += occurs[i];
+      } else {
+        counters[kMisses] += occurs[i];
+        missing.push_back(i);
+      }
+    }
+
+    if (!insert_) missing.clear();
+
+    // 3. expiry, and the free slots (holes below next_fresh)
+    std::vector<int32> free_slots;
+    const int64 next_fresh = counters[kNextFresh];
+    if (insert_ && (ttl_ > 0 || counters[kLive] < next_fresh)) {
+      for (int64 s = 0; s < next_fresh; ++s) {
+        if (slots.seen[s] >= 0 && ttl_ > 0 && call - slots.seen[s] > ttl_) {
+          index.Erase(slots.keys[s]);
+          slots.seen[s] = -1;
+          slots.count[s] = 0;
+          --counters[kLive];
+          ++counters[kEvictions];
+        }
+        if (slots.seen[s] < 0) free_slots.push_back(static_cast<int32>(s));
+      }
+    }
+
+    // 4. admission
+    std::vector<int64> admit;   // indices into distinct, in key order
+    std::vector<int64> admit_count;
+    if (admit_after_ <= 1) {
+      admit = missing;
+      for (int64 i : missing) admit_count.push_back(occurs[i]);
+    } else {
+      Admit(missing, distinct, occurs, call, &cands, t[7].flat<int32>().data(),
+            t[7].NumElements(), counters, &admit, &admit_count);
+    }
+
+    // 5. placement: free slots, fresh slots, then evicted ones
+    const int64 fresh = capacity - counters[kNextFresh];
+    const int64 available = static_cast<int64>(free_slots.size()) + fresh;
+    std::vector<int32> victims;
+    const int64 need = static_cast<int64>(admit.size());
+    if (need > available && evict_ != kNone) {
+      victims = Victims(slots, counters[kNextFresh], call, need - available);
+    }
+    std::vector<int32> new_slots;
+    std::vector<int64> new_keys;
+    size_t next_free = 0, next_victim = 0;
+    for (int64 a = 0; a < need; ++a) {
+      const int64 i = admit[a];
+      int32 s;
+      if (next_free < free_slots.size()) {
+        s = free_slots[next_free++];
+      } else if (counters[kNextFresh] < capacity) {
+        s = static_cast<int32>(counters[kNextFresh]++);
+      } else if (next_victim < victims.size()) {
+        s = victims[next_victim++];
+        index.Erase(slots.keys[s]);
+        --counters[kLive];
+        ++counters[kEvictions];
+      } else {
+        counters[kRefusals] += occurs[i];
+        continue;
+      }
+      slots.keys[s] = distinct[i];
+      slots.seen[s] = call;
+      slots.count[s] = admit_count[a];
+      index.Insert(distinct[i], s);
+      ++counters[kLive];
+      ++counters[kAdmissions];
+      slot_of[i] = s;
+      new_slots.push_back(s);
+      new_keys.push_back(distinct[i]);
+    }
+
+    // 6. outputs
+    Tensor* slots_out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys_t.shape(), &slots_out));
+    int32* out = slots_out->flat<int32>().data();
+    for (int64 k = 0; k < n; ++k) {
+      const int64 i = std::lower_bound(distinct.begin(), distinct.end(), keys[k]) -
+                      distinct.begin();
+      out[k] = slot_of[i];
+    }
+    const int64 added = static_cast<int64>(new_slots.size());
+    Tensor* new_slots_out = nullptr;
+    Tensor* new_keys_out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({added}), &new_slots_out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({added}), &new_keys_out));
+    std::copy(new_slots.begin(), new_slots.end(), new_slots_out->flat<int32>().data());
+    std::copy(new_keys.begin(), new_keys.end(), new_keys_out->flat<int64>().data());
+  }
+
+ private:
+  enum Evict { kLfu, kLru, kNone };
+
+  // Step 4 with admit_after > 1: counts the missing keys as candidates; those whose
+  // sightings reach admit_after leave the candidates to be admitted.
+  void Admit(const std::vector<int64>& missing, const std::vector<int64>& distinct,
+             const std::vector<int64>& occurs, int64 call, KeyArrays* cands,
+             int32* cand_buckets, int64 cand_num_buckets, int64* counters,
+             std::vector<int64>* admit, std::vector<int64>* admit_count) const {
+    SlotIndex index(cand_buckets, cand_num_buckets, cands->keys);
+    // first the keys that are candidates already: seen now, so none of them makes room
+    std::vector<int32> cand_of(missing.size(), -1);
+    std::vector<size_t> unlisted;
+    for (size_t m = 0; m < missing.size(); ++m) {
+      const int64 i = missing[m];
+      const int32 c = index.Find(distinct[i]);
+      if (c >= 0) {
+        cands->seen[c] = call;
+        cands->count[c] += occurs[i];
+        cand_of[m] = c;
+      } else {
+        unlisted.push_back(m);
+      }
+    }
+    if (!unlisted.empty()) {
+      // positions without a candidate, lowest first, then those whose candidate may make
+      // room (not seen in this call), least recently seen first, then smallest key
+      std::vector<int32> open, replaceable;
+      for (int64 p = 0; p < cands->size; ++p) {
+        if (cands->seen[p] < 0) {
+          open.push_back(static_cast<int32>(p));
+        } else if (cands->seen[p] < call) {
+          replaceable.push_back(static_cast<int32>(p));
+        }
+      }
+      std::sort(replaceable.begin(), replaceable.end(), [cands](int32 a, int32 b) {
+        return std::make_pair(cands->seen[a], cands->keys[a]) <
+               std::make_pair(cands->seen[b], cands->keys[b]);
+      });
+      size_t next_open = 0, next_replaceable = 0;
+      for (size_t m : unlisted) {
+        const int64 i = missing[m];
+        int32 c;
+        if (next_open < open.size()) {
+          c = open[next_open++];
+          ++counters[kCandidates];
+        } else if (next_replaceable < replaceable.size()) {
+          c = replaceable[next_replaceable++];
+          index.Erase(cands->keys[c]);
+        } else {
+          continue;   // every candidate was seen in this call: this key waits
+        }
+        cands->keys[c] = distinct[i];
+        cands->seen[c] = call;
+        cands->count[c] = occurs[i];
+        index.Insert(distinct[i], c);
+        cand_of[m] = c;
+      }
+    }
+    // then, in key order, those whose sightings reach admit_after are admitted
+    for (size_t m = 0; m < missing.size(); ++m) {
+      const int32 c = cand_of[m];
+      if (c < 0 || cands->count[c] < admit_after_) continue;
+      admit->push_back(missing[m]);
+      admit_count->push_back(cands->count[c]);
+      index.Erase(cands->keys[c]);
+      cands->seen[c] = -1;
+      cands->count[c] = 0;
+      --counters[kCandidates];
+    }
+  }
+
+  // Step 5's victims: `wanted` slots below next_fresh not seen in the last `pinned`
+  // calls, in eviction order.
+  std::vector<int32> Victims(const KeyArrays& slots, int64 next_fresh, int64 call,
+                             int64 wanted) const {
+    std::vector<int32> eligible;
+    for (int64 s = 0; s < next_fresh; ++s) {
+      if (slots.seen[s] >= 0 && slots.seen[s] <= call - pinned_) {
+        eligible.push_back(static_cast<int32>(s));
+      }
+    }
+    const bool lfu = evict_ == kLfu;
+    auto before = [&slots, lfu](int32 a, int32 b) {
+      const int64 a1 = lfu ? slots.count[a] : slots.seen[a];
+      const int64 b1 = lfu ? slots.count[b] : slots.seen[b];
+      const int64 a2 = lfu ? slots.seen[a] : slots.count[a];
+      const int64 b2 = lfu ? slots.seen[b] : slots.count[b];
+      return std::make_tuple(a1, a2, slots.keys[a]) < std::make_tuple(b1, b2, slots.keys[b]);
+    };
+    if (static_cast<int64>(eligible.size()) > wanted) {
+      std::nth_element(eligible.begin(), eligible.begin() + wanted, eligible.end(), before);
+      eligible.resize(wanted);
+    }
+    std::sort(eligible.begin(), eligible.end(), before);
+    return eligible;
+  }
+
+  int64 admit_after_;
+  int64 ttl_;
+  int64 pinned_;
+  bool insert_;
+  Evict evict_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("DynamicFindOrInsert")
+                            .Device(DEVICE_CPU)
+                            .HostMemory("keys")
+                            .HostMemory("call")
+                            .HostMemory("slots")
+                            .HostMemory("new_slots")
+                            .HostMemory("new_keys"),
+                        DynamicFindOrInsertOp);
+
+}  // namespace tfhybrid
+}  // namespace tensorflow

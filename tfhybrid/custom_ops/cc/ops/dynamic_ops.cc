@@ -1,0 +1,58 @@
+// The op of dynamic tables (tfhybrid/dynamic/): DynamicFindOrInsert, one shard's batched
+// find-or-insert of keys. Its kernel, and the rules it follows, are in
+// ../kernels/dynamic_table_kernels.cc; its Python wrapper is in
+// tfhybrid/custom_ops/__init__.py.
+
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tensorflow {
+
+using shape_inference::InferenceContext;
+
+REGISTER_OP("DynamicFindOrInsert")
+    .Input("slot_keys: resource")
+    .Input("slot_seen: resource")
+    .Input("slot_count: resource")
+    .Input("index: resource")
+    .Input("cand_keys: resource")
+    .Input("cand_seen: resource")
+    .Input("cand_count: resource")
+    .Input("cand_index: resource")
+    .Input("counters: resource")
+    .Input("keys: int64")
+    .Input("call: int64")
+    .Output("slots: int32")
+    .Output("new_slots: int32")
+    .Output("new_keys: int64")
+    .Attr("admit_after: int >= 1 = 1")
+    .Attr("evict: {'lfu', 'lru', 'none'} = 'lfu'")
+    .Attr("ttl: int >= 0 = 0")
+    .Attr("pinned: int >= 1 = 1")
+    .Attr("insert: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(9));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+One call of a dynamic table's shard on `keys`: the slot of each key (-1: not admitted),
+and the slots that took a new key in this call, with those keys (their rows are to be
+initialized).
+
+slot_keys, slot_seen, slot_count: int64 [capacity]: each slot's key, the call that last
+  saw it (-1: free) and its sightings. index: int32 [buckets], a power of two at least
+  twice the capacity, -1 where empty. cand_*: the same for admission candidates (any
+  size with admit_after 1). counters: int64 [8]: admissions, evictions, refusals, hits,
+  misses, live slots, the first never-used slot, live candidates. call: this call's
+  number, larger than every earlier one.
+admit_after: sightings before a key gets a slot. evict: which row makes room when the
+  shard is full ('none': refuse the key). ttl: free slots unseen for more than ttl calls
+  (0: never). pinned: slots seen in the last `pinned` calls are never evicted. insert:
+  false only finds keys, changing nothing (inference).
+)doc");
+
+}  // namespace tensorflow
