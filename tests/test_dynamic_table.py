@@ -14,27 +14,11 @@ from tfhybrid import custom_ops
 from tfhybrid.dynamic.table import DynamicTable
 from tfhybrid.layers import DynamicEmbedding
 from tfhybrid.optimizers import RowWiseAdagrad
+from tests import _dynamic_case as dc
+from tests._dynamic_case import initial_row
 
 # the table and the layer hold in both Kerases
 KERAS = (2, 3)
-
-WORD = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _mix(z: int) -> int:
-    z &= WORD
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & WORD
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & WORD
-    return z ^ (z >> 31)
-
-
-def initial_row(low: float, high: float, seed: int, key: int, dim: int) -> np.ndarray:
-    """RandomUniform(low, high)'s row of ``key``, from the documented formula."""
-    state = _mix((key & WORD) ^ _mix((seed + GOLDEN) & WORD))
-    return np.array([low + (high - low) * (_mix((state + (j + 1) * GOLDEN) & WORD) >> 11)
-                     / float(1 << 53) for j in range(dim)], np.float32)
-
 
 class RuleModel:
     """The find-or-insert rules (dynamic_table_kernels.cc's header) on dicts of keys."""
@@ -212,31 +196,6 @@ class FindOrInsertTest(tf.test.TestCase):
             DynamicTable(4, 2).slots(tf.constant([1]))
 
 
-def _reference_training(batches, dim, low, high, seed, lr, eps, combiner):
-    """Per-step outputs and the final rows of a dict of key -> row under row-wise AdaGrad,
-    for the loss sum(outputs * weights) with fixed weights."""
-    rows, accumulators, outputs = {}, {}, []
-    for keys, weights in batches:
-        for k in keys.ravel().tolist():
-            if k not in rows:
-                rows[k] = initial_row(low, high, seed, k, dim).astype(np.float64)
-                accumulators[k] = 0.0
-        bag = np.array([[rows[k] for k in sample] for sample in keys.tolist()])
-        out = bag.sum(axis=1)
-        if combiner == "mean":
-            out = out / keys.shape[1]
-        outputs.append(out)
-        grads = {}
-        for b, sample in enumerate(keys.tolist()):
-            for k in sample:
-                g = weights[b] / (keys.shape[1] if combiner == "mean" else 1.0)
-                grads[k] = grads.get(k, 0.0) + g
-        for k, g in grads.items():
-            accumulators[k] += float(np.mean(g * g))
-            rows[k] = rows[k] - lr * g / (math.sqrt(accumulators[k]) + eps)
-    return outputs, rows
-
-
 class DynamicEmbeddingTest(tf.test.TestCase):
 
     DIM, LR, EPS = 4, 0.05, 1e-8
@@ -255,7 +214,7 @@ class DynamicEmbeddingTest(tf.test.TestCase):
     def test_a_custom_loop_equals_a_dict_of_rows(self):
         for combiner in ("sum", "mean"):
             batches = self._batches()
-            want_out, want_rows = _reference_training(batches, self.DIM, -0.5, 0.5, 11,
+            want_out, want_rows = dc.reference_training(batches, self.DIM, -0.5, 0.5, 11,
                                                       self.LR, self.EPS, combiner)
             layer = self._layer(combiner)
             optimizer = RowWiseAdagrad(learning_rate=self.LR, epsilon=self.EPS)
@@ -275,7 +234,7 @@ class DynamicEmbeddingTest(tf.test.TestCase):
 
     def test_fit_equals_a_dict_of_rows(self):
         batches = self._batches(steps=8)
-        _, want_rows = _reference_training(batches, self.DIM, -0.5, 0.5, 11, self.LR,
+        _, want_rows = dc.reference_training(batches, self.DIM, -0.5, 0.5, 11, self.LR,
                                            self.EPS, "sum")
         keys = tf.keras.Input(shape=[3], dtype=tf.int64)
         layer = self._layer("sum")
@@ -346,12 +305,11 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         self.assertAllEqual(fresh(keys, training=False), layer(keys, training=False))
         self.assertEqual(fresh.table_stats(), layer.table_stats())
 
-    def test_distributed_embedding_names_what_it_does_not_take_yet(self):
-        tfhybrid.init(model_parallel=1)
-        from tfhybrid.layers import DistributedEmbedding
-        with self.assertRaisesRegex(ValueError, r"DynamicEmbedding 'users' is a dynamic "
-                                                r"table.*does not shard dynamic tables yet"):
-            DistributedEmbedding([DynamicEmbedding(2, capacity=8, name="users")])
+    def test_a_one_process_mesh_equals_a_dict_of_rows(self):
+        for combiner in ("sum", "mean"):
+            with self.subTest(combiner=combiner):
+                dc.check_mesh_against_dict(self, combiner, model_parallel=1)
+        dc.check_fit_against_dict(self, model_parallel=1)
 
     def test_examples_run(self):
         import inspect

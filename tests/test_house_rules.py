@@ -454,7 +454,9 @@ KIND_NAMES = {"KERNEL", "FIITED", "TIERED", "TIERED_FIITED", "CUSTOM", "KernelTa
 # map a kind's name to them), and what users set: the layers' options
 # (``Embedding(dims="adaptive", cache_rows=...)``), the planner's tier placement, the
 # app's flags and the FIITED callback.
-KIND_MODULES = KIND_PACKAGES + ("tfhybrid.sharding.stores", "tfhybrid.sharding.tables")
+# (the sharding kinds' ways of owning rows too: a hash-wise shard owns keys by their mixer)
+KIND_MODULES = KIND_PACKAGES + ("tfhybrid.sharding.stores", "tfhybrid.sharding.tables",
+                                "tfhybrid.sharding.ownership")
 USER_FACING = ("tfhybrid.layers", "tfhybrid.plan", "tfhybrid.train", "tfhybrid.callbacks")
 
 

@@ -108,7 +108,8 @@ class PlanGeometryTest(unittest.TestCase):
                         self.assertEqual([p.name for p in plan.tables], [t.name for t in tables])
                         self.assertEqual([r.position for r in plan.ranks], list(range(m)))
                         kinds = {p.kind for p in plan.tables}
-                        self.assertEqual(kinds, set(KINDS) if m > 1
+                        # (no table here is keyed: hash_wise is a dynamic table's kind)
+                        self.assertEqual(kinds, set(KINDS) - {"hash_wise"} if m > 1
                                          else {"data_parallel", "table_wise"})
                         for p in plan.tables:
                             self.assert_tiles(by_name[p.name], p.shards)
@@ -172,6 +173,60 @@ class PlanGeometryTest(unittest.TestCase):
                              data_parallel_threshold=10)
         self.assertEqual([p.kind for p in plan.tables], ["table_wise", "data_parallel"])
         self.assertEqual(plan.shards_on(0)[0].table, "a")
+
+
+class KeyedTableTest(unittest.TestCase):
+    """A keyed (dynamic) table is hash_wise on every position in every strategy, counted
+    by its capacity with its slots' bookkeeping, its keys 8 bytes on the wire."""
+
+    def test_every_strategy_puts_a_keyed_table_on_every_position(self):
+        tables = [TableConfig("keys", 1003, 8, keyed=True), TableConfig("fixed", 500, 8),
+                  TableConfig("tiny", 10, 4)]
+        for strategy in STRATEGIES:
+            for m in MESHES:
+                with self.subTest(strategy=strategy, m=m):
+                    plan = plan_sharding(tables, 2, m, strategy=strategy,
+                                         data_parallel_threshold=100)
+                    keyed = plan.table("keys")
+                    self.assertEqual(keyed.kind, "hash_wise")
+                    self.assertEqual([s.owner for s in keyed.shards], list(range(m)))
+                    sizes = [s.row_end - s.row_start for s in keyed.shards]
+                    self.assertEqual(sum(sizes), 1003)
+                    self.assertLessEqual(max(sizes) - min(sizes), 1)
+                    self.assertNotEqual(plan.table("fixed").kind, "hash_wise")
+
+    def test_a_slot_costs_its_row_its_state_and_32_bytes(self):
+        rows, dim = 1000, 16
+        keyed = plan_sharding([TableConfig("k", rows, dim, keyed=True)], 1, 2,
+                              optimizer="rowwise_adagrad")
+        fixed = plan_sharding([TableConfig("k", rows, dim)], 1, 2, optimizer="rowwise_adagrad",
+                              row_slice_threshold=1)
+        self.assertEqual(fixed.table("k").kind, "row_wise")
+        for a, b in zip(keyed.ranks, fixed.ranks):
+            self.assertEqual(a.param_bytes - b.param_bytes, 500 * 32)
+            self.assertEqual(a.optimizer_bytes, b.optimizer_bytes)
+            # keys travel as int64 where row ids fit int32
+            self.assertGreater(a.alltoall_bytes_per_step, b.alltoall_bytes_per_step)
+
+    def test_the_cost_strategy_keeps_a_keyed_table_hash_wise(self):
+        from tfhybrid.plan import ClusterSpec, ComputeRates, Workload
+        tables = (TableConfig("keys", 5000, 8, keyed=True, hotness=4.0),
+                  TableConfig("fixed", 5000, 8))
+        cluster = ClusterSpec(1, 4, 1e10, 1.25e8, 0.0, 0.0, 1 << 30,
+                              ComputeRates(1e9, {"rowwise_adagrad": 1e9}))
+        plan = plan_sharding(tables, 1, 4, strategy="cost", cluster=cluster,
+                             workload=Workload(tables, local_batch_size=8))
+        self.assertEqual(plan.table("keys").kind, "hash_wise")
+        self.assertEqual(len(plan.table("keys").shards), 4)
+
+    def test_bad_keyed_tables_are_named(self):
+        with self.assertRaisesRegex(ValueError, "table 'k' is keyed.*cache_rows"):
+            TableConfig("k", 100, 4, keyed=True, cache_rows=10)
+        with self.assertRaisesRegex(ValueError, "keyed of table 'k' must be True or False"):
+            TableConfig("k", 100, 4, keyed=1)
+        with self.assertRaisesRegex(ValueError, "capacity 3, fewer slots than the 4 "
+                                                "positions"):
+            plan_sharding([TableConfig("k", 3, 4, keyed=True)], 1, 4)
 
 
 class StrategyTest(unittest.TestCase):

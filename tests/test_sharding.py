@@ -15,6 +15,7 @@ from tfhybrid.fiited import saved as fiited_saved, sharded as fiited_sharded
 from tfhybrid.sharding import (bags, full_tables, id_check, ownership, placement, rank_stores,
                                route, stores, tables)
 from tfhybrid.optimizer_traits import Trains
+from tfhybrid.plan.types import Shard
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
 ROWS, WIDTH = 40, 4
@@ -141,7 +142,8 @@ class OwnershipTest(tf.test.TestCase):
         owned = []
         for start, end in zip(cuts, cuts[1:]):
             rows, counts = ownership.ownership_of("row_wise").shard_ids(
-                tf.constant(ids, tf.int64), tf.constant(lengths, tf.int64), start, end)
+                tf.constant(ids, tf.int64), tf.constant(lengths, tf.int64),
+                Shard("t", start, end, 0, 1, 0), 4)
             # the reference: a plain loop over the bags
             bags = np.split(ids, np.cumsum(lengths)[:-1])
             self.assertAllEqual(counts, [np.sum((b >= start) & (b < end)) for b in bags])
@@ -150,8 +152,8 @@ class OwnershipTest(tf.test.TestCase):
         self.assertCountEqual(owned, ids)
 
     def test_an_unknown_kind_is_named(self):
-        with self.assertRaisesRegex(ValueError, "'hash_wise'"):
-            ownership.ownership_of("hash_wise")
+        with self.assertRaisesRegex(ValueError, "'diagonal'"):
+            ownership.ownership_of("diagonal")
 
 
 class ExamplesTest(tf.test.TestCase):

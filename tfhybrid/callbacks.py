@@ -9,6 +9,7 @@ from tfhybrid import collectives
 from tfhybrid import distributed
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import slot_owners
+from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.optimizer_traits import Trains, trains_of
 
 
@@ -249,6 +250,58 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
         ramp = 1.0 if not self.ramp_batches else min(1.0, self._batches / self.ramp_batches)
         for layer in self._layers():
             layer.adjust_ramp(ramp)
+
+
+class DynamicTableStats(tf.keras.callbacks.Callback):
+    """Every ``every_n_batches`` training batches, collects each ``DistributedEmbedding``'s
+    dynamic-table counters (``table_stats()``: size, capacity, admissions, evictions,
+    refusals, hit rate, summed over the model group; every rank takes part) and logs
+    them on rank 0. ``history`` keeps what was collected, as (batch, stats) pairs.
+
+    Example (one process; under horovodrun the same code shards the table)::
+
+        import numpy as np
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.callbacks import DynamicTableStats
+        from tfhybrid.layers import DistributedEmbedding, DynamicEmbedding
+        from tfhybrid.optimizers import RowWiseAdagrad
+        tfhybrid.init(model_parallel=1)
+        keys = tf.keras.Input([2], dtype=tf.int64)
+        out = DistributedEmbedding([DynamicEmbedding(4, 100, combiner="sum")])([keys])[0]
+        model = tf.keras.Model(keys, tf.keras.layers.Dense(1)(out))
+        model.compile(RowWiseAdagrad(0.1), "mse")
+        stats = DynamicTableStats(every_n_batches=2)
+        model.fit(np.arange(16).reshape(8, 2), np.zeros([8, 1]), batch_size=2, verbose=0,
+                  callbacks=[stats])
+        assert stats.history[-1][1]["dynamic_embedding"]["size"] == 16
+    """
+
+    def __init__(self, every_n_batches: int = 1000):
+        super().__init__()
+        if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int) or \
+                every_n_batches < 1:
+            raise ValueError(f"every_n_batches must be an int >= 1, got {every_n_batches!r}")
+        self.every_n_batches = every_n_batches
+        self.history: list[tuple[int, dict]] = []
+        self._batches = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batches += 1
+        if self._batches % self.every_n_batches:
+            return
+        found = {}
+        for layer in _tf_internals.layers_in(self.model):
+            if isinstance(layer, DistributedEmbedding):
+                found.update(layer.table_stats())
+        self.history.append((self._batches, found))
+        if found and mesh_lib.current_mesh().rank == 0:
+            for name, stats in found.items():
+                tf.get_logger().info(
+                    "dynamic table %r after %d batches: %d of %d rows, %d admitted, "
+                    "%d evicted, %d refused, hit rate %.3f", name, self._batches,
+                    stats["size"], stats["capacity"], stats["admissions"],
+                    stats["evictions"], stats["refusals"], stats["hit_rate"])
 
 
 def verbose(level: int = 1, mesh: mesh_lib.Mesh | None = None) -> int:

@@ -24,3 +24,17 @@ def bag_means(sums: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
     """[bags, width] ``sums`` divided by each bag's length (at least 1)."""
     counts = tf.cast(tf.maximum(lengths, 1), sums.dtype)
     return sums / counts[:, None]
+
+
+def kept_in_bags(ids: tf.Tensor, lengths: tf.Tensor, kept: tf.Tensor
+                 ) -> tuple[tf.Tensor, tf.Tensor]:
+    """The ``ids`` where ``kept`` holds, and how many of them each bag (``lengths``) has:
+    bags with some of their ids left out (a row shard's part, a dynamic table's keys
+    without a slot)."""
+    # a bag's count is the difference of the running count of kept ids at its two ends:
+    # a third of the ops of tf.repeat + a segment sum, built at every trace
+    lengths = tf.cast(lengths, tf.int64)
+    kept_before = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(tf.cast(kept, tf.int64))], 0)
+    ends = tf.cumsum(lengths)
+    counts = tf.gather(kept_before, ends) - tf.gather(kept_before, ends - lengths)
+    return tf.gather(ids, tf.reshape(tf.where(kept), [-1])), counts

@@ -108,6 +108,9 @@ def layer_slot_pieces(optimizer: Any, layer: Any) -> dict[str, tuple[int, tuple,
     names = sorted(slots_of(optimizer, layer.anchor))
     found = {}
     for t, (table, held) in enumerate(zip(layer.table_specs, pieces.layer_pieces(layer))):
+        layout = saved_layout_of(table)
+        if layout is not None and layout.saves_row_state:
+            continue   # its kind's saved layout holds its rows' state (a dynamic table's)
         # a table that keeps its rows' state itself (as its storage kind says) has its
         # rows' accumulator as its only state (slots_of): a momentum-free SGD's "m",
         # which carries nothing from step to step, has no place there. Every rank knows
@@ -118,7 +121,6 @@ def layer_slot_pieces(optimizer: Any, layer: Any) -> dict[str, tuple[int, tuple,
         # a kind's own saved layout may place the row-wise slot otherwise (a FIITED
         # table's per chunk column, its column slices holding whole chunks); else it is
         # broadcast over every column
-        layout = saved_layout_of(table)
         full_shape = layout.slot_shape(table) if layout else (table.rows, table.dim)
         for rect, var in held:
             if layout is not None:

@@ -231,8 +231,10 @@ def load_layer(layer: Any, store: Any) -> None:
     laid_out = _laid_out_tables(layer)
     for t, layout, held in laid_out:
         layout.load_layout_from_weights_file(layer, t, held, store)
-    # the values land in the rows' chunks: a pruned entry is dropped (it was saved as 0)
-    layer.set_weights([np.asarray(store[f"table_{t}"])
+    # the values land in the rows' chunks: a pruned entry is dropped (it was saved as 0);
+    # a kind whose layout saves its rows' state too loads the rows with it (by key)
+    by_layout = {t for t, layout, _ in laid_out if layout.saves_row_state}
+    layer.set_weights([None if t in by_layout else np.asarray(store[f"table_{t}"])
                        for t in range(len(layer.table_specs))])
     for t, layout, held in laid_out:
         layout.load_state_from_weights_file(layer, t, held, store)

@@ -68,6 +68,11 @@ def sync_replicas(model_or_variables: Any, optimizer: Any = None,
         return
     state = [_tf_internals.tf_variable(s)
              for v in shards for s in [v] + optimizer_state_of(optimizer, v)]
+    # a table that keeps its rows' accumulator itself (a dynamic table's, reset with
+    # each new key) averages it with its rows, whatever the optimizer
+    kept = [roles.role_of(v).row_accumulator for v in shards]
+    state += [_tf_internals.tf_variable(a) for a in kept
+              if a is not None and not any(_tf_internals.tf_variable(a) is s for s in state)]
     outside = [roles.role_of(v).rows_outside for v in shards
                if roles.role_of(v).rows_outside is not None]
     # a table with rows outside its variable (a tier) averages its row state with it,

@@ -85,6 +85,15 @@ class _Index:
         self.buckets[hole] = -1
 
 
+def index_of(keys: np.ndarray, buckets: int) -> np.ndarray:
+    """The kernel's index of ``buckets`` buckets over slots 0..len(keys)-1 holding
+    ``keys``, inserted in slot order."""
+    index = _Index(np.full([buckets], -1, np.int32), np.asarray(keys, np.int64))
+    for slot, key in enumerate(index.keys.tolist()):
+        index.insert(key, slot)
+    return index.buckets
+
+
 def find_or_insert(state: dict, keys: np.ndarray, call: int, admit_after: int = 1,
                    evict: str = "lfu", ttl: int = 0, pinned: int = 1,
                    insert: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -35,7 +35,7 @@ from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
 from tfhybrid import slot_owners
-from tfhybrid.combiners import COMBINERS, bag_means
+from tfhybrid.combiners import COMBINERS, bag_means, kept_in_bags
 from tfhybrid.dynamic import fallback
 from tfhybrid.dynamic.initial_rows import KeyedInitializer
 from tfhybrid.fiited import checked_int
@@ -210,16 +210,17 @@ class DynamicTable(tf.Module):
                ) -> tf.Tensor:
         """[bags, dim]: each bag's rows at ``slots`` (``lengths`` per bag) summed, or
         their mean (``combiner="mean"``, over all of the bag's keys); a slot of -1 reads
-        zeros and takes no gradient."""
-        slots = tf.reshape(tf.convert_to_tensor(slots), [-1])
-        lengths = tf.cast(tf.reshape(lengths, [-1]), tf.int64)
-        bags = tf.size(lengths, out_type=tf.int64)
-        bag_of = tf.repeat(tf.range(bags), lengths)
-        held = tf.reshape(tf.where(slots >= 0), [-1])
-        rows = tf.gather(_tf_internals.tf_variable(self.rows), tf.gather(slots, held))
+        zeros and takes no gradient. The fused C++ lookup where the op library is
+        loaded (and ``use_custom_op`` allows), its gradient rows at the slots."""
         if combiner not in COMBINERS:
             raise ValueError(f"combiner={combiner!r} is unknown; expected one of {COMBINERS}")
-        sums = tf.math.unsorted_segment_sum(rows, tf.gather(bag_of, held), bags)
+        slots = tf.reshape(tf.convert_to_tensor(slots), [-1])
+        lengths = tf.cast(tf.reshape(lengths, [-1]), tf.int64)
+        held, held_per_bag = kept_in_bags(slots, lengths, slots >= 0)
+        sums = custom_ops.embedding_lookup_combine(
+            _tf_internals.tf_variable(self.rows), tf.RaggedTensor.from_row_lengths(held, held_per_bag, validate=False),
+            combiner="sum", table_name=self.name,
+            use_custom_op=None if self.use_custom_op is not False else False)
         return bag_means(sums, lengths) if combiner == "mean" else sums
 
     def stats(self) -> dict[str, int]:
@@ -231,6 +232,60 @@ class DynamicTable(tf.Module):
         looked = found["hits"] + found["misses"]
         found["hit_rate"] = found["hits"] / looked if looked else 0.0
         return found
+
+    def load_entries(self, keys: np.ndarray, rows: np.ndarray, accumulator: np.ndarray,
+                     seen: np.ndarray, count: np.ndarray, candidates: dict | None,
+                     calls: int, counters: np.ndarray) -> None:
+        """Replaces the table's state by these entries (a restore by key): the keys take
+        slots 0, 1, ... in key order, with their rows, accumulators, last calls and
+        sightings; ``candidates`` (``keys``, ``seen``, ``count``) are the admission
+        candidates (the most recently seen kept if there are more than fit); ``calls``
+        the calls so far; ``counters`` the cumulative counters (admissions, evictions,
+        refusals, hits, misses). ``ValueError`` names the keys and the capacity when
+        they do not fit."""
+        keys = np.asarray(keys, np.int64)
+        if len(keys) > self.capacity:
+            raise ValueError(
+                f"dynamic table {self.name!r}: {len(keys)} keys are to be restored into "
+                f"this shard, which has capacity {self.capacity}; restore onto a mesh and "
+                "capacity whose shards hold them (capacity >= keys per shard)")
+        order = np.argsort(keys, kind="stable")
+        n = len(keys)
+
+        def padded(values, fill, dtype, width=None):
+            shape = [self.capacity] + ([] if width is None else [width])
+            out = np.full(shape, fill, dtype)
+            out[:n] = np.asarray(values, dtype)[order]
+            return out
+
+        self.rows.assign(padded(rows, 0.0, np.float32, self.dim))
+        self.accumulator.assign(padded(accumulator, 0.0, np.float32))
+        self.slot_keys.assign(padded(keys, 0, np.int64))
+        self.slot_seen.assign(padded(seen, -1, np.int64))
+        self.slot_count.assign(padded(count, 0, np.int64))
+        self.index.assign(fallback.index_of(keys[order], self.index.shape[0]))
+        held = 0
+        if self.admit_after > 1 and candidates is not None:
+            cand = {k: np.asarray(v, np.int64) for k, v in candidates.items()}
+            keep = np.lexsort((cand["keys"], -cand["seen"]))[:self.cand_keys.shape[0]]
+            keep = keep[np.argsort(cand["keys"][keep], kind="stable")]
+            size = self.cand_keys.shape[0]
+            held = len(keep)
+            for name, fill in (("keys", 0), ("seen", -1), ("count", 0)):
+                values = np.full([size], fill, np.int64)
+                values[:held] = cand[name][keep]
+                getattr(self, f"cand_{name}").assign(values)
+            self.cand_index.assign(fallback.index_of(cand["keys"][keep],
+                                                     self.cand_index.shape[0]))
+        values = np.zeros([len(COUNTERS)], np.int64)
+        for i, name in enumerate(COUNTERS):
+            if name in ("admissions", "evictions", "refusals", "hits", "misses"):
+                values[i] = counters[i]
+        values[COUNTERS.index("size")] = n
+        values[COUNTERS.index("next_fresh")] = n
+        values[COUNTERS.index("candidates")] = held
+        self.counters.assign(values)
+        self.calls.assign(calls)
 
     def held_keys(self) -> np.ndarray:
         """The keys that have a slot, in slot order."""

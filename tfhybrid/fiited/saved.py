@@ -228,6 +228,9 @@ class CompactChunks:
                                                        "table_2_utility"]
     """
 
+    # its row-wise slots are saved as the optimizer's, per chunk column
+    saves_row_state = False
+
     def checkpoint_saveable(self, layer: Any, t: int, held: list) -> Callable:
         """A saveable factory (``_gather_saveables_for_checkpoint``) of table ``t``."""
         tables = _held_tables(held)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
+from tfhybrid import collectives
 from tfhybrid import compression
 from tfhybrid import mesh as mesh_lib
 from tfhybrid import roles
@@ -42,6 +44,9 @@ from tfhybrid.sharding.tables import (TableSpec, check_custom_table, check_table
 __all__ = ["DistributedEmbedding", "ShardingStrategy"]
 
 _LOOKUP_CALLS = (tf.keras.layers.Embedding.call, Embedding.call)
+# a dynamic table's counters that sum over its shards
+DYNAMIC_COUNTS = ("size", "admissions", "evictions", "refusals", "hits", "misses",
+                  "candidates")
 
 
 def _as_layer(layer: Any) -> Any:
@@ -358,7 +363,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             local_batch, self.sync_every if self.replica_sync == "weights" else None,
             self.use_custom_kernel, self.add_weight,
             on_host(self.plan, mesh.model_position, self.gpu_embedding_size, self.name),
-            self.data_parallel_threshold)
+            self.data_parallel_threshold,
+            [max(1, self.input_table_map.count(t)) for t in range(len(self._tables))])
         # Tracked, so their variables are this layer's weights: what the stores have
         # Keras track (a custom table's shards, instances of its layer; table objects),
         # the variables of replicated tables and of the shards this rank owns
@@ -396,14 +402,14 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self._whole_chunk_counts))
 
     # ------------------------------------------------------------------ call
-    def call(self, inputs):
+    def call(self, inputs, training=None):
         if _tf_internals.in_xla_context():
             raise ValueError(
                 f"DistributedEmbedding {self.name!r} is being compiled with XLA "
                 "(jit_compile=True), but its Horovod alltoall/allgather cannot be compiled. "
                 "Use model.compile(jit_compile=False) and wrap the dense towers in "
                 "tfhybrid.layers.XlaCompiled(...) to run them under XLA.")
-        outputs, local_batch = self._route_stages.forward(inputs, self)
+        outputs, local_batch = self._route_stages.forward(inputs, self, training)
         self._add_activity_losses(outputs, local_batch)
         return outputs
 
@@ -473,6 +479,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         (memory-mapped, so only the rows this rank holds are read), and ``chunk`` bounds
         the elements written at once. ``use_lock`` (DE: ranks take turns to bound host
         memory) is accepted; it is not needed, since no rank ever copies a whole table.
+        ``None`` leaves a table as it is (a dynamic table takes only None: its rows have
+        no fixed order; ``get_weights`` gives them in this mesh's slot order).
         """
         self._whole("set_weights").set_weights(weights, chunk)
 
@@ -517,6 +525,31 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         rank must call it (the counts of shards are gathered over the model group)."""
         self._whole("chunks_per_row")
         return self._sharded_widths.chunks_per_row()
+
+    def table_stats(self) -> dict[str, dict]:
+        """Per dynamic table (by name): its size and capacity, admissions, evictions,
+        refusals, hits, misses and hit rate, summed over the model group's shards. A
+        collective: every rank must call it (``tfhybrid.callbacks.DynamicTableStats``
+        logs it on rank 0 every N steps)."""
+        self._whole("table_stats")
+        mesh = self._mesh
+        found = {}
+        for t, table in enumerate(self._tables):
+            if table.keyed is None:
+                continue
+            mine = self._stores.get(t, mesh.model_position)
+            counts = mine.stats()
+            values = tf.constant([counts[name] for name in DYNAMIC_COUNTS], tf.int64)
+            if mesh.model_parallel > 1:
+                values = collectives.allreduce(values, hvd.Sum,
+                                               f"tfhybrid_{self.name}_stats_{t}",
+                                               mesh.model_process_set)
+            summed = dict(zip(DYNAMIC_COUNTS, (int(v) for v in values.numpy())))
+            summed["capacity"] = table.rows
+            looked = summed["hits"] + summed["misses"]
+            summed["hit_rate"] = summed["hits"] / looked if looked else 0.0
+            found[table.name] = summed
+        return found
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of this rank's tables and shards in memory: ``"embedding"`` (tables,

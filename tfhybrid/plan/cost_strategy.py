@@ -13,11 +13,13 @@ from typing import Sequence
 from tfhybrid.mesh import LAYOUTS
 from tfhybrid.plan.cost_model import ClusterSpec, Prediction, Workload, predict
 from tfhybrid.plan.strategies import plan_with_kinds
-from tfhybrid.plan.types import (COST_STRATEGY, DTYPE_BYTES, Kind, ShardingPlan, TableConfig,
-                                 check_tables, optimizer_state_bytes)
+from tfhybrid.plan.types import (COST_STRATEGY, Kind, ShardingPlan, TableConfig,
+                                 check_tables, shard_bytes)
 
 
 def _kind_options(t: TableConfig, m: int) -> list[tuple[str, int]]:
+    if t.keyed:   # a keyed table has one kind: its keys' hash owns them
+        return [(Kind.HASH_WISE, m)]
     options = [(Kind.TABLE_WISE, 1), (Kind.DATA_PARALLEL, 1)]
     if m > 1:
         if t.rows >= 2:
@@ -28,8 +30,7 @@ def _kind_options(t: TableConfig, m: int) -> list[tuple[str, int]]:
 
 
 def _table_bytes(t: TableConfig, optimizer: str) -> int:
-    return (t.rows * t.dim * DTYPE_BYTES[t.dtype]
-            + optimizer_state_bytes(t.rows, t.dim, optimizer))
+    return sum(shard_bytes(t, t.rows, t.dim, optimizer))
 
 
 # coordinate descent runs while M * tables is at most this (each evaluation prices every
@@ -80,6 +81,9 @@ def plan_mesh(tables: Sequence[TableConfig], data_parallel: int, model_parallel:
     candidates = [[whole] * len(tables), row_wise,
                   [rw if s * m > total else whole for s, rw in zip(sizes, row_wise)],
                   [(Kind.DATA_PARALLEL, 1) if s * 64 * m < total else whole for s in sizes]]
+    # a table with one option (a keyed table's hash_wise) has it in every candidate
+    candidates = [[opts[0] if len(opts) == 1 else kind for kind, opts in zip(kinds, options)]
+                  for kinds in candidates]
     best_kinds, best = None, None
     for kinds in candidates:
         scored = score(kinds)

@@ -63,7 +63,9 @@ def _layout_bytes_balanced(tables: Sequence[TableConfig], m: int, options: Plann
     for t in tables:
         elements = t.rows * t.dim
         full = [(0, t.rows, 0, t.dim)]
-        if dp_thr is not None and elements <= dp_thr and t.cache_rows is None:
+        if t.keyed:
+            geometry.append(_keyed_geometry(t, m))
+        elif dp_thr is not None and elements <= dp_thr and t.cache_rows is None:
             geometry.append((Kind.DATA_PARALLEL, full))
         elif m > 1 and row_thr is not None and elements > row_thr:
             geometry.append((Kind.ROW_WISE, [(r0, r1, 0, t.dim)
@@ -96,7 +98,7 @@ def _deal(geometry: _Geometry, m: int, shard_load: Callable[..., int]
             nbytes = shard_load(ti, r0, r1, c0, c1)
             if kind == Kind.DATA_PARALLEL:
                 owners[ti, c0, r0] = None
-            elif kind == Kind.ROW_WISE:
+            elif kind in (Kind.ROW_WISE, Kind.HASH_WISE):
                 owners[ti, c0, r0] = i
                 holds[i].add(ti)
             else:
@@ -180,7 +182,9 @@ def _layout_de(tables: Sequence[TableConfig], m: int, options: PlannerOptions
     elements = [t.rows * t.dim for t in tables]
     dp, tp, rw = [], [], []
     for ti, e in enumerate(elements):
-        if dp_thr is not None and e <= dp_thr and tables[ti].cache_rows is None:
+        if tables[ti].keyed:
+            rw.append(ti)   # served as DE serves row-sliced tables, by hash
+        elif dp_thr is not None and e <= dp_thr and tables[ti].cache_rows is None:
             dp.append(ti)
         elif row_thr is not None and e >= row_thr:   # DE: >= (its docs say "more than")
             rw.append(ti)
@@ -219,6 +223,9 @@ def _layout_de(tables: Sequence[TableConfig], m: int, options: PlannerOptions
         elif ti in tp:
             layout.append((Kind.COLUMN_WISE if len(shards[ti]) > 1 else Kind.TABLE_WISE,
                            shards[ti]))
+        elif t.keyed:
+            kind, geoms = _keyed_geometry(t, m)
+            layout.append((kind, [(*g, i) for i, g in enumerate(geoms)]))
         elif m == 1:
             layout.append((Kind.TABLE_WISE, [(0, t.rows, 0, t.dim, 0)]))
         else:
@@ -281,9 +288,24 @@ def _finish_plan(tables: list[TableConfig], d: int, m: int, options: PlannerOpti
                         mesh_layout, predicted)
 
 
+def _keyed_geometry(t: TableConfig, m: int) -> tuple[str, list[tuple[int, int, int, int]]]:
+    """A keyed table on every position: position p holds the keys with mix64(k) mod M ==
+    p, in its share of the capacity (``rows``) as near-equal slot ranges."""
+    if t.rows < m:
+        raise ValueError(f"table {t.name!r} is keyed with capacity {t.rows}, fewer slots "
+                         f"than the {m} positions of a model group; expected capacity >= {m}")
+    return Kind.HASH_WISE, [(r0, r1, 0, t.dim) for r0, r1 in _split(t.rows, m)]
+
+
 def _kind_geometry(t: TableConfig, kind: str, n: int, m: int
                    ) -> tuple[str, list[tuple[int, int, int, int]]]:
     full = [(0, t.rows, 0, t.dim)]
+    if t.keyed or kind == Kind.HASH_WISE:
+        if not t.keyed or kind != Kind.HASH_WISE:
+            raise ValueError(f"table {t.name!r}: hash_wise is the one kind of a keyed "
+                             f"table, and only of one; got kind {kind!r} for keyed="
+                             f"{t.keyed}")
+        return _keyed_geometry(t, m)
     if kind == Kind.DATA_PARALLEL:
         return Kind.DATA_PARALLEL, full
     if kind == Kind.TABLE_WISE or n == 1:

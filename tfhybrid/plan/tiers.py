@@ -11,8 +11,8 @@ import dataclasses
 import math
 from typing import Sequence
 
-from tfhybrid.plan.types import (Kind, Shard, ShardingPlan, TableConfig, check_int,
-                                 optimizer_state_bytes)
+from tfhybrid.plan.types import (KEYED_SLOT_BYTES, Kind, Shard, ShardingPlan, TableConfig,
+                                 check_int, optimizer_state_bytes)
 
 # DRAM of a tiered shard besides its cached rows (tfhybrid.tiers.CachedTable): per row,
 # its cache slot or -1 (int32); per cache slot, its row (int64), the policy's and the
@@ -84,7 +84,9 @@ def place_in_tiers(plan: ShardingPlan, dram_budget: int,
     def dram_of(ti: int, shard: Shard, cache_rows: int | None) -> int:
         nrows, width = shard.row_end - shard.row_start, shard.col_end - shard.col_start
         if cache_rows is None:
-            return nrows * width * 4 + optimizer_state_bytes(nrows, width, plan.optimizer)
+            keyed = nrows * KEYED_SLOT_BYTES if tables[ti].keyed else 0
+            return (nrows * width * 4 + keyed
+                    + optimizer_state_bytes(nrows, width, plan.optimizer))
         return tier_dram_bytes(nrows, width, shard_cache_rows(cache_rows, rows_of[ti], nrows),
                                tables[ti].adaptive)
 
@@ -108,7 +110,7 @@ def place_in_tiers(plan: ShardingPlan, dram_budget: int,
         mine_of = {ti: [s for s in placements[ti].shards if s.owner == p] for ti in per_table}
         # a table moves if its least cache (and index) takes less DRAM than its rows
         movable = [ti for ti in per_table if placements[ti].cache_rows is None
-                   and placements[ti].kind != Kind.DATA_PARALLEL and least[ti] < rows_of[ti]
+                   and placements[ti].kind not in (Kind.DATA_PARALLEL, Kind.HASH_WISE) and least[ti] < rows_of[ti]
                    and sum(dram_of(ti, s, least[ti]) for s in mine_of[ti]) < per_table[ti]]
         if not movable:
             raise ValueError(

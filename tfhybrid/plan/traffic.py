@@ -244,7 +244,7 @@ def _traffic(p: int, tables: Sequence[TableConfig], placements: Sequence[TablePl
     ids_sent = act_sent = grad_sent = held = 0.0
     shard_ar = shard_ag = shard_ws = rep_ar = rep_ag = apply = 0.0
     counts = {"shard_ar": 0, "shard_ag": 0, "rep_ar": 0, "rep_ag": 0}
-    idb = ID_BYTES_LARGE if any(t.rows >= 2**31 for t, pl in zip(tables, placements)
+    idb = ID_BYTES_LARGE if any(t.rows >= 2**31 or t.keyed for t, pl in zip(tables, placements)
                                 if pl.kind != Kind.DATA_PARALLEL) else ID_BYTES_SMALL
 
     def touched(t: TableConfig, ids: float, nrows: int, share: int) -> float:
@@ -258,9 +258,11 @@ def _traffic(p: int, tables: Sequence[TableConfig], placements: Sequence[TablePl
         wire = DTYPE_BYTES[settings.comm_dtype] if settings.comm_dtype else act
         bags = b * t.features if t.combiner is not None else b * h
         k = len(pl.shards)
-        share = k if pl.kind == Kind.ROW_WISE else 1
+        # row-wise and hash-wise shards each get their share of the ids
+        splits = pl.kind in (Kind.ROW_WISE, Kind.HASH_WISE)
+        share = k if splits else 1
         shards = pl.shards
-        if pl.kind == Kind.ROW_WISE and k > _ROW_SHARDS_LOOPED:
+        if splits and k > _ROW_SHARDS_LOOPED:
             # every row shard p does not own costs it the same: count them at once (a
             # 4096-rank mesh would otherwise loop over M shards per table per position)
             if p < k and shards[p].owner == p:   # the planner puts row shard i on i
@@ -295,7 +297,7 @@ def _traffic(p: int, tables: Sequence[TableConfig], placements: Sequence[TablePl
                 apply += min(float(nrows), touched(t, m * d * b * h, nrows, 1)) * row_bytes
                 held += 2 * wire * bags * w
                 continue
-            ids = b * h / k if pl.kind == Kind.ROW_WISE else b * h
+            ids = b * h / k if splits else b * h
             wire_back = wire * bags * w   # act * bags * w without a comm_dtype
             held += 2 * wire_back
             if s.owner == p:

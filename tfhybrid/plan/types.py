@@ -33,8 +33,13 @@ REPLICA_SYNC = ("gradients", "weights")
 # chooses M's tables' kinds by predicted step time: tfhybrid.plan.cost_strategy
 COST_STRATEGY = "cost"
 ALL_STRATEGIES = STRATEGIES + (COST_STRATEGY,)
-# ids on the wire: int32 unless a model-parallel table needs int64
+# ids on the wire: int32 unless a model-parallel table needs int64 (a keyed table's
+# keys are always int64)
 ID_BYTES_SMALL, ID_BYTES_LARGE = 4, 8
+# a keyed (dynamic) table's bookkeeping per slot besides its row and optimizer state:
+# key, last call seen, sightings (int64 each) and two int32 index buckets; with
+# admit_after > 1 as much again for the admission candidates
+KEYED_SLOT_BYTES = 32
 # a sparse gradient row's index, as Horovod's allgather sends it (int64)
 INDEX_BYTES = 8
 # gradient sync values when no comm_dtype is given (float32 gradients)
@@ -55,6 +60,7 @@ class Kind(enum.StrEnum):
     TABLE_WISE = "table_wise"         # one position holds the whole table
     COLUMN_WISE = "column_wise"       # column slices on distinct positions
     ROW_WISE = "row_wise"             # row shards on positions 0..k-1
+    HASH_WISE = "hash_wise"           # a keyed table: key k on position mix64(k) mod M
 
 
 # the kinds' plain values, for messages that list them as before the enum existed
@@ -134,6 +140,9 @@ class TableConfig:
     cache_rows: int | None = None
     # FIITED's per-row widths (dims="adaptive"): in the tier, more DRAM per row and slot
     adaptive: bool = False
+    # a dynamic table of open-world keys: ``rows`` is its capacity over the model group,
+    # and it is always hash_wise (each position holds the keys it owns)
+    keyed: bool = False
 
     def __post_init__(self) -> None:
         check_int(f"features of table {getattr(self, 'name', '?')!r}", self.features, 1)
@@ -156,6 +165,13 @@ class TableConfig:
             if self.cache_rows > self.rows:
                 raise ValueError(f"cache_rows of table {self.name!r} is {self.cache_rows}, "
                                  f"more than its {self.rows} rows")
+        if not isinstance(self.keyed, bool):
+            raise ValueError(f"keyed of table {self.name!r} must be True or False, got "
+                             f"{self.keyed!r}")
+        if self.keyed and (self.cache_rows is not None or self.adaptive):
+            raise ValueError(f"table {self.name!r} is keyed (a dynamic table), which keeps "
+                             "its slots in memory at one width: cache_rows and adaptive "
+                             "do not apply")
 
 
 @dataclass(frozen=True)
@@ -394,7 +410,10 @@ def shard_bytes(t: TableConfig, nrows: int, width: int, optimizer: str) -> tuple
     >>> shard_bytes(TableConfig("t", 100, 8), 50, 8, "adagrad")
     (1600, 1600)
     """
-    return nrows * width * DTYPE_BYTES[t.dtype], optimizer_state_bytes(nrows, width, optimizer)
+    param = nrows * width * DTYPE_BYTES[t.dtype]
+    if t.keyed:   # a slot's key, its counters and its index buckets
+        param += nrows * KEYED_SLOT_BYTES
+    return param, optimizer_state_bytes(nrows, width, optimizer)
 
 
 # the memory tiers a budget may name (the disk tier below them is unbounded)

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.plan.types import Kind, ShardingPlan
-from tfhybrid.sharding.tables import TableSpec
+from tfhybrid.sharding.tables import TableSpec, ids_as_int64, takes_strings
 
 _LOG = logging.getLogger("tfhybrid")
 
@@ -144,7 +144,8 @@ class BagReader:
             _LOG.error("DistributedEmbedding %r: %s", self.name, error)
             batch = (ids.nrows() if isinstance(ids, tf.RaggedTensor)
                      else tf.shape(tf.convert_to_tensor(ids), out_type=tf.int64)[0])
-            return self._as_bags(feature, tf.zeros([batch], tf.int64)), str(error)
+            stand_in = tf.zeros([batch], tf.string if takes_strings(table) else tf.int64)
+            return self._as_bags(feature, stand_in), str(error)
 
     def _as_bags(self, feature: int, ids) -> Bags:
         table = self.tables[self.input_table_map[feature]]
@@ -153,18 +154,15 @@ class BagReader:
                 raise ValueError(
                     f"feature {feature} (table {table.name!r}) is ragged, which needs a "
                     "combiner ('sum' or 'mean'); the table has combiner=None")
-            values = tf.cast(ids.flat_values, tf.int64)
+            values = ids_as_int64(table, feature, ids.flat_values)
             lengths = tf.cast(ids.row_lengths(), tf.int64)
             return Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                               table.combiner)
         ids = tf.convert_to_tensor(ids)
-        if not ids.dtype.is_integer:
-            raise ValueError(f"feature {feature} (table {table.name!r}) has dtype "
-                             f"{ids.dtype.name}; expected integer ids")
         if ids.shape.rank not in (1, 2):
             raise ValueError(f"feature {feature} (table {table.name!r}) has shape "
                              f"{ids.shape}; expected [batch] or [batch, hotness]")
-        values = tf.reshape(tf.cast(ids, tf.int64), [-1])
+        values = tf.reshape(ids_as_int64(table, feature, ids), [-1])
         if ids.shape.rank == 1:
             return Bags(values, tf.ones_like(values), tf.size(values, out_type=tf.int64),
                               1, None, table.combiner)

@@ -99,16 +99,20 @@ class WholeTables:
 
     def set_weights(self, weights: Sequence[Any], chunk: int | None = None) -> None:
         """Slices full tables (arrays or ``.npy`` paths, memory-mapped) onto the stores
-        this rank holds; ``chunk`` bounds the elements written at once."""
+        this rank holds; ``chunk`` bounds the elements written at once. ``None`` for a
+        table leaves it as it is."""
         if len(weights) != len(self._tables):
             raise ValueError(f"set_weights got {len(weights)} tables; expected "
                              f"{len(self._tables)}")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
                                   or chunk < 1):
             raise ValueError(f"chunk={chunk!r} must be None or an int >= 1 (elements)")
-        weights = [np.load(w, mmap_mode="r") if isinstance(w, (str, bytes)) or hasattr(
+        weights = [None if w is None else
+                   np.load(w, mmap_mode="r") if isinstance(w, (str, bytes)) or hasattr(
             w, "__fspath__") else w for w in weights]
         for t, (table, full) in enumerate(zip(self._tables, weights)):
+            if full is None:
+                continue
             if tuple(np.shape(full)) != (table.rows, table.dim):
                 raise ValueError(f"set_weights: table {table.name!r} has shape "
                                  f"{np.shape(full)}; expected {(table.rows, table.dim)}")

@@ -54,8 +54,8 @@ class IdCheck:
         self.tables = list(tables)
         self.input_table_map = list(input_table_map)
         self.dp_input = dp_input
-        # each table's valid ids, [0, bound), as its sharding kind owns rows
-        self.id_bounds = [ownership_of(kind).id_bound(t.rows)
+        # each table's first and last valid id, as its sharding kind owns rows
+        self.id_ranges = [ownership_of(kind).id_range(t.rows)
                           for kind, t in zip(kinds, self.tables)]
 
     def report(self, bags: dict, batch, invalid: dict, ended=None) -> tf.Tensor:
@@ -84,9 +84,9 @@ class IdCheck:
         feature_of = tf.reshape(tf.raw_ops.UpperBound(
             sorted_inputs=tf.reshape(tf.cumsum(sizes), [1, -1]),
             values=tf.reshape(places, [1, -1]), out_type=tf.int64), [-1])
-        limits = tf.constant([self.id_bounds[self.input_table_map[f]] for f in fed],
-                             tf.int64)
-        bad = tf.logical_or(values < 0, values >= tf.gather(limits, feature_of))
+        first, last = zip(*[self.id_ranges[self.input_table_map[f]] for f in fed])
+        bad = tf.logical_or(values < tf.gather(tf.constant(first, tf.int64), feature_of),
+                            values > tf.gather(tf.constant(last, tf.int64), feature_of))
         # each feature's first bad id, by its place in the list (past the end: none; the
         # list is padded with one good id there, so an empty list has an element too)
         first_place = tf.math.unsorted_segment_min(
@@ -132,7 +132,9 @@ class IdCheck:
         flags = tf.reshape(everyone[:, 1:1 + REPORT_FIELDS * num_features],
                            [self.mesh.size, num_features, REPORT_FIELDS])
         names = tf.constant([self.tables[t].name for t in self.input_table_map])
-        rows = tf.constant([self.id_bounds[t] for t in self.input_table_map], tf.int64)
+        # for the message: a fixed table's rows (a dynamic table's keys are never bad)
+        rows = tf.constant([min(self.id_ranges[t][1], 2**63 - 2) + 1
+                            for t in self.input_table_map], tf.int64)
 
         def first(mask):
             where = tf.argmax(tf.cast(tf.reshape(mask, [-1]), tf.int32))

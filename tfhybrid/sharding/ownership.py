@@ -1,31 +1,39 @@
 """How a sharded table's rows are owned: which of a bag's ids a shard serves, and which
 ids are valid at all. One object per sharding kind (:data:`OWNERSHIP`), asked by the
 route (``sharding/route.py``: the ids each owner is sent) and by the id check
-(``sharding/id_check.py``: what is a bad id), so a new way of owning rows (a hash of the
-key, say) is one new class and one registration here, not edits through the route.
+(``sharding/id_check.py``: what is a bad id), so a new way of owning rows is one new
+class and one registration here, not edits through the route.
 
-Today every kind owns rows by position: a row-wise shard the range
-``[row_start, row_end)`` of the plan (:class:`RowRanges`), every other shard (table-wise,
-a column slice, a replica) all rows (:class:`AllRows`); valid ids are ``[0, rows)``.
+A row-wise shard owns the range ``[row_start, row_end)`` of the plan (:class:`RowRanges`);
+a hash-wise shard (a dynamic table's) the keys k with ``mix64(k) mod M`` equal to its
+position (:class:`KeyHashes`); every other shard (table-wise, a column slice, a replica)
+all rows (:class:`AllRows`). Valid ids are ``[0, rows)``; a dynamic table's keys are
+any int64.
 
 Example::
 
     import tensorflow as tf
-    from tfhybrid.plan.types import Kind
+    from tfhybrid.plan.types import Kind, Shard
     from tfhybrid.sharding.ownership import ownership_of
     ids, lengths = tf.constant([1, 7, 5], tf.int64), tf.constant([2, 1], tf.int64)
-    rows, counts = ownership_of(Kind.ROW_WISE).shard_ids(ids, lengths, 4, 8)
+    shard = Shard("t", 4, 8, 0, 2, owner=1)
+    rows, counts = ownership_of(Kind.ROW_WISE).shard_ids(ids, lengths, shard, 2)
     assert rows.numpy().tolist() == [3, 1] and counts.numpy().tolist() == [1, 1]
-    assert ownership_of(Kind.TABLE_WISE).id_bound(10) == 10
+    assert ownership_of(Kind.TABLE_WISE).id_range(10) == (0, 9)
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import tensorflow as tf
 
+from tfhybrid.combiners import kept_in_bags
+from tfhybrid.dynamic.keys import owner_of
 from tfhybrid.plan.types import Kind
+
+# every int64 is a key of a dynamic table
+_ANY_KEY = (-2**63, 2**63 - 1)
 
 
 class Ownership(Protocol):
@@ -36,14 +44,14 @@ class Ownership(Protocol):
     # layer cannot serve part of a row range)
     splits_rows: bool
 
-    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, row_start: int, row_end: int
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
                   ) -> tuple[tf.Tensor, tf.Tensor]:
-        """Of a feature's bags (``ids``, bag ``lengths``), the ids the shard of rows
-        ``[row_start, row_end)`` serves, as its own row indices, and how many of them
-        each bag has."""
+        """Of a feature's bags (``ids``, bag ``lengths``), the ids that ``shard`` (with
+        ``row_start``, ``row_end`` and ``owner``, its position in a model group of
+        ``positions``) serves, as the ids its store takes, and how many each bag has."""
 
-    def id_bound(self, rows: int) -> int:
-        """Ids of a table of ``rows`` rows are valid in ``[0, id_bound)``."""
+    def id_range(self, rows: int) -> tuple[int, int]:
+        """The first and last valid id of a table of ``rows`` rows."""
 
 
 class AllRows:
@@ -53,20 +61,21 @@ class AllRows:
     Example::
 
         import tensorflow as tf
+        from tfhybrid.plan.types import Shard
         from tfhybrid.sharding.ownership import AllRows
         ids = tf.constant([3, 0], tf.int64)
-        assert AllRows().shard_ids(ids, tf.constant([2]), 0, 4)[0] is ids
+        assert AllRows().shard_ids(ids, tf.constant([2]), Shard("t", 0, 4, 0, 2, 0), 1)[0] is ids
     """
 
     splits_rows = False
 
-    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, row_start: int, row_end: int
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
                   ) -> tuple[tf.Tensor, tf.Tensor]:
-        del row_start, row_end
+        del shard, positions
         return ids, lengths
 
-    def id_bound(self, rows: int) -> int:
-        return rows
+    def id_range(self, rows: int) -> tuple[int, int]:
+        return 0, rows - 1
 
 
 class RowRanges(AllRows):
@@ -76,30 +85,59 @@ class RowRanges(AllRows):
     Example::
 
         import tensorflow as tf
+        from tfhybrid.plan.types import Shard
         from tfhybrid.sharding.ownership import RowRanges
         rows, counts = RowRanges().shard_ids(tf.constant([0, 5, 6], tf.int64),
-                                             tf.constant([3], tf.int64), 5, 10)
+                                             tf.constant([3], tf.int64),
+                                             Shard("t", 5, 10, 0, 2, 1), 2)
         assert rows.numpy().tolist() == [0, 1] and counts.numpy().tolist() == [2]
     """
 
     splits_rows = True
 
-    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, row_start: int, row_end: int
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
                   ) -> tuple[tf.Tensor, tf.Tensor]:
-        inside = tf.logical_and(ids >= row_start, ids < row_end)
-        # a bag's count is the difference of the running count of inside ids at its two
-        # ends: a third of the ops of tf.repeat + a segment sum, built at every trace
-        lengths = tf.cast(lengths, tf.int64)
-        inside_before = tf.concat([tf.zeros([1], tf.int64),
-                                   tf.cumsum(tf.cast(inside, tf.int64))], 0)
-        ends = tf.cumsum(lengths)
-        counts = tf.gather(inside_before, ends) - tf.gather(inside_before, ends - lengths)
-        return tf.gather(ids, tf.reshape(tf.where(inside), [-1])) - row_start, counts
+        del positions
+        owned, counts = kept_in_bags(ids, lengths, tf.logical_and(ids >= shard.row_start,
+                                                           ids < shard.row_end))
+        return owned - shard.row_start, counts
+
+
+class KeyHashes(AllRows):
+    """A hash-wise shard (a dynamic table's, on position p of M) serves the keys with
+    ``mix64(k) mod M == p`` (``tfhybrid.dynamic.keys.owner_of``), as they are: its store
+    finds their slots. Every int64 is a valid key.
+
+    Example::
+
+        import tensorflow as tf
+        from tfhybrid.dynamic.keys import owner_of
+        from tfhybrid.plan.types import Shard
+        from tfhybrid.sharding.ownership import KeyHashes
+        keys = tf.constant([10, -3, 2**62], tf.int64)
+        mine, counts = KeyHashes().shard_ids(keys, tf.constant([3]),
+                                             Shard("t", 0, 8, 0, 2, 1), 2)
+        assert mine.numpy().tolist() == [k for k, p in zip(keys.numpy(),
+                                         owner_of(keys, 2).numpy()) if p == 1]
+    """
+
+    splits_rows = True
+
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
+                  ) -> tuple[tf.Tensor, tf.Tensor]:
+        if positions == 1:
+            return ids, tf.cast(lengths, tf.int64)
+        return kept_in_bags(ids, lengths, tf.equal(owner_of(ids, positions), shard.owner))
+
+    def id_range(self, rows: int) -> tuple[int, int]:
+        del rows
+        return _ANY_KEY
 
 
 # each sharding kind's way of owning rows
 OWNERSHIP: dict[str, Ownership] = {Kind.TABLE_WISE: AllRows(), Kind.COLUMN_WISE: AllRows(),
-                                   Kind.DATA_PARALLEL: AllRows(), Kind.ROW_WISE: RowRanges()}
+                                   Kind.DATA_PARALLEL: AllRows(), Kind.ROW_WISE: RowRanges(),
+                                   Kind.HASH_WISE: KeyHashes()}
 
 
 def ownership_of(kind: str) -> Ownership:

@@ -48,10 +48,12 @@ class RouteFacts:
     ``bags_per_route``: bags per sample of each route this position owns, an int where
     the hotness is static, None where it travels as a tensor at the end of ``sending``;
     ``read_ahead``: a pipeline prepared it (the check's outcome comes back as a message
-    instead of asserts)."""
+    instead of asserts); ``inference``: a call with ``training=False``, whose stores
+    only find rows (a dynamic table admits no key)."""
     reasons: tuple[str, ...]
     bags_per_route: tuple[int | None, ...]
     read_ahead: bool
+    inference: bool = False
 
     @property
     def run_time_counts(self) -> int:

@@ -233,7 +233,8 @@ class LayerPlanner:
         compute = tf.as_dtype(compute_dtype)
         return plan_sharding(
             [TableConfig(t.name, t.rows, t.dim, hotness=max(h, 1.0), combiner=t.combiner,
-                         features=f, cache_rows=t.cache_rows, adaptive=bool(t.chunks))
+                         features=f, cache_rows=t.cache_rows, adaptive=bool(t.chunks),
+                         keyed=t.keyed is not None)
              for t, h, f in zip(self.tables, hotness, features)],
             mesh.data_parallel, mesh.model_parallel, options=dataclasses.replace(
                 self.options, local_batch_size=local_batch,
@@ -260,6 +261,17 @@ class LayerPlanner:
         if got != want:
             raise ValueError(f"plan's tables (name, rows, dim) {got} are not this layer's "
                              f"{want}")
+        for table, placement in zip(self.tables, plan.tables):
+            # keys are found only where their hash puts them: a keyed table is hash_wise
+            # with a shard on every position, and no other table is
+            keyed = table.keyed is not None
+            owners = sorted(s.owner for s in placement.shards)
+            if keyed != (placement.kind == Kind.HASH_WISE) or (
+                    keyed and owners != list(range(mesh.model_parallel))):
+                raise ValueError(
+                    f"plan places table {table.name!r} {placement.kind} on positions "
+                    f"{owners}; a dynamic table is hash_wise with one shard on each of the "
+                    f"{mesh.model_parallel} positions, and only a dynamic table is")
         return plan
 
 

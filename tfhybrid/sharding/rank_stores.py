@@ -69,16 +69,20 @@ def make_rank_stores(layer_name: str, mesh: mesh_lib.Mesh, plan: ShardingPlan,
                      weight_sync_every: int | None, use_custom_kernel: bool,
                      add_weight: Callable[..., tf.Variable],
                      host_placement: dict[tuple[int, int], bool] | None = None,
-                     data_parallel_threshold: int | None = None) -> RankStores:
+                     data_parallel_threshold: int | None = None,
+                     readers: Sequence[int] | None = None) -> RankStores:
     """Makes this rank's stores of ``plan`` and records their roles.
 
     ``hotness`` and ``local_batch`` (ids per step, as the rank is fed) choose each
     variable's sparse or dense gradient sync; ``weight_sync_every`` is K in
     ``replica_sync="weights"`` mode (None: gradients are synced); ``host_placement``
-    names the stores that live in host memory (``placement.on_host``).
+    names the stores that live in host memory (``placement.on_host``); ``readers``, the
+    features that read each table (one each when None).
     """
     made = RankStores(StoreSet())
-    context = stores_lib.StoreContext(layer_name, mesh.rank, use_custom_kernel, add_weight)
+    context = stores_lib.StoreContext(
+        layer_name, mesh.rank, use_custom_kernel, add_weight,
+        {t.name: n for t, n in zip(tables, readers or [1] * len(tables))})
     position = mesh.model_position
 
     def add(t: int, s: int, name: str, shard: Any) -> stores_lib.TableStore:

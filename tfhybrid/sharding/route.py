@@ -119,15 +119,17 @@ class EmbeddingRoute:
                 self.routes[shard.owner].append(RouteEntry(
                     feature, t, s, shard.owner, shard.row_start, shard.row_end,
                     shard.col_end - shard.col_start))
-        self.wire_id_dtype = (tf.int32 if all(t.rows < 2**31 for t in self.tables)
-                              else tf.int64)
+        # a dynamic table's keys are any int64
+        self.wire_id_dtype = (tf.int32 if all(t.rows < 2**31 and t.keyed is None
+                                              for t in self.tables) else tf.int64)
         compute = tf.as_dtype(compute_dtype)
         # under mixed precision, rows and their gradients cross in 16 bits
         self.wire_float = compute if compute in (tf.float16, tf.bfloat16) else tf.float32
 
-    def forward(self, inputs: Any, caller: Any) -> tuple[list, Any]:
+    def forward(self, inputs: Any, caller: Any, training: Any = None) -> tuple[list, Any]:
         """The layer's outputs for ``inputs`` and the local batch; ``caller`` (the layer)
-        is who a ``TrainPipeline`` phase knows the route by."""
+        is who a ``TrainPipeline`` phase knows the route by; ``training=False``: the
+        stores only find rows (a dynamic table admits no key)."""
         bags, local_batch, invalid = self.bags_of(inputs)
         phase = phases.phase_of(caller)
         if phase is not None and phase.routing:
@@ -137,7 +139,8 @@ class EmbeddingRoute:
             return self.placeholders(bags), local_batch
         if phase is None:
             # 2-3. validate on every rank together, then ids to their owners
-            bags, routed = self.checked_route(bags, local_batch, invalid)
+            bags, routed = self.checked_route(bags, local_batch, invalid,
+                                              inference=training is False)
         else:
             # TrainPipeline routed (and validated) this batch during the previous step
             routed = phase.take(caller)
@@ -171,14 +174,19 @@ class EmbeddingRoute:
         the local batch, and dp_input=False's bad inputs."""
         return self.bag_reader.bags_of(inputs)
 
-    def checked_route(self, bags: dict, batch, invalid: dict) -> tuple[dict, list]:
+    def checked_route(self, bags: dict, batch, invalid: dict, inference: bool = False
+                      ) -> tuple[dict, list]:
         """Stages 2-3: the checked bags and the ids of the routes this position owns.
 
         The routed ids are :class:`~tfhybrid.sharding.phases.Exchanged`'s ``routed``,
         what :meth:`look_up_and_return` looks up (a tiered shard's ids as cache slots, its
         rows loaded). A failed check raises on every rank before any id leaves this one.
         """
-        exchanged = self.exchange(self.prepare(bags, batch, invalid))
+        prepared = self.prepare(bags, batch, invalid)
+        if inference:
+            prepared = phases.Prepared(prepared.sending, dataclasses.replace(
+                prepared.facts, inference=True))
+        exchanged = self.exchange(prepared)
         with tf.control_dependencies(exchanged.asserts):
             bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
                     for f, b in bags.items()}
@@ -258,7 +266,8 @@ class EmbeddingRoute:
         # cache before the step that looks them up)
         for i, r in enumerate(self.routes[self.mesh.model_position]):
             route_ids[i] = self.stores.get(r.table, r.shard).rows_of(
-                route_ids[i], self.replicas, f"{r.feature}_{r.shard}")
+                route_ids[i], self.replicas, f"{r.feature}_{r.shard}",
+                insert=not facts.inference)
         return phases.Exchanged(route_ids + route_lengths, all_ended, failure, asserts)
 
     def placeholders(self, bags: dict) -> list:
@@ -276,7 +285,7 @@ class EmbeddingRoute:
         """The route's ids (relative to its shard) and the number of them in each bag,
         as its table's kind owns rows (``sharding/ownership.py``)."""
         return ownership_of(self.plan.tables[route.table].kind).shard_ids(
-            bag.values, bag.lengths, route.row_start, route.row_end)
+            bag.values, bag.lengths, route, self.mesh.model_parallel)
 
     def _ids_payload(self, bags: dict) -> tuple[tf.Tensor, tf.Tensor]:
         """dp_input=True, stage 2's payload: to each position of the model group, the bag

@@ -48,13 +48,16 @@ from tfhybrid import collectives
 from tfhybrid.combiners import COMBINERS, bag_means
 from tfhybrid import custom_ops
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.dynamic.saved import KEYED_ENTRIES
+from tfhybrid.dynamic.table import DynamicTable
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.fiited.saved import COMPACT_CHUNKS
 from tfhybrid.optimizer_traits import Trains
 from tfhybrid.plan.tiers import TIER_PINNED_STEPS, shard_cache_rows
 from tfhybrid.plan.types import Shard
-from tfhybrid.sharding.tables import (CUSTOM, FIITED, KERNEL, TIERED, TIERED_FIITED,
-                                      TableSpec, custom_shard_layer, slice_initializer)
+from tfhybrid.sharding.tables import (CUSTOM, DYNAMIC, FIITED, KERNEL, TIERED,
+                                      TIERED_FIITED, TableSpec, custom_shard_layer,
+                                      slice_initializer)
 from tfhybrid.tiers import CachedTable, ChunkedCachedTable
 
 
@@ -96,6 +99,10 @@ class SavedLayout(Protocol):
 
     def slot_rect(self, spec: TableSpec, rect: Any) -> Any: ...
 
+    # whether its saved form holds its rows' optimizer state too (then the table has
+    # no optimizer slots in a checkpoint)
+    saves_row_state: bool
+
 
 class TableStore(Protocol):
     """What every store answers (see the module docstring)."""
@@ -116,9 +123,12 @@ class TableStore(Protocol):
     # its per-row widths, if its rows have them (else None)
     widths: RowWidths | None
 
-    def rows_of(self, ids: tf.Tensor, replicas: "ShardReplicas", route: str) -> tf.Tensor:
+    def rows_of(self, ids: tf.Tensor, replicas: "ShardReplicas", route: str,
+                insert: bool = True) -> tf.Tensor:
         """The rows ``lookup`` reads for routed ``ids`` (a tier's cache slots, their
-        rows loaded; the ids themselves elsewhere); ``route`` names the collectives."""
+        rows loaded; a dynamic table's slots; the ids themselves elsewhere); ``route``
+        names the collectives; ``insert=False`` (inference): a dynamic table only
+        finds keys."""
 
     def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
                weights: tf.Tensor | None = None) -> tf.Tensor:
@@ -213,8 +223,9 @@ class KernelTable:
         self._table_name = table_name
         self._use_custom_kernel = use_custom_kernel
 
-    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
-        del replicas, route
+    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str,
+                insert: bool = True) -> tf.Tensor:
+        del replicas, route, insert
         return ids
 
     def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
@@ -272,8 +283,9 @@ class FiitedPool:
     def row_state(self) -> tuple:
         return tuple(self._table.row_state)
 
-    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
-        del replicas, route
+    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str,
+                insert: bool = True) -> tf.Tensor:
+        del replicas, route, insert
         return ids
 
     def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
@@ -339,14 +351,17 @@ class TieredCache:
             return tuple(self._chunked.row_state)
         return (self._tier.cache_accumulator,)
 
-    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str) -> tf.Tensor:
-        """The cache slots of routed ``ids``, their rows loaded first.
+    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str,
+                insert: bool = True) -> tf.Tensor:
+        """The cache slots of routed ``ids``, their rows loaded first (also in inference,
+        ``insert=False``: the cache must hold what it looks up).
 
         Every replica of the shard (its data group) loads the ids of all of them, in
         one call with the same set of ids: their caches then make the same choices and
         stay alike, slot for slot, so the replicas' gradients (rows at slots) add up
         as those of a table in memory. The cache must hold the group's distinct ids.
         """
+        del insert
         # Valid ids pass unchanged. A batch read ahead whose check failed is never looked
         # up (TrainPipeline raises after the step beside it), and its bad ids must not
         # fail the host step inside that step's function.
@@ -392,6 +407,84 @@ class TieredCache:
         return self._tier.stats()
 
 
+class DynamicShard:
+    """A dynamic table's shard (``tfhybrid.dynamic.DynamicTable``): open-world keys in a
+    fixed number of slots, looked up at the slots the route finds for the keys.
+
+    Its replicas (the shard's data group) keep the same key -> slot map: each finds or
+    inserts the keys of all of them, in one call with the same keys, so they admit,
+    evict and initialize alike, and their gradients (rows at slots) add up as those of
+    one table.
+
+    Example::
+
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.dynamic.table import DynamicTable
+        from tfhybrid.sharding.stores import DynamicShard, ShardReplicas
+        store = DynamicShard(DynamicTable(4, 2, initializer=1.0), "t")
+        replicas = ShardReplicas("emb", tfhybrid.init(model_parallel=1), "gradients")
+        slots = store.rows_of(tf.constant([-9, 2**40], tf.int64), replicas, "f0")
+        assert store.lookup(slots, tf.constant([2], tf.int64)).numpy().tolist() == [[2.0, 2.0]]
+    """
+
+    # rows at slots, which the replicas share
+    sparse_sync = True
+    widths = None
+
+    def __init__(self, table: DynamicTable, table_name: str):
+        self._table = table
+        self._table_name = table_name
+        self.variable = table.rows
+        self.row_state = table.row_state
+        self.trained_by = table.trained_by
+        self.tracked = table
+
+    def rows_of(self, ids: tf.Tensor, replicas: ShardReplicas, route: str,
+                insert: bool = True) -> tf.Tensor:
+        """The slots of routed keys ``ids``, the keys of every replica inserted first in
+        one call (class docstring): -1 where a key has none. ``insert=False`` only
+        finds them, changing nothing (every replica alike: no collective)."""
+        if not insert:
+            return self._table.slots(ids, insert=False)
+        everyone = replicas.gather(ids, route)
+        if everyone is None:
+            return self._table.slots(ids)
+        after = []
+        if replicas.replica_sync == "weights":
+            # as a tier's cache: a weight sync rewrites every row, so new keys' rows are
+            # written after the step's last write (its sync), never beside it
+            after = [self.variable.read_value()]
+        with tf.control_dependencies(after):
+            inserted = self._table.slots(everyone)
+        with tf.control_dependencies([inserted]):
+            return self._table.slots(ids, insert=False)
+
+    def lookup(self, slots: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
+               weights: tf.Tensor | None = None) -> tf.Tensor:
+        return combined(self._table.lookup, slots, lengths, combiner, weights,
+                        self._table_name)
+
+    def read_rows(self, start: int, stop: int) -> tf.Tensor:
+        """The rows of slots [start, stop): a whole-table read gives a dynamic table's
+        rows in the slot order of this mesh (its checkpoints hold them by key)."""
+        return self._table.rows[start:stop]
+
+    def write_rows(self, start: int, values: np.ndarray) -> None:
+        del start, values
+        raise ValueError(f"table {self._table_name!r} is a dynamic table: its slots hold "
+                         "keys in no fixed order, so rows cannot be written by index; "
+                         "restore it by key from a checkpoint or weights file, or pass "
+                         "None for it to set_weights")
+
+    def memory_bytes(self) -> dict[str, int]:
+        memory = self._table.memory_bytes()
+        return {"embedding": memory["total"], "dense": memory["rows"], "store": 0}
+
+    def stats(self) -> dict[str, Any]:
+        return self._table.stats()
+
+
 class CustomLayerTable(KernelTable):
     """A shard that is an instance of the user's own embedding layer (one
     ``[rows, width]`` weight), called on the shard's ids; its rows are read and written
@@ -429,6 +522,9 @@ class StoreContext:
     # the layer's add_weight for a kernel table's variable (Keras then tracks it, with
     # the table layer's regularizer and constraint)
     add_weight: Callable[..., tf.Variable]
+    # per table name, the features that read it (a dynamic table finds keys once per
+    # feature and step)
+    calls_per_step: dict = dataclasses.field(default_factory=dict)
 
 
 def create_store(spec: TableSpec, shard: Shard, name: str,
@@ -499,6 +595,26 @@ def _custom_store(spec: TableSpec, shard: Shard, name: str, context: StoreContex
     # leaves built False, and the call would build again
     _tf_internals.mark_built(custom)
     return CustomLayerTable(custom, spec.combiner)
+
+
+def _dynamic_store(spec: TableSpec, shard: Shard, name: str, context: StoreContext,
+                   regularizer: Any, constraint: Any) -> DynamicShard:
+    del regularizer, constraint   # only a kernel table's variable takes them
+    rules = spec.keyed
+    # a slot is found once per feature that reads the table in a step, and a pipeline
+    # finds the next batch's keys during this step: rows of both stay pinned, and the
+    # ttl counts steps
+    calls = context.calls_per_step.get(spec.name, 1)
+    with tf.init_scope():
+        table = DynamicTable(
+            shard.row_end - shard.row_start, shard.col_end - shard.col_start,
+            initializer=spec.initializer, admit_after=rules.admit_after,
+            evict=rules.evict, ttl_steps=None if rules.ttl_steps is None
+            else rules.ttl_steps * calls, pinned_calls=TIER_PINNED_STEPS * calls,
+            use_custom_op=None if context.use_custom_kernel else False,
+            name=re.sub(r"\W", "_", f"{context.layer_name}_{name}"),
+            add_weight=context.add_weight)
+    return DynamicShard(table, spec.name)
 
 
 def _cached_shard(spec: TableSpec, shard: Shard, name: str,
@@ -597,4 +713,5 @@ STORAGE_KINDS: dict[str, StorageKind] = {
                         not_replicable=_in_disk_tier),
     TIERED_FIITED: StorageKind(_tiered_store, COMPACT_CHUNKS, keeps_row_state=True,
                                not_replicable=_in_disk_tier),
-    CUSTOM: StorageKind(_custom_store)}
+    CUSTOM: StorageKind(_custom_store),
+    DYNAMIC: StorageKind(_dynamic_store, KEYED_ENTRIES, keeps_row_state=True)}

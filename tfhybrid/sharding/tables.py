@@ -22,6 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
+from tfhybrid.dynamic.keys import string_keys
 from tfhybrid.plan.types import Shard
 from tfhybrid.sharding.ownership import ownership_of
 
@@ -31,8 +32,19 @@ from tfhybrid.sharding.ownership import ownership_of
 # store: the tier's cache holds each slot's chunk prefix, and its update reads the
 # chunks each slot holds, so the FIITED pool's store cannot run behind a cache unchanged
 # (one table class, ``ChunkedCachedTable``, does both).
-KERNEL, FIITED, TIERED, TIERED_FIITED, CUSTOM = (
-    "kernel", "fiited", "tiered", "tiered_fiited", "custom")
+KERNEL, FIITED, TIERED, TIERED_FIITED, CUSTOM, DYNAMIC = (
+    "kernel", "fiited", "tiered", "tiered_fiited", "custom", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyedRules:
+    """A dynamic table's rules (``tfhybrid.layers.DynamicEmbedding``'s options): its keys'
+    dtype (``"int64"``, or ``"string"`` read as their fingerprints), sightings before
+    admission, the eviction policy and the ttl in steps."""
+    key_dtype: str
+    admit_after: int = 1
+    evict: str | None = "lfu"
+    ttl_steps: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +70,9 @@ class TableSpec:
     store_dir: str | None = None
     cache_policy: str = "lru"
     storage: str = KERNEL
+    # a dynamic table of open-world keys (``rows`` is its capacity over the model group,
+    # ``initializer`` a ``KeyedInitializer``); None for a table of rows [0, rows)
+    keyed: KeyedRules | None = None
 
     @property
     def chunk_dim(self) -> int:
@@ -69,10 +84,12 @@ def table_from_layer(layer: Any, custom: bool = False) -> TableSpec:
     ``call`` (every shard is then an instance of its class)."""
     config = layer.get_config() if isinstance(layer, tf.keras.layers.Layer) else {}
     if {"capacity", "key_dtype"} <= set(config or {}):
-        raise ValueError(
-            f"{type(layer).__name__} {layer.name!r} is a dynamic table, which runs in one "
-            "process for now: DistributedEmbedding does not shard dynamic tables yet; use "
-            "the layer beside it (docs/dynamic-tables.md)")
+        # a DynamicEmbedding: its keys are owned by their hash (hash_wise)
+        return TableSpec(
+            name=layer.name, rows=int(config["capacity"]), dim=int(config["output_dim"]),
+            combiner=config["combiner"], initializer=layer.keyed_initializer,
+            storage=DYNAMIC, keyed=KeyedRules(config["key_dtype"], config["admit_after"],
+                                              config["evict"], config["ttl_steps"]))
     if not {"input_dim", "output_dim"} <= set(config or {}):
         raise ValueError(
             "embeddings must hold tf.keras.layers.Embedding / tfhybrid.layers.Embedding "
@@ -107,6 +124,26 @@ def table_from_layer(layer: Any, custom: bool = False) -> TableSpec:
                       "store_dir": config["store_dir"],
                       "cache_policy": config.get("cache_policy", "lru")}
                      if tiered else {}))
+
+
+def takes_strings(table: TableSpec) -> bool:
+    """Whether ``table`` is fed strings (a dynamic table with ``key_dtype=tf.string``)."""
+    return table.keyed is not None and table.keyed.key_dtype == "string"
+
+
+def ids_as_int64(table: TableSpec, feature: int, ids: tf.Tensor) -> tf.Tensor:
+    """A feature's ``ids`` as int64: a string-keyed dynamic table's strings as their keys
+    (``tfhybrid.dynamic.keys.string_keys``), integers as they are; ``ValueError`` names
+    the feature and a dtype its table does not take."""
+    if takes_strings(table):
+        if ids.dtype != tf.string:
+            raise ValueError(f"feature {feature} (table {table.name!r}, key_dtype="
+                             f"tf.string) has dtype {ids.dtype.name}; expected strings")
+        return string_keys(ids)
+    if not ids.dtype.is_integer:
+        raise ValueError(f"feature {feature} (table {table.name!r}) has dtype "
+                         f"{ids.dtype.name}; expected integer ids")
+    return tf.cast(ids, tf.int64)
 
 
 def in_tier(table: TableSpec) -> str:
