@@ -12,9 +12,9 @@ Example::
     import numpy as np
     from tfhybrid.dynamic.fallback import find_or_insert
     state = {"slot_keys": np.zeros(2, np.int64), "slot_seen": np.full(2, -1, np.int64),
-             "slot_count": np.zeros(2, np.int64), "index": np.full(4, -1, np.int32),
+             "slot_count": np.zeros(2, np.int32), "index": np.full(4, -1, np.int32),
              "cand_keys": np.zeros(1, np.int64), "cand_seen": np.full(1, -1, np.int64),
-             "cand_count": np.zeros(1, np.int64), "cand_index": np.full(2, -1, np.int32),
+             "cand_count": np.zeros(1, np.int32), "cand_index": np.full(2, -1, np.int32),
              "counters": np.zeros(8, np.int64)}
     slots, new_slots, new_keys = find_or_insert(state, np.array([9, 3, 9]), 1)
     assert slots.tolist() == [1, 0, 1] and new_keys.tolist() == [3, 9]
@@ -25,7 +25,13 @@ from __future__ import annotations
 import numpy as np
 
 WORD = (1 << 64) - 1
+INT32_MAX = (1 << 31) - 1
 _ADMISSIONS, _EVICTIONS, _REFUSALS, _HITS, _MISSES, _LIVE, _NEXT_FRESH, _CANDIDATES = range(8)
+
+
+def _saturated(count: int) -> int:
+    """Sightings as the kernel keeps them: int32, saturating."""
+    return min(count, INT32_MAX)
 
 
 def _mix(z: int) -> int:
@@ -116,7 +122,7 @@ def find_or_insert(state: dict, keys: np.ndarray, call: int, admit_after: int = 
             slot_of[i] = s
         elif s >= 0:
             seen[s] = call
-            count[s] += occurs[i]
+            count[s] = _saturated(int(count[s]) + int(occurs[i]))
             slot_of[i] = s
             counters[_HITS] += occurs[i]
         else:
@@ -165,7 +171,7 @@ def find_or_insert(state: dict, keys: np.ndarray, call: int, admit_after: int = 
             continue
         slot_keys[s] = distinct[i]
         seen[s] = call
-        count[s] = admitted_count
+        count[s] = _saturated(admitted_count)
         index.insert(distinct[i], s)
         counters[_LIVE] += 1
         counters[_ADMISSIONS] += 1
@@ -189,7 +195,7 @@ def _admit(state: dict, missing: list, distinct: list, occurs: list, call: int,
         c = index.find(distinct[i])
         if c >= 0:
             seen[c] = call
-            count[c] += occurs[i]
+            count[c] = _saturated(int(count[c]) + int(occurs[i]))
             cand_of[m] = c
         else:
             unlisted.append(m)
@@ -209,7 +215,7 @@ def _admit(state: dict, missing: list, distinct: list, occurs: list, call: int,
                 continue
             keys[c] = distinct[i]
             seen[c] = call
-            count[c] = occurs[i]
+            count[c] = _saturated(int(occurs[i]))
             index.insert(distinct[i], c)
             cand_of[m] = c
     admit = []

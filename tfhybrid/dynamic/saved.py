@@ -44,12 +44,13 @@ from tfhybrid.dynamic.table import COUNTERS
 
 # per slot, besides the rows: (suffix, the table's variable, dtype)
 SLOT_STATE = (("_accumulator", "accumulator", tf.float32), ("_keys", "slot_keys", tf.int64),
-              ("_seen", "slot_seen", tf.int64), ("_count", "slot_count", tf.int64))
-CANDIDATES = (("_cand_keys", "cand_keys"), ("_cand_seen", "cand_seen"),
-              ("_cand_count", "cand_count"))
+              ("_seen", "slot_seen", tf.int64), ("_count", "slot_count", tf.int32))
+CANDIDATES = (("_cand_keys", "cand_keys", tf.int64),
+              ("_cand_seen", "cand_seen", tf.int64),
+              ("_cand_count", "cand_count", tf.int32))
 CALLS_SUFFIX, COUNTERS_SUFFIX = "_calls", "_counters"
-SUFFIXES = tuple(s for s, _, _ in SLOT_STATE) + tuple(s for s, _ in CANDIDATES) + (
-    CALLS_SUFFIX, COUNTERS_SUFFIX)
+SUFFIXES = tuple(s for s, _, _ in SLOT_STATE + CANDIDATES) + (CALLS_SUFFIX,
+                                                               COUNTERS_SUFFIX)
 
 
 def _held_tables(held: list) -> list[tuple[resharding.Rect, Any]]:
@@ -96,9 +97,9 @@ class _KeyedSaveable(_tf_internals.SaveableObject):
                 piece(getattr(table, attribute).read_value, (capacity,), rect, suffix,
                       dtype, device)
             if self._candidates:
-                for suffix, attribute in CANDIDATES:
+                for suffix, attribute, dtype in CANDIDATES:
                     piece(getattr(table, attribute).read_value, (capacity,), rect, suffix,
-                          tf.int64, device)
+                          dtype, device)
             at = resharding.Rect(self._position, self._position + 1, 0, 1)
             piece(lambda table=table: tf.reshape(table.calls.read_value(), [1]),
                   (positions,), at, CALLS_SUFFIX, tf.int64, device)
@@ -126,7 +127,7 @@ class _KeyedSaveable(_tf_internals.SaveableObject):
                              f"with rows of shape {shape}; this table has dim "
                              f"{self._spec.dim}")
         if self._candidates and reader.has_tensor(self._name + CANDIDATES[0][0]):
-            wanted += [(self._name + s, tf.int64) for s, _ in CANDIDATES]
+            wanted += [(self._name + s, d) for s, _, d in CANDIDATES]
         return wanted
 
     @property
@@ -203,7 +204,7 @@ class KeyedEntries:
         spec = layer.table_specs[t]
         positions, position = layer.mesh.model_parallel, layer.mesh.model_position
         tables = _held_tables(held)
-        per_slot = [(s, a) for s, a, _ in SLOT_STATE] + list(CANDIDATES)
+        per_slot = [(s, a) for s, a, _ in SLOT_STATE + CANDIDATES]
         for suffix, attribute in per_slot:
             free = -1 if suffix.endswith("_seen") else 0
             whole = np.zeros([spec.rows], np.float64 if suffix == "_accumulator"
@@ -224,9 +225,8 @@ class KeyedEntries:
             for _, table in tables:
                 calls[position] = int(table.calls.numpy())
                 counters[position] = table.counters.numpy()
-        store[f"table_{t}{CALLS_SUFFIX}"] = all_sum(calls, f"tfhybrid_weights_file_{t}{CALLS_SUFFIX}")
-        store[f"table_{t}{COUNTERS_SUFFIX}"] = all_sum(counters,
-                                                f"tfhybrid_weights_file_{t}{COUNTERS_SUFFIX}")
+        for suffix, values in ((CALLS_SUFFIX, calls), (COUNTERS_SUFFIX, counters)):
+            store[f"table_{t}{suffix}"] = all_sum(values, f"tfhybrid_weights_file_{t}{suffix}")
 
     def load_layout_from_weights_file(self, layer: Any, t: int, held: list,
                                       store: Any) -> None:
@@ -243,7 +243,7 @@ class KeyedEntries:
             raise ValueError(f"the weights file holds dynamic table {spec.name!r} with rows "
                              f"of shape {saved[''].shape}; this table has dim {spec.dim}")
         if spec.keyed.admit_after == 1:
-            for suffix, _ in CANDIDATES:
+            for suffix, _, _ in CANDIDATES:
                 saved.pop(suffix)
         load_by_key(saved, [table for _, table in _held_tables(held)],
                     layer.mesh.model_position, layer.mesh.model_parallel)

@@ -136,13 +136,14 @@ class DynamicTable(tf.Module):
                                   name="slot_keys")
         self.slot_seen = variable(lambda: tf.fill([self.capacity], tf.constant(-1, tf.int64)),
                                   name="slot_seen")
-        self.slot_count = variable(lambda: tf.zeros([self.capacity], tf.int64),
+        # sightings, saturating at 2**31 - 1 (the kernel's KeyArrays say why)
+        self.slot_count = variable(lambda: tf.zeros([self.capacity], tf.int32),
                                    name="slot_count")
         self.index = variable(lambda: tf.fill([_buckets(self.capacity)], -1), name="index")
         self.cand_keys = variable(lambda: tf.zeros([candidates], tf.int64), name="cand_keys")
         self.cand_seen = variable(lambda: tf.fill([candidates], tf.constant(-1, tf.int64)),
                                   name="cand_seen")
-        self.cand_count = variable(lambda: tf.zeros([candidates], tf.int64),
+        self.cand_count = variable(lambda: tf.zeros([candidates], tf.int32),
                                    name="cand_count")
         self.cand_index = variable(lambda: tf.fill([_buckets(candidates)], -1),
                                    name="cand_index")
@@ -217,9 +218,10 @@ class DynamicTable(tf.Module):
         slots = tf.reshape(tf.convert_to_tensor(slots), [-1])
         lengths = tf.cast(tf.reshape(lengths, [-1]), tf.int64)
         held, held_per_bag = kept_in_bags(slots, lengths, slots >= 0)
+        bags_held = tf.RaggedTensor.from_row_lengths(held, held_per_bag, validate=False)
         sums = custom_ops.embedding_lookup_combine(
-            _tf_internals.tf_variable(self.rows), tf.RaggedTensor.from_row_lengths(held, held_per_bag, validate=False),
-            combiner="sum", table_name=self.name,
+            _tf_internals.tf_variable(self.rows), bags_held, combiner="sum",
+            table_name=self.name,
             use_custom_op=None if self.use_custom_op is not False else False)
         return bag_means(sums, lengths) if combiner == "mean" else sums
 
@@ -262,7 +264,7 @@ class DynamicTable(tf.Module):
         self.accumulator.assign(padded(accumulator, 0.0, np.float32))
         self.slot_keys.assign(padded(keys, 0, np.int64))
         self.slot_seen.assign(padded(seen, -1, np.int64))
-        self.slot_count.assign(padded(count, 0, np.int64))
+        self.slot_count.assign(padded(np.minimum(count, 2**31 - 1), 0, np.int32))
         self.index.assign(fallback.index_of(keys[order], self.index.shape[0]))
         held = 0
         if self.admit_after > 1 and candidates is not None:
@@ -272,8 +274,9 @@ class DynamicTable(tf.Module):
             size = self.cand_keys.shape[0]
             held = len(keep)
             for name, fill in (("keys", 0), ("seen", -1), ("count", 0)):
-                values = np.full([size], fill, np.int64)
-                values[:held] = cand[name][keep]
+                dtype = np.int32 if name == "count" else np.int64
+                values = np.full([size], fill, dtype)
+                values[:held] = np.minimum(cand[name][keep], np.iinfo(dtype).max)
                 getattr(self, f"cand_{name}").assign(values)
             self.cand_index.assign(fallback.index_of(cand["keys"][keep],
                                                      self.cand_index.shape[0]))

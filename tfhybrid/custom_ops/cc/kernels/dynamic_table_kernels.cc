@@ -31,6 +31,7 @@
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <numeric>
 #include <tuple>
@@ -127,13 +128,19 @@ class SlotIndex {
   const int64* keys_;
 };
 
-// One table of keys (the slots, or the candidates): key, last call seen, sightings.
+// One table of keys (the slots, or the candidates): key, last call seen, sightings
+// (int32, saturating: past 2**31 - 1 sightings a key is as frequent as it gets, and four
+// bytes a slot less keep a slot's bookkeeping within 32 bytes).
 struct KeyArrays {
   int64* keys;
   int64* seen;
-  int64* count;
+  int32* count;
   int64 size;
 };
+
+inline int32 Saturated(int64 count) {
+  return count > int64{INT32_MAX} ? INT32_MAX : static_cast<int32>(count);
+}
 
 Status CheckIndex(const Tensor& index_t, int64 size, const char* what) {
   const int64 buckets = index_t.NumElements();
@@ -162,11 +169,11 @@ class DynamicFindOrInsertOp : public OpKernel {
     auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, int64>(
         ctx, /*do_lock=*/true, /*sparse=*/false, {0, 1, 2, 3, 4, 5, 6, 7, 8});
     Tensor t[9];
-    for (int i : {0, 1, 2, 4, 5, 6, 8}) {
+    for (int i : {0, 1, 4, 5, 8}) {
       OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, int64>(ctx, i, true, false,
                                                                          &t[i]));
     }
-    for (int i : {3, 7}) {
+    for (int i : {2, 3, 6, 7}) {
       OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, int32>(ctx, i, true, false,
                                                                          &t[i]));
     }
@@ -198,9 +205,9 @@ class DynamicFindOrInsertOp : public OpKernel {
     OP_REQUIRES(ctx, call >= 0, errors::InvalidArgument("call must be >= 0, got ", call));
 
     KeyArrays slots{t[0].flat<int64>().data(), t[1].flat<int64>().data(),
-                    t[2].flat<int64>().data(), capacity};
+                    t[2].flat<int32>().data(), capacity};
     KeyArrays cands{t[4].flat<int64>().data(), t[5].flat<int64>().data(),
-                    t[6].flat<int64>().data(), cand_size};
+                    t[6].flat<int32>().data(), cand_size};
     int64* counters = t[8].flat<int64>().data();
     SlotIndex index(t[3].flat<int32>().data(), t[3].NumElements(), slots.keys);
 
@@ -228,7 +235,7 @@ class DynamicFindOrInsertOp : public OpKernel {
         slot_of[i] = s;
       } else if (s >= 0) {
         slots.seen[s] = call;
-        slots.count[s] += occurs[i];
+        slots.count[s] = Saturated(slots.count[s] + occurs[i]);
         slot_of[i] = s;
         counters[kHits] += occurs[i];
       } else {
@@ -295,7 +302,7 @@ class DynamicFindOrInsertOp : public OpKernel {
       }
       slots.keys[s] = distinct[i];
       slots.seen[s] = call;
-      slots.count[s] = admit_count[a];
+      slots.count[s] = Saturated(admit_count[a]);
       index.Insert(distinct[i], s);
       ++counters[kLive];
       ++counters[kAdmissions];
@@ -340,7 +347,7 @@ class DynamicFindOrInsertOp : public OpKernel {
       const int32 c = index.Find(distinct[i]);
       if (c >= 0) {
         cands->seen[c] = call;
-        cands->count[c] += occurs[i];
+        cands->count[c] = Saturated(cands->count[c] + occurs[i]);
         cand_of[m] = c;
       } else {
         unlisted.push_back(m);
@@ -376,7 +383,7 @@ class DynamicFindOrInsertOp : public OpKernel {
         }
         cands->keys[c] = distinct[i];
         cands->seen[c] = call;
-        cands->count[c] = occurs[i];
+        cands->count[c] = Saturated(occurs[i]);
         index.Insert(distinct[i], c);
         cand_of[m] = c;
       }

@@ -43,8 +43,8 @@ One call of a dynamic table's shard on `keys`: the slot of each key (-1: not adm
 and the slots that took a new key in this call, with those keys (their rows are to be
 initialized).
 
-slot_keys, slot_seen, slot_count: int64 [capacity]: each slot's key, the call that last
-  saw it (-1: free) and its sightings. index: int32 [buckets], a power of two at least
+slot_keys, slot_seen: int64 [capacity], slot_count: int32 [capacity]: each slot's key,
+  the call that last saw it (-1: free) and its sightings (saturating at 2**31 - 1). index: int32 [buckets], a power of two at least
   twice the capacity, -1 where empty. cand_*: the same for admission candidates (any
   size with admit_after 1). counters: int64 [8]: admissions, evictions, refusals, hits,
   misses, live slots, the first never-used slot, live candidates. call: this call's
