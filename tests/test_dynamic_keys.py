@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tfhybrid  # noqa: F401 - before tf.keras is used: checks which Keras it is
 from tfhybrid import dynamic
+from tfhybrid import custom_ops
 from tfhybrid.dynamic import KeyedInitializer, initial_rows, keys as keys_lib
 
 # the mixer and the rows are plain TF ops: the same in both Kerases
@@ -96,12 +97,25 @@ class InitialRowsTest(tf.test.TestCase):
     def test_rows_are_the_documented_function_of_seed_and_key(self):
         cases = [("uniform", -0.05, 0.05, 0), ("uniform", -1.0, 3.0, 12345),
                  ("normal", 0.0, 0.05, 7), ("normal", 1.5, 2.0, -3), ("constant", 0.25, 0.0, 1)]
+        paths = [False] + ([True] if custom_ops.custom_ops_available() else [])
         for kind, low, high, seed in cases:
             init = KeyedInitializer(kind, low, high, seed)
-            got = init.rows(tf.constant(KEYS, tf.int64), 6).numpy()
             want = np.array([row_reference(kind, low, high, seed, k, 6) for k in KEYS])
-            self.assertEqual(got.dtype, np.float32)
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=kind)
+            for use_custom_op in paths:   # the C++ DynamicKeyedRows and TF's ops
+                got = init.rows(tf.constant(KEYS, tf.int64), 6, use_custom_op).numpy()
+                self.assertEqual(got.dtype, np.float32)
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-6,
+                                           err_msg=f"{kind} custom op {use_custom_op}")
+
+    def test_the_kernel_draws_what_the_tf_ops_draw_bit_for_bit(self):
+        custom_ops.require_library()
+        keys = tf.constant(np.random.default_rng(4).integers(-2**63, 2**63 - 1, 3000),
+                           tf.int64)
+        for init in (KeyedInitializer("uniform", -0.05, 0.05, 0),
+                     KeyedInitializer("normal", 0.1, 0.3, 2**64 - 5)):
+            np.testing.assert_array_equal(init.rows(keys, 16, use_custom_op=True),
+                                          init.rows(keys, 16, use_custom_op=False),
+                                          err_msg=init.kind)
 
     def test_a_keys_row_depends_on_nothing_else(self):
         init = KeyedInitializer.of("normal", seed=5)

@@ -676,6 +676,16 @@ def dynamic_find_or_insert(state, keys, call, admit_after: int, evict: str, ttl:
         evict=evict, ttl=ttl, pinned=pinned, insert=insert)
 
 
+def dynamic_keyed_rows(keys, kind: str, low: float, high: float, seed: int, dim: int):
+    """[len(keys), dim] float32: each int64 key's initial row in C++, the formula of
+    ``tfhybrid.dynamic.initial_rows`` (``kind`` ``"uniform"`` or ``"normal"``; ``low``,
+    ``high`` its two numbers, in float64; ``seed`` the table's)."""
+    seed_bits = tf.bitcast(tf.constant(seed % 2**64, tf.uint64), tf.int64)
+    return require_library().dynamic_keyed_rows(
+        tf.reshape(tf.cast(keys, tf.int64), [-1]), seed_bits,
+        tf.constant([low, high], tf.float64), kind=kind, dim=dim)
+
+
 def _chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
                            utility_decay) -> list:
     """The inputs both FIITED update ops take after their ids: the gradient, the AdaGrad

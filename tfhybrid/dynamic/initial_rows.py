@@ -41,6 +41,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tfhybrid import custom_ops
 from tfhybrid.dynamic.keys import as_words, mix64
 
 # splitmix64's increment (the golden ratio's 64 bits)
@@ -129,11 +130,18 @@ class KeyedInitializer:
     def get_config(self) -> dict:
         return dataclasses.asdict(self)
 
-    def rows(self, keys: tf.Tensor, dim: int) -> tf.Tensor:
-        """[len(keys), dim] float32: the initial row of each int64 key."""
+    def rows(self, keys: tf.Tensor, dim: int, use_custom_op: bool | None = None
+             ) -> tf.Tensor:
+        """[len(keys), dim] float32: the initial row of each int64 key; drawn by the C++
+        ``DynamicKeyedRows`` where the op library is loaded (``use_custom_op``: None),
+        else (or with False) by TensorFlow ops, the formula's reference."""
         keys = tf.reshape(as_words(keys), [-1])
         if self.kind == "constant":
             return tf.fill(tf.stack([tf.size(keys), dim]), tf.constant(self.low, tf.float32))
+        if use_custom_op is not False and (use_custom_op or
+                                           custom_ops.custom_ops_available()):
+            return custom_ops.dynamic_keyed_rows(tf.bitcast(keys, tf.int64), self.kind,
+                                                 self.low, self.high, self.seed, dim)
         draws = dim if self.kind == "uniform" else 2 * dim
         u = self._uniforms(keys, draws)
         if self.kind == "uniform":

@@ -64,7 +64,9 @@ def _refuse_other_optimizers(optimizer: Any, variable: Any, slot_name: Any) -> N
     if table is None:
         return
     owner = slot_owners.slot_owner(optimizer, variable)
-    if slot_name is None and trains_of(owner) in table.trained_by:
+    trains = trains_of(owner)
+    # tf-keras' SGD makes a momentum slot even with momentum 0: it carries nothing
+    if (slot_name is None and trains in table.trained_by) or trains is Trains.NO_STATE:
         return
     raise ValueError(
         f"{type(owner).__name__} cannot train dynamic table {table.name!r}: its rows change "
@@ -178,7 +180,9 @@ class DynamicTable(tf.Module):
             return tf.reshape(found, tf.shape(keys))
         slots, new_slots, new_keys = self._find_or_insert(flat, self.calls.assign_add(1),
                                                           insert=True)
-        fresh = self.initializer.rows(new_keys, self.dim)
+        fresh = self.initializer.rows(new_keys, self.dim,
+                                      use_custom_op=False if self.use_custom_op is False
+                                      else None)
         written = [self.rows.scatter_update(tf.IndexedSlices(fresh, new_slots)),
                    self.accumulator.scatter_update(tf.IndexedSlices(
                        tf.zeros(tf.shape(new_slots), tf.float32), new_slots))]

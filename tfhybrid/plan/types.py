@@ -36,9 +36,10 @@ ALL_STRATEGIES = STRATEGIES + (COST_STRATEGY,)
 # ids on the wire: int32 unless a model-parallel table needs int64 (a keyed table's
 # keys are always int64)
 ID_BYTES_SMALL, ID_BYTES_LARGE = 4, 8
-# a keyed (dynamic) table's bookkeeping per slot besides its row and optimizer state:
-# key, last call seen, sightings (int64 each) and two int32 index buckets; with
-# admit_after > 1 as much again for the admission candidates
+# a keyed (dynamic) table's bookkeeping per slot besides its row and optimizer state, as
+# the planner counts it: key and last call seen (int64), sightings (int32) and two to
+# four int32 index buckets (a power of two at least twice the slots), 28 to 36 bytes;
+# with admit_after > 1 as much again for the admission candidates
 KEYED_SLOT_BYTES = 32
 # a sparse gradient row's index, as Horovod's allgather sends it (int64)
 INDEX_BYTES = 8

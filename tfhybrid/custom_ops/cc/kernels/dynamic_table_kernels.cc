@@ -1,5 +1,6 @@
-// CPU kernel of dynamic tables (tfhybrid/dynamic/): DynamicFindOrInsert, one shard's
-// batched find-or-insert of keys, with admission, eviction and expiry.
+// CPU kernels of dynamic tables (tfhybrid/dynamic/): DynamicFindOrInsert, one shard's
+// batched find-or-insert of keys, with admission, eviction and expiry; and
+// DynamicKeyedRows, the initial rows of new keys.
 //
 // A shard has `capacity` slots. Its state is variables, so that checkpoints, broadcasts
 // and replicas see it like any other: per slot its key, the call that last saw it (-1: a
@@ -9,8 +10,9 @@
 // low bits: the top bits stay spread inside one shard); the same for the admission
 // candidates; and counters. One call, on one list of keys:
 //
-//   1. its distinct keys, sorted, and how often each occurs;
-//   2. a key held by a slot is a hit: the slot is seen now, its sightings grow;
+//   1. each key is looked up: a key held by a slot is a hit, the slot is seen now and its
+//      sightings grow (per occurrence);
+//   2. the missing keys, sorted, with how often each occurs in the call;
 //   3. with ttl > 0, slots unseen for more than ttl calls are freed (expired);
 //   4. a missing key is admitted at once (admit_after 1) or counted as a candidate until
 //      its sightings reach admit_after (candidates are bounded by their arrays: when
@@ -32,6 +34,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <tuple>
@@ -43,6 +46,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tensorflow/core/util/work_sharder.h"
 
 namespace tensorflow {
 namespace tfhybrid {
@@ -211,40 +215,43 @@ class DynamicFindOrInsertOp : public OpKernel {
     int64* counters = t[8].flat<int64>().data();
     SlotIndex index(t[3].flat<int32>().data(), t[3].NumElements(), slots.keys);
 
-    // 1. distinct keys, sorted, with their occurrences
+    // the slot of every input key, filled as it is found or placed
     const int64 n = keys_t.NumElements();
     const int64* keys = keys_t.flat<int64>().data();
-    std::vector<int64> sorted(keys, keys + n);
-    std::sort(sorted.begin(), sorted.end());
+    Tensor* slots_out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys_t.shape(), &slots_out));
+    int32* out = slots_out->flat<int32>().data();
+
+    // 1-2. each occurrence probes the index: a hit is seen now and counted (without
+    // insert only found, the state untouched); the missing occurrences, sorted by key
+    // (then position), give the distinct missing keys and how often each occurs
+    std::vector<std::pair<int64, int64>> missing_at;   // (key, position)
+    for (int64 k = 0; k < n; ++k) {
+      const int32 s = index.Find(keys[k]);
+      out[k] = s;
+      if (!insert_) continue;
+      if (s >= 0) {
+        slots.seen[s] = call;
+        slots.count[s] = Saturated(int64{slots.count[s]} + 1);
+        ++counters[kHits];
+      } else {
+        ++counters[kMisses];
+        missing_at.emplace_back(keys[k], k);
+      }
+    }
+    std::sort(missing_at.begin(), missing_at.end());
     std::vector<int64> distinct, occurs;
-    for (int64 i = 0; i < n; ++i) {
-      if (i == 0 || sorted[i] != sorted[i - 1]) {
-        distinct.push_back(sorted[i]);
+    for (size_t m = 0; m < missing_at.size(); ++m) {
+      if (m == 0 || missing_at[m].first != missing_at[m - 1].first) {
+        distinct.push_back(missing_at[m].first);
         occurs.push_back(0);
       }
       ++occurs.back();
     }
     const int64 u = static_cast<int64>(distinct.size());
     std::vector<int32> slot_of(u, -1);
-
-    // 2. hits (without insert: only finds, the state untouched)
-    std::vector<int64> missing;
-    for (int64 i = 0; i < u; ++i) {
-      const int32 s = index.Find(distinct[i]);
-      if (!insert_) {
-        slot_of[i] = s;
-      } else if (s >= 0) {
-        slots.seen[s] = call;
-        slots.count[s] = Saturated(slots.count[s] + occurs[i]);
-        slot_of[i] = s;
-        counters[kHits] += occurs[i];
-      } else {
-        counters[kMisses] += occurs[i];
-        missing.push_back(i);
-      }
-    }
-
-    if (!insert_) missing.clear();
+    std::vector<int64> missing(u);
+    std::iota(missing.begin(), missing.end(), int64{0});
 
     // 3. expiry, and the free slots (holes below next_fresh)
     std::vector<int32> free_slots;
@@ -311,14 +318,10 @@ class DynamicFindOrInsertOp : public OpKernel {
       new_keys.push_back(distinct[i]);
     }
 
-    // 6. outputs
-    Tensor* slots_out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, keys_t.shape(), &slots_out));
-    int32* out = slots_out->flat<int32>().data();
-    for (int64 k = 0; k < n; ++k) {
-      const int64 i = std::lower_bound(distinct.begin(), distinct.end(), keys[k]) -
-                      distinct.begin();
-      out[k] = slot_of[i];
+    // 6. outputs: the missing occurrences' slots (-1: not admitted)
+    for (size_t m = 0, i = 0; m < missing_at.size(); ++m) {
+      if (m > 0 && missing_at[m].first != missing_at[m - 1].first) ++i;
+      out[missing_at[m].second] = slot_of[i];
     }
     const int64 added = static_cast<int64>(new_slots.size());
     Tensor* new_slots_out = nullptr;
@@ -433,6 +436,74 @@ class DynamicFindOrInsertOp : public OpKernel {
   bool insert_;
   Evict evict_;
 };
+
+// DynamicKeyedRows: each key's initial row, tfhybrid/dynamic/initial_rows.py's formula
+// (the pure-TF KeyedInitializer.rows is its reference; tests hold the two together).
+class DynamicKeyedRowsOp : public OpKernel {
+ public:
+  explicit DynamicKeyedRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string kind;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("kind", &kind));
+    normal_ = kind == "normal";
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& keys_t = ctx->input(0);
+    const Tensor& seed_t = ctx->input(1);
+    const Tensor& bounds_t = ctx->input(2);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(keys_t.shape()),
+                errors::InvalidArgument("keys must be a vector, got ",
+                                        keys_t.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(seed_t.shape()) && bounds_t.NumElements() == 2,
+                errors::InvalidArgument("seed must be a scalar and bounds [low, high]"));
+    const int64 n = keys_t.NumElements();
+    Tensor* rows_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &rows_t));
+    const int64* keys = keys_t.flat<int64>().data();
+    const double low = bounds_t.flat<double>()(0);
+    const double high = bounds_t.flat<double>()(1);
+    const uint64 seed_word =
+        Mix64(static_cast<uint64>(seed_t.scalar<int64>()()) + kGolden);
+    float* rows = rows_t->flat<float>().data();
+    const int64 dim = dim_;
+    const bool normal = normal_;
+    auto fill = [&](int64 begin, int64 end) {
+      for (int64 i = begin; i < end; ++i) {
+        const uint64 state = Mix64(static_cast<uint64>(keys[i]) ^ seed_word);
+        float* row = rows + i * dim;
+        for (int64 j = 0; j < dim; ++j) {
+          if (normal) {
+            const double u0 = Uniform(state, 2 * j);
+            const double u1 = Uniform(state, 2 * j + 1);
+            const double radius = std::sqrt(-2.0 * std::log1p(-u0));
+            row[j] = static_cast<float>(low + high * radius * std::cos(kTwoPi * u1));
+          } else {
+            row[j] = static_cast<float>(low + (high - low) * Uniform(state, j));
+          }
+        }
+      }
+    };
+    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+    Shard(workers.num_threads, workers.workers, n, dim * (normal ? 60 : 12), fill);
+  }
+
+ private:
+  static constexpr uint64 kGolden = 0x9E3779B97F4A7C15ULL;
+  // 2 pi, as Python's 2.0 * math.pi
+  static constexpr double kTwoPi = 6.283185307179586;
+
+  // u(k, j): the top 53 bits of draw j + 1 of the key's stream, in [0, 1)
+  static double Uniform(uint64 state, int64 j) {
+    const uint64 bits = Mix64(state + static_cast<uint64>(j + 1) * kGolden);
+    return static_cast<double>(bits >> 11) * 0x1.0p-53;
+  }
+
+  bool normal_;
+  int64 dim_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("DynamicKeyedRows").Device(DEVICE_CPU), DynamicKeyedRowsOp);
 
 REGISTER_KERNEL_BUILDER(Name("DynamicFindOrInsert")
                             .Device(DEVICE_CPU)

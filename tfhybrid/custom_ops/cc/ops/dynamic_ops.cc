@@ -55,4 +55,25 @@ admit_after: sightings before a key gets a slot. evict: which row makes room whe
   false only finds keys, changing nothing (inference).
 )doc");
 
+REGISTER_OP("DynamicKeyedRows")
+    .Input("keys: int64")
+    .Input("seed: int64")
+    .Input("bounds: double")
+    .Output("rows: float")
+    .Attr("kind: {'uniform', 'normal'}")
+    .Attr("dim: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(0, c->Matrix(c->Dim(c->input(0), 0), dim));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The initial row of each of a dynamic table's keys, a function of (seed, key) only:
+tfhybrid/dynamic/initial_rows.py's formula (splitmix64's stream, computed in float64 and
+rounded to float32). seed: the table seed's 64 bits; bounds: [low, high] in float64.
+kind 'uniform': low + (high - low) u; 'normal': Box-Muller with mean low and standard
+deviation high. keys: [n]; rows: [n, dim].
+)doc");
+
 }  // namespace tensorflow
