@@ -43,7 +43,7 @@ bench: setup bench-setup
 BENCH_VENV := .venv-bench
 BENCH_TORCH := torch==2.13.0
 BENCH_FBGEMM := fbgemm-gpu-cpu==1.8.0
-bench-setup: $(BENCH_VENV)/.bench-setup
+bench-setup: $(BENCH_VENV)/.bench-setup $(TFRA_VENV)/.tfra-setup
 $(BENCH_VENV)/.bench-setup: Makefile
 	python3 -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q $(BENCH_TORCH)
@@ -51,5 +51,19 @@ $(BENCH_VENV)/.bench-setup: Makefile
 	$(BENCH_VENV)/bin/python -c "import torch, fbgemm_gpu; print('bench-setup: torch', torch.__version__, 'fbgemm_gpu', fbgemm_gpu.__version__)"
 	touch $@
 
+# TFRA 0.7.2, the last release that loads on TF 2.15.1 (benchmarks/dynamic_tables.py's
+# baseline), in a venv of its own over the TF 2.15 stack's packages (a .pth file), so the
+# stack's own venv stays as its tests expect; its pkg_resources import needs setuptools < 70
+TFRA_VENV := .venv-tfra
+TFRA := tensorflow-recommenders-addons==0.7.2
+$(TFRA_VENV)/.tfra-setup: Makefile
+	@$(MAKE) --no-print-directory setup TF=2.15
+	python3 -m venv $(TFRA_VENV)
+	.venv-tf2.15/bin/python -c "import site; print(site.getsitepackages()[0])" \
+		> "$$($(TFRA_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/tf2.15.pth"
+	$(TFRA_VENV)/bin/pip install -q --no-deps $(TFRA) "setuptools<70"
+	$(TFRA_VENV)/bin/python -c "import tensorflow as tf; from tensorflow_recommenders_addons import dynamic_embedding; print('tfra on TF', tf.__version__)"
+	touch $@
+
 clean:
-	rm -rf .venv .venv-tf* $(BENCH_VENV) .test-reports tfhybrid/custom_ops/_tfhybrid_ops*.so
+	rm -rf .venv .venv-tf* $(BENCH_VENV) $(TFRA_VENV) .test-reports tfhybrid/custom_ops/_tfhybrid_ops*.so

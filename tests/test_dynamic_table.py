@@ -272,6 +272,19 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         self.assertAllEqual(out, [[1.0, 1.0]] * 3)
         self.assertEqual(strings.table_stats()["size"], 2)
 
+    def test_sgd_without_momentum_trains_it(self):
+        # (tf-keras 2.15's SGD makes a momentum slot even without momentum)
+        layer = self._layer("sum")
+        keys = tf.keras.Input(shape=[3], dtype=tf.int64)
+        model = tf.keras.Model(keys, layer(keys))
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.5),
+                      loss=lambda weights, out: tf.reduce_sum(out * weights))
+        x = np.array([[1, 2, 3]])
+        model.fit(x, np.ones([1, self.DIM], np.float32), verbose=0)
+        # each row admitted at its initial value, then moved by -0.5
+        start = sum(initial_row(-0.5, 0.5, 11, k, self.DIM) for k in (1, 2, 3))
+        np.testing.assert_allclose(model.predict(x, verbose=0), [start - 1.5], atol=1e-6)
+
     def test_other_optimizers_are_refused_by_name(self):
         keys = tf.keras.Input(shape=[2], dtype=tf.int64)
         model = tf.keras.Model(keys, DynamicEmbedding(2, capacity=10, combiner="sum")(keys))
