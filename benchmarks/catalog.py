@@ -154,6 +154,11 @@ RUNS: tuple[Run, ...] = (
         ("--mp_keep", "0.5", "--no_curve", "--out",
          "benchmarks/results/dct_quality_mp_keep_0.5"),
         ("dct_quality_mp_keep_0.5/",), None),
+    # dynamic tables at half their distinct keys against unbounded ones (issue 62)
+    Run("dynamic_quality", "benchmarks/dynamic_quality.py",
+        ("--seeds", "3", "--steps", "1000", "--sets", "all,drifting",
+         "--out", "benchmarks/results/dynamic_quality"),
+        ("dynamic_quality/",), ("--quick", "--out", "{scratch}/dynamic_quality")),
     Run("fiited_quality", "benchmarks/fiited_quality.py", (), ("fiited_quality/",),
         ("--seeds", "1", "--targets", "0.25", "--datasets", "synthetic", "--steps", "60",
          "--arms", "uniform", "--out", "{scratch}")),

@@ -69,6 +69,7 @@ from tfhybrid import _tf_internals  # noqa: E402
 from tfhybrid import mesh as mesh_lib  # noqa: E402
 from tfhybrid.train import app as train_app  # noqa: E402
 from tfhybrid.train import data as data_lib  # noqa: E402
+from tfhybrid.train import dynamic_tables  # noqa: E402
 from tfhybrid.train.models import MODELS  # noqa: E402
 
 _DEFAULTS = train_app.TrainConfig()
@@ -123,6 +124,28 @@ flags.DEFINE_integer("fiited_every", _DEFAULTS.fiited_every,
 flags.DEFINE_integer("fiited_ramp", _DEFAULTS.fiited_ramp,
                      "FIITED: batches over which the budget goes from the whole tables to "
                      "--fiited_target (0: at once).")
+flags.DEFINE_list("dynamic_tables", [], "Dynamic tables (tfhybrid.layers.DynamicEmbedding) "
+                  "for these categorical features: 'all', or 0-based indices and feature "
+                  "names (C1,C10; user_id). Their columns are fed raw int64 keys (synthetic: "
+                  "the ids; synthetic_open: its keys; criteo_tsv: the hex value, empty -1; "
+                  "movielens: the ids, uncapped) and the tables admit and evict keys. Needs "
+                  "the tables trained by rowwise_adagrad, ms_rowwise_adagrad or sgd.")
+flags.DEFINE_list("dynamic_capacity", [], "Rows of each dynamic table (over its model "
+                  "group): one number for all, or one per dynamic table in feature order. "
+                  "Default: the feature's fixed table rows (--max_table_rows, "
+                  "--cardinality_scale).")
+flags.DEFINE_integer("dynamic_admit_after", None, "Sightings in training before a key gets a "
+                     "row of a dynamic table (default 1).")
+flags.DEFINE_enum("dynamic_evict", None, list(dynamic_tables.EVICT_CHOICES),
+                  "Which key a full dynamic table evicts for a new one: lfu (default), lru, "
+                  "or none (a full table refuses new keys).")
+flags.DEFINE_integer("dynamic_ttl_steps", None, "Free a dynamic table's rows unseen for this "
+                     "many steps (default: never).")
+flags.DEFINE_integer("dynamic_stats_every", None, "Record the dynamic tables' counters every "
+                     "N batches into --metrics_json (default: only at the end).")
+flags.DEFINE_integer("open_key_lifetime", None, "synthetic_open: samples of stream time a key "
+                     "of a drifting table lives before a new key takes its slot (default "
+                     f"{data_lib.OPEN_KEY_LIFETIME}).")
 flags.DEFINE_bool("xla", _DEFAULTS.xla, "Compile the dense towers with XLA.")
 flags.DEFINE_bool("pipeline", _DEFAULTS.pipeline,
                   "Read the next batch and send its ids to their owners while this step "
@@ -163,7 +186,8 @@ flags.DEFINE_string("export_dir", None, "Write a single-process SavedModel here.
 # --log_dir is absl.logging's own flag; the app writes its TensorBoard logs there (rank 0)
 flags.DEFINE_string("metrics_json", None, "Write the final figures as JSON here (rank 0).")
 flags.DEFINE_integer("warmup_steps", _DEFAULTS.warmup_steps, "Steps left out of samples/s.")
-flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the synthetic data and its teacher.")
+flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the synthetic data (synthetic, "
+                     "synthetic_open) and its teacher.")
 flags.DEFINE_integer("threads", None, "TF threads per rank (default: cores / local ranks).")
 
 
@@ -206,8 +230,9 @@ def main(argv: list[str]) -> None:
     values = {f.name: getattr(FLAGS, f.name) for f in dataclasses.fields(train_app.TrainConfig)}
     values["bottom_mlp_dims"] = _ints("bottom_mlp_dims")
     values["top_mlp_dims"] = _ints("top_mlp_dims")
+    values["dynamic_capacity"] = _ints("dynamic_capacity")
     values["log_dir"] = FLAGS.log_dir or None
-    if values["steps"] is None and FLAGS.dataset == "synthetic":
+    if values["steps"] is None and FLAGS.dataset in ("synthetic", "synthetic_open"):
         values["steps"] = 200
     config = train_app.config_from_dict(values)
     try:

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.plan.types import OPTIMIZERS, REPLICA_SYNC  # pure modules: no TF import
 from tfhybrid.train import data as data_lib
+from tfhybrid.train import dynamic_tables
 
 MIXED_PRECISION = {"none": "float32", "fp16": "mixed_float16", "bf16": "mixed_bfloat16"}
 # --mixed_precision: a policy above, or "auto": bf16 where its GEMMs are faster than
@@ -78,6 +79,17 @@ class TrainConfig:
     fiited_chunks: int = 8
     fiited_every: int = 1000                   # batches between adjustments
     fiited_ramp: int = 0                       # batches over which the budget shrinks
+    # dynamic tables (tfhybrid.train.dynamic_tables): "all" or features by index or name,
+    # fed raw keys; the options below default (None) to the layer's, capacity to the
+    # feature's table rows
+    dynamic_tables: Sequence[str] = ()
+    dynamic_capacity: Sequence[int] = ()       # one for all, or one per dynamic table
+    dynamic_admit_after: int | None = None     # sightings before a key gets a row (1)
+    dynamic_evict: str | None = None           # "lfu" (default), "lru" or "none"
+    dynamic_ttl_steps: int | None = None       # free rows unseen this many steps
+    dynamic_stats_every: int | None = None     # record table_stats every N batches
+    # synthetic_open: samples a drifting table's key lives (None: data.OPEN_KEY_LIFETIME)
+    open_key_lifetime: int | None = None
     xla: bool = False
     # tfhybrid.TrainPipeline: the next batch's input and ids alltoall overlap this step
     # (same results); False runs the phases one after another, for debugging
@@ -165,6 +177,7 @@ class TrainConfig:
                              "tier, which needs --store_dir (the folder of their files)")
         if (self.restore or self.checkpoint_every) and not self.checkpoint_dir:
             raise ValueError("--restore and --checkpoint_every need --checkpoint_dir")
+        dynamic_tables.check(self)
         if self.model == "dlrm" and list(self.bottom_mlp_dims)[-1:] != [self.embedding_dim]:
             raise ValueError(f"--bottom_mlp_dims={list(self.bottom_mlp_dims)} must end in "
                              f"--embedding_dim={self.embedding_dim} for DLRM's dot "
@@ -648,8 +661,12 @@ def run(config: TrainConfig) -> dict:
     data_options = dict(data_dir=config.data_dir, max_table_rows=config.max_table_rows,
                         cardinality_scale=config.cardinality_scale, seed=config.seed)
     spec = data_lib.dataset_spec(config.dataset, **data_options)
+    dynamic = dynamic_tables.table_options(config, spec.table_rows)
+    open_key_lifetime = config.open_key_lifetime or data_lib.OPEN_KEY_LIFETIME
+    # the dynamic tables' columns come as raw keys, the others as row ids
     shard = dict(global_batch_size=config.batch_size, rank=mesh.rank, size=mesh.size,
-                 skip_malformed=config.skip_malformed, **data_options)
+                 skip_malformed=config.skip_malformed, raw_keys=tuple(dynamic),
+                 open_key_lifetime=open_key_lifetime, **data_options)
 
     model_options = dict(
         embedding_dim=config.embedding_dim, top_mlp_dims=list(config.top_mlp_dims),
@@ -662,7 +679,7 @@ def run(config: TrainConfig) -> dict:
             dct=_dct_config(config),
             **({} if config.dram_budget is None else dict(
                 memory_budget={"dram": config.dram_budget}, store_dir=config.store_dir))),
-        fiited=_fiited(config))
+        fiited=_fiited(config), dynamic_tables=dynamic)
     if config.communication == "float16" and mixed_precision == "none":
         # the wire carries the layer's compute dtype; the towers stay float32
         model_options["embedding_options"]["dtype"] = "mixed_float16"
@@ -673,7 +690,9 @@ def run(config: TrainConfig) -> dict:
                              projection_dim=config.projection_dim)
     model = build_model(config.model, spec.table_rows, spec.dense_features, **model_options)
     local_batch = config.batch_size // mesh.size
-    model(example_batch(model, local_batch))
+    # a dynamic table admits the keys of a training call: the zeros that build the
+    # model must not become key 0's row
+    model(example_batch(model, local_batch), **(dict(training=False) if dynamic else {}))
     optimizer = distributed_optimizer(config)
     # jit_compile stays off: the collectives cannot be compiled (xla=True compiles towers)
     model.compile(optimizer=optimizer,
@@ -727,6 +746,10 @@ def run(config: TrainConfig) -> dict:
     fit_callbacks += callbacks.defaults(mesh) + [throughput.callback]
     if config.fiited_target is not None:
         fit_callbacks.append(callbacks.FiitedAdjust(config.fiited_every, config.fiited_ramp))
+    table_history = None
+    if config.dynamic_stats_every:
+        table_history = callbacks.DynamicTableStats(config.dynamic_stats_every)
+        fit_callbacks.append(table_history)
     if config.checkpoint_dir:
         fit_callbacks.append(_checkpoint_callback(config, model, optimizer, mesh, first_step))
     if config.log_dir and mesh.rank == 0:
@@ -738,6 +761,7 @@ def run(config: TrainConfig) -> dict:
               f"{steps} steps x {config.epochs} epochs, {mixed_precision}, Keras "
               f"{_tf_internals.KERAS_MAJOR}"
               f"{', XLA towers' if config.xla else ''}"
+              f"{f', {len(dynamic)} dynamic tables' if dynamic else ''}"
               f"{', pipelined' if config.pipeline else ''}", flush=True)
         if mesh.size > 1:
             print(f"stall check every {stall[mesh_lib.STALL_CHECK_ENV]} s, shutdown "
@@ -764,10 +788,16 @@ def run(config: TrainConfig) -> dict:
     _sync_replicas(model, optimizer, mesh)
     last_step = first_step + steps * config.epochs
 
+    # synthetic_open's eval is the traffic that follows the samples trained on
+    eval_start = last_step * config.batch_size
     eval_data = data_lib.make_dataset(config.dataset, "eval", num_batches=config.eval_batches,
-                                      **shard)
+                                      eval_start=eval_start, **shard)
     with _explain_shutdown(mesh.rank, stall):
         results = evaluate(model, eval_data, mesh)
+    best_auc = (spec.best_auc if config.dataset != "synthetic_open" else data_lib.best_auc(
+        config.dataset, eval_start=eval_start, open_key_lifetime=open_key_lifetime,
+        max_table_rows=config.max_table_rows, cardinality_scale=config.cardinality_scale,
+        seed=config.seed))
     results.update(
         model=config.model, dataset=config.dataset, mesh=list(mesh.shape), layout=mesh.layout,
         keras=_tf_internals.KERAS_MAJOR,
@@ -781,7 +811,7 @@ def run(config: TrainConfig) -> dict:
         fiited=None if config.fiited_target is None else dict(
             _fiited(config), every=config.fiited_every, ramp=config.fiited_ramp,
             **_fiited_figures(model)),
-        samples_per_second=throughput.samples_per_second(), best_auc=spec.best_auc,
+        samples_per_second=throughput.samples_per_second(), best_auc=best_auc,
         **throughput.figures(),
         malformed_lines_skipped=malformed if malformed is not None else (
             parse_stats.malformed if parse_stats else 0))
@@ -795,12 +825,29 @@ def run(config: TrainConfig) -> dict:
             if not roles.is_embedding(v)))
         # this rank's tables in DRAM and on disk, and its tiered shards' cache hits
         results["embedding_memory"] = model.embedding.memory_bytes()
-        counted = [stats for stats in (store.stats() for _, store in
-                                         model.embedding.stores.items()) if "hits" in stats]
+        # the disk tier's caches only: a dynamic table counts its keys' hits, reported
+        # below
+        counted = [stats for stats in (store.stats() for (t, _), store in
+                                       model.embedding.stores.items() if t not in dynamic)
+                   if "hits" in stats]
         if counted:
             hits = sum(stats["hits"] for stats in counted)
             looked = hits + sum(stats["misses"] for stats in counted)
             results["tier_hit_rate"] = hits / looked if looked else 0.0
+    if dynamic:
+        # a collective: every rank takes part; counters summed over each model group
+        stats = model.embedding.table_stats()
+        # by feature name (the model names feature t's table "table_t")
+        stats = {spec.feature_names[t]: stats[f"table_{t}"] for t in dynamic}
+        results["dynamic_tables"] = dict(
+            features=[spec.feature_names[t] for t in dynamic],
+            options={spec.feature_names[t]: options for t, options in dynamic.items()},
+            totals=dynamic_tables.totals(stats), tables=stats,
+            history=None if table_history is None else [
+                dict(batch=batch, **dynamic_tables.totals(seen))
+                for batch, seen in table_history.history])
+        if config.dataset == "synthetic_open":
+            results["open_key_lifetime"] = open_key_lifetime
     if traffic is not None and steps > 0:
         # this rank's collectives over every training step (warm-up included)
         results["collective_bytes_per_step"] = {
@@ -830,6 +877,9 @@ def _report(results: dict, config: TrainConfig) -> None:
     print(f"eval: AUC {results['auc']:.4f}, logloss {results['logloss']:.4f} over "
           f"{results['eval_samples']:,} samples"
           f"{'' if best is None else f' (the planted teacher reaches AUC {best:.4f})'}")
+    if "dynamic_tables" in results:
+        for line in dynamic_tables.describe(results["dynamic_tables"]["tables"]):
+            print(line)
     if results["malformed_lines_skipped"]:
         print(f"skipped {results['malformed_lines_skipped']:,} malformed lines "
               "(--skip_malformed)")

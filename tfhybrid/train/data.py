@@ -1,4 +1,5 @@
-"""Input pipelines of the training app: synthetic Criteo-like clicks, Criteo TSV, MovieLens-100k.
+"""Input pipelines of the training app: synthetic Criteo-like clicks (closed or open-world),
+Criteo TSV, MovieLens-100k.
 
 One module for all datasets because they share one sharding contract (below) and one
 element format; each dataset is a few functions that follow it.
@@ -34,6 +35,22 @@ synthetic
     global batches (at least one). ``DatasetSpec.best_auc`` is the teacher's own AUC
     (its probabilities scored against the sampled labels) on those 2**16 eval samples: the
     best AUC any model can expect there.
+
+synthetic_open
+    ``synthetic``'s samples and planted teacher over an open world of raw 64-bit keys
+    (:class:`OpenWorldTeacher`): table t has ``rows[t]`` (as ``synthetic``'s) slots drawn
+    by the same per-table Zipf law; a slot holds a key (a hash of the seed, table, slot
+    and the slot's generation: any int64, negative ones included) for
+    ``open_key_lifetime`` samples of stream time (default ``OPEN_KEY_LIFETIME`` = 2**19),
+    then a new key takes it, each slot at its own phase; tables of fewer than
+    ``OPEN_STABLE_BELOW`` (100) slots keep their keys. So new keys, hot ones among them,
+    keep arriving and old ones go cold, and the distinct keys grow with the steps. The
+    teacher weighs each key by a hash of it (a new key is a new unknown). Stream time is
+    the global sample index for train; eval is ``synthetic``'s eval draw (2**16 samples
+    of a separate stream) at times ``eval_start``, +1, ...: the app passes the samples
+    trained on, so eval is the traffic that follows training. Without raw keys a key
+    becomes the row ``key mod rows[t]`` (the hashing trick, as criteo_tsv's hex ids).
+    ``best_auc(..., eval_start=...)`` is the teacher's own AUC there.
 
 criteo_tsv
     Criteo's day_N format: per line a 0/1 label, 13 integer fields and 26 hexadecimal
@@ -80,6 +97,15 @@ movielens
     100,000 ratings; its first 20% is eval and the rest train, both in permuted order. One
     pass per iteration.
 
+Raw keys (``raw_keys``, the app's ``--dynamic_tables``): the listed categorical columns
+are given as int64 keys for dynamic tables, not taken modulo any rows, and the
+``categorical`` block is int64. ``synthetic``: the ids themselves; ``synthetic_open``: its
+keys; ``criteo_tsv``: the hex value (Criteo's 8 digits: the 32-bit value; a raw column's
+field with more than ``RAW_KEY_HEX_DIGITS`` (15) digits is malformed there, so values stay
+below 2**60) and ``EMPTY_FIELD_KEY`` (-1) for an empty field, which no value shares;
+``movielens``: the contiguous ids, uncapped. ``criteo_binary`` gives none: it stores an
+empty field as the value 0.
+
 Command line: ``python -m tfhybrid.train.data --fetch movielens [--data_dir DIR]`` downloads
 MovieLens-100k and prints the folder.
 """
@@ -92,6 +118,7 @@ import functools
 import gzip
 import math
 import numbers
+import operator
 import os
 import re
 import shutil
@@ -108,7 +135,15 @@ import tensorflow as tf
 from tfhybrid.train import criteo_binary
 from tfhybrid.train.metrics import roc_auc
 
-DATASETS = ("synthetic", "criteo_tsv", "criteo_binary", "movielens")
+DATASETS = ("synthetic", "synthetic_open", "criteo_tsv", "criteo_binary", "movielens")
+# the datasets whose categorical columns can be fed as raw int64 keys (``raw_keys``):
+# criteo_binary stores an empty field as the value 0, so its keys would merge the two
+RAW_KEY_DATASETS = ("synthetic", "synthetic_open", "criteo_tsv", "movielens")
+# criteo_tsv's raw key of an empty categorical field: below every parsed value (>= 0)
+EMPTY_FIELD_KEY = -1
+# a raw key's hex field has at most this many digits: its value is then below 2**60, a
+# non-negative int64 that no other field's text shares and EMPTY_FIELD_KEY is not
+RAW_KEY_HEX_DIGITS = 15
 SPLITS = ("train", "eval")
 
 # Rows of the 26 categorical tables of Criteo 1TB click logs (the MLPerf DLRM sizes).
@@ -118,6 +153,11 @@ CRITEO_1TB_CARDINALITIES = (
 CRITEO_DENSE_FEATURES = 13
 CRITEO_FEATURE_NAMES = tuple(f"C{i + 1}" for i in range(len(CRITEO_1TB_CARDINALITIES)))
 SYNTHETIC_EVAL_SAMPLES = 2 ** 16
+# synthetic_open: samples of stream time a drifting table's key lives (512 global batches
+# of 1024), and the tables below this many slots, which keep their keys (attributes such
+# as a device type do not turn over)
+OPEN_KEY_LIFETIME = 2 ** 19
+OPEN_STABLE_BELOW = 100
 
 MOVIELENS_FEATURE_NAMES = ("user_id", "item_id", "gender", "occupation", "zip_prefix",
                            "age_bucket", "release_decade")
@@ -217,7 +257,9 @@ def dataset_spec(name: str, *, data_dir: str | None = None, max_table_rows: int 
     """Describes dataset ``name`` (see the module docstring) without building a pipeline.
 
     ``synthetic`` computes ``best_auc`` on first use (a fraction of a second; cached per
-    seed and table sizes). ``movielens`` reads (and if needed fetches) the files in ``data_dir``.
+    seed and table sizes); ``synthetic_open``'s depends on when it is evaluated
+    (:func:`best_auc`), so its spec has none. ``movielens`` reads (and if needed fetches)
+    the files in ``data_dir``.
     """
     _check_common(name, max_table_rows, cardinality_scale)
     if name == "movielens":
@@ -232,6 +274,30 @@ def dataset_spec(name: str, *, data_dir: str | None = None, max_table_rows: int 
     return DatasetSpec(name, CRITEO_DENSE_FEATURES, rows, CRITEO_FEATURE_NAMES, best)
 
 
+def feature_names(name: str) -> tuple[str, ...]:
+    """The names of dataset ``name``'s categorical columns, in order (no data read)."""
+    _check_common(name, None, 1.0)
+    return MOVIELENS_FEATURE_NAMES if name == "movielens" else CRITEO_FEATURE_NAMES
+
+
+def best_auc(name: str, *, eval_start: int = 0, max_table_rows: int | None = None,
+             cardinality_scale: float = 1e-3, seed: int = 0,
+             open_key_lifetime: int = OPEN_KEY_LIFETIME) -> float | None:
+    """The planted teacher's AUC on the eval split (None for data without a teacher).
+
+    ``synthetic_open`` is evaluated at the stream's time ``eval_start`` (the training
+    samples before it: its keys are the ones alive then), so its figure depends on it.
+    """
+    _check_common(name, max_table_rows, cardinality_scale)
+    rows = scaled_cardinalities(cardinality_scale, max_table_rows)
+    if name == "synthetic":
+        return SyntheticTeacher(int(seed), rows).best_auc()
+    if name == "synthetic_open":
+        return _open_teacher(int(seed), rows, int(open_key_lifetime)).best_auc(
+            eval_start=int(eval_start))
+    return None
+
+
 def _capped(rows: Sequence[int], max_table_rows: int | None) -> tuple[int, ...]:
     if max_table_rows is None:
         return tuple(int(r) for r in rows)
@@ -241,7 +307,9 @@ def _capped(rows: Sequence[int], max_table_rows: int | None) -> tuple[int, ...]:
 def make_dataset(name: str, split: str, *, global_batch_size: int, rank: int = 0, size: int = 1,
                  data_dir: str | None = None, max_table_rows: int | None = None,
                  cardinality_scale: float = 1e-3, seed: int = 0, skip_malformed: bool = False,
-                 num_batches: int | None = None) -> tf.data.Dataset:
+                 num_batches: int | None = None, raw_keys: Sequence[int] = (),
+                 eval_start: int = 0, open_key_lifetime: int = OPEN_KEY_LIFETIME
+                 ) -> tf.data.Dataset:
     """This rank's local batches of dataset ``name``, split ``split`` (``"train"``/``"eval"``).
 
     Elements are ``({"dense": float32 [b, d], "categorical": int32 [b, n_cat]},
@@ -251,6 +319,12 @@ def make_dataset(name: str, split: str, *, global_batch_size: int, rank: int = 0
     arguments raise ``ValueError`` naming the value. A ``criteo_tsv`` dataset's
     :class:`ParseStats` is ``parse_stats(dataset)``. See the module docstring for each
     dataset's contents, splits and layout.
+
+    ``raw_keys`` lists categorical columns (by index) given as raw keys for dynamic
+    tables instead of row ids (see "Raw keys" in the module docstring); with any, the
+    whole ``categorical`` column block is int64. ``eval_start`` and
+    ``open_key_lifetime`` shape ``synthetic_open`` only: the stream time its eval split
+    is drawn at, and how many samples a key of a drifting table lives.
     """
     _check_common(name, max_table_rows, cardinality_scale)
     if split not in SPLITS:
@@ -259,28 +333,55 @@ def make_dataset(name: str, split: str, *, global_batch_size: int, rank: int = 0
     if num_batches is not None and (not isinstance(num_batches, (int, np.integer))
                                     or num_batches < 1):
         raise ValueError(f"num_batches={num_batches!r}; expected a positive integer or None")
+    raw = check_raw_keys(name, raw_keys)
+    for label, value, low in (("eval_start", eval_start, 0),
+                              ("open_key_lifetime", open_key_lifetime, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{label}={value!r}; expected an integer >= {low}")
     rank, size, seed = int(rank), int(size), int(seed)
-    if name == "synthetic":
+    if name in ("synthetic", "synthetic_open"):
         rows = scaled_cardinalities(cardinality_scale, max_table_rows)
-        return _synthetic_dataset(split, global_batch_size, rank, local, rows, seed,
-                                  num_batches)
+        return _teacher_dataset(name, split, global_batch_size, rank, local, rows, seed,
+                                num_batches, raw, int(eval_start), int(open_key_lifetime))
     if name == "criteo_tsv":
         rows = scaled_cardinalities(cardinality_scale, max_table_rows)
         files = criteo_files(data_dir, split)
         return _criteo_dataset(files, split, global_batch_size, rank, local, rows,
-                               skip_malformed, num_batches)
+                               skip_malformed, num_batches, raw)
     if name == "criteo_binary":
         rows = scaled_cardinalities(cardinality_scale, max_table_rows)
         return _criteo_binary_dataset(_criteo_binary_split(data_dir, split, rows,
                                                            max_table_rows),
                                       split, global_batch_size, rank, local, num_batches)
     return _movielens_dataset(fetch_movielens(data_dir), split, global_batch_size, rank,
-                              local, max_table_rows, seed, num_batches)
+                              local, max_table_rows, seed, num_batches, raw)
 
 
-def _signature(local: int, dense: int, n_cat: int):
+def check_raw_keys(name: str, raw_keys: Sequence[int]) -> tuple[int, ...]:
+    """``raw_keys`` as a sorted tuple of column indices of dataset ``name``; ValueError
+    naming the value when the dataset takes none or an index is out of range."""
+    try:
+        raw = tuple(sorted({operator.index(c) for c in raw_keys}))
+    except TypeError:
+        raise ValueError(f"raw_keys={raw_keys!r}; expected categorical column indices"
+                         ) from None
+    if not raw:
+        return raw
+    if name not in RAW_KEY_DATASETS:
+        raise ValueError(f"dataset {name!r} gives no raw keys (raw_keys={list(raw)}): "
+                         f"criteo_binary stores an empty field as the value 0; raw keys "
+                         f"come from {', '.join(RAW_KEY_DATASETS)}")
+    columns = len(feature_names(name))
+    bad = [c for c in raw if not 0 <= c < columns]
+    if bad:
+        raise ValueError(f"raw_keys={list(raw)}: {bad} not categorical columns of {name!r}, "
+                         f"which has {columns} (0 to {columns - 1})")
+    return raw
+
+
+def _signature(local: int, dense: int, n_cat: int, raw: Sequence[int] = ()):
     return ({"dense": tf.TensorSpec([local, dense], tf.float32),
-             "categorical": tf.TensorSpec([local, n_cat], tf.int32)},
+             "categorical": tf.TensorSpec([local, n_cat], tf.int64 if raw else tf.int32)},
             tf.TensorSpec([local, 1], tf.float32))
 
 
@@ -406,9 +507,11 @@ class SyntheticTeacher:
                 else (low, mid)
         self.bias = 0.5 * (low + high)
 
-    def _draw(self, split: str, start: int, count: int
+    def _draw(self, split: str, start: int, count: int, time_start: int | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Samples start..start+count-1: dense, ids, logits less the bias, label uniforms."""
+        """Samples start..start+count-1: dense, ids, logits less the bias, label uniforms.
+        ``time_start``: the stream time of sample ``start`` (default ``start``), which
+        only an open-world teacher's keys depend on."""
         h = _hash(self.sample_keys[split], np.arange(start, start + count, dtype=np.int64))
         nd = CRITEO_DENSE_FEATURES
         z = _normalish(h[:, :nd])
@@ -417,18 +520,27 @@ class SyntheticTeacher:
         u = _uniform(h[:, nd:-1])
         # inverse CDF of p(x) ~ x^-s on [1, N+1): x = (1 + u ((N+1)^(1-s) - 1))^(1/(1-s))
         x = (1.0 + u * self.span) ** (1.0 / self.one_minus_s)
-        rank = np.minimum(x.astype(np.int64) - 1, self.rows_i - 1)
-        ids = (self.perm_a * np.maximum(rank, 0) + self.perm_c) % self.rows_i
+        rank = np.maximum(np.minimum(x.astype(np.int64) - 1, self.rows_i - 1), 0)
+        ids = self._ids(rank, start if time_start is None else time_start)
         logit = z @ self.dense_w + _normalish(_hash_ids(self.id_keys, ids)) @ self.cat_w
         a, b = _PAIR_TABLES
         pair = _normalish(_hash_ids(self.pair_keys, ids[:, [a, b]]))
         logit += _TEACHER_PAIR * pair[:, 0] * pair[:, 1]
-        return dense, ids.astype(np.int32), logit, _uniform(h[:, -1])
+        return dense, self._output_ids(ids), logit, _uniform(h[:, -1])
 
-    def generate(self, split: str, start: int, count: int
+    def _ids(self, rank: np.ndarray, time_start: int) -> np.ndarray:
+        """The ids of popularity ranks ``rank`` [n, tables]: scattered over each table by
+        its affine permutation, the same at every time."""
+        return (self.perm_a * rank + self.perm_c) % self.rows_i
+
+    def _output_ids(self, ids: np.ndarray) -> np.ndarray:
+        return ids.astype(np.int32)
+
+    def generate(self, split: str, start: int, count: int, time_start: int | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Samples start..start+count-1 of ``split``: dense, ids, labels, click probabilities."""
-        dense, ids, logit, u = self._draw(split, start, count)
+        """Samples start..start+count-1 of ``split``: dense, ids, labels, click
+        probabilities (``time_start``: see ``_draw``)."""
+        dense, ids, logit, u = self._draw(split, start, count, time_start)
         prob = 1.0 / (1.0 + np.exp(-(self.bias + logit)))
         labels = (u < prob).astype(np.float32)[:, None]
         return dense, ids, labels, prob
@@ -453,24 +565,131 @@ def _hash_ids(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return _mix(ids.astype(np.uint64) * _GAMMA_U + keys[None, :])
 
 
+class OpenWorldTeacher(SyntheticTeacher):
+    """``synthetic_open``'s generator and planted click model: :class:`SyntheticTeacher`'s
+    samples and teacher, with raw 64-bit keys whose universe drifts (module docstring).
+
+    Table t has ``rows[t]`` slots, drawn by the same Zipf law as ``synthetic``'s ids.
+    A slot of a table with at least ``OPEN_STABLE_BELOW`` slots holds a key for
+    ``key_lifetime`` samples of stream time, then a new key takes it (each slot at its
+    own phase, so a table renews ``rows[t] / key_lifetime`` keys per sample); a smaller
+    table keeps its keys. The teacher weighs each key by a hash of it, so a new key is
+    a new unknown to learn.
+
+    Example::
+
+        >>> teacher = OpenWorldTeacher(seed=0, rows=scaled_cardinalities(1e-4), key_lifetime=64)
+        >>> _, early, _, _ = teacher.generate("train", 0, 256)
+        >>> _, late, _, _ = teacher.generate("train", 0, 256, time_start=10**6)
+        >>> early.dtype, bool((early[:, 0] != late[:, 0]).any())   # C1 drifts
+        (dtype('int64'), True)
+        >>> bool((early[:, 5] == late[:, 5]).all())                 # C6 keeps its 3 keys
+        True
+    """
+
+    def __init__(self, seed: int, rows: tuple[int, ...],
+                 key_lifetime: int = OPEN_KEY_LIFETIME):
+        if isinstance(key_lifetime, bool) or not isinstance(key_lifetime, (int, np.integer)) \
+                or key_lifetime < 1:
+            raise ValueError(f"key_lifetime={key_lifetime!r}; expected an integer >= 1")
+        # set before SyntheticTeacher.__init__, whose bias calibration draws keys
+        self.key_lifetime = np.uint64(key_lifetime)
+        self.drifts = np.array([r >= OPEN_STABLE_BELOW for r in rows])
+        self.slot_keys = np.array([_key(seed, 11, t) for t in range(len(rows))], np.uint64)
+        self.phase_keys = np.array([_key(seed, 12, t) for t in range(len(rows))], np.uint64)
+        self._open_best: dict[int, float] = {}
+        super().__init__(seed, rows)
+
+    def _ids(self, rank: np.ndarray, time_start: int) -> np.ndarray:
+        """The uint64 keys of slots ``rank`` [n, tables] at times time_start, +1, ...:
+        a hash of (table, slot, generation), the generation counting the slot's
+        renewals by then."""
+        times = np.arange(time_start, time_start + len(rank), dtype=np.uint64)[:, None]
+        slot = _hash_ids(self.slot_keys, rank)
+        phase = _hash_ids(self.phase_keys, rank) % self.key_lifetime
+        generation = np.where(self.drifts, (times + phase) // self.key_lifetime,
+                              np.uint64(0))
+        with np.errstate(over="ignore"):
+            return _mix(slot + generation * _GAMMA_U)
+
+    def _output_ids(self, ids: np.ndarray) -> np.ndarray:
+        return ids.view(np.int64)   # the same 64 bits, any sign: raw keys
+
+    def best_auc(self, eval_start: int = 0) -> float:
+        """The teacher's AUC on the first SYNTHETIC_EVAL_SAMPLES eval samples drawn at
+        stream times ``eval_start``, +1, ... (cached per ``eval_start``)."""
+        if eval_start not in self._open_best:
+            labels, probs = [], []
+            step = 8192
+            for start in range(0, SYNTHETIC_EVAL_SAMPLES, step):
+                _, _, y, p = self.generate("eval", start, step, eval_start + start)
+                labels.append(y[:, 0])
+                probs.append(p)
+            self._open_best[eval_start] = roc_auc(np.concatenate(labels),
+                                                  np.concatenate(probs))
+        return self._open_best[eval_start]
+
+    def distinct_keys(self, samples: int, chunk: int = 65536) -> list[int]:
+        """Per table, the distinct keys among training samples 0..samples-1."""
+        seen: list[np.ndarray] = [np.zeros(0, np.int64) for _ in self.rows]
+        for start in range(0, samples, chunk):
+            ids = self.generate("train", start, min(chunk, samples - start))[1]
+            seen = [np.union1d(before, ids[:, t]) for t, before in enumerate(seen)]
+        return [len(keys) for keys in seen]
+
+
+@functools.lru_cache(maxsize=4)
+def _open_teacher(seed: int, rows: tuple[int, ...], key_lifetime: int) -> OpenWorldTeacher:
+    return OpenWorldTeacher(seed, rows, key_lifetime)
+
+
+def open_distinct_keys(samples: int, *, max_table_rows: int | None = None,
+                       cardinality_scale: float = 1e-3, seed: int = 0,
+                       open_key_lifetime: int = OPEN_KEY_LIFETIME) -> list[int]:
+    """Per categorical column, the distinct keys of ``synthetic_open``'s first
+    ``samples`` training samples: the capacity a dynamic table needs to evict nothing in
+    a run of that many samples."""
+    rows = scaled_cardinalities(cardinality_scale, max_table_rows)
+    return _open_teacher(int(seed), rows, int(open_key_lifetime)).distinct_keys(int(samples))
+
+
+def _teacher_columns(ids: np.ndarray, rows: tuple[int, ...], raw: tuple[int, ...],
+                     keyed: bool) -> np.ndarray:
+    """The categorical block of a teacher's ``ids``: raw columns as int64 keys (row ids
+    for ``synthetic``, keys for ``synthetic_open``), the others as row ids (an open key
+    hashed into its table's rows, as criteo_tsv does with hex values)."""
+    if not keyed:
+        return ids.astype(np.int64) if raw else ids
+    row_ids = (ids.view(np.uint64) % np.asarray(rows, np.uint64)).astype(np.int64)
+    if not raw:
+        return row_ids.astype(np.int32)
+    row_ids[:, list(raw)] = ids[:, list(raw)]
+    return row_ids
+
+
 @functools.lru_cache(maxsize=8)
-def _synthetic_dataset(split: str, global_batch: int, rank: int, local: int,
-                       rows: tuple[int, ...], seed: int, num_batches: int | None
-                       ) -> tf.data.Dataset:
-    teacher = SyntheticTeacher(seed, rows)
+def _teacher_dataset(name: str, split: str, global_batch: int, rank: int, local: int,
+                     rows: tuple[int, ...], seed: int, num_batches: int | None,
+                     raw: tuple[int, ...], eval_start: int, key_lifetime: int
+                     ) -> tf.data.Dataset:
+    keyed = name == "synthetic_open"
+    teacher = _open_teacher(seed, rows, key_lifetime) if keyed else SyntheticTeacher(seed, rows)
     if split == "train":
         batches = tf.data.Dataset.range(num_batches) if num_batches else tf.data.Dataset.counter()
     else:
         available = max(1, SYNTHETIC_EVAL_SAMPLES // global_batch)
         batches = tf.data.Dataset.range(min(available, num_batches or available))
+    # eval follows training in the open stream's time (its keys are those alive then)
+    time_offset = eval_start if (keyed and split == "eval") else 0
+    id_dtype = tf.int64 if raw else tf.int32
 
     def make(k: np.int64):
-        dense, ids, labels, _ = teacher.generate(split, int(k) * global_batch + rank * local,
-                                                 local)
-        return dense, ids, labels
+        start = int(k) * global_batch + rank * local
+        dense, ids, labels, _ = teacher.generate(split, start, local, time_offset + start)
+        return dense, _teacher_columns(ids, rows, raw, keyed), labels
 
     def to_element(k):
-        dense, ids, labels = tf.numpy_function(make, [k], [tf.float32, tf.int32, tf.float32],
+        dense, ids, labels = tf.numpy_function(make, [k], [tf.float32, id_dtype, tf.float32],
                                                stateful=False)
         dense.set_shape([local, CRITEO_DENSE_FEATURES])
         ids.set_shape([local, len(rows)])
@@ -536,7 +755,19 @@ def _open_binary(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _malformed_reason(raw: bytes) -> str:
+@functools.lru_cache(maxsize=16)
+def _criteo_line(raw: tuple[int, ...]) -> "re.Pattern[bytes]":
+    """A valid line's pattern; a raw key's field (columns ``raw``) has at most
+    RAW_KEY_HEX_DIGITS digits."""
+    if not raw:
+        return _CRITEO_LINE
+    keys = rb"\t[0-9a-fA-F]{0,%d}" % RAW_KEY_HEX_DIGITS
+    return re.compile(rb"[01](?:\t(?:-?[0-9]{1,18})?){13}" + b"".join(
+        keys if t in raw else rb"\t[0-9a-fA-F]*"
+        for t in range(len(CRITEO_1TB_CARDINALITIES))))
+
+
+def _malformed_reason(raw: bytes, raw_keys: tuple[int, ...] = ()) -> str:
     fields = raw.decode("utf-8", errors="replace").split("\t")
     if len(fields) != _CRITEO_FIELDS:
         return (f"expected {_CRITEO_FIELDS} tab-separated fields (label, "
@@ -551,6 +782,10 @@ def _malformed_reason(raw: bytes) -> str:
     for i, field in enumerate(fields[1 + CRITEO_DENSE_FEATURES:]):
         if not _HEX_FIELD.fullmatch(field):
             return f"categorical field C{i + 1} {field!r} is not hexadecimal or empty"
+        if i in raw_keys and len(field) > RAW_KEY_HEX_DIGITS:
+            return (f"categorical field C{i + 1} {field!r} has {len(field)} hex digits; as "
+                    f"a dynamic table's raw key it may have at most {RAW_KEY_HEX_DIGITS} "
+                    "(Criteo's have 8)")
     return "unparseable line"
 
 
@@ -593,27 +828,47 @@ def criteo_columns(fields: list[list[bytes]]) -> tuple[np.ndarray, np.ndarray, n
     return labels, dense, table[:, 1 + CRITEO_DENSE_FEATURES:]
 
 
-def _parse_criteo_fields(fields: list[list[bytes]], rows: Sequence[int]
+def _parse_criteo_fields(fields: list[list[bytes]], rows: Sequence[int],
+                         raw: tuple[int, ...] = ()
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Converts validated criteo lines (split on tabs) to (dense, ids, labels) arrays."""
+    """Converts validated criteo lines (split on tabs) to (dense, ids, labels) arrays:
+    ids int32 row ids, or with raw-key columns ``raw`` an int64 block holding those
+    columns' keys (``hex_keys``) and the other columns' row ids."""
     labels, dense, hex_fields = criteo_columns(fields)
     ids = _hex_mod(hex_fields, np.asarray(rows, np.int64))
-    return dense, ids.astype(np.int32), labels
+    if not raw:
+        return dense, ids.astype(np.int32), labels
+    ids[:, list(raw)] = hex_keys(hex_fields[:, list(raw)])
+    return dense, ids, labels
 
 
-def valid_criteo_lines(path: str, skip_malformed: bool, stats: ParseStats
-                       ) -> Iterator[bytes]:
+def hex_keys(hex_fields: np.ndarray) -> np.ndarray:
+    """Raw int64 keys of validated hex fields [n, t] of at most RAW_KEY_HEX_DIGITS
+    digits: the field's value (Criteo's 8 digits: its 32-bit value), and
+    EMPTY_FIELD_KEY for an empty field (no value is negative, so none shares it).
+
+    >>> hex_keys(np.array([[b"ff", b"", b"0"], [b"8000000A", b"00", b"fffffffff"]])).tolist()
+    [[255, -1, 0], [2147483658, 0, 68719476735]]
+    """
+    keys = hex_values(hex_fields).astype(np.int64)
+    return np.where(hex_fields == b"", np.int64(EMPTY_FIELD_KEY), keys)
+
+
+def valid_criteo_lines(path: str, skip_malformed: bool, stats: ParseStats,
+                       raw: tuple[int, ...] = ()) -> Iterator[bytes]:
     """The valid lines of one criteo TSV file (plain or gzip), without their line ends;
     a malformed line raises ``ValueError("<path>, line <n>: <what>")`` or, with
-    ``skip_malformed``, is counted in ``stats`` and skipped."""
+    ``skip_malformed``, is counted in ``stats`` and skipped. Columns ``raw`` are read as
+    raw keys: more than RAW_KEY_HEX_DIGITS digits there is malformed."""
+    pattern = _criteo_line(tuple(raw))
     with _open_binary(path) as f:
         for number, line in enumerate(f, 1):
             stats.lines += 1
             line = line.rstrip(b"\n")
             if line.endswith(b"\r"):   # Windows line ends
                 line = line[:-1]
-            if _CRITEO_LINE.fullmatch(line) is None:
-                message = f"{path}, line {number}: {_malformed_reason(line)}"
+            if pattern.fullmatch(line) is None:
+                message = f"{path}, line {number}: {_malformed_reason(line, tuple(raw))}"
                 if not skip_malformed:
                     raise ValueError(message)
                 stats.malformed += 1
@@ -626,7 +881,7 @@ def valid_criteo_lines(path: str, skip_malformed: bool, stats: ParseStats
 
 def _criteo_batches(files: Sequence[str], global_batch: int, rank: int, local: int,
                     rows: tuple[int, ...], skip_malformed: bool, stats: ParseStats,
-                    num_batches: int | None, repeat: bool
+                    num_batches: int | None, repeat: bool, raw: tuple[int, ...] = ()
                     ) -> Iterator[tuple[dict, np.ndarray]]:
     lo, hi = rank * local, (rank + 1) * local
     emitted = 0
@@ -635,13 +890,13 @@ def _criteo_batches(files: Sequence[str], global_batch: int, rank: int, local: i
         position = 0          # valid lines so far in the current global batch
         mine: list[list[bytes]] = []
         for path in files:
-            for line in valid_criteo_lines(path, skip_malformed, stats):
+            for line in valid_criteo_lines(path, skip_malformed, stats, raw):
                 # every rank validates every line; only its own slice gets converted
                 if lo <= position < hi:
                     mine.append(line.split(b"\t"))
                 position += 1
                 if position == global_batch:
-                    dense, ids, labels = _parse_criteo_fields(mine, rows)
+                    dense, ids, labels = _parse_criteo_fields(mine, rows, raw)
                     yield {"dense": dense, "categorical": ids}, labels
                     mine, position = [], 0
                     emitted += 1
@@ -656,14 +911,15 @@ def _criteo_batches(files: Sequence[str], global_batch: int, rank: int, local: i
 
 
 def _criteo_dataset(files: list[str], split: str, global_batch: int, rank: int, local: int,
-                    rows: tuple[int, ...], skip_malformed: bool, num_batches: int | None
-                    ) -> tf.data.Dataset:
+                    rows: tuple[int, ...], skip_malformed: bool, num_batches: int | None,
+                    raw: tuple[int, ...] = ()) -> tf.data.Dataset:
     stats = ParseStats()
     repeat = split == "train" and num_batches is not None
     dataset = tf.data.Dataset.from_generator(
         lambda: _criteo_batches(files, global_batch, rank, local, rows, skip_malformed,
-                                stats, num_batches, repeat),
-        output_signature=_signature(local, CRITEO_DENSE_FEATURES, len(rows))).prefetch(2)
+                                stats, num_batches, repeat, raw),
+        output_signature=_signature(local, CRITEO_DENSE_FEATURES, len(rows), raw)
+    ).prefetch(2)
     _PARSE_STATS[dataset] = stats
     return dataset
 
@@ -844,12 +1100,14 @@ def _movielens(folder: str, seed: int) -> _MovieLens:
 
 
 def _movielens_dataset(folder: str, split: str, global_batch: int, rank: int, local: int,
-                       max_table_rows: int | None, seed: int, num_batches: int | None
-                       ) -> tf.data.Dataset:
+                       max_table_rows: int | None, seed: int, num_batches: int | None,
+                       raw: tuple[int, ...] = ()) -> tf.data.Dataset:
     ml = _movielens(folder, seed)
     part = slice(0, ml.n_eval) if split == "eval" else slice(ml.n_eval, None)
     rows = np.array(_capped(ml.table_rows, max_table_rows), np.int64)
     dense, ids, labels = ml.dense[part], ml.ids[part] % rows, ml.labels[part]
+    # raw keys: the contiguous ids themselves, never capped
+    ids[:, list(raw)] = ml.ids[part][:, list(raw)]
     batches = len(labels) // global_batch
     if batches == 0:
         raise ValueError(f"movielens {split} has {len(labels)} examples, fewer than "
@@ -858,7 +1116,8 @@ def _movielens_dataset(folder: str, split: str, global_batch: int, rank: int, lo
     mine = lambda x: x[:batches * global_batch].reshape(  # noqa: E731
         batches, global_batch // local, local, *x.shape[1:])[:, rank]
     dataset = tf.data.Dataset.from_tensor_slices(
-        ({"dense": mine(dense), "categorical": mine(ids).astype(np.int32)}, mine(labels)))
+        ({"dense": mine(dense), "categorical": mine(ids).astype(np.int64 if raw else np.int32)},
+         mine(labels)))
     if num_batches is not None:
         dataset = (dataset.repeat() if split == "train" else dataset).take(num_batches)
     return dataset.prefetch(2)

@@ -13,10 +13,17 @@ precision, so the loss is computed in float32).
 the mesh; ``distributed=False`` holds whole ``tf.keras.layers.Embedding`` tables in one
 process (the serving copy that ``export_for_serving`` writes: no Horovod, no custom ops).
 ``xla=True`` compiles the dense towers with XLA; the collectives stay outside.
+
+``dynamic_tables={feature: options}`` makes those features' tables
+``tfhybrid.layers.DynamicEmbedding(embedding_dim, **options)`` (``capacity``,
+``admit_after``, ``evict``, ``ttl_steps``): tables of raw int64 keys, sharded by key
+inside the DistributedEmbedding. The model then takes ``categorical`` as int64, the
+dynamic features' columns holding keys and the others row ids.
 """
 
 from __future__ import annotations
 
+import types
 import zlib
 from typing import Any, Sequence
 
@@ -25,6 +32,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
+from tfhybrid.layers.dynamic_embedding import DynamicEmbedding
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.layers.xla import XlaCompiled
 
@@ -103,7 +111,8 @@ class _ClickModel(tf.keras.Model):
                  top_mlp_dims: Sequence[int] = (1024, 1024, 512, 256, 1),
                  distributed: bool = True, xla: bool = False,
                  embedding_options: dict | None = None, seed: int = 0,
-                 fiited: dict | None = None, **kwargs: Any):
+                 fiited: dict | None = None, dynamic_tables: dict | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         self.table_rows = _check_dims("table_rows", table_rows)
         if isinstance(dense_features, bool) or not isinstance(dense_features, int) \
@@ -124,12 +133,23 @@ class _ClickModel(tf.keras.Model):
         self.seed = int(seed)
         # FIITED: {"chunks": C, "target_memory": share} makes every table dims="adaptive"
         self.fiited = None if fiited is None else dict(fiited)
-        tables = [(Embedding if self.fiited else tf.keras.layers.Embedding)(
-            rows, embedding_dim, name=f"table_{t}",
-            embeddings_initializer=tf.keras.initializers.RandomUniform(
-                -0.05, 0.05, seed=_seed(self.seed, f"table_{t}")),
-            **(dict(dims="adaptive", **self.fiited) if self.fiited else {}))
-            for t, rows in enumerate(self.table_rows)]
+        # dynamic tables: {feature index: DynamicEmbedding options}; a config read back
+        # from JSON has its keys as strings. A read-only view: Keras would track a dict
+        # attribute, and a checkpoint cannot save a tracked dict with int keys.
+        self.dynamic_tables = types.MappingProxyType(
+            {int(t): dict(options) for t, options in (dynamic_tables or {}).items()})
+        unknown = sorted(t for t in self.dynamic_tables
+                         if not 0 <= t < len(self.table_rows))
+        if unknown:
+            raise ValueError(f"dynamic tables {unknown} are not features of this model "
+                             f"(0 to {len(self.table_rows) - 1})")
+        if self.dynamic_tables and self.fiited:
+            raise ValueError("fiited and dynamic tables exclude each other: FIITED's widths "
+                             "belong to rows of fixed ids")
+        if self.dynamic_tables and not self.distributed:
+            raise ValueError("dynamic tables need distributed=True (a one-process copy "
+                             "holds whole tables by row)")
+        tables = [self._table(t, rows) for t, rows in enumerate(self.table_rows)]
         if self.distributed:
             self.embedding = DistributedEmbedding(tables, name="embedding",
                                                   **self.embedding_options)
@@ -139,6 +159,20 @@ class _ClickModel(tf.keras.Model):
                                            seed=self.seed))
         # under mixed precision the logits still leave in float32
         self.logits = tf.keras.layers.Activation("linear", dtype="float32", name="logits")
+
+    def _table(self, t: int, rows: int) -> tf.keras.layers.Layer:
+        """Feature t's table: dynamic, FIITED's adaptive one, or a Keras Embedding."""
+        seed = _seed(self.seed, f"table_{t}")
+        if t in self.dynamic_tables:
+            # Keras' "uniform" [-0.05, 0.05) as the fixed tables, drawn from key and seed
+            return DynamicEmbedding(self.embedding_dim, name=f"table_{t}",
+                                    initializer="uniform", seed=seed,
+                                    **self.dynamic_tables[t])
+        return (Embedding if self.fiited else tf.keras.layers.Embedding)(
+            rows, self.embedding_dim, name=f"table_{t}",
+            embeddings_initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05,
+                                                                       seed=seed),
+            **(dict(dims="adaptive", **self.fiited) if self.fiited else {}))
 
     def _compiled(self, layer: tf.keras.layers.Layer) -> tf.keras.layers.Layer:
         return XlaCompiled(layer, name=f"xla_{layer.name}") if self.xla else layer
@@ -156,6 +190,8 @@ class _ClickModel(tf.keras.Model):
                 "distributed": self.distributed, "xla": self.xla,
                 "embedding_options": dict(self.embedding_options), "seed": self.seed,
                 "fiited": None if self.fiited is None else dict(self.fiited),
+                "dynamic_tables": {t: dict(options)
+                                   for t, options in self.dynamic_tables.items()},
                 "name": self.name}
 
     @classmethod
@@ -308,7 +344,8 @@ def build_model(model: str, table_rows: Sequence[int], dense_features: int, **kw
 def example_batch(model: _ClickModel, batch: int = 1) -> dict:
     """A batch of zeros of the model's input structure (builds a model by calling it)."""
     return {"dense": tf.zeros([batch, model.dense_features], tf.float32),
-            "categorical": tf.zeros([batch, len(model.table_rows)], tf.int32)}
+            "categorical": tf.zeros([batch, len(model.table_rows)],
+                                    tf.int64 if model.dynamic_tables else tf.int32)}
 
 
 def _dense_layers(model: _ClickModel) -> list:
