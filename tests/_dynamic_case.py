@@ -84,10 +84,10 @@ def long_tailed_batches(steps, batch, hotness, seed=5, universe=48):
     return batches
 
 
-def dynamic_layer(combiner, capacity=64, **options):
+def dynamic_layer(combiner, capacity=64, name="keys", **options):
     return DynamicEmbedding(DIM, capacity=capacity, combiner=combiner, seed=SEED,
                             initializer=tf.keras.initializers.RandomUniform(LOW, HIGH),
-                            name="keys", **options)
+                            name=name, **options)
 
 
 def rows_by_key(layer) -> dict:
@@ -99,7 +99,7 @@ def rows_by_key(layer) -> dict:
 
 
 def check_mesh_against_dict(test, combiner, model_parallel, layout="model_major",
-                            steps=10, local_batch=3, hotness=3):
+                            steps=10, local_batch=3, hotness=3, use_custom_kernel=True):
     """A DistributedEmbedding holding one dynamic table, trained in a custom loop with
     RowWiseAdagrad on this mesh, equals the dict of rows on the global batch: each
     rank's outputs after every step's forward, and every key's row after the last."""
@@ -111,7 +111,8 @@ def check_mesh_against_dict(test, combiner, model_parallel, layout="model_major"
     scaled = [(k, w / (world * local_batch)) for k, w in batches]
     want_out, want_rows = reference_training(scaled, DIM, LOW, HIGH, SEED, LR, EPS,
                                              combiner)
-    layer = DistributedEmbedding([dynamic_layer(combiner)], mesh=mesh)
+    layer = DistributedEmbedding([dynamic_layer(combiner)], mesh=mesh,
+                                 use_custom_kernel=use_custom_kernel)
     optimizer = RowWiseAdagrad(learning_rate=LR, epsilon=EPS)
     mine = slice(rank * local_batch, (rank + 1) * local_batch)
     for (keys, weights), want in zip(batches, want_out):

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tfhybrid
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.dynamic.table import STATE
-from tfhybrid.layers import DistributedEmbedding
+from tfhybrid.layers import DistributedEmbedding, DynamicEmbedding
 from tfhybrid.optimizers import RowWiseAdagrad
 from tests import _dynamic_case as dc
 
@@ -48,12 +48,17 @@ class ShardedDynamicTableTest(tf.test.TestCase):
                 self.assertEqual(group, sorted(want))
 
     def test_replicas_hold_the_same_map_after_every_step_while_evicting(self):
+        for replica_sync in ("gradients", "weights"):
+            with self.subTest(replica_sync=replica_sync):
+                self._check_agreement(replica_sync)
+
+    def _check_agreement(self, replica_sync):
         mesh_lib.reset()
         mesh = tfhybrid.init(model_parallel=2)
         # 16 slots over 2 positions for a long-tailed stream of keys, admitted on their
         # second sighting: admission, candidates and eviction all run
         layer = DistributedEmbedding([dc.dynamic_layer("sum", capacity=16, admit_after=2)],
-                                     mesh=mesh)
+                                     mesh=mesh, replica_sync=replica_sync, sync_every=2)
         optimizer = RowWiseAdagrad(learning_rate=dc.LR)
         batches = dc.long_tailed_batches(20, 4 * 2, 2, seed=9)
         mine = slice(mesh.rank * 2, mesh.rank * 2 + 2)
@@ -61,22 +66,55 @@ class ShardedDynamicTableTest(tf.test.TestCase):
             with tf.GradientTape() as tape:
                 out = layer([tf.constant(keys[mine])], training=True)[0]
                 loss = tf.reduce_sum(out * weights[mine])
-            grads = tfhybrid.DistributedGradientTape(tape).gradient(
+            # in weight-sync mode the tape's optimizer averages the replicas every 2 steps
+            grads = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer).gradient(
                 loss, layer.trainable_variables)
             optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+            synced = replica_sync == "gradients" or step % 2 == 1
             table = layer.stores.get(0, mesh.model_position).tracked
-            state = [getattr(table, name).numpy() for name in STATE]
-            state += [table.rows.numpy(), table.accumulator.numpy()]
+            # the map, its candidates and counters always; the rows and accumulators
+            # where they are synced (every step, or at a weight sync)
+            names = STATE + (("rows", "accumulator") if synced else ())
+            state = [getattr(table, name).numpy() for name in names]
             everyone = hvd.allgather_object(state)
             for other in _data_group(mesh):
-                for name, a, b in zip(STATE + ("rows", "accumulator"), state,
-                                      everyone[other]):
-                    self.assertAllEqual(a, b, msg=f"step {step}: {name} differs between "
-                                                  f"ranks {mesh.rank} and {other}")
+                for name, a, b in zip(names, state, everyone[other]):
+                    self.assertAllEqual(a, b, msg=f"{replica_sync} step {step}: {name} "
+                                                  f"differs between ranks {mesh.rank} and "
+                                                  f"{other}")
         stats = layer.table_stats()["keys"]
         self.assertGreater(stats["evictions"], 0)
         self.assertGreater(stats["candidates"] + stats["admissions"], stats["size"])
         self.assertLessEqual(stats["size"], 16)
+
+    def test_every_input_form_reaches_the_keys_owner(self):
+        # fresh tables: a bag's output is the sum of its keys' initial rows on any mesh,
+        # so each rank's output equals one process's DynamicEmbedding on its batch
+        mesh_lib.reset()
+        mesh = tfhybrid.init(model_parallel=2)
+        strings = DynamicEmbedding(4, capacity=64, combiner="mean", key_dtype=tf.string,
+                                   seed=5, name="names")
+        layer = DistributedEmbedding([dc.dynamic_layer("sum"), strings,
+                                      dc.dynamic_layer(None, name="one_key")], mesh=mesh,
+                                     input_table_map=[0, 0, 1, 2])
+        rank = mesh.rank
+        inputs = [tf.constant([[rank, -rank - 1, 2**40], [5, 6, 7]], tf.int64),
+                  tf.ragged.constant([[7, 8, rank], []], tf.int64),
+                  tf.ragged.constant([[f"user:{rank}", "user:x"], ["user:y"]]),
+                  tf.constant([2**62 + rank, -5], tf.int64)]
+        got = layer(inputs, training=True)
+        alone = [dc.dynamic_layer("sum"), DynamicEmbedding(
+            4, capacity=64, combiner="mean", key_dtype=tf.string, seed=5),
+                 dc.dynamic_layer(None)]
+        want = [alone[0](inputs[0]), alone[0](inputs[1]), alone[1](inputs[2]),
+                alone[2](inputs[3])]
+        for g, w in zip(got, want):
+            self.assertAllClose(g, w, atol=1e-6)
+        # every string was admitted once, where its fingerprint's hash puts it: a shard's
+        # replicas admit the keys routed to any of them
+        sizes = layer.table_stats()
+        self.assertEqual(sizes["names"]["size"], len({"user:x", "user:y"} | {
+            f"user:{r}" for r in range(mesh.size)}))
 
     def test_a_checkpoint_of_2x2_goes_on_on_other_meshes_as_if_never_stopped(self):
         steps, local_batch = 8, 3

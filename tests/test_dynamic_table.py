@@ -322,6 +322,8 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         for combiner in ("sum", "mean"):
             with self.subTest(combiner=combiner):
                 dc.check_mesh_against_dict(self, combiner, model_parallel=1)
+        # the pure-TF path (the op's NumPy twin, TF's lookup and initial rows) too
+        dc.check_mesh_against_dict(self, "sum", model_parallel=1, use_custom_kernel=False)
         dc.check_fit_against_dict(self, model_parallel=1)
 
     def test_examples_run(self):
