@@ -93,28 +93,28 @@ class ShardedDynamicTableTest(tf.test.TestCase):
         mesh_lib.reset()
         mesh = tfhybrid.init(model_parallel=2)
         strings = DynamicEmbedding(4, capacity=64, combiner="mean", key_dtype=tf.string,
-                                   seed=5, name="names")
+                                   seed=5, name="names", admit_after=2, default_row=0.25)
         layer = DistributedEmbedding([dc.dynamic_layer("sum"), strings,
                                       dc.dynamic_layer(None, name="one_key")], mesh=mesh,
                                      input_table_map=[0, 0, 1, 2])
         rank = mesh.rank
         inputs = [tf.constant([[rank, -rank - 1, 2**40], [5, 6, 7]], tf.int64),
                   tf.ragged.constant([[7, 8, rank], []], tf.int64),
-                  tf.ragged.constant([[f"user:{rank}", "user:x"], ["user:y"]]),
+                  tf.ragged.constant([[f"user:{rank}", f"x:{rank}"], [f"y:{rank}"]]),
                   tf.constant([2**62 + rank, -5], tf.int64)]
         got = layer(inputs, training=True)
+        # (the strings are seen once: not admitted, each reads the default row)
         alone = [dc.dynamic_layer("sum"), DynamicEmbedding(
-            4, capacity=64, combiner="mean", key_dtype=tf.string, seed=5),
-                 dc.dynamic_layer(None)]
+            4, capacity=64, combiner="mean", key_dtype=tf.string, seed=5, admit_after=2,
+            default_row=0.25), dc.dynamic_layer(None)]
         want = [alone[0](inputs[0]), alone[0](inputs[1]), alone[1](inputs[2]),
                 alone[2](inputs[3])]
         for g, w in zip(got, want):
             self.assertAllClose(g, w, atol=1e-6)
-        # every string was admitted once, where its fingerprint's hash puts it: a shard's
-        # replicas admit the keys routed to any of them
-        sizes = layer.table_stats()
-        self.assertEqual(sizes["names"]["size"], len({"user:x", "user:y"} | {
-            f"user:{r}" for r in range(mesh.size)}))
+        # every string is a candidate once, where its fingerprint's hash puts it: a
+        # shard's replicas count the keys routed to any of them
+        stats = layer.table_stats()["names"]
+        self.assertEqual((stats["size"], stats["candidates"]), (0, 3 * mesh.size))
 
     def test_a_checkpoint_of_2x2_goes_on_on_other_meshes_as_if_never_stopped(self):
         steps, local_batch = 8, 3

@@ -272,6 +272,24 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         self.assertAllEqual(out, [[1.0, 1.0]] * 3)
         self.assertEqual(strings.table_stats()["size"], 2)
 
+    def test_a_key_without_a_slot_reads_the_default_row(self):
+        # a full table without eviction refuses key 3: it reads the default row, which
+        # trains nothing; the mean divides by the whole bag
+        layer = DynamicEmbedding(2, capacity=2, combiner="mean", evict=None,
+                                 initializer=1.0, default_row=[0.5, -4.0])
+        keys = tf.constant([[1, 2, 3]], tf.int64)
+        with tf.GradientTape() as tape:
+            out = layer(keys, training=True)
+        self.assertAllClose(out, [[(1 + 1 + 0.5) / 3, (1 + 1 - 4) / 3]])
+        grad = tape.gradient(out, layer.trainable_variables)[0]
+        self.assertAllEqual(sorted(tf.convert_to_tensor(grad.indices).numpy()), [0, 1])
+        self.assertEqual(layer.table_stats()["refusals"], 1)
+        self.assertEqual(DynamicEmbedding.from_config(layer.get_config()).default_row,
+                         (0.5, -4.0))
+        with self.assertRaisesRegex(ValueError, r"default_row=\[1, 2, 3\] must be None, "
+                                                r"a number or 2 finite numbers"):
+            DynamicEmbedding(2, capacity=2, default_row=[1, 2, 3])
+
     def test_sgd_without_momentum_trains_it(self):
         # (tf-keras 2.15's SGD makes a momentum slot even without momentum)
         layer = self._layer("sum")
@@ -329,8 +347,10 @@ class DynamicEmbeddingTest(tf.test.TestCase):
     def test_examples_run(self):
         import inspect
         import textwrap
-        from tfhybrid.dynamic import table as table_lib
-        for obj in (table_lib, DynamicTable, DynamicEmbedding):
+        from tfhybrid import callbacks
+        from tfhybrid.dynamic import saved, table as table_lib
+        for obj in (table_lib, DynamicTable, DynamicEmbedding, saved, saved.KeyedEntries,
+                    callbacks.DynamicTableStats):
             doc = inspect.getdoc(obj)
             exec(textwrap.dedent(doc.split("Example::", 1)[1]), {})  # pylint: disable=exec-used
 

@@ -258,8 +258,9 @@ class DynamicTableStats(tf.keras.callbacks.Callback):
     refusals, hit rate, summed over the model group; every rank takes part) and logs
     them on rank 0. ``history`` keeps what was collected, as (batch, stats) pairs.
 
-    Example (one process; under horovodrun the same code shards the table)::
+    Example::
 
+        # one process; under horovodrun the same code shards the table
         import numpy as np
         import tensorflow as tf
         import tfhybrid
@@ -268,13 +269,14 @@ class DynamicTableStats(tf.keras.callbacks.Callback):
         from tfhybrid.optimizers import RowWiseAdagrad
         tfhybrid.init(model_parallel=1)
         keys = tf.keras.Input([2], dtype=tf.int64)
-        out = DistributedEmbedding([DynamicEmbedding(4, 100, combiner="sum")])([keys])[0]
+        users = DynamicEmbedding(4, 100, combiner="sum", name="users")
+        out = DistributedEmbedding([users])([keys])[0]
         model = tf.keras.Model(keys, tf.keras.layers.Dense(1)(out))
         model.compile(RowWiseAdagrad(0.1), "mse")
         stats = DynamicTableStats(every_n_batches=2)
         model.fit(np.arange(16).reshape(8, 2), np.zeros([8, 1]), batch_size=2, verbose=0,
                   callbacks=[stats])
-        assert stats.history[-1][1]["dynamic_embedding"]["size"] == 16
+        assert stats.history[-1][1]["users"]["size"] == 16
     """
 
     def __init__(self, every_n_batches: int = 1000):

@@ -75,6 +75,20 @@ def _refuse_other_optimizers(optimizer: Any, variable: Any, slot_name: Any) -> N
         "(their state is the table's own) or SGD without momentum")
 
 
+def checked_default_row(default_row: Any, dim: int) -> tuple[float, ...] | None:
+    """``default_row`` (None: zeros; a number; ``dim`` numbers) as ``dim`` floats, or
+    None for zeros; ``ValueError`` names any other value."""
+    if default_row is None:
+        return None
+    values = np.asarray(default_row, np.float64)
+    if values.ndim == 0:
+        values = np.full([dim], float(values))
+    if values.shape != (dim,) or not np.all(np.isfinite(values)):
+        raise ValueError(f"default_row={default_row!r} must be None, a number or {dim} "
+                         "finite numbers (the row a key without a slot reads)")
+    return tuple(float(v) for v in values)
+
+
 def _buckets(entries: int) -> int:
     """The index's buckets for ``entries``: a power of two, at least twice as many."""
     return 1 << max(1, (2 * entries - 1).bit_length())
@@ -108,7 +122,8 @@ class DynamicTable(tf.Module):
                  seed: int = 0, admit_after: int = 1, evict: str | None = "lfu",
                  ttl_steps: int | None = None, pinned_calls: int = 1,
                  use_custom_op: bool | None = None, name: str | None = None,
-                 add_weight: Callable[..., Any] | None = None):
+                 add_weight: Callable[..., Any] | None = None,
+                 default_row: Any = None):
         _tf_internals.install_autograph_rule()
         super().__init__(name=name)
         self.capacity = checked_int("capacity", capacity, 1)
@@ -127,6 +142,7 @@ class DynamicTable(tf.Module):
             custom_ops.require_library()
         self.use_custom_op = use_custom_op
         self.initializer = KeyedInitializer.of(initializer, seed)
+        self.default_row = checked_default_row(default_row, self.dim)
         candidates = self.capacity if self.admit_after > 1 else 1
         variable = functools.partial(_tf_internals.table_variable, add_weight,
                                      table=self.name, name_scope=True, trainable=False)
@@ -215,7 +231,7 @@ class DynamicTable(tf.Module):
                ) -> tf.Tensor:
         """[bags, dim]: each bag's rows at ``slots`` (``lengths`` per bag) summed, or
         their mean (``combiner="mean"``, over all of the bag's keys); a slot of -1 reads
-        zeros and takes no gradient. The fused C++ lookup where the op library is
+        the default row (zeros unless given) and takes no gradient. The fused C++ lookup where the op library is
         loaded (and ``use_custom_op`` allows), its gradient rows at the slots."""
         if combiner not in COMBINERS:
             raise ValueError(f"combiner={combiner!r} is unknown; expected one of {COMBINERS}")
@@ -227,6 +243,10 @@ class DynamicTable(tf.Module):
             _tf_internals.tf_variable(self.rows), bags_held, combiner="sum",
             table_name=self.name,
             use_custom_op=None if self.use_custom_op is not False else False)
+        if self.default_row is not None:
+            # each key without a slot reads the default row (a constant: no gradient)
+            unheld = tf.cast(lengths - held_per_bag, tf.float32)
+            sums = sums + unheld[:, None] * tf.constant(self.default_row, tf.float32)[None]
         return bag_means(sums, lengths) if combiner == "mean" else sums
 
     def stats(self) -> dict[str, int]:

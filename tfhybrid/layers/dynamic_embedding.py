@@ -14,7 +14,7 @@ import tensorflow as tf
 from tfhybrid import _tf_internals
 from tfhybrid.dynamic.initial_rows import KeyedInitializer
 from tfhybrid.dynamic.keys import string_keys
-from tfhybrid.dynamic.table import EVICTION, DynamicTable
+from tfhybrid.dynamic.table import EVICTION, DynamicTable, checked_default_row
 
 COMBINERS = (None, "sum", "mean")
 KEY_DTYPES = ("int64", "string")
@@ -28,7 +28,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
     ``evict`` (``"lfu"``, ``"lru"``) frees the row of a key not seen in this step (its
     optimizer state goes with it), and ``evict=None`` refuses new keys. ``ttl_steps``
     frees rows unseen for that many training steps. A key without a row reads zeros and
-    trains nothing. ``use_custom_kernel=True`` runs the C++ find-or-insert where the op
+    trains nothing (``default_row``: a number or ``output_dim`` numbers it reads instead
+    of zeros). ``use_custom_kernel=True`` runs the C++ find-or-insert where the op
     library is built (else its NumPy twin, the same slots); ``False`` always the twin.
 
     Inputs as ``tfhybrid.layers.Embedding``'s: with ``combiner=None`` a row per key
@@ -57,7 +58,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                  key_dtype: Any = tf.int64, initializer: Any = "uniform", seed: int = 0,
                  admit_after: int = 1, evict: str | None = "lfu",
                  ttl_steps: int | None = None, use_custom_kernel: bool = True,
-                 **kwargs: Any):
+                 default_row: Any = None, **kwargs: Any):
         _tf_internals.install_autograph_rule()
         if combiner not in COMBINERS:
             raise ValueError(f"combiner={combiner!r} is unknown; expected one of {COMBINERS}")
@@ -82,6 +83,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         if ttl_steps is not None and (isinstance(ttl_steps, bool)
                                       or not isinstance(ttl_steps, int) or ttl_steps < 1):
             raise ValueError(f"ttl_steps must be None or an int >= 1, got {ttl_steps!r}")
+        self.default_row = checked_default_row(default_row, output_dim)
         self.output_dim = output_dim
         self.capacity = capacity
         self.combiner = combiner
@@ -98,7 +100,8 @@ class DynamicEmbedding(tf.keras.layers.Layer):
             self.capacity, self.output_dim, initializer=self.keyed_initializer,
             seed=self.seed, admit_after=self.admit_after, evict=self.evict,
             ttl_steps=self.ttl_steps, name="table", add_weight=self.add_weight,
-            use_custom_op=None if self.use_custom_kernel else False)
+            use_custom_op=None if self.use_custom_kernel else False,
+            default_row=self.default_row)
         self.built = True
 
     def call(self, inputs, training=None):
@@ -172,7 +175,9 @@ class DynamicEmbedding(tf.keras.layers.Layer):
                       combiner=self.combiner, key_dtype=self.key_dtype,
                       initializer=self.keyed_initializer.get_config(), seed=self.seed,
                       admit_after=self.admit_after, evict=self.evict,
-                      ttl_steps=self.ttl_steps, use_custom_kernel=self.use_custom_kernel)
+                      ttl_steps=self.ttl_steps, use_custom_kernel=self.use_custom_kernel,
+                      default_row=None if self.default_row is None
+                      else list(self.default_row))
         return config
 
     @classmethod

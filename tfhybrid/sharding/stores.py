@@ -613,7 +613,7 @@ def _dynamic_store(spec: TableSpec, shard: Shard, name: str, context: StoreConte
             else rules.ttl_steps * calls, pinned_calls=TIER_PINNED_STEPS * calls,
             use_custom_op=None if context.use_custom_kernel else False,
             name=re.sub(r"\W", "_", f"{context.layer_name}_{name}"),
-            add_weight=context.add_weight)
+            add_weight=context.add_weight, default_row=rules.default_row)
     return DynamicShard(table, spec.name)
 
 

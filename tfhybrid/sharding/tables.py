@@ -40,11 +40,14 @@ KERNEL, FIITED, TIERED, TIERED_FIITED, CUSTOM, DYNAMIC = (
 class KeyedRules:
     """A dynamic table's rules (``tfhybrid.layers.DynamicEmbedding``'s options): its keys'
     dtype (``"int64"``, or ``"string"`` read as their fingerprints), sightings before
-    admission, the eviction policy and the ttl in steps."""
+    admission, the eviction policy, the ttl in steps and the row a key without a slot
+    reads."""
     key_dtype: str
     admit_after: int = 1
     evict: str | None = "lfu"
     ttl_steps: int | None = None
+    # what a key without a slot reads (None: zeros)
+    default_row: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,8 @@ def table_from_layer(layer: Any, custom: bool = False) -> TableSpec:
             name=layer.name, rows=int(config["capacity"]), dim=int(config["output_dim"]),
             combiner=config["combiner"], initializer=layer.keyed_initializer,
             storage=DYNAMIC, keyed=KeyedRules(config["key_dtype"], config["admit_after"],
-                                              config["evict"], config["ttl_steps"]))
+                                              config["evict"], config["ttl_steps"],
+                                              layer.default_row))
     if not {"input_dim", "output_dim"} <= set(config or {}):
         raise ValueError(
             "embeddings must hold tf.keras.layers.Embedding / tfhybrid.layers.Embedding "
