@@ -1,9 +1,9 @@
 """The training app with dynamic tables: `python -m tfhybrid.train --dynamic_tables=...`.
 
-Runs the CLI as a user would on the open-world synthetic stream (one process, and
-`horovodrun -np 4` with `--model_parallel=2`: the runs must agree, table counters
-included), restores the 2x2 run's checkpoint in one process, trains on raw Criteo hex
-ids from a small generated TSV, and checks that bad flag values are named. The data
+Runs the CLI as a user would with DLRM on the open-world synthetic stream (one process,
+and `horovodrun -np 4` with `--model_parallel=2`: the runs must agree, table counters
+included), restores the 2x2 run's checkpoint in one process, trains DCN-v2 on raw Criteo
+hex ids from a small generated TSV, and checks that bad flag values are named. The data
 and the flags' checks are also tested in this process. The runs are tiny (16 steps of a
 small DLRM) so the module stays near a minute per Keras.
 """
@@ -118,9 +118,10 @@ class DynamicAppTest(tf.test.TestCase):
         capacities = [CRITEO_C1_CAPACITY] + [4096] * 25
         first = {
             "one": OPEN_FLAGS + DYNAMIC + [f"--metrics_json={work}/one.json"],
-            "criteo": ["--model=dlrm", "--dataset=criteo_tsv", f"--data_dir={work}/criteo",
+            # DCN-v2 here, DLRM on synthetic_open: both models take raw keys
+            "criteo": ["--model=dcnv2", "--dataset=criteo_tsv", f"--data_dir={work}/criteo",
                        f"--batch_size={CRITEO_BATCH}", "--embedding_dim=8",
-                       "--bottom_mlp_dims=16,8", "--top_mlp_dims=16,1", "--warmup_steps=0",
+                       "--num_cross_layers=2", "--top_mlp_dims=16,1", "--warmup_steps=0",
                        "--optimizer=rowwise_adagrad", "--dynamic_tables=all",
                        f"--dynamic_capacity={','.join(str(c) for c in capacities)}",
                        f"--metrics_json={work}/criteo.json"],
@@ -213,6 +214,7 @@ class DynamicAppTest(tf.test.TestCase):
 
     def test_criteo_hex_ids_become_raw_keys(self):
         run, stdout = self._run("criteo")
+        self.assertEqual(run["model"], "dcnv2")
         self.assertEqual(run["steps"], CRITEO_TRAIN_LINES // CRITEO_BATCH)
         self.assertIn("dynamic tables (26): ", stdout)
         tables = run["dynamic_tables"]["tables"]
