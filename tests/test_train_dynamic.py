@@ -280,18 +280,10 @@ class DynamicFlagsTest(tf.test.TestCase):
             with self.subTest(values=values):
                 with self.assertRaisesRegex(ValueError, message):
                     _config(**values).validate()
-        # good ones pass: names and indices, a string from a program, ms_rowwise_adagrad
-        for values in (dynamic, dict(dynamic, dynamic_tables="all",
-                                     optimizer="ms_rowwise_adagrad"),
+        # good ones pass: names and indices, sgd, a string from a program
+        for values in (dynamic, dict(dynamic, dynamic_tables="all", optimizer="sgd"),
                        dict(dynamic, dynamic_capacity=(5, 6), dynamic_evict="none")):
             _config(**values).validate()
-        # sgd: Keras 3's; Keras 2's legacy SGD is refused by dynamic tables
-        sgd = _config(**dict(dynamic, optimizer="sgd"))
-        if KERAS_MAJOR == 2:
-            with self.assertRaisesRegex(ValueError, "--optimizer=sgd needs Keras 3 for now"):
-                sgd.validate()
-        else:
-            sgd.validate()
 
     def test_docstring_examples_run(self):
         import doctest

@@ -129,7 +129,7 @@ flags.DEFINE_list("dynamic_tables", [], "Dynamic tables (tfhybrid.layers.Dynamic
                   "names (C1,C10; user_id). Their columns are fed raw int64 keys (synthetic: "
                   "the ids; synthetic_open: its keys; criteo_tsv: the hex value, empty -1; "
                   "movielens: the ids, uncapped) and the tables admit and evict keys. Needs "
-                  "the tables trained by rowwise_adagrad, ms_rowwise_adagrad or (Keras 3) sgd.")
+                  "the tables trained by rowwise_adagrad, ms_rowwise_adagrad or sgd.")
 flags.DEFINE_list("dynamic_capacity", [], "Rows of each dynamic table (over its model "
                   "group): one number for all, or one per dynamic table in feature order. "
                   "Default: the feature's fixed table rows (--max_table_rows, "

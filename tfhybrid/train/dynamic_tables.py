@@ -127,12 +127,6 @@ def check(config: Any) -> None:
                          f"{', '.join(OPTIMIZERS)} ({flag}={optimizer!r} keeps a slot per "
                          "entry, which would outlive the entry's key when it is evicted); "
                          f"set --embedding_optimizer to one of them")
-    if optimizer == "sgd" and _keras_major() == 2:
-        # the app's sgd under Keras 2 is tf-keras' legacy SGD (no dense momentum slot per
-        # fixed table), which tfhybrid's optimizer traits do not yet count as stateless
-        raise ValueError(f"--dynamic_tables={shown} with {flag}=sgd needs Keras 3 for now: "
-                         "Keras 2's legacy SGD, which the app's sgd is there, is refused by "
-                         "dynamic tables; use rowwise_adagrad, or --keras=3")
     # features that hold rows by fixed ids, or copy whole tables by row
     for other, why in (("fiited_target", "FIITED's widths belong to rows of fixed ids"),
                        ("dram_budget", "the disk tier holds tables by row"),
@@ -141,11 +135,6 @@ def check(config: Any) -> None:
         if getattr(config, other) is not None:
             raise ValueError(f"--dynamic_tables={shown} and --{other}="
                              f"{getattr(config, other)} exclude each other: {why}")
-
-
-def _keras_major() -> int:
-    import tfhybrid
-    return tfhybrid.keras_major()
 
 
 def _positive(name: str, value: Any) -> None:
