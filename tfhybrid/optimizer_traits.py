@@ -15,11 +15,14 @@ slot would not follow the rows. Its guard asks :func:`trains_of` instead:
 Example::
 
     import tensorflow as tf
+    import tfhybrid
     from tfhybrid.optimizer_traits import Trains, trains_of
     from tfhybrid.optimizers import RowWiseAdagrad
     assert trains_of(RowWiseAdagrad()) is Trains.ROW_STATE
     assert trains_of(tf.keras.optimizers.SGD()) is Trains.NO_STATE
     assert trains_of(tf.keras.optimizers.SGD(momentum=0.9)) is Trains.DENSE_STATE
+    if tfhybrid.keras_major() == 2:   # tf-keras' legacy SGD
+        assert trains_of(tf.keras.optimizers.legacy.SGD()) is Trains.NO_STATE
 """
 
 from __future__ import annotations
@@ -57,10 +60,22 @@ def advertises(trains: Trains) -> Callable[[type], type]:
     return register
 
 
+def _sgd_classes() -> tuple[type, ...]:
+    """Keras' SGD, and tf-keras' legacy one (Keras 3 refuses to import its legacy names)."""
+    try:
+        return (tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD)
+    except (ImportError, AttributeError):
+        return (tf.keras.optimizers.SGD,)
+
+
+_SGD_CLASSES = _sgd_classes()
+
+
 def _momentum_free_sgd(optimizer: Any) -> bool:
     # Keras 2.15's SGD makes a momentum slot even at momentum 0, but then resets it every
-    # step (m = 0 * m + update), so its slots carry nothing from step to step
-    return isinstance(optimizer, tf.keras.optimizers.SGD) and not optimizer.nesterov and \
+    # step (m = 0 * m + update), so its slots carry nothing from step to step; the legacy
+    # SGD makes none at momentum 0
+    return isinstance(optimizer, _SGD_CLASSES) and not optimizer.nesterov and \
         float(optimizer.momentum) == 0.0
 
 
