@@ -11,7 +11,7 @@ gradient)), one step = lookup + backward + optimizer apply, in one process:
 - on TF 2.15.1, where TFRA 0.7.2 loads: ``dynamic`` again, and TFRA's
   ``de.keras.layers.Embedding`` (its CPU cuckoo hash table) on the same keys, bags
   summed, through ``de.DynamicEmbeddingOptimizer``: with SGD on both sides (the same
-  update), and with their AdaGrads (tfhybrid's row-wise, TFRA's element-wise Keras
+  update, Keras' legacy ``SGD`` class on both), and with their AdaGrads (tfhybrid's row-wise, TFRA's element-wise Keras
   Adagrad: a different optimizer, labelled so).
 
 Every step sees a new batch of the stream, so new keys keep arriving (no eviction: the
@@ -123,9 +123,11 @@ def _tfhybrid_step(tf, args):
         tables = [DynamicEmbedding(DIM, capacity=args.rows, combiner="sum", name=f"t{t}",
                                    initializer=initializer, seed=3) for t in range(TABLES)]
     layer = DistributedEmbedding(tables)
+    # SGD: the legacy Keras class TFRA's side runs too (the new one compiles its update
+    # with XLA by default, which makes the table's sparse gradient dense)
     optimizer = (RowWiseAdagrad(LEARNING_RATE, epsilon=EPSILON)
                  if args.optimizer == "rowwise_adagrad"
-                 else tf.keras.optimizers.SGD(LEARNING_RATE))
+                 else tf.keras.optimizers.legacy.SGD(LEARNING_RATE))
 
     @tf.function
     def step(batch, upstream):
