@@ -779,6 +779,36 @@ class LookupCombineConcatTest(tf.test.TestCase):
                                               grad_columns=[60, 70])
 
 
+class DynamicTableKernelsTest(tf.test.TestCase):
+    """The dynamic tables' small kernels against their pure-TF forms, at the level the
+    process runs (tests/test_kernel_isa.py runs this class at every level)."""
+
+    def test_keyed_rows_are_the_tf_ops_rows_bit_for_bit(self):
+        require_op(self)
+        from tfhybrid.dynamic.initial_rows import KeyedInitializer
+        keys = tf.constant(np.random.default_rng(6).integers(-2**63, 2**63 - 1, 777),
+                           tf.int64)
+        for init, dim in ((KeyedInitializer("uniform", -0.05, 0.05, 0), 64),
+                          (KeyedInitializer("uniform", -3.0, 1e-3, 2**63 + 5), 13),
+                          (KeyedInitializer("normal", 0.1, 0.3, 9), 7)):
+            np.testing.assert_array_equal(init.rows(keys, dim, use_custom_op=True),
+                                          init.rows(keys, dim, use_custom_op=False),
+                                          err_msg=f"{init} dim {dim}")
+
+    def test_held_slots_are_the_kept_ids_of_each_bag(self):
+        require_op(self)
+        from tfhybrid.combiners import kept_in_bags
+        rng = np.random.default_rng(7)
+        lengths = rng.integers(0, 6, 50)
+        slots = rng.integers(-1, 9, int(lengths.sum())).astype(np.int32)
+        got = co.dynamic_held_slots(slots, lengths)
+        want = kept_in_bags(tf.constant(slots), tf.constant(lengths), slots >= 0)
+        for g, w in zip(got, want):
+            self.assertAllEqual(g, w)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "sum to"):
+            co.dynamic_held_slots(slots, lengths + 1)
+
+
 class CachedChunkedAdagradTest(tf.test.TestCase):
     """CachedChunkedRowwiseAdagradApply: FIITED's update on a tiered table's cache (its
     equality with the pool's kernel, step by step and in training, is in

@@ -47,7 +47,7 @@ _OP_TEST_CLASSES = ("LibraryTest", "EmbeddingLookupCombineTest",
                     "EmbeddingLookupCombineOddWidthTest", "EmbeddingLookupCombineWideTest",
                     "RowwiseAdagradTest", "RowwiseAdagradOddWidthTest",
                     "RowwiseAdagradWideTest", "FusedBackwardAdagradTest",
-                    "LookupCombineConcatTest")
+                    "LookupCombineConcatTest", "DynamicTableKernelsTest")
 
 # What each level needs, as /proc/cpuinfo names it (the test's own statement of the
 # levels; isa_kernels.cc has the library's).

@@ -686,6 +686,13 @@ def dynamic_keyed_rows(keys, kind: str, low: float, high: float, seed: int, dim:
         tf.constant([low, high], tf.float64), kind=kind, dim=dim)
 
 
+def dynamic_held_slots(slots, lengths):
+    """(the slots >= 0 of bags of ``lengths`` slots, how many each bag keeps) in C++:
+    ``tfhybrid.combiners.kept_in_bags(slots, lengths, slots >= 0)`` in one pass."""
+    return require_library().dynamic_held_slots(tf.cast(slots, tf.int32),
+                                                tf.cast(lengths, tf.int64))
+
+
 def _chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
                            utility_decay) -> list:
     """The inputs both FIITED update ops take after their ids: the gradient, the AdaGrad

@@ -237,12 +237,15 @@ class DynamicTable(tf.Module):
             raise ValueError(f"combiner={combiner!r} is unknown; expected one of {COMBINERS}")
         slots = tf.reshape(tf.convert_to_tensor(slots), [-1])
         lengths = tf.cast(tf.reshape(lengths, [-1]), tf.int64)
-        held, held_per_bag = kept_in_bags(slots, lengths, slots >= 0)
-        bags_held = tf.RaggedTensor.from_row_lengths(held, held_per_bag, validate=False)
+        use_op = None if self.use_custom_op is not False else False
+        if use_op is not False and custom_ops.custom_ops_available():
+            held, held_per_bag = custom_ops.dynamic_held_slots(slots, lengths)
+        else:
+            held, held_per_bag = kept_in_bags(slots, lengths, slots >= 0)
         sums = custom_ops.embedding_lookup_combine(
-            _tf_internals.tf_variable(self.rows), bags_held, combiner="sum",
-            table_name=self.name,
-            use_custom_op=None if self.use_custom_op is not False else False)
+            _tf_internals.tf_variable(self.rows),
+            tf.RaggedTensor.from_row_lengths(held, held_per_bag, validate=False),
+            combiner="sum", table_name=self.name, use_custom_op=use_op)
         if self.default_row is not None:
             # each key without a slot reads the default row (a constant: no gradient)
             unheld = tf.cast(lengths - held_per_bag, tf.float32)

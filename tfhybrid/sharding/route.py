@@ -182,17 +182,14 @@ class EmbeddingRoute:
         what :meth:`look_up_and_return` looks up (a tiered shard's ids as cache slots, its
         rows loaded). A failed check raises on every rank before any id leaves this one.
         """
-        prepared = self.prepare(bags, batch, invalid)
-        if inference:
-            prepared = phases.Prepared(prepared.sending, dataclasses.replace(
-                prepared.facts, inference=True))
-        exchanged = self.exchange(prepared)
+        exchanged = self.exchange(self.prepare(bags, batch, invalid, inference=inference))
         with tf.control_dependencies(exchanged.asserts):
             bags = {f: dataclasses.replace(b, values=tf.identity(b.values))
                     for f, b in bags.items()}
         return bags, exchanged.routed
 
-    def prepare(self, bags: dict, batch, invalid: dict, ended=None) -> phases.Prepared:
+    def prepare(self, bags: dict, batch, invalid: dict, ended=None, inference: bool = False
+                ) -> phases.Prepared:
         """Stage 2, the route's first half, on this rank alone: what its collectives will
         send (the id check's report, the batch, and the ids for their owners, or with
         ``dp_input=False`` this position's own route ids) and the trace-time facts that
@@ -201,7 +198,8 @@ class EmbeddingRoute:
         ``ended`` (a bool tensor, ``TrainPipeline``'s) says that this rank's input has
         ended and ``bags`` only stand in for a batch; the ranks agree on it in the same
         allgather that checks the ids. A pipeline prepares batch t+2 during step t and
-        sends it during step t+1, so nothing here may touch a variable.
+        sends it during step t+1, so nothing here may touch a variable. ``inference``:
+        the stores will only find rows (``training=False``).
         """
         report = self.id_check.report(bags, batch, invalid, ended)
         mine = self.routes[self.mesh.model_position]
@@ -224,7 +222,7 @@ class EmbeddingRoute:
             f"if so, {bag.unsupported_reason}" for bag in bags.values()
             if bag.unsupported_reason]
         facts = phases.RouteFacts(reasons=tuple(reasons[:1]), bags_per_route=static,
-                                  read_ahead=ended is not None)
+                                  read_ahead=ended is not None, inference=inference)
         return phases.Prepared([report, tf.cast(batch, tf.int64)] + parts + run_time, facts)
 
     def exchange(self, prepared: phases.Prepared) -> phases.Exchanged:

@@ -47,6 +47,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "isa_kernels.h"
 
 namespace tensorflow {
 namespace tfhybrid {
@@ -90,6 +91,12 @@ class SlotIndex {
       if (keys_[s] == key) return s;
     }
   }
+
+  // The two dependent loads of a Find, ahead of it: the key's home bucket, then (once
+  // that has arrived) the slot it names, whose key, last call and sightings are read.
+  void PrefetchBucket(int64 key) const { __builtin_prefetch(&buckets_[Home(key)], 0, 3); }
+
+  int32 FirstSlot(int64 key) const { return buckets_[Home(key)]; }
 
   void Insert(int64 key, int32 slot) {
     int64 b = Home(key);
@@ -226,7 +233,22 @@ class DynamicFindOrInsertOp : public OpKernel {
     // insert only found, the state untouched); the missing occurrences, sorted by key
     // (then position), give the distinct missing keys and how often each occurs
     std::vector<std::pair<int64, int64>> missing_at;   // (key, position)
+    // A probe costs two cache misses in a large shard (its bucket, then its slot's
+    // key): prefetched kBucketAhead and kSlotAhead keys ahead, the misses of several
+    // keys overlap instead of following each other.
+    constexpr int64 kBucketAhead = 16, kSlotAhead = 8;
     for (int64 k = 0; k < n; ++k) {
+      if (k + kBucketAhead < n) index.PrefetchBucket(keys[k + kBucketAhead]);
+      if (k + kSlotAhead < n) {
+        const int32 ahead = index.FirstSlot(keys[k + kSlotAhead]);
+        if (ahead >= 0) {
+          __builtin_prefetch(&slots.keys[ahead], 0, 3);
+          if (insert_) {
+            __builtin_prefetch(&slots.seen[ahead], 1, 3);
+            __builtin_prefetch(&slots.count[ahead], 1, 3);
+          }
+        }
+      }
       const int32 s = index.Find(keys[k]);
       out[k] = s;
       if (!insert_) continue;
@@ -437,6 +459,50 @@ class DynamicFindOrInsertOp : public OpKernel {
   Evict evict_;
 };
 
+// DynamicHeldSlots: the slots >= 0 of each bag, in order, and how many each bag keeps
+// (tfhybrid.combiners.kept_in_bags with slots >= 0, its pure-TF form).
+class DynamicHeldSlotsOp : public OpKernel {
+ public:
+  explicit DynamicHeldSlotsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& slots_t = ctx->input(0);
+    const Tensor& lengths_t = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(slots_t.shape()) &&
+                         TensorShapeUtils::IsVector(lengths_t.shape()),
+                errors::InvalidArgument("slots and lengths must be vectors"));
+    const int32* slots = slots_t.flat<int32>().data();
+    const int64* lengths = lengths_t.flat<int64>().data();
+    const int64 n = slots_t.NumElements();
+    const int64 bags = lengths_t.NumElements();
+    Tensor* per_bag_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, lengths_t.shape(), &per_bag_t));
+    int64* per_bag = per_bag_t->flat<int64>().data();
+    int64 total = 0, held = 0;
+    for (int64 b = 0; b < bags; ++b) {
+      OP_REQUIRES(ctx, lengths[b] >= 0 && total + lengths[b] <= n,
+                  errors::InvalidArgument("bag lengths must be >= 0 and sum to the ", n,
+                                          " slots; bag ", b, " has ", lengths[b]));
+      int64 kept = 0;
+      for (int64 i = total; i < total + lengths[b]; ++i) kept += slots[i] >= 0;
+      per_bag[b] = kept;
+      held += kept;
+      total += lengths[b];
+    }
+    OP_REQUIRES(ctx, total == n,
+                errors::InvalidArgument("bag lengths sum to ", total, ", not the ", n,
+                                        " slots"));
+    Tensor* held_t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({held}), &held_t));
+    int32* out = held_t->flat<int32>().data();
+    for (int64 i = 0; i < n; ++i) {
+      if (slots[i] >= 0) *out++ = slots[i];
+    }
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("DynamicHeldSlots").Device(DEVICE_CPU), DynamicHeldSlotsOp);
+
 // DynamicKeyedRows: each key's initial row, tfhybrid/dynamic/initial_rows.py's formula
 // (the pure-TF KeyedInitializer.rows is its reference; tests hold the two together).
 class DynamicKeyedRowsOp : public OpKernel {
@@ -467,25 +533,33 @@ class DynamicKeyedRowsOp : public OpKernel {
         Mix64(static_cast<uint64>(seed_t.scalar<int64>()()) + kGolden);
     float* rows = rows_t->flat<float>().data();
     const int64 dim = dim_;
-    const bool normal = normal_;
+    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+    if (!normal_) {
+      // the dispatched loop (AVX-512 multiplies 64-bit words in its vectors)
+      KernelIsa isa;
+      std::string error;
+      OP_REQUIRES(ctx, ActiveKernelIsa(&isa, &error), errors::InvalidArgument(error));
+      std::vector<uint64> states(n);
+      for (int64 i = 0; i < n; ++i) states[i] = Mix64(static_cast<uint64>(keys[i]) ^ seed_word);
+      const KeyedUniformArgs args{states.data(), dim, low, high - low, rows};
+      const KeyedUniformFn uniform = KeyedUniformKernel(isa);
+      Shard(workers.num_threads, workers.workers, n, dim * 4,
+            [&](int64 begin, int64 end) { uniform(args, begin, end); });
+      return;
+    }
     auto fill = [&](int64 begin, int64 end) {
       for (int64 i = begin; i < end; ++i) {
         const uint64 state = Mix64(static_cast<uint64>(keys[i]) ^ seed_word);
         float* row = rows + i * dim;
         for (int64 j = 0; j < dim; ++j) {
-          if (normal) {
-            const double u0 = Uniform(state, 2 * j);
-            const double u1 = Uniform(state, 2 * j + 1);
-            const double radius = std::sqrt(-2.0 * std::log1p(-u0));
-            row[j] = static_cast<float>(low + high * radius * std::cos(kTwoPi * u1));
-          } else {
-            row[j] = static_cast<float>(low + (high - low) * Uniform(state, j));
-          }
+          const double u0 = Uniform(state, 2 * j);
+          const double u1 = Uniform(state, 2 * j + 1);
+          const double radius = std::sqrt(-2.0 * std::log1p(-u0));
+          row[j] = static_cast<float>(low + high * radius * std::cos(kTwoPi * u1));
         }
       }
     };
-    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
-    Shard(workers.num_threads, workers.workers, n, dim * (normal ? 60 : 12), fill);
+    Shard(workers.num_threads, workers.workers, n, dim * 60, fill);
   }
 
  private:

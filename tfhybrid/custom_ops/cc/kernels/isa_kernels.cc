@@ -196,6 +196,8 @@ RowwiseAdagradFn<Tgrad> RowwiseAdagradKernel(KernelIsa isa) {
   TFHYBRID_PICK(isa, RowwiseAdagradRange<Tgrad>);
 }
 
+KeyedUniformFn KeyedUniformKernel(KernelIsa isa) { TFHYBRID_PICK(isa, KeyedUniformRange); }
+
 #undef TFHYBRID_PICK
 
 // Every type combination the kernels register (see the REGISTER_KERNEL_BUILDER lists).

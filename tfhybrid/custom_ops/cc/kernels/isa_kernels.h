@@ -145,6 +145,25 @@ using RowwiseAdagradFn = void (*)(const RowwiseAdagradArgs<Tgrad>& a, int64_t be
 template <typename Tgrad>
 RowwiseAdagradFn<Tgrad> RowwiseAdagradKernel(KernelIsa isa);
 
+// ---------------------------------------------------------------- keyed rows
+
+// Rows [begin, end) of a dynamic table's new keys' uniform initial rows
+// (tfhybrid/dynamic/initial_rows.py): with state[i] the key's stream state,
+//   rows[i, j] = float(low + span * ((mix64(state[i] + (j + 1) * G) >> 11) * 2^-53)),
+// splitmix64's finalizer and increment G, every product and sum of the bits modulo 2^64.
+// Integer arithmetic and one rounding per double operation: bitwise identical at every
+// level.
+struct KeyedUniformArgs {
+  const uint64_t* states;  // [n]
+  int64_t dim;
+  double low, span;        // span = high - low
+  float* rows;             // [n, dim]
+};
+
+using KeyedUniformFn = void (*)(const KeyedUniformArgs& a, int64_t begin, int64_t end);
+
+KeyedUniformFn KeyedUniformKernel(KernelIsa isa);
+
 }  // namespace tfhybrid
 }  // namespace tensorflow
 

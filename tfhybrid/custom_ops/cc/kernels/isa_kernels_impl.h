@@ -469,3 +469,23 @@ void RowwiseAdagradRange(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, int6
     RowwiseAdagradRangeFor<Tgrad, decltype(c)::value>(a, begin, end, scratch);
   });
 }
+
+// ---------------------------------------------------------------- keyed rows
+
+inline void KeyedUniformRange(const KeyedUniformArgs& a, int64_t begin, int64_t end) {
+  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+  const int64_t dim = a.dim;
+  for (int64_t i = begin; i < end; ++i) {
+    const uint64_t state = a.states[i];
+    float* __restrict row = a.rows + i * dim;
+    for (int64_t j = 0; j < dim; ++j) {
+      uint64_t z = state + static_cast<uint64_t>(j + 1) * kGolden;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+      z ^= z >> 31;
+      // (z >> 11) < 2^53: exact as a signed 64-bit integer and as a double
+      const double u = static_cast<double>(static_cast<int64_t>(z >> 11)) * 0x1.0p-53;
+      row[j] = static_cast<float>(a.low + a.span * u);
+    }
+  }
+}

@@ -55,6 +55,21 @@ admit_after: sightings before a key gets a slot. evict: which row makes room whe
   false only finds keys, changing nothing (inference).
 )doc");
 
+REGISTER_OP("DynamicHeldSlots")
+    .Input("slots: int32")
+    .Input("lengths: int64")
+    .Output("held: int32")
+    .Output("held_per_bag: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->input(1));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Of bags of slots (lengths[b] slots each, in order), the slots >= 0 (the keys a dynamic
+table holds), in order, and how many each bag keeps.
+)doc");
+
 REGISTER_OP("DynamicKeyedRows")
     .Input("keys: int64")
     .Input("seed: int64")
