@@ -154,7 +154,10 @@ RUNS: tuple[Run, ...] = (
         ("--mp_keep", "0.5", "--no_curve", "--out",
          "benchmarks/results/dct_quality_mp_keep_0.5"),
         ("dct_quality_mp_keep_0.5/",), None),
-    # dynamic tables at half their distinct keys against unbounded ones (issue 62)
+    # dynamic tables' step against fixed tables and TFRA 0.7.2 (bench-setup's .venv-tfra)
+    Run("dynamic_tables", "benchmarks/dynamic_tables.py", (), ("dynamic_tables/",),
+        ("--quick", "--out", "{scratch}/dynamic_tables")),
+    # dynamic tables at half their distinct keys against unbounded ones
     Run("dynamic_quality", "benchmarks/dynamic_quality.py",
         ("--seeds", "3", "--steps", "1000", "--sets", "all,drifting",
          "--out", "benchmarks/results/dynamic_quality"),
