@@ -80,3 +80,17 @@ def string_keys(strings: tf.Tensor) -> tf.Tensor:
     # tf.fingerprint gives 8 bytes per string, little-endian
     keys = tf.bitcast(tf.fingerprint(flat), tf.int64)
     return tf.reshape(keys, tf.shape(strings))
+
+
+def as_keys(values: tf.Tensor, key_dtype: str, owner: str) -> tf.Tensor:
+    """``values`` as int64 keys: strings (``key_dtype="string"``) as their fingerprints
+    (:func:`string_keys`), integers as they are; ``ValueError`` names ``owner`` (the
+    layer or feature) and a dtype it does not take."""
+    if key_dtype == "string":
+        if values.dtype != tf.string:
+            raise ValueError(f"{owner} takes string keys (key_dtype=tf.string), got "
+                             f"{values.dtype.name}")
+        return string_keys(values)
+    if not values.dtype.is_integer:
+        raise ValueError(f"{owner} takes integer ids, got {values.dtype.name}")
+    return tf.cast(values, tf.int64)

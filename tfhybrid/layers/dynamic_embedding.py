@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid.dynamic.initial_rows import KeyedInitializer
-from tfhybrid.dynamic.keys import string_keys
+from tfhybrid.dynamic.keys import as_keys
 from tfhybrid.dynamic.table import EVICTION, DynamicTable, checked_default_row
 
 COMBINERS = (None, "sum", "mean")
@@ -132,15 +132,7 @@ class DynamicEmbedding(tf.keras.layers.Layer):
         return tf.reshape(combined, tf.concat([tf.shape(keys)[:-1], [self.output_dim]], 0))
 
     def _keys(self, values: tf.Tensor) -> tf.Tensor:
-        if self.key_dtype == "string":
-            if values.dtype != tf.string:
-                raise ValueError(f"DynamicEmbedding {self.name!r} takes string keys "
-                                 f"(key_dtype=tf.string), got {values.dtype.name}")
-            return string_keys(values)
-        if not values.dtype.is_integer:
-            raise ValueError(f"DynamicEmbedding {self.name!r} takes integer keys "
-                             f"(key_dtype=tf.int64), got {values.dtype.name}")
-        return tf.cast(values, tf.int64)
+        return as_keys(values, self.key_dtype, f"DynamicEmbedding {self.name!r}")
 
     def _slots(self, values: tf.Tensor, training) -> tf.Tensor:
         return self.table.slots(self._keys(values), insert=training is not False)

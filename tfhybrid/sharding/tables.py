@@ -22,7 +22,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfhybrid import _tf_internals
-from tfhybrid.dynamic.keys import string_keys
+from tfhybrid.dynamic.keys import as_keys
 from tfhybrid.plan.types import Shard
 from tfhybrid.sharding.ownership import ownership_of
 
@@ -136,18 +136,11 @@ def takes_strings(table: TableSpec) -> bool:
 
 
 def ids_as_int64(table: TableSpec, feature: int, ids: tf.Tensor) -> tf.Tensor:
-    """A feature's ``ids`` as int64: a string-keyed dynamic table's strings as their keys
-    (``tfhybrid.dynamic.keys.string_keys``), integers as they are; ``ValueError`` names
-    the feature and a dtype its table does not take."""
-    if takes_strings(table):
-        if ids.dtype != tf.string:
-            raise ValueError(f"feature {feature} (table {table.name!r}, key_dtype="
-                             f"tf.string) has dtype {ids.dtype.name}; expected strings")
-        return string_keys(ids)
-    if not ids.dtype.is_integer:
-        raise ValueError(f"feature {feature} (table {table.name!r}) has dtype "
-                         f"{ids.dtype.name}; expected integer ids")
-    return tf.cast(ids, tf.int64)
+    """A feature's ``ids`` as int64: a string-keyed dynamic table's strings as their keys,
+    integers as they are; ``ValueError`` names the feature and a dtype its table does
+    not take."""
+    return as_keys(ids, "string" if takes_strings(table) else "int64",
+                   f"feature {feature} (table {table.name!r})")
 
 
 def in_tier(table: TableSpec) -> str:
