@@ -272,7 +272,9 @@ def main() -> int:
     with open(os.path.join(out, "results.txt"), "w") as f:
         f.write(text)
     with open(os.path.join(out, "runs.json"), "w") as f:
-        json.dump({"settings": settings, "distinct_keys": distinct, "runs": runs}, f)
+        # the provenance first: command, commit, date, CPU, other load
+        json.dump({"provenance": lines[:5], "settings": settings,
+                   "distinct_keys": distinct, "runs": runs}, f)
     shutil.rmtree(data, ignore_errors=True)
     print(text)
     print(f"written to {out}")
