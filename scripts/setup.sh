@@ -43,12 +43,14 @@ if [ -f "$VENV/.tfhybrid-setup" ] && [ "$(cat "$VENV/.tfhybrid-setup")" = "$STAM
   exit 0
 fi
 
-step "system packages (g++, cmake, make; iproute2 and openssh for the emulated cluster)"
+step "system packages (g++, cmake, make; iproute2 and openssh for the emulated cluster; redis)"
 # command -> Debian package; the emulated multi-node cluster (tfhybrid/testing/cluster.py)
-# needs ip, tc, ssh, ssh-keygen and sshd
+# needs ip, tc, ssh, ssh-keygen and sshd; serving's tests and demo start a Redis Cluster
+# (tfhybrid/testing/redis_cluster.py) and its benchmark runs redis-benchmark
 missing=()
 for pair in g++:g++ cmake:cmake make:make ip:iproute2 tc:iproute2 ssh:openssh-client \
-            ssh-keygen:openssh-client /usr/sbin/sshd:openssh-server; do
+            ssh-keygen:openssh-client /usr/sbin/sshd:openssh-server \
+            redis-server:redis-server redis-cli:redis-tools redis-benchmark:redis-tools; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair##*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then
