@@ -1,0 +1,558 @@
+"""``export``: a trained model as a stock SavedModel plus tables in a Redis Cluster.
+
+Called on every rank of the mesh the model trained on. Each ``DistributedEmbedding`` of
+the model is replaced, in a copy that shares every other layer, by ``ServedTables``:
+plain TensorFlow lookups of whole tables, so the SavedModel that rank 0 writes loads in
+any TensorFlow process (no tfhybrid, no Horovod). A copy is made by
+``tf.keras.models.clone_model`` for a functional model; a subclassed model gives its own
+through ``model.serving_twin(replacements)`` (``{DistributedEmbedding: ServedTables}``
+in, a model that calls the replacements out), as the app's DLRM and DCN-v2 do.
+
+External tables never pass through one host: each rank writes the shards it holds into
+the store (a row-wise or table-wise shard by the first replica of its owner, a column
+slice under its own slice key, a replicated table by rank 0), then every rank waits for
+all the others, so that when ``export`` returns the store holds every row.
+
+Example (one process; under horovodrun every rank runs the same; ``store`` is a
+``tfhybrid.serving.RedisStore`` for external tables)::
+
+    import tempfile
+    import tensorflow as tf
+    import tfhybrid
+    from tfhybrid.layers import DistributedEmbedding
+    from tfhybrid.serving import export
+    tfhybrid.init(model_parallel=1)
+    ids = tf.keras.Input([2], dtype=tf.int32, name="ids")
+    (vector,) = DistributedEmbedding([tf.keras.layers.Embedding(50, 4)])([ids])
+    model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(tf.keras.layers.Flatten()(vector)))
+    path = export(model, tempfile.mkdtemp())
+    loaded = tf.saved_model.load(path)
+    out = loaded.signatures["serving_default"](ids=tf.constant([[1, 2]]))
+    assert out["output"].shape == (1, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import shutil
+import time
+from typing import Any, Callable, Mapping
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from tfhybrid import _tf_internals, collectives
+from tfhybrid import mesh as mesh_lib
+from tfhybrid.distributed import sync_replicas
+from tfhybrid.layers.distributed_embedding import DistributedEmbedding
+from tfhybrid.plan.types import Kind
+from tfhybrid.serving import manifest as manifest_lib
+from tfhybrid.serving.rows import check_precision, encode, value_bytes
+from tfhybrid.serving.store import RedisStore
+from tfhybrid.sharding.full_tables import row_chunks
+
+# what a ServedTables call does, set while a signature traces: look every table up
+# ("inline"), take external features' rows from the given dict ("external"), or hand
+# out the ids external features look up ("ids")
+_MODE: "contextvars.ContextVar[tuple[str, dict] | None]" = contextvars.ContextVar(
+    "tfhybrid_serving_mode", default=None)
+# rows written per store request while exporting (a bounded slice of a shard in memory)
+EXPORT_CHUNK_ROWS = 65536
+
+
+@contextlib.contextmanager
+def _mode(kind: str, values: dict):
+    token = _MODE.set((kind, values))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def _combine(combiner: str | None, gathered: tf.Tensor, ids: Any) -> tf.Tensor:
+    """A bag's gathered rows combined as the model's table combines them."""
+    if combiner is None or ids.shape.rank == 1:
+        return gathered
+    if combiner == "sum":
+        return tf.reduce_sum(gathered, axis=1)
+    if combiner == "mean":
+        if isinstance(gathered, tf.RaggedTensor):
+            lengths = tf.maximum(gathered.row_lengths(), 1)
+            return tf.reduce_sum(gathered, axis=1) / tf.cast(lengths, gathered.dtype)[:, None]
+        return tf.reduce_mean(gathered, axis=1)
+    raise ValueError(f"combiner={combiner!r} has no serving rule (sum, mean)")
+
+
+class ServedTables(tf.keras.layers.Layer):
+    """A ``DistributedEmbedding``'s stand-in in the served copy: plain TF lookups.
+
+    ``tables`` holds each inline table's whole float32 values; ``features`` lists per
+    input feature ``(table index, combiner, width, external)``; ``dtype_out`` is the
+    original layer's compute dtype. Made by ``export``; not trained.
+
+    Example::
+
+        import numpy as np
+        import tensorflow as tf
+        from tfhybrid.serving.export import ServedTables
+        layer = ServedTables("emb", {0: np.ones([5, 2], np.float32)},
+                             [(0, "sum", 2, False)], "float32")
+        (out,) = layer([tf.constant([[1, 2]])])
+        assert out.numpy().tolist() == [[2.0, 2.0]]
+    """
+
+    def __init__(self, source_name: str, tables: Mapping[int, np.ndarray],
+                 features: list[tuple[int, str | None, int, bool]], dtype_out: str,
+                 **kwargs: Any):
+        super().__init__(name=f"served_{source_name}", trainable=False, **kwargs)
+        self.source_name = source_name
+        self.features = list(features)
+        self.dtype_out = dtype_out
+        # plain variables, kept past Keras' tracking: export's module saves them
+        object.__setattr__(self, "table_variables", {
+            t: tf.Variable(np.asarray(w, np.float32), trainable=False,
+                           name=f"{source_name}_table_{t}") for t, w in tables.items()})
+
+    def call(self, inputs):
+        ids_list = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        mode, values = _MODE.get() or ("inline", {})
+        outputs = []
+        for f, ids in enumerate(ids_list):
+            table, combiner, width, external = self.features[f]
+            key = manifest_lib.feature_key(self.source_name, f)
+            if external and mode == "ids":
+                values[key] = tf.cast(ids, tf.int64)
+            if external and mode in ("external", "ids"):
+                rows = values[key] if mode == "external" else tf.zeros(
+                    tf.concat([tf.shape(ids)[:1 if combiner else None], [width]], 0))
+                outputs.append(tf.cast(rows, self.dtype_out))
+                continue
+            gathered = tf.gather(self.table_variables[table], ids)
+            outputs.append(tf.cast(_combine(combiner, gathered, ids), self.dtype_out))
+        return outputs
+
+    def compute_output_shape(self, input_shape):
+        shapes = input_shape if isinstance(input_shape, list) else [input_shape]
+        out = []
+        for f, shape in enumerate(shapes):
+            _, combiner, width, _ = self.features[f]
+            shape = tuple(shape)
+            keep = shape if combiner is None or len(shape) == 1 else shape[:1]
+            out.append(tuple(keep) + (width,))
+        return out
+
+
+class _Served(tf.Module):
+    """What a version folder saves: the variables the signatures read, the signatures."""
+
+    def __init__(self, variables: list, functions: dict):
+        super().__init__(name="served")
+        self.variables_saved = variables
+        self.functions = dict(functions)
+
+
+def de_layers(model: tf.keras.Model) -> list[DistributedEmbedding]:
+    """The model's ``DistributedEmbedding`` layers, nested ones too, in Keras' order."""
+    return [layer for layer in _tf_internals.layers_in(model)
+            if isinstance(layer, DistributedEmbedding)]
+
+
+def _per_table(value: Any, names: list[str], what: str, allowed: tuple) -> dict[str, str]:
+    """``value`` (one choice, or {table name: choice}) as a choice per table name."""
+    if isinstance(value, str):
+        value = {n: value for n in names}
+    value = dict(value)
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"{what} names tables {unknown} that the model does not have "
+                         f"({sorted(names)})")
+    out = {}
+    for n in names:
+        choice = value.get(n, allowed[0])
+        if choice not in allowed:
+            raise ValueError(f"{what}[{n!r}]={choice!r} is not one of {allowed}")
+        out[n] = choice
+    return out
+
+
+class ExportPlan:
+    """Which tables of which layers are external, their precision, slices and writers.
+
+    Plain data from the layers' plans, the same on every rank; ``writes(layer)`` lists
+    what this rank writes.
+    """
+
+    def __init__(self, model: tf.keras.Model, tables: Any, precision: Any):
+        self.layers = de_layers(model)
+        if not self.layers:
+            raise ValueError("export: the model has no DistributedEmbedding layer")
+        for layer in self.layers:
+            if not layer.built or layer.plan is None:
+                raise ValueError(f"export: DistributedEmbedding {layer.name!r} is not built "
+                                 "(call the model on a batch first)")
+        names = [manifest_lib.table_key(layer.name, spec.name)
+                 for layer in self.layers for spec in layer.table_specs]
+        short = {manifest_lib.table_key(layer.name, spec.name): spec.name
+                 for layer in self.layers for spec in layer.table_specs}
+        # a choice per table may name it by its own name or as "{layer}.{table}"
+        def expand(value: Any) -> Any:
+            if isinstance(value, str):
+                return value
+            full = {}
+            for key, choice in dict(value).items():
+                matches = [n for n in names if n == key or short[n] == key]
+                if not matches:
+                    raise ValueError(f"export: no table named {key!r} ({sorted(short.values())})")
+                full.update({n: choice for n in matches})
+            return full
+        self.where = _per_table(expand(tables), names, "tables", ("inline", "external"))
+        self.precision = _per_table(expand(precision), names, "precision",
+                                    ("float32", "float16", "int8"))
+        for layer in self.layers:
+            for spec in layer.table_specs:
+                key = manifest_lib.table_key(layer.name, spec.name)
+                check_precision(self.precision[key])
+                if spec.keyed is not None:
+                    raise ValueError(f"export: table {key!r} is a dynamic table (open-world "
+                                     "keys); serving it is not supported yet")
+                if self.where[key] == "inline" and self.precision[key] != "float32":
+                    raise ValueError(f"export: table {key!r} is inline; precision "
+                                     f"{self.precision[key]!r} applies to external tables only")
+
+    def external(self, layer: DistributedEmbedding, t: int) -> bool:
+        return self.where[manifest_lib.table_key(layer.name, layer.table_specs[t].name)] \
+            == "external"
+
+    @staticmethod
+    def slices(layer: DistributedEmbedding, t: int) -> list[tuple[int, int]]:
+        """Table t's column slices, by column (one for a table that is not sliced)."""
+        return sorted({(s.col_start, s.col_end) for s in layer.plan.tables[t].shards})
+
+    def writes(self, layer: DistributedEmbedding, mesh: mesh_lib.Mesh) -> list[tuple]:
+        """(table, shard, store) of the external shards this rank writes."""
+        out = []
+        for t, placement in enumerate(layer.plan.tables):
+            if not self.external(layer, t):
+                continue
+            if placement.kind == Kind.DATA_PARALLEL:
+                # every rank holds it: the first writes it, once
+                if mesh.rank == 0:
+                    out.append((t, placement.shards[0], layer.stores.get(t, 0)))
+                continue
+            for s, shard in enumerate(placement.shards):
+                store = layer.stores.get(t, s)
+                if store is not None and mesh.replica == 0:
+                    out.append((t, shard, store))
+        return out
+
+    def describe(self, version: int, key_prefix: str | None, inputs: dict) -> dict:
+        """The manifest (``tfhybrid.serving.manifest``)."""
+        layers = []
+        for layer in self.layers:
+            tables = []
+            for t, spec in enumerate(layer.table_specs):
+                key = manifest_lib.table_key(layer.name, spec.name)
+                tables.append({
+                    "key": key, "rows": int(spec.rows), "dim": int(spec.dim),
+                    "combiner": spec.combiner, "external": self.where[key] == "external",
+                    "precision": self.precision[key],
+                    "slices": [list(s) for s in self.slices(layer, t)],
+                    "value_bytes": [value_bytes(b - a, self.precision[key])
+                                    for a, b in self.slices(layer, t)]})
+            layers.append({"name": layer.name, "tables": tables,
+                           "features": [{"key": manifest_lib.feature_key(layer.name, f),
+                                         "table": t} for f, t in
+                                        enumerate(layer.input_table_map)]})
+        return {"version": version, "key_prefix": key_prefix, "inputs": inputs,
+                "layers": layers}
+
+
+def _gather_tables(layer: DistributedEmbedding, tables: list[int], keep: bool,
+                   mesh: mesh_lib.Mesh) -> dict[int, np.ndarray]:
+    """Whole float32 values of ``tables`` on the rank with ``keep``; every rank calls it
+    (the shards' rows travel over the model group, as ``get_weights`` moves them)."""
+    out = {}
+    for t in tables:
+        spec, placement = layer.table_specs[t], layer.plan.tables[t]
+        full = np.empty([spec.rows, spec.dim], np.float32) if keep else None
+        replicated = placement.kind == Kind.DATA_PARALLEL
+        for s, shard in enumerate(placement.shards):
+            width = shard.col_end - shard.col_start
+            store = layer.stores.get(t, 0 if replicated else s)
+            for start, stop in row_chunks(shard.row_end - shard.row_start, width):
+                if replicated and not keep:
+                    continue
+                local = (tf.convert_to_tensor(store.read_rows(start, stop))
+                         if store is not None else tf.zeros([0, width], tf.float32))
+                if not replicated:
+                    local = collectives.allgather(local, mesh.model_parallel,
+                                                  f"tfhybrid_{layer.name}_serving_gather",
+                                                  mesh.model_process_set)
+                if keep:
+                    full[shard.row_start + start:shard.row_start + stop,
+                         shard.col_start:shard.col_end] = local.numpy()
+        if keep:
+            out[t] = full
+    return out
+
+
+def _agree(failed: bool, name: str) -> None:
+    """Every rank waits for every other; all raise if one of them failed."""
+    status = collectives.allreduce(tf.constant([1.0 if failed else 0.0]), hvd.Sum, name)
+    if float(status.numpy()[0]) > 0 and not failed:
+        raise RuntimeError(f"export: {int(status.numpy()[0])} other ranks failed at {name} "
+                           "(their output names why)")
+
+
+def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh,
+                        changed: Callable[[str, Any, int, np.ndarray], np.ndarray] | None = None
+                        ) -> dict[str, int]:
+    """Writes this rank's external shards into ``store``; ``changed(table_key, shard,
+    start, rows)`` picks the rows to write (a bool mask; all rows without it). Returns
+    rows and bytes written. Collective: every rank calls it, all raise if one failed."""
+    written = {"rows": 0, "bytes": 0, "seconds": 0.0}
+    begin = time.perf_counter()
+    error: BaseException | None = None
+    try:
+        for layer in plan.layers:
+            for t, shard, table_store in plan.writes(layer, mesh):
+                key = manifest_lib.table_key(layer.name, layer.table_specs[t].name)
+                slice_index = plan.slices(layer, t).index((shard.col_start, shard.col_end))
+                precision = plan.precision[key]
+                width = shard.col_end - shard.col_start
+                for start in range(0, shard.row_end - shard.row_start, EXPORT_CHUNK_ROWS):
+                    stop = min(shard.row_end - shard.row_start, start + EXPORT_CHUNK_ROWS)
+                    rows = np.asarray(table_store.read_rows(start, stop), np.float32)
+                    ids = np.arange(shard.row_start + start, shard.row_start + stop)
+                    if changed is not None:
+                        mask = changed(key, shard, start, rows)
+                        rows, ids = rows[mask], ids[mask]
+                    if not len(ids):
+                        continue
+                    store.put(store.row_keys(key, ids, slice_index), encode(rows, precision))
+                    written["rows"] += len(ids)
+                    written["bytes"] += len(ids) * value_bytes(width, precision)
+    except BaseException as e:  # every rank must reach the agreement below
+        error = e
+    written["seconds"] = time.perf_counter() - begin
+    if error is not None:
+        _agree(True, "tfhybrid_serving_rows")
+        raise error
+    _agree(False, "tfhybrid_serving_rows")
+    return written
+
+
+def _input_specs(model: tf.keras.Model, input_signature: Any) -> Any:
+    if input_signature is not None:
+        return input_signature
+    structure = getattr(model, "input", None) if getattr(model, "inputs", None) else None
+    if structure is None:
+        raise ValueError("export: the model is not functional, so it has no inputs to read; "
+                         "pass input_signature= (tf.TensorSpec per input, named)")
+
+    def spec(tensor: Any, name: str) -> tf.TensorSpec:
+        return tf.TensorSpec(tuple(tensor.shape), tf.as_dtype(tensor.dtype), name=name)
+
+    if isinstance(structure, dict):
+        return {k: spec(v, k) for k, v in structure.items()}
+    if isinstance(structure, (list, tuple)):
+        return [spec(v, v.name.split(":")[0].split("/")[0]) for v in structure]
+    return spec(structure, structure.name.split(":")[0].split("/")[0])
+
+
+def _twin(model: tf.keras.Model, replacements: dict) -> Any:
+    """A copy of ``model`` with each DistributedEmbedding replaced, other layers shared."""
+    twin_of = getattr(model, "serving_twin", None)
+    if callable(twin_of):
+        return twin_of(replacements)
+    by_id = {id(layer): served for layer, served in replacements.items()}
+    if not getattr(model, "inputs", None):
+        raise ValueError(f"export: model {model.name!r} is subclassed; give it a "
+                         "serving_twin(replacements) method (docs/serving.md) or build it "
+                         "with the functional API")
+    return tf.keras.models.clone_model(model, clone_function=lambda layer: by_id.get(
+        id(layer), layer))
+
+
+def _as_outputs(result: Any, outputs: Callable | None) -> dict:
+    if outputs is not None:
+        result = outputs(result)
+    if isinstance(result, dict):
+        return dict(result)
+    if isinstance(result, (list, tuple)):
+        return {f"output_{i}": r for i, r in enumerate(result)}
+    return {"output": result}
+
+
+class SavedModelWriter:
+    """Rank 0's side of an export: the twin, its traced signatures, and version folders.
+
+    Made once and kept by ``PublishDeltas``, so a new version re-traces nothing: it
+    writes the inline tables' and dense layers' current values.
+    """
+
+    def __init__(self, model: tf.keras.Model, plan: ExportPlan, input_signature: Any,
+                 outputs: Callable | None, inline_tables: dict):
+        self.plan = plan
+        self.served = {}
+        for layer in plan.layers:
+            features = [(t, layer.table_specs[t].combiner, layer.table_specs[t].dim,
+                         plan.external(layer, t)) for t in layer.input_table_map]
+            self.served[layer] = ServedTables(layer.name, inline_tables[layer.name],
+                                              features, layer.compute_dtype)
+        self.twin = _twin(model, self.served)
+        self.input_specs = _input_specs(model, input_signature)
+        twin, specs = self.twin, self.input_specs
+
+        @tf.function(input_signature=[specs])
+        def serve(inputs):
+            with _mode("inline", {}):
+                return _as_outputs(twin(inputs, training=False), outputs)
+
+        @tf.function(input_signature=[specs])
+        def feature_ids(inputs):
+            found: dict = {}
+            with _mode("ids", found):
+                twin(inputs, training=False)
+            return found
+
+        functions = {manifest_lib.INLINE_SIGNATURE: serve}
+        self.external_shapes: dict[str, list] = {}
+        if any(plan.where[k] == "external" for k in plan.where):
+            ids_concrete = feature_ids.get_concrete_function()
+            widths = {manifest_lib.feature_key(layer.name, f): feature
+                      for layer, served in self.served.items()
+                      for f, feature in enumerate(served.features)}
+            row_specs = {}
+            for key, ids_spec in ids_concrete.structured_outputs.items():
+                _, combiner, width, _ = widths[key]
+                rank = ids_spec.shape.rank
+                shape = [None, width] if combiner is not None or rank == 1 else \
+                    [None] + list(ids_spec.shape[1:]) + [width]
+                row_specs[key] = tf.TensorSpec(shape, tf.float32, name=key)
+                self.external_shapes[key] = shape
+
+            @tf.function(input_signature=[specs, row_specs])
+            def external_rows(inputs, rows):
+                with _mode("external", dict(rows)):
+                    return _as_outputs(twin(inputs, training=False), outputs)
+
+            functions[manifest_lib.IDS_SIGNATURE] = feature_ids
+            functions[manifest_lib.EXTERNAL_SIGNATURE] = external_rows
+        self.functions = functions
+        variables = [_tf_internals.tf_variable(v) for v in self.twin.weights]
+        for served in self.served.values():
+            variables.extend(served.table_variables.values())
+        self.module = _Served(variables, functions)
+
+    def update_inline(self, inline_tables: dict) -> None:
+        for layer, served in self.served.items():
+            for t, values in inline_tables[layer.name].items():
+                served.table_variables[t].assign(values)
+
+    def inputs_description(self) -> dict:
+        return {spec.name: {"dtype": spec.dtype.name, "shape": list(spec.shape)}
+                for spec in tf.nest.flatten(self.input_specs)}
+
+    def write(self, directory: str, version: int, key_prefix: str | None) -> str:
+        """Writes version ``version`` (a temporary folder renamed into place: a reader
+        never sees half a version)."""
+        final = os.path.join(directory, str(version))
+        partial = os.path.join(directory, f".{version}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(directory, exist_ok=True)
+        signatures = {name: fn for name, fn in self.functions.items()}
+        tf.saved_model.save(self.module, partial, signatures=signatures)
+        description = self.plan.describe(version, key_prefix, self.inputs_description())
+        description["external_shapes"] = self.external_shapes
+        manifest_lib.write(partial, description)
+        os.replace(partial, final)
+        return final
+
+
+def inline_values(plan: ExportPlan, mesh: mesh_lib.Mesh, everything: bool) -> dict:
+    """{layer name: {table: whole values}} on rank 0 (empty dicts elsewhere): every
+    table with ``everything`` (the all-inline signature needs them), else the inline
+    ones. Collective."""
+    out = {}
+    for layer in plan.layers:
+        wanted = [t for t in range(len(layer.table_specs))
+                  if everything or not plan.external(layer, t)]
+        out[layer.name] = _gather_tables(layer, wanted, mesh.rank == 0, mesh)
+    return out
+
+
+def next_version(directory: str) -> int:
+    """One past the newest version folder of ``directory`` (1 for the first)."""
+    return max(manifest_lib.version_folders(directory), default=0) + 1
+
+
+def export(model: tf.keras.Model, directory: str, store: RedisStore | None = None,
+           tables: str | Mapping[str, str] = "inline",
+           precision: str | Mapping[str, str] = "float32",
+           input_signature: Any = None, outputs: Callable | None = None,
+           full_copy: bool = True) -> str | None:
+    """Exports ``model`` for serving; every rank of the mesh calls it.
+
+    Args:
+      model: a built Keras model with ``DistributedEmbedding`` layers (functional, or
+        with a ``serving_twin`` method).
+      directory: the base folder; the export is its next numbered version folder.
+      store: the ``RedisStore`` of external tables (needed if any table is external).
+      tables: ``"inline"``, ``"external"``, or per table ``{name: "inline" |
+        "external"}`` (names as ``"table"`` or ``"layer.table"``; unnamed tables inline).
+      precision: ``"float32"``, ``"float16"`` or ``"int8"`` (row-wise), or per table;
+        applies to external tables.
+      input_signature: the model's inputs as named ``tf.TensorSpec`` (read from a
+        functional model's inputs when None).
+      outputs: maps the model's output to the signatures' outputs (a dict of tensors);
+        by default ``{"output": y}``.
+      full_copy: ``serving_default`` holds every table, gathered on rank 0 (for models
+        that fit one host); with False, rank 0 gathers only the inline tables and
+        ``serving_default`` leaves the external ones at zero rows — serve through the
+        ``Predictor`` then.
+
+    Returns the version folder on rank 0, None on the others.
+    """
+    mesh = mesh_lib.current_mesh()
+    plan = ExportPlan(model, tables, precision)
+    external = any(choice == "external" for choice in plan.where.values())
+    if external and store is None:
+        raise ValueError("export: tables are external but store=None; pass a RedisStore")
+    if external and mesh.rank == 0:
+        store.check_settings()
+    if any(layer.replica_sync == "weights" for layer in plan.layers):
+        # replicas drift between syncs: serve their average, as training will next
+        sync_replicas(model)
+    if external:
+        write_external_rows(plan, store, mesh)
+    values = inline_values(plan, mesh, full_copy)
+    result = None
+    error: BaseException | None = None
+    if mesh.rank == 0:
+        try:
+            if not full_copy:
+                for layer in plan.layers:
+                    for t, spec in enumerate(layer.table_specs):
+                        values[layer.name].setdefault(t, np.zeros([1, spec.dim], np.float32))
+            writer = SavedModelWriter(model, plan, input_signature, outputs, values)
+            version = next_version(directory)
+            if external:
+                key_prefix = store.key_prefix
+                for layer in plan.layers:
+                    for t, spec in enumerate(layer.table_specs):
+                        if plan.external(layer, t):
+                            key = manifest_lib.table_key(layer.name, spec.name)
+                            entry = [e for e in plan.describe(version, key_prefix, {})[
+                                "layers"] for e in e["tables"] if e["key"] == key][0]
+                            store.put_json(store.meta_key(key), entry)
+            result = writer.write(directory, version, store.key_prefix if store else None)
+        except BaseException as e:
+            error = e
+    _agree(error is not None, "tfhybrid_serving_saved_model")
+    if error is not None:
+        raise error
+    return result

@@ -1,0 +1,70 @@
+"""What an export writes beside its SavedModel, and the names both ends agree on.
+
+A version folder ``{directory}/{version}/`` is a stock SavedModel (what TensorFlow
+Serving loads from a base folder of numbered versions) with three signatures:
+
+- ``serving_default`` (``INLINE_SIGNATURE``): the model's own inputs, every table inline;
+- ``external_rows`` (``EXTERNAL_SIGNATURE``): the model's inputs, and for each feature
+  of an external table its looked-up rows, combined as the model combines them
+  (``[batch, dim]``; ``[batch, hotness, dim]`` for a table without a combiner), under the
+  feature's key ``"{layer}__f{feature}"``;
+- ``feature_ids`` (``IDS_SIGNATURE``): the model's inputs to the ids each external
+  feature looks up (int64), as the model hands them to its ``DistributedEmbedding``.
+
+``assets.extra/tfhybrid_serving.json`` (TensorFlow Serving ignores ``assets.extra``) is
+the manifest: the version, the store's key prefix, the inputs, and per layer its
+features and tables (rows, width, column slices, combiner, external or inline,
+precision). The store holds each external table's entry beside its rows.
+
+>>> feature_key("embedding", 3)
+'embedding__f3'
+>>> version_folders(".")  # no numbered folders here
+[]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+INLINE_SIGNATURE = "serving_default"
+EXTERNAL_SIGNATURE = "external_rows"
+IDS_SIGNATURE = "feature_ids"
+MANIFEST_PATH = os.path.join("assets.extra", "tfhybrid_serving.json")
+
+
+def feature_key(layer: str, feature: int) -> str:
+    """The signature key of feature ``feature`` of layer ``layer``."""
+    return f"{layer}__f{feature}"
+
+
+def table_key(layer: str, table: str) -> str:
+    """The store's name of table ``table`` of layer ``layer``."""
+    return f"{layer}.{table}"
+
+
+def version_folders(directory: str) -> list[int]:
+    """The numbered version folders of ``directory`` that hold a complete export."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(v) for v in os.listdir(directory) if v.isdigit() and os.path.exists(
+        os.path.join(directory, v, MANIFEST_PATH)))
+
+
+def write(version_dir: str, manifest: dict[str, Any]) -> None:
+    """Writes the manifest last, atomically: a version folder with one is complete."""
+    path = os.path.join(version_dir, MANIFEST_PATH)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def read(version_dir: str) -> dict[str, Any]:
+    """The manifest of a version folder; ValueError naming a folder without one."""
+    path = os.path.join(version_dir, MANIFEST_PATH)
+    if not os.path.exists(path):
+        raise ValueError(f"{version_dir!r} is not a tfhybrid serving export (no {path})")
+    with open(path) as f:
+        return json.load(f)

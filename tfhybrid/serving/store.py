@@ -1,0 +1,330 @@
+"""``RedisStore``: the Redis Cluster that holds served tables, one connection object.
+
+The export, the delta publisher and the predictor each take one. Every read and write
+groups its keys by the master that serves their slot and sends one pipelined request per
+master, the masters in parallel (a thread each), so a request costs one round trip per
+node, not one per key. A write ends, in the same pipeline, with ``WAIT`` for the
+master's replicas: a write counts once its replicas hold it, so a failover loses none of
+it. Every call has a deadline; a node that does not answer within it is an error that
+names the node, and a key that is absent comes back as ``None`` for the caller to name.
+
+Keys: ``{key_prefix}/{table}/{slice}/{row}`` for a row (or a column slice of it), and
+``{key_prefix}/meta/{table}`` for a table's metadata (JSON). ``table`` is the layer and
+table name, ``"{layer}.{table}"``.
+
+redis-py is imported when a store is made; NumPy and the standard library otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+# the cluster setting a store needs: an evicted row must never read as a valid one
+REQUIRED_POLICY = "noeviction"
+# keys per pipelined request: large enough to amortize a round trip, small enough that
+# one request's replies stay a few MB
+PIPELINE_KEYS = 4096
+# the Redis Cluster's hash slots
+SLOTS = 16384
+
+
+class StoreUnavailable(TimeoutError):
+    """A node of the cluster did not answer within the deadline (its name in the message)."""
+
+
+def parse_nodes(nodes: str | Sequence[str]) -> list[tuple[str, int]]:
+    """``"host:port,host:port"`` (or a list of ``"host:port"``) as (host, port) pairs.
+
+    >>> parse_nodes("10.0.0.1:7000,10.0.0.2:7001")
+    [('10.0.0.1', 7000), ('10.0.0.2', 7001)]
+    """
+    items = [n.strip() for n in (nodes.split(",") if isinstance(nodes, str) else nodes)]
+    if not items or not all(items):
+        raise ValueError(f"nodes={nodes!r} must name at least one host:port")
+    pairs = []
+    for item in items:
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"nodes: {item!r} is not host:port")
+        pairs.append((host, int(port)))
+    return pairs
+
+
+class RedisStore:
+    """A Redis Cluster reached as ``username`` / ``password``, over TLS with ``ssl``.
+
+    Args:
+      nodes: some of the cluster's nodes, ``"host:port,..."`` or a list; the client
+        discovers the rest.
+      username, password: an ACL user (``None``: the default user) and its password.
+      ssl: TLS; ``ssl_ca_certs`` names the CA file that signed the nodes' certificates.
+      key_prefix: the first part of every key, so several models share a cluster.
+      timeout_s: a call's default deadline (connect, send, every node's answer).
+
+    Example (needs a running cluster; the one of ``tfhybrid.testing.redis_cluster``)::
+
+        from tfhybrid.serving import RedisStore
+        from tfhybrid.testing.redis_cluster import LocalRedisCluster
+        with LocalRedisCluster() as cluster:
+            store = RedisStore(cluster.nodes, password=cluster.password)
+            assert store.check_settings()["maxmemory-policy"] == "noeviction"
+            store.put([b"k1", b"k2"], [b"a", b"b"])
+            assert store.get([b"k2", b"k1", b"nope"]) == [b"b", b"a", None]
+            store.close()
+    """
+
+    def __init__(self, nodes: str | Sequence[str], username: str | None = None,
+                 password: str | None = None, ssl: bool = False,
+                 key_prefix: str = "tfhybrid", timeout_s: float = 10.0,
+                 ssl_ca_certs: str | None = None):
+        self.nodes = [f"{h}:{p}" for h, p in parse_nodes(nodes)]
+        if not key_prefix or "/" in key_prefix:
+            raise ValueError(f"key_prefix={key_prefix!r} must be non-empty without '/'")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+        self.username = username
+        self.ssl = bool(ssl)
+        self.ssl_ca_certs = ssl_ca_certs
+        self.key_prefix = key_prefix
+        self.timeout_s = float(timeout_s)
+        self._password = password
+        self._client: Any = None
+        self._slot_nodes: list[Any] = []
+        self._replica_counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16,
+                                                           thread_name_prefix="redis-store")
+
+    # ------------------------------------------------------------------ keys
+    def row_key(self, table: str, row: int, slice_index: int = 0) -> bytes:
+        """The key of row ``row`` (slice ``slice_index``) of table ``table``."""
+        return f"{self.key_prefix}/{table}/{slice_index}/{row}".encode()
+
+    def row_keys(self, table: str, rows: Any, slice_index: int = 0) -> list[bytes]:
+        """:meth:`row_key` of every row of ``rows`` (ints)."""
+        head = f"{self.key_prefix}/{table}/{slice_index}/"
+        return [(head + str(int(r))).encode() for r in rows]
+
+    def meta_key(self, table: str) -> bytes:
+        """The key of table ``table``'s metadata."""
+        return f"{self.key_prefix}/meta/{table}".encode()
+
+    # ------------------------------------------------------------------ client
+    def client(self) -> Any:
+        """The ``redis.cluster.RedisCluster`` client, connected on first use."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect()
+                self._refresh_slots()
+            return self._client
+
+    def _connect(self) -> Any:
+        from redis import exceptions
+        from redis.cluster import ClusterNode, RedisCluster
+
+        options: dict[str, Any] = dict(
+            startup_nodes=[ClusterNode(h, p) for h, p in parse_nodes(self.nodes)],
+            username=self.username, password=self._password,
+            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+            require_full_coverage=True)
+        if self.ssl:
+            options.update(ssl=True, ssl_ca_certs=self.ssl_ca_certs)
+        try:
+            return RedisCluster(**options)
+        except exceptions.AuthenticationError as e:
+            raise PermissionError(
+                f"RedisStore: the cluster at {','.join(self.nodes)} refused user "
+                f"{self.username or 'default'!r} with the password given: {e}") from e
+        except exceptions.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                raise PermissionError(
+                    f"RedisStore: the cluster at {','.join(self.nodes)} needs a password "
+                    f"for user {self.username or 'default'!r}: {e}") from e
+            raise
+        except (exceptions.ConnectionError, exceptions.RedisClusterException) as e:
+            if any(word in str(e).upper() for word in ("AUTH", "PASSWORD")):
+                raise PermissionError(
+                    f"RedisStore: the cluster at {','.join(self.nodes)} refused user "
+                    f"{self.username or 'default'!r}: {e}") from e
+            raise StoreUnavailable(f"RedisStore: no node of {','.join(self.nodes)} "
+                                   f"answered within {self.timeout_s} s: {e}") from e
+
+    def _refresh_slots(self) -> None:
+        """Reads which master serves each slot (after a failover, say)."""
+        manager = self._client.nodes_manager
+        manager.initialize()
+        self._slot_nodes = [manager.get_node_from_slot(s) for s in range(SLOTS)]
+        # the replicas a write waits for: those connected to its master now (a dead
+        # one is not waited for; a failover's new master has one replica fewer)
+        counts: dict[str, int] = {}
+        for node in {n.name: n for n in self._slot_nodes}.values():
+            info = self._client.get_redis_connection(node).info("replication")
+            counts[node.name] = int(info.get("connected_slaves", 0))
+        self._replica_counts = counts
+
+    def refresh(self) -> None:
+        """Reads the cluster's topology again (the calls do it after an error)."""
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect()
+            self._refresh_slots()
+
+    def check_settings(self) -> dict[str, Any]:
+        """What every master reports for the settings that matter; ValueError naming a
+        master whose ``maxmemory-policy`` is not ``noeviction`` (an evicted row would
+        read as missing, a served model silently wrong)."""
+        client = self.client()
+        found: dict[str, Any] = {"masters": [], "maxmemory-policy": None, "replicas": {}}
+        for node in client.get_primaries():
+            policy = client.get_redis_connection(node).config_get(
+                "maxmemory-policy").get("maxmemory-policy")
+            found["masters"].append(node.name)
+            found["replicas"][node.name] = self._replicas_of(node)
+            if policy != REQUIRED_POLICY:
+                raise ValueError(
+                    f"RedisStore: master {node.name} has maxmemory-policy={policy!r}; "
+                    f"served tables need {REQUIRED_POLICY!r} (an evicted row must never "
+                    "read as a valid one). Set it with CONFIG SET maxmemory-policy "
+                    "noeviction on every node (and in redis.conf).")
+            found["maxmemory-policy"] = policy
+        return found
+
+    def _replicas_of(self, node: Any) -> int:
+        return self._replica_counts.get(node.name, 0)
+
+    # ------------------------------------------------------------------ calls
+    def _groups(self, keys: Sequence[bytes]) -> dict[str, tuple[Any, list[int]]]:
+        from redis.crc import key_slot
+
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        slot_nodes = self._slot_nodes
+        for i, key in enumerate(keys):
+            node = slot_nodes[key_slot(key)]
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return groups
+
+    def _run(self, keys: Sequence[bytes], per_node: Callable[[Any, Any, list[int]], list],
+             deadline_s: float | None, what: str) -> list:
+        """Runs ``per_node(connection, node, indices)`` for every master's keys in
+        parallel, retrying (topology read again) until the deadline on a moved slot or a
+        node that does not answer; the results by key index."""
+        from redis import exceptions
+
+        self.client()
+        deadline = time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)
+        results: list = [None] * len(keys)
+        pending = list(range(len(keys)))
+        last_error: dict[str, str] = {}
+        while pending:
+            groups = self._groups([keys[i] for i in pending])
+            futures = {}
+            for name, (node, local) in groups.items():
+                indices = [pending[i] for i in local]
+                connection = self._client.get_redis_connection(node)
+                futures[self._pool.submit(per_node, connection, node, indices)] = (
+                    name, indices)
+            left = max(0.0, deadline - time.monotonic())
+            done, not_done = concurrent.futures.wait(futures, timeout=left)
+            failed: list[int] = []
+            for future in done:
+                name, indices = futures[future]
+                try:
+                    for i, value in zip(indices, future.result()):
+                        results[i] = value
+                except (exceptions.ConnectionError, exceptions.TimeoutError,
+                        exceptions.ResponseError, exceptions.ClusterDownError,
+                        exceptions.MovedError, exceptions.TryAgainError,
+                        exceptions.AskError, OSError) as e:
+                    if isinstance(e, exceptions.AuthenticationError):
+                        raise PermissionError(f"RedisStore: node {name} refused the "
+                                              f"credentials: {e}") from e
+                    last_error[name] = f"{type(e).__name__}: {e}"
+                    failed.extend(indices)
+            for future in not_done:
+                name, indices = futures[future]
+                last_error[name] = f"no answer within {deadline_s or self.timeout_s} s"
+                failed.extend(indices)
+            if not failed:
+                break
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable(
+                    f"RedisStore {what}: {len(failed)} keys not served within the deadline; "
+                    + "; ".join(f"node {n}: {err}" for n, err in sorted(last_error.items())))
+            pending = sorted(failed)
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            try:
+                self.refresh()
+            except Exception as e:  # a node of the old topology may be the dead one
+                last_error["topology"] = f"{type(e).__name__}: {e}"
+        return results
+
+    def get(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list:
+        """The values of ``keys`` (``None`` where a key is absent), one pipelined request
+        per master, the masters in parallel; StoreUnavailable naming a node that does
+        not answer within ``deadline_s`` (default ``timeout_s``)."""
+
+        def per_node(connection: Any, node: Any, indices: list[int]) -> list:
+            out: list = []
+            for start in range(0, len(indices), PIPELINE_KEYS):
+                pipe = connection.pipeline(transaction=False)
+                for i in indices[start:start + PIPELINE_KEYS]:
+                    pipe.get(keys[i])
+                replies = pipe.execute(raise_on_error=True)
+                out.extend(replies)
+            return out
+
+        return self._run(keys, per_node, deadline_s, "get")
+
+    def put(self, keys: Sequence[bytes], values: Sequence[bytes],
+            deadline_s: float | None = None) -> int:
+        """Writes each key's whole value (``SET``), one pipelined request per master
+        (chunks of ``PIPELINE_KEYS``), the masters in parallel, each ending with ``WAIT``
+        for that master's replicas; RuntimeError naming a master whose replicas did not
+        acknowledge. Returns the number of keys written."""
+        if len(keys) != len(values):
+            raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
+        timeout_s = self.timeout_s if deadline_s is None else deadline_s
+
+        def per_node(connection: Any, node: Any, indices: list[int]) -> list:
+            replicas = self._replicas_of(node)
+            for start in range(0, len(indices), PIPELINE_KEYS):
+                pipe = connection.pipeline(transaction=False)
+                for i in indices[start:start + PIPELINE_KEYS]:
+                    pipe.set(keys[i], values[i])
+                last = start + PIPELINE_KEYS >= len(indices)
+                if last and replicas:
+                    # same connection as the writes: WAIT counts this client's writes
+                    pipe.execute_command("WAIT", replicas, int(timeout_s * 1000))
+                replies = pipe.execute(raise_on_error=True)
+                if last and replicas and int(replies[-1]) < replicas:
+                    raise RuntimeError(
+                        f"RedisStore put: {replies[-1]} of master {node.name}'s {replicas} "
+                        f"replicas acknowledged the writes within {timeout_s} s")
+            return [True] * len(indices)
+
+        self._run(keys, per_node, deadline_s, "put")
+        return len(keys)
+
+    def put_json(self, key: bytes, value: Any, deadline_s: float | None = None) -> None:
+        """Writes ``value`` as JSON under ``key`` (metadata), replicas acknowledged."""
+        self.put([key], [json.dumps(value, sort_keys=True).encode()], deadline_s)
+
+    def get_json(self, key: bytes, deadline_s: float | None = None) -> Any:
+        """The JSON under ``key``, or None if it is absent."""
+        value = self.get([key], deadline_s)[0]
+        return None if value is None else json.loads(value)
+
+    def close(self) -> None:
+        """Closes the connections (the store reconnects on next use)."""
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def __repr__(self) -> str:
+        return (f"RedisStore(nodes={','.join(self.nodes)!r}, username={self.username!r}, "
+                f"ssl={self.ssl}, key_prefix={self.key_prefix!r})")
