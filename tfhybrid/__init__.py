@@ -10,6 +10,7 @@ The public surface is small on purpose, like Horovod's:
 - ``tfhybrid.optimizers`` holds the row-wise AdaGrad optimizers;
 - ``tfhybrid.TrainPipeline`` sends the next batch's ids while a step computes.
 - ``tfhybrid.compression.DCT`` turns on DCT's thresholded communication (both halves).
+- ``tfhybrid.keras_rs.DistributedEmbedding`` is keras-rs's layer with its tables on the mesh.
 
 Attributes load lazily, so ``import tfhybrid.plan`` pulls in neither TensorFlow nor
 Horovod.
@@ -74,7 +75,7 @@ _LAZY_ATTRIBUTES = {
     "_dp_to_mp_input": "tfhybrid.layers.distributed_embedding",
 }
 _LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train",
-                    "compression"}
+                    "compression", "keras_rs"}
 
 __all__ = (sorted(n for n in _LAZY_ATTRIBUTES if not n.startswith("_")) + sorted(_LAZY_SUBMODULES)
            + ["installed_keras_major", "keras_major"])

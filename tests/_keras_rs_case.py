@@ -1,0 +1,124 @@
+"""A keras-rs DCN model written once, built with keras-rs's ``DistributedEmbedding`` or
+with ``tfhybrid.keras_rs.DistributedEmbedding`` (the one import a migration changes).
+
+The features come in a nested dict: ``user`` ids ``[batch]`` ("sum"), ``items.seen``
+``[batch, 3]`` and ``items.next`` ``[batch, 1]`` sharing the ``item`` table ("mean"),
+ragged ``words`` with empty bags ("sqrtn"), ``country`` ``[batch]`` ("mean"), beside
+dense features. Every table and dense layer starts from a seeded initializer (a
+shape-dependent ``VarianceScaling`` among them), so both builds start from the same
+weights on any mesh. The embeddings are concatenated into a DCN tower (keras-rs's
+``FeatureCross``). Samples are rows of one global array: rank r of N feeds rows
+``[r * local, (r + 1) * local)`` of each global batch of ``N * local`` rows.
+"""
+
+from __future__ import annotations
+
+import keras
+import keras_rs
+import numpy as np
+import tensorflow as tf
+
+DENSE = 3
+# the planner's thresholds (elements) that give every kind of placement on M = 2: user
+# (96 x 3 = 288) row-sliced, item (64 x 4 = 256) column-sliced, words (40 x 2) table-wise,
+# country (10 x 2) replicated
+SHARDING = dict(data_parallel_threshold=30, row_slice_threshold=270,
+                column_slice_threshold=200)
+VOCABULARY = {"user": 96, "item": 64, "words": 40, "country": 10}
+
+
+def feature_configs(batch: int | None = None) -> dict:
+    table = keras_rs.layers.TableConfig
+    feature = keras_rs.layers.FeatureConfig
+    user = table(name="user", vocabulary_size=96, embedding_dim=3, combiner="sum",
+                 initializer=keras.initializers.RandomNormal(seed=11))
+    item = table(name="item", vocabulary_size=64, embedding_dim=4, combiner="mean",
+                 initializer=keras.initializers.VarianceScaling(mode="fan_out", seed=12))
+    words = table(name="words", vocabulary_size=40, embedding_dim=2, combiner="sqrtn",
+                  initializer=keras.initializers.TruncatedNormal(seed=13))
+    country = table(name="country", vocabulary_size=10, embedding_dim=2, combiner="mean",
+                    initializer=keras.initializers.RandomUniform(seed=14),
+                    placement="default_device")
+    return {
+        "user": feature("user", user, (batch,), (batch, 3)),
+        "items": {"seen": feature("seen", item, (batch, 3), (batch, 4)),
+                  "next": feature("next", item, (batch, 1), (batch, 4))},
+        "words": feature("words", words, (batch, None), (batch, 2)),
+        "country": feature("country", country, (batch,), (batch, 2)),
+    }
+
+
+def data(samples: int, seed: int = 0) -> tuple[dict, np.ndarray]:
+    """``samples`` rows of every input, and labels in [0, 1]."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 5, samples)          # some bags empty
+    words = tf.RaggedTensor.from_row_lengths(
+        rng.integers(0, VOCABULARY["words"], int(lengths.sum())).astype(np.int32), lengths)
+    ids = {"user": rng.integers(0, VOCABULARY["user"], samples).astype(np.int32),
+           "items": {"seen": rng.integers(0, VOCABULARY["item"], [samples, 3]).astype(np.int32),
+                     "next": rng.integers(0, VOCABULARY["item"], [samples, 1]).astype(np.int32)},
+           "words": words,
+           "country": rng.integers(0, VOCABULARY["country"], samples).astype(np.int32)}
+    x = {"ids": ids, "dense": rng.normal(size=[samples, DENSE]).astype(np.float32)}
+    y = rng.uniform(size=[samples, 1]).astype(np.float32)
+    return x, y
+
+
+def tensors(x: dict) -> dict:
+    """``x`` with its arrays as tensors (a Keras 3 model takes no mix of both)."""
+    return tf.nest.map_structure(
+        lambda v: v if isinstance(v, tf.RaggedTensor) else tf.convert_to_tensor(v), x)
+
+
+def rows(x: dict, start: int, stop: int) -> dict:
+    """Rows [start, stop) of every input of ``x``."""
+    return tf.nest.map_structure(lambda v: v[start:stop], x)
+
+
+def local_share(x: dict, y: np.ndarray, batch: int, rank: int, world: int) -> tuple:
+    """Rank ``rank``'s share of every global batch of ``batch * world`` rows, in order."""
+    steps = len(y) // (batch * world)
+    parts = [(s * world + rank) * batch for s in range(steps)]
+    take = np.concatenate([np.arange(p, p + batch) for p in parts])
+    pick = lambda v: tf.gather(v, take) if isinstance(v, tf.RaggedTensor) else v[take]  # noqa: E731
+    return tf.nest.map_structure(pick, x), y[take]
+
+
+def model(embedding_class, configs: dict, **layer_kwargs) -> tuple[keras.Model, object]:
+    """The DCN model with ``embedding_class(configs, **layer_kwargs)``; the same seeded
+    dense weights whichever embedding class."""
+    ids = {"user": keras.Input((), dtype="int32", name="user"),
+           "items": {"seen": keras.Input((3,), dtype="int32", name="seen"),
+                     "next": keras.Input((1,), dtype="int32", name="next")},
+           "words": keras.Input((None,), dtype="int32", ragged=True, name="words"),
+           "country": keras.Input((), dtype="int32", name="country")}
+    dense = keras.Input((DENSE,), name="dense")
+    embedding = embedding_class(configs, **layer_kwargs)
+    embedded = embedding(ids)
+    bottom = keras.layers.Dense(4, activation="relu", name="bottom",
+                                kernel_initializer=keras.initializers.GlorotUniform(seed=21))
+    x0 = keras.layers.Concatenate(name="joined")(keras.tree.flatten(embedded) + [bottom(dense)])
+    crossed = keras_rs.layers.FeatureCross(
+        name="cross", kernel_initializer=keras.initializers.GlorotUniform(seed=22))(x0)
+    hidden = keras.layers.Dense(6, activation="relu", name="hidden",
+                                kernel_initializer=keras.initializers.GlorotUniform(seed=23))(
+        crossed)
+    logit = keras.layers.Dense(1, name="logit",
+                               kernel_initializer=keras.initializers.GlorotUniform(seed=24))(
+        hidden)
+    return keras.Model({"ids": ids, "dense": dense}, logit), embedding
+
+
+def dataset(x: dict, y: np.ndarray, batch: int) -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+
+
+def dense_weights(model: keras.Model) -> list:
+    """The weights of the dense layers (the embedding's aside), in a fixed order."""
+    return [w for name in ("bottom", "cross", "hidden", "logit")
+            for w in model.get_layer(name).get_weights()]
+
+
+def tables(embedding) -> dict:
+    """Every table whole by name, as numpy (a collective for tfhybrid's layer)."""
+    return {name: np.asarray(value) for name, value in embedding.get_embedding_tables().items()}

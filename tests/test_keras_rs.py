@@ -1,0 +1,217 @@
+"""tfhybrid.keras_rs.DistributedEmbedding against keras-rs's own layer, in one process.
+
+A keras-rs DCN model (tests/_keras_rs_case.py) built with keras-rs's
+``DistributedEmbedding`` and with tfhybrid's (one import changed) gives the same outputs
+from the same seeded tables, and the same tables and dense weights after ``fit``; sparse
+ids, a single feature, the stand-in configs, the config round trip, and every bad config
+raising ``ValueError`` naming its value. (2 x 2: tests/test_keras_rs_distributed.py.)
+"""
+
+import logging
+
+import keras
+import keras_rs
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import keras_rs as tk
+from tfhybrid import mesh as mesh_lib
+from tests import _keras_rs_case as case
+
+KERAS = (3,)        # keras-rs needs Keras 3
+TOLERANCE = 1e-6
+LEARNING_RATE = 0.05
+
+
+class KerasRsTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        mesh_lib.reset()
+        tfhybrid.init(model_parallel=1)
+
+    def test_outputs_and_fit_equal_keras_rs(self):
+        configs = case.feature_configs()
+        x, y = case.data(64)
+        theirs, their_layer = case.model(keras_rs.layers.DistributedEmbedding, configs)
+        ours, our_layer = case.model(tk.DistributedEmbedding, configs)
+        inputs = case.tensors(x)
+        self.assertAllClose(ours(inputs), theirs(inputs), atol=TOLERANCE, rtol=0)
+        self._assert_tables_equal(case.tables(our_layer), case.tables(their_layer))
+        for model in (theirs, ours):
+            model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse")
+            model.fit(case.dataset(x, y, 16), epochs=1, verbose=0)
+        trained = case.tables(our_layer)
+        self._assert_tables_equal(trained, case.tables(their_layer))
+        self.assertAllClose(case.dense_weights(ours), case.dense_weights(theirs),
+                            atol=TOLERANCE, rtol=0)
+        # the tables moved (the comparison is not of untouched tables)
+        self.assertGreater(np.abs(trained["words"]
+                                  - self._initial("words", configs)).max(), 1e-4)
+        self.assertAllClose(ours(inputs), theirs(inputs), atol=TOLERANCE, rtol=0)
+
+    def _initial(self, name, configs):
+        table = [f.table for f in keras.tree.flatten(configs) if f.table.name == name][0]
+        return np.asarray(table.initializer((table.vocabulary_size, table.embedding_dim)))
+
+    def _assert_tables_equal(self, ours, theirs):
+        self.assertEqual(sorted(ours), sorted(theirs))
+        for name in theirs:
+            self.assertAllClose(ours[name], theirs[name], atol=TOLERANCE, rtol=0, msg=name)
+
+    def test_a_custom_loop_trains_as_keras_rs(self):
+        configs = case.feature_configs()
+        x, y = case.data(32, seed=3)
+        x = case.tensors(x)
+        trained = []
+        for cls in (keras_rs.layers.DistributedEmbedding, tk.DistributedEmbedding):
+            model, layer = case.model(cls, configs)
+            optimizer = keras.optimizers.SGD(LEARNING_RATE)
+
+            @tf.function
+            def step(x, y, model=model, optimizer=optimizer):
+                with tf.GradientTape() as tape:
+                    loss = keras.losses.mean_squared_error(y, model(x, training=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+            for s in range(4):
+                step(case.rows(x, 8 * s, 8 * s + 8), y[8 * s:8 * s + 8])
+            trained.append(case.tables(layer))
+        self._assert_tables_equal(trained[1], trained[0])
+
+    def test_sparse_ids_equal_keras_rs(self):
+        table = keras_rs.layers.TableConfig(
+            name="t", vocabulary_size=20, embedding_dim=3, combiner="sqrtn",
+            initializer=keras.initializers.RandomNormal(seed=5))
+        configs = [keras_rs.layers.FeatureConfig("f", table, (4, 5), (4, 3))]
+        # gaps between columns, an empty row, rows given out of order
+        ids = tf.SparseTensor([[2, 4], [0, 1], [0, 3], [3, 0], [3, 2], [3, 4]],
+                              [7, 1, 2, 3, 4, 5], [4, 5])
+        theirs = keras_rs.layers.DistributedEmbedding(configs)([tf.sparse.reorder(ids)])
+        ours = tk.DistributedEmbedding(configs)([ids])
+        self.assertIsInstance(ours, list)
+        self.assertAllClose(ours[0], theirs[0], atol=TOLERANCE, rtol=0)
+        self.assertAllClose(ours[0][1], tf.zeros([3]))
+
+    def test_a_single_feature_is_returned_alone(self):
+        table = keras_rs.layers.TableConfig(name="t", vocabulary_size=20, embedding_dim=3,
+                                            combiner="sum")
+        feature = keras_rs.layers.FeatureConfig("f", table, (2, 2), (2, 3))
+        ids = tf.constant([[1, 2], [3, 4]])
+        theirs = keras_rs.layers.DistributedEmbedding(feature)
+        ours = tk.DistributedEmbedding(feature)
+        # the same (unseeded, shared) initializer instance draws the same table
+        self.assertAllClose(ours(ids), theirs(ids), atol=TOLERANCE, rtol=0)
+
+    def test_stand_in_configs_equal_keras_rs_configs(self):
+        def configs(table_class, feature_class):
+            table = table_class(name="t", vocabulary_size=30, embedding_dim=4,
+                                combiner="mean",
+                                initializer=keras.initializers.RandomUniform(seed=3))
+            return {"a": feature_class("a", table, (3, 2), (3, 4)),
+                    "b": feature_class("b", table, (3,), (3, 4))}
+        ids = {"a": tf.constant([[1, 2], [3, 4], [5, 6]]), "b": tf.constant([7, 8, 9])}
+        theirs = keras_rs.layers.DistributedEmbedding(
+            configs(keras_rs.layers.TableConfig, keras_rs.layers.FeatureConfig))(ids)
+        layer = tk.DistributedEmbedding(configs(tk.TableConfig, tk.FeatureConfig))
+        self.assertAllClose(layer(ids), theirs, atol=TOLERANCE, rtol=0)
+        self.assertEqual(len(layer.sharded.table_specs), 1)   # "a" and "b" share it
+
+    def test_get_config_round_trips(self):
+        configs = case.feature_configs()
+        layer = tk.DistributedEmbedding(configs, table_stacking=[["user", "item"]],
+                                        sharding=dict(data_parallel_threshold=30),
+                                        name="embedding")
+        x, _ = case.data(8)
+        before = layer(x["ids"])
+        config = layer.get_config()
+        again = tk.DistributedEmbedding.from_config(config)
+        self.assertEqual(again.get_config(), config)
+        self.assertEqual(config["table_stacking"], [["user", "item"]])
+        self.assertEqual(config["sharding"], {"data_parallel_threshold": 30})
+        # keras-rs's form: tables listed once, a shared table by its index
+        self.assertEqual(len(config["tables"]), 4)
+        self.assertEqual(config["feature_configs"]["items"]["seen"]["table"],
+                         config["feature_configs"]["items"]["next"]["table"])
+        seen, next_ = (again.feature_configs["items"][k] for k in ("seen", "next"))
+        self.assertIsInstance(seen, keras_rs.layers.FeatureConfig)
+        self.assertIs(seen.table, next_.table)
+        # keras-rs reads tfhybrid's config, and tfhybrid keras-rs's
+        keras_rs.layers.DistributedEmbedding.from_config(
+            {k: v for k, v in config.items() if k not in ("sharding", "table_optimizers")})
+        theirs = keras_rs.layers.DistributedEmbedding(configs, name="theirs").get_config()
+        self.assertIsInstance(tk.DistributedEmbedding.from_config(theirs),
+                              tk.DistributedEmbedding)
+        # the seeded initializers survive: the same tables
+        self.assertAllClose(again(x["ids"]), before, atol=TOLERANCE, rtol=0)
+
+    def test_what_is_not_used_is_logged_once(self):
+        with self.assertLogs("tfhybrid.keras_rs.layer", logging.INFO) as logs:
+            layer = tk.DistributedEmbedding(case.feature_configs(),
+                                            pipeline_execution_with_tensor_core=True)
+            x, _ = case.data(4)
+            layer(x["ids"])
+            layer(x["ids"])
+        text = "\n".join(logs.output)
+        self.assertEqual(text.count("TableConfig.optimizer"), 1, text)
+        self.assertIn("['country', 'item', 'user', 'words']", text)
+        self.assertEqual(text.count("pipeline_execution_with_tensor_core"), 1, text)
+        self.assertEqual(text.count("placement ['default_device'] is not used"), 1, text)
+
+    def test_bad_configs_raise_value_error_naming_the_value(self):
+        table = keras_rs.layers.TableConfig
+        feature = keras_rs.layers.FeatureConfig
+
+        def one(**fields):
+            t = table(**dict(dict(name="t", vocabulary_size=10, embedding_dim=2), **fields))
+            return {"f": feature("f", t, (4, 2), (4, 2))}
+
+        t1, t2 = (table(name="same", vocabulary_size=10, embedding_dim=2) for _ in range(2))
+        cases = [
+            (dict(feature_configs=one(combiner="max")), "'max'"),
+            (dict(feature_configs=one(vocabulary_size=0)), "vocabulary_size=0"),
+            (dict(feature_configs=one(embedding_dim=2.5)), "embedding_dim=2.5"),
+            (dict(feature_configs=one(placement="tpu")), "'tpu'"),
+            (dict(feature_configs={"a": feature("a", t1, (4,), (4, 2)),
+                                   "b": feature("b", t2, (4,), (4, 2))}), "'same'"),
+            (dict(feature_configs={"a": "user_ids"}), "'user_ids'"),
+            (dict(feature_configs={}), "{}"),
+            (dict(feature_configs={"f": feature("f", t1, (4, 2, 2), (4, 2))}),
+             "(4, 2, 2)"),
+            (dict(feature_configs=one(), table_stacking=[["t", "nope"]]), "['nope']"),
+            (dict(feature_configs=one(), table_stacking=3), "table_stacking=3"),
+            (dict(feature_configs=one(), update_stats=True), "update_stats"),
+            (dict(feature_configs=one(), table_optimizers="tpu"), "'tpu'"),
+            (dict(feature_configs=one(), sharding=dict(input_table_map=[0])),
+             "input_table_map"),
+            (dict(feature_configs=one(), sharding=dict(strategy="nope")), "'nope'"),
+        ]
+        for kwargs, named in cases:
+            with self.subTest(named=named):
+                with self.assertRaisesRegex(ValueError, _escaped(named)):
+                    tk.DistributedEmbedding(**kwargs)
+
+    def test_bad_inputs_raise_value_error_naming_the_feature(self):
+        layer = tk.DistributedEmbedding(case.feature_configs())
+        x, _ = case.data(4)
+        layer(x["ids"])
+        bad = [
+            (dict(x["ids"], country=tf.zeros([4, 2, 2], tf.int32)), "'country'"),
+            ({k: v for k, v in x["ids"].items() if k != "words"}, "'words'"),
+            (dict(x["ids"], items=[x["ids"]["items"]["seen"]]), "'items'"),
+        ]
+        for inputs, named in bad:
+            with self.subTest(named=named):
+                with self.assertRaisesRegex(ValueError, named):
+                    layer(inputs)
+
+
+def _escaped(text: str) -> str:
+    import re
+    return re.escape(text)
+
+
+if __name__ == "__main__":
+    tf.test.main()

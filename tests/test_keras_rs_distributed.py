@@ -1,0 +1,103 @@
+"""tfhybrid.keras_rs.DistributedEmbedding on 2 x 2 (4 ranks) equals keras-rs's own layer
+in one process on the global batch.
+
+The keras-rs DCN model of tests/_keras_rs_case.py, its tables row-sliced,
+column-sliced, table-wise and replicated, built on a 2 x 2 mesh (both layouts) with the
+one import changed: its outputs, and its tables and dense weights after 10 steps of SGD
+(under ``fit``, and in a custom loop with ``tfhybrid.DistributedGradientTape``), equal
+keras-rs's layer trained on the global batch in one process, within 1e-6. Every rank
+trains that reference itself (keras-rs's layer runs no collective).
+"""
+
+import horovod.tensorflow as hvd
+import keras
+import keras_rs
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid import keras_rs as tk
+from tfhybrid import mesh as mesh_lib
+from tests import _keras_rs_case as case
+
+HOROVOD_NP = (4,)
+KERAS = (3,)        # keras-rs needs Keras 3
+TOLERANCE = 1e-6
+LOCAL_BATCH = 4
+STEPS = 10
+LEARNING_RATE = 0.05
+
+
+class KerasRsOnTheMeshTest(tf.test.TestCase):
+
+    def test_fit_on_2x2_equals_keras_rs_on_the_global_batch(self):
+        for layout in ("model_major", "data_major"):
+            with self.subTest(layout=layout):
+                self._check(layout, custom_loop=layout == "data_major")
+
+    def _check(self, layout, custom_loop):
+        mesh_lib.reset()
+        mesh = tfhybrid.init(model_parallel=2, layout=layout)
+        world = mesh.size
+        configs = case.feature_configs()
+        x, y = case.data(LOCAL_BATCH * world * STEPS, seed=7)
+        reference, their_layer = case.model(keras_rs.layers.DistributedEmbedding, configs)
+        ours, our_layer = case.model(tk.DistributedEmbedding, configs, mesh=mesh,
+                                     sharding=case.SHARDING)
+        kinds = {t.name: t.kind for t in our_layer.plan.tables}
+        self.assertEqual(kinds, {"country": "data_parallel", "item": "column_wise",
+                                 "user": "row_wise", "words": "table_wise"})
+
+        # forward: this rank's outputs on its share of the first global batch
+        mine_x, mine_y = case.local_share(x, y, LOCAL_BATCH, mesh.rank, world)
+        first = case.rows(mine_x, 0, LOCAL_BATCH)
+        want = reference(case.tensors(case.rows(x, 0, LOCAL_BATCH * world)))
+        mine = slice(mesh.rank * LOCAL_BATCH, (mesh.rank + 1) * LOCAL_BATCH)
+        self.assertAllClose(ours(case.tensors(first)), want[mine], atol=TOLERANCE, rtol=0)
+
+        reference.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse")
+        reference.fit(case.dataset(x, y, LOCAL_BATCH * world), epochs=1, verbose=0)
+        if custom_loop:
+            self._train_in_a_loop(ours, mine_x, mine_y)
+        else:
+            ours.compile(optimizer=tfhybrid.DistributedOptimizer(
+                keras.optimizers.SGD(LEARNING_RATE)), loss="mse")
+            ours.fit(case.dataset(mine_x, mine_y, LOCAL_BATCH), epochs=1, verbose=0)
+
+        trained = case.tables(our_layer)
+        theirs = case.tables(their_layer)
+        self.assertEqual(sorted(trained), sorted(theirs))
+        for name in theirs:
+            self.assertAllClose(trained[name], theirs[name], atol=TOLERANCE, rtol=0,
+                                msg=name)
+        self.assertAllClose(case.dense_weights(ours), case.dense_weights(reference),
+                            atol=TOLERANCE, rtol=0)
+        # the tables trained: rows moved from their initial values
+        fresh = case.tables(case.model(keras_rs.layers.DistributedEmbedding,
+                                       case.feature_configs())[1])
+        for name in theirs:
+            self.assertGreater(np.abs(trained[name] - fresh[name]).max(), 1e-5, name)
+        # every rank holds the same tables and dense weights
+        everyone = hvd.allgather_object(case.dense_weights(ours)[0])
+        for other in everyone:
+            self.assertAllEqual(other, everyone[0])
+
+    def _train_in_a_loop(self, model, x, y):
+        optimizer = keras.optimizers.SGD(LEARNING_RATE)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(keras.losses.mean_squared_error(
+                    y, model(x, training=True)))
+            tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        for s in range(STEPS):
+            step(case.tensors(case.rows(x, s * LOCAL_BATCH, (s + 1) * LOCAL_BATCH)),
+                 y[s * LOCAL_BATCH:(s + 1) * LOCAL_BATCH])
+
+
+if __name__ == "__main__":
+    tf.test.main()
