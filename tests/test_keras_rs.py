@@ -8,6 +8,7 @@ raising ``ValueError`` naming its value. (2 x 2: tests/test_keras_rs_distributed
 """
 
 import logging
+import textwrap
 
 import keras
 import keras_rs
@@ -192,6 +193,12 @@ class KerasRsTest(tf.test.TestCase):
             with self.subTest(named=named):
                 with self.assertRaisesRegex(ValueError, _escaped(named)):
                     tk.DistributedEmbedding(**kwargs)
+
+    def test_the_docstring_examples_run(self):
+        for cls in (tk.DistributedEmbedding, tk.TableConfig):
+            with self.subTest(cls=cls.__name__):
+                self.assertIn("Example::", cls.__doc__)
+                exec(textwrap.dedent(cls.__doc__.split("Example::", 1)[1]), {})  # pylint: disable=exec-used
 
     def test_bad_inputs_raise_value_error_naming_the_feature(self):
         layer = tk.DistributedEmbedding(case.feature_configs())

@@ -16,9 +16,11 @@ import logging
 import math
 from typing import Any, Sequence
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.keras_rs import configs
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding as ShardedEmbedding
@@ -98,7 +100,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     others combined. Each rank feeds its own local batch; the first dimension of a
     feature's ``input_shape`` (keras-rs's global batch) is not checked.
 
-    Example (one process; under horovodrun the same code shards over the mesh)::
+    One process here; under horovodrun the same code shards over the mesh.
+
+    Example::
 
         import tensorflow as tf
         import tfhybrid
@@ -305,6 +309,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         """Every table whole, by its ``TableConfig`` name (keras-rs's method). A
         collective: every rank must call it, and every rank gets the tables."""
         whole = self._tables.get_weights(all_ranks=True)
+        mesh = self._tables.mesh
+        if mesh is not None and mesh.size > 1:
+            # every rank leaves together: each model group gathers on its own, and a rank
+            # whose script then ends shuts Horovod down under a group still gathering
+            collectives.allreduce(tf.zeros([1]), hvd.Sum,
+                                  f"tfhybrid_{self.name}_embedding_tables_done")
         return {t.name: value for t, value in zip(self._table_configs, whole)}
 
     # ----------------------------------------------------------------- config
