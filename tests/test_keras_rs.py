@@ -8,6 +8,7 @@ raising ``ValueError`` naming its value. (2 x 2: tests/test_keras_rs_distributed
 """
 
 import logging
+import os
 import textwrap
 
 import keras
@@ -147,6 +148,18 @@ class KerasRsTest(tf.test.TestCase):
                               tk.DistributedEmbedding)
         # the seeded initializers survive: the same tables
         self.assertAllClose(again(x["ids"]), before, atol=TOLERANCE, rtol=0)
+
+    def test_a_saved_model_loads_with_its_trained_tables(self):
+        model, layer = case.model(tk.DistributedEmbedding, case.feature_configs())
+        x, y = case.data(16)
+        model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse")
+        model.fit(case.dataset(x, y, 8), verbose=0)
+        path = os.path.join(self.get_temp_dir(), "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)   # no custom_objects: the layer is registered
+        embedding = [l for l in loaded.layers if isinstance(l, tk.DistributedEmbedding)][0]
+        self._assert_tables_equal(case.tables(embedding), case.tables(layer))
+        self.assertAllClose(loaded(case.tensors(x)), model(case.tensors(x)), atol=0, rtol=0)
 
     def test_what_is_not_used_is_logged_once(self):
         with self.assertLogs("tfhybrid.keras_rs.layer", logging.INFO) as logs:

@@ -60,6 +60,8 @@ def _check_table_stacking(table_stacking: Any, names: Sequence[str]) -> None:
                          f"tables; the tables are {sorted(names)}")
 
 
+# registered, so a saved model (.keras) holding it loads without custom_objects
+@tf.keras.utils.register_keras_serializable(package="tfhybrid.keras_rs")
 class DistributedEmbedding(tf.keras.layers.Layer):
     """keras-rs's ``DistributedEmbedding`` on the D x M mesh: change one import.
 
