@@ -13,6 +13,8 @@ weights on any mesh. The embeddings are concatenated into a DCN tower (keras-rs'
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import keras_rs
 import numpy as np
@@ -27,8 +29,9 @@ SHARDING = dict(data_parallel_threshold=30, row_slice_threshold=270,
 VOCABULARY = {"user": 96, "item": 64, "words": 40, "country": 10}
 
 
-def feature_configs(batch: int | None = None) -> dict:
-    table = keras_rs.layers.TableConfig
+def feature_configs(batch: int | None = None, optimizer: object = "adam") -> dict:
+    """The features; every table names ``optimizer`` (keras-rs's default: "adam")."""
+    table = functools.partial(keras_rs.layers.TableConfig, optimizer=optimizer)
     feature = keras_rs.layers.FeatureConfig
     user = table(name="user", vocabulary_size=96, embedding_dim=3, combiner="sum",
                  initializer=keras.initializers.RandomNormal(seed=11))
@@ -117,6 +120,39 @@ def dense_weights(model: keras.Model) -> list:
     """The weights of the dense layers (the embedding's aside), in a fixed order."""
     return [w for name in ("bottom", "cross", "hidden", "logit")
             for w in model.get_layer(name).get_weights()]
+
+
+def train_reference(model: keras.Model, layer: object, x: dict, y: np.ndarray, batch: int,
+                    dense_optimizer: object, table_optimizer: object = None) -> None:
+    """keras-rs's model trained in one process on ``batch``-row batches of ``x``, ``y``:
+    the dense layers by ``dense_optimizer``, each table by a new optimizer of its own from
+    ``table_optimizer()`` (as keras-rs trains them on TPUs), or by ``dense_optimizer``
+    where that is None (as keras-rs on CPUs)."""
+    tables = {v.path: v for v in layer.trainable_variables}
+    dense = [v for v in model.trainable_variables if v.path not in tables]
+    owners = {path: table_optimizer() for path in tables} if table_optimizer else {}
+    for path, optimizer in owners.items():
+        optimizer.build([tables[path]])
+    dense_optimizer.build(dense + ([] if owners else list(tables.values())))
+
+    @tf.function
+    def step(x, y):
+        variables = dense + list(tables.values())
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(y, model(x, training=True)))
+        grads = dict(zip([v.path for v in variables], tape.gradient(loss, variables)))
+        if not owners:
+            dense_optimizer.apply_gradients([(grads[v.path], v) for v in variables])
+            return
+        dense_optimizer.apply_gradients([(grads[v.path], v) for v in dense])
+        for path, optimizer in owners.items():
+            # each row's gradient summed first: Keras applies a gradient's slices one by
+            # one, and Adagrad's or FTRL's squares of a row's slices are not the square
+            # of its gradient
+            optimizer.apply_gradients([(tf.convert_to_tensor(grads[path]), tables[path])])
+
+    for start in range(0, len(y), batch):
+        step(tensors(rows(x, start, start + batch)), y[start:start + batch])
 
 
 def tables(embedding) -> dict:

@@ -83,6 +83,30 @@ class KerasRsTest(tf.test.TestCase):
             trained.append(case.tables(layer))
         self._assert_tables_equal(trained[1], trained[0])
 
+    def test_honoured_table_optimizers_train_each_table_as_its_own(self):
+        makers = {"Adagrad": lambda: keras.optimizers.Adagrad(0.2),
+                  "Ftrl": lambda: keras.optimizers.Ftrl(0.2, l1_regularization_strength=0.01)}
+        for name, make in makers.items():
+            with self.subTest(optimizer=name):
+                configs = case.feature_configs(optimizer=make())
+                x, y = case.data(32, seed=5)
+                reference, theirs = case.model(keras_rs.layers.DistributedEmbedding, configs)
+                case.train_reference(reference, theirs, x, y, 8,
+                                     keras.optimizers.SGD(LEARNING_RATE), make)
+                ours, layer = case.model(tk.DistributedEmbedding, configs,
+                                         table_optimizers="honour")
+                self.assertIsInstance(layer.table_optimizer, getattr(keras.optimizers, name))
+                ours.compile(optimizer=tfhybrid.DistributedOptimizer(
+                    keras.optimizers.SGD(LEARNING_RATE),
+                    embedding_optimizer=layer.table_optimizer), loss="mse")
+                ours.fit(case.dataset(x, y, 8), verbose=0)
+                # the planner counted the honoured optimizer's state
+                self.assertEqual(layer.plan.optimizer, {"Adagrad": "adagrad",
+                                                        "Ftrl": "adam"}[name])
+                self._assert_tables_equal(case.tables(layer), case.tables(theirs))
+                self.assertAllClose(case.dense_weights(ours), case.dense_weights(reference),
+                                    atol=TOLERANCE, rtol=0)
+
     def test_sparse_ids_equal_keras_rs(self):
         table = keras_rs.layers.TableConfig(
             name="t", vocabulary_size=20, embedding_dim=3, combiner="sqrtn",
@@ -201,11 +225,23 @@ class KerasRsTest(tf.test.TestCase):
             (dict(feature_configs=one(), sharding=dict(input_table_map=[0])),
              "input_table_map"),
             (dict(feature_configs=one(), sharding=dict(strategy="nope")), "'nope'"),
+            (dict(feature_configs=one(optimizer="rmsprop"), table_optimizers="honour"),
+             "RMSprop"),
+            (dict(feature_configs=one(optimizer=None), table_optimizers="honour"),
+             "optimizer=None"),
+            (dict(feature_configs={
+                "a": feature("a", table(name="a", vocabulary_size=10, embedding_dim=2,
+                                        optimizer="sgd"), (4,), (4, 2)),
+                "b": feature("b", table(name="b", vocabulary_size=10, embedding_dim=2,
+                                        optimizer=keras.optimizers.Adam(0.1)), (4,), (4, 2))},
+                table_optimizers="honour"), "on ['b']"),
         ]
         for kwargs, named in cases:
             with self.subTest(named=named):
                 with self.assertRaisesRegex(ValueError, _escaped(named)):
                     tk.DistributedEmbedding(**kwargs)
+        with self.assertRaisesRegex(ValueError, "table_optimizers='honour'"):
+            tk.DistributedEmbedding(one()).table_optimizer
 
     def test_the_docstring_examples_run(self):
         for cls in (tk.DistributedEmbedding, tk.TableConfig):

@@ -5,7 +5,8 @@ over the D x M mesh with one import changed: ``from tfhybrid.keras_rs import
 DistributedEmbedding``. keras-rs itself is not needed at run time: its
 ``FeatureConfig`` / ``TableConfig`` objects are read by their attributes, and
 :class:`FeatureConfig` / :class:`TableConfig` here are stand-ins with the same fields.
-``configs`` reads and checks the configs; ``layer`` is the layer.
+``configs`` reads and checks the configs; ``table_optimizer`` turns the tables' optimizers
+into the one embedding optimizer (``table_optimizers="honour"``); ``layer`` is the layer.
 """
 
 from tfhybrid.keras_rs.configs import FeatureConfig, TableConfig

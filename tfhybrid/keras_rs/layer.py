@@ -23,6 +23,7 @@ import tensorflow as tf
 from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.keras_rs import configs
+from tfhybrid.keras_rs import table_optimizer
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding as ShardedEmbedding
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.plan.types import COMBINERS
@@ -32,8 +33,10 @@ __all__ = ["DistributedEmbedding", "TABLE_OPTIMIZERS", "TPU_ONLY_ARGUMENTS"]
 _LOG = logging.getLogger(__name__)
 
 # How tables are trained: "model", by the model's optimizer (what keras-rs does on CPUs
-# and GPUs, whatever TableConfig.optimizer says)
-TABLE_OPTIMIZERS = ("model",)
+# and GPUs, whatever TableConfig.optimizer says); "honour", by the optimizer every
+# TableConfig names (``layer.table_optimizer``, the DistributedOptimizer's
+# embedding_optimizer), as keras-rs on TPUs
+TABLE_OPTIMIZERS = ("model", "honour")
 # keras-rs's keywords that only its TPU (SparseCore) path reads
 TPU_ONLY_ARGUMENTS = ("optimizer", "pipeline_execution_with_tensor_core",
                       "sparse_core_embedding_config")
@@ -85,10 +88,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         planner's ``strategy`` and thresholds, ``replica_sync``, ``plan``, ``dct``,
         ``use_custom_kernel``, ``memory_budget``, ...), but the tables, their map, the
         mesh and ``dp_input``, which this layer sets.
-      table_optimizers: ``"model"`` (the only value now): every table is trained by the
-        model's optimizer (``tfhybrid.DistributedOptimizer(..., embedding_optimizer=...)``
-        gives the tables one of their own), as keras-rs trains them on CPUs and GPUs; a
-        warning says once that ``TableConfig.optimizer`` is not used.
+      table_optimizers: ``"model"`` (default): every table is trained by the model's
+        optimizer, as keras-rs trains them on CPUs and GPUs; a warning says once that
+        ``TableConfig.optimizer`` is not used. ``"honour"``: the tables' own optimizer,
+        as keras-rs on TPUs: every table must name the same one, of SGD, Adagrad, Adam
+        and FTRL (``ValueError`` names the others), and :attr:`table_optimizer` is it,
+        to pass as ``tfhybrid.DistributedOptimizer(..., embedding_optimizer=...)``.
       **kwargs: Keras layer arguments; keras-rs's TPU-only ``optimizer``,
         ``pipeline_execution_with_tensor_core`` and ``sparse_core_embedding_config`` are
         accepted and not used (logged once).
@@ -141,6 +146,10 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                              "argument, every rank feeding its own batch)")
         features, tables = configs.read_features(feature_configs)
         _check_table_stacking(table_stacking, [t.name for t in tables])
+        # ValueError naming an optimizer that is not honoured, or tables that differ
+        object.__setattr__(self, "_optimizer_spec", table_optimizer.table_optimizer_spec(
+            tables) if table_optimizers == "honour" else None)
+        object.__setattr__(self, "_table_optimizer", None)
         # plain data, set past Keras' __setattr__ (whose tracking would wrap the nesting)
         object.__setattr__(self, "_feature_configs", feature_configs)
         object.__setattr__(self, "_features", features)
@@ -149,13 +158,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         self.update_stats = update_stats
         self.table_optimizers = table_optimizers
         self.sharding = sharding
+        planned = dict(sharding)
+        if self._optimizer_spec is not None:
+            # the planner counts the honoured optimizer's state
+            planned.setdefault("optimizer",
+                               table_optimizer.PLANNED_AS[self._optimizer_spec[0]])
         self._tables = ShardedEmbedding(
             [Embedding(t.vocabulary_size, t.embedding_dim, name=t.name,
                        combiner=t.combiner if t.combiner in COMBINERS else "sum",
                        # the tables' values are drawn whole at build (_initialize)
                        embeddings_initializer="zeros") for t in tables],
             mesh=mesh, input_table_map=[f.table for f in features],
-            name=f"{self.name}_tables", **sharding)
+            name=f"{self.name}_tables", **planned)
         self._log_what_is_not_used(ignored, tables)
 
     def _log_what_is_not_used(self, ignored: dict, tables: Sequence[Any]) -> None:
@@ -169,7 +183,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             _LOG.info("DistributedEmbedding %r: placement %s is not used; every table is "
                       "planned over the mesh", self.name, placed)
         with_optimizer = [t.name for t in tables if t.optimizer is not None]
-        if with_optimizer:
+        if with_optimizer and self._optimizer_spec is None:
             _LOG.warning("DistributedEmbedding %r: TableConfig.optimizer of tables %s is "
                          "not used; the model's optimizer trains every table, as keras-rs "
                          "does on CPUs and GPUs", self.name, with_optimizer)
@@ -185,6 +199,22 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         """The ``tfhybrid.layers.DistributedEmbedding`` that holds the tables (its
         ``plan``, ``get_weights``, ``stores``, ...)."""
         return self._tables
+
+    @property
+    def table_optimizer(self) -> Any:
+        """With ``table_optimizers="honour"``: the Keras optimizer every table names
+        (made once), for ``tfhybrid.DistributedOptimizer(dense_optimizer,
+        embedding_optimizer=layer.table_optimizer)``."""
+        if self._optimizer_spec is None:
+            raise ValueError(f"DistributedEmbedding {self.name!r}: table_optimizer needs "
+                             f"table_optimizers='honour'; got {self.table_optimizers!r} "
+                             "(the model's optimizer trains the tables)")
+        if self._table_optimizer is None:
+            # plain state, set past Keras' __setattr__: the optimizer's variables are the
+            # DistributedOptimizer's to track, not this layer's
+            object.__setattr__(self, "_table_optimizer",
+                               table_optimizer.make_optimizer(self._optimizer_spec))
+        return self._table_optimizer
 
     @property
     def plan(self) -> Any:
