@@ -2,7 +2,7 @@
 
 - ``RedisStore``: the cluster (``tfhybrid.serving.store``);
 - ``export``: called on every rank, writes the SavedModel (rank 0) and the external
-  tables (the ranks that hold them) (``tfhybrid.serving.export``);
+  tables (the ranks that hold them) (``tfhybrid.serving.exporter``);
 - ``Predictor``: raw inputs in, scores out, rows fetched from the store
   (``tfhybrid.serving.predictor``); it needs neither Horovod nor tfhybrid's op library;
 - ``PublishDeltas``: a Keras callback that publishes changed rows and a new SavedModel
@@ -20,7 +20,7 @@ from typing import Any
 _LAZY_ATTRIBUTES = {
     "RedisStore": "tfhybrid.serving.store",
     "StoreUnavailable": "tfhybrid.serving.store",
-    "export": "tfhybrid.serving.export",
+    "export": "tfhybrid.serving.exporter",
     "Predictor": "tfhybrid.serving.predictor",
     "PublishDeltas": "tfhybrid.serving.deltas",
 }

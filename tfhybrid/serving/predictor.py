@@ -109,6 +109,10 @@ class Predictor:
         if features and self.store is None:
             raise ValueError(f"the export at {version_dir!r} has external tables; "
                              "Predictor needs store=RedisStore(...)")
+        if features and manifest["key_prefix"] != self.store.key_prefix:
+            raise ValueError(f"the export at {version_dir!r} wrote its rows under "
+                             f"key_prefix={manifest['key_prefix']!r}; the store given has "
+                             f"key_prefix={self.store.key_prefix!r}")
         with self._lock:
             self.manifest, self.loaded, self.features = manifest, loaded, features
             self.version_dir = version_dir

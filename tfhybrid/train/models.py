@@ -30,11 +30,11 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import _tf_internals
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.layers.dynamic_embedding import DynamicEmbedding
 from tfhybrid.layers.embedding import Embedding
 from tfhybrid.layers.xla import XlaCompiled
+from tfhybrid.serving.exporter import export as serving_export
 
 MODELS = ("dlrm", "dcnv2")
 
@@ -112,7 +112,7 @@ class _ClickModel(tf.keras.Model):
                  distributed: bool = True, xla: bool = False,
                  embedding_options: dict | None = None, seed: int = 0,
                  fiited: dict | None = None, dynamic_tables: dict | None = None,
-                 **kwargs: Any):
+                 embedding_layer: tf.keras.layers.Layer | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.table_rows = _check_dims("table_rows", table_rows)
         if isinstance(dense_features, bool) or not isinstance(dense_features, int) \
@@ -149,11 +149,16 @@ class _ClickModel(tf.keras.Model):
         if self.dynamic_tables and not self.distributed:
             raise ValueError("dynamic tables need distributed=True (a one-process copy "
                              "holds whole tables by row)")
-        tables = [self._table(t, rows) for t, rows in enumerate(self.table_rows)]
-        if self.distributed:
+        # a served copy's tables (tfhybrid.serving's stand-in, see serving_twin): not in
+        # the config, which describes the trained model
+        if embedding_layer is not None:
+            self.embedding = embedding_layer
+        elif self.distributed:
+            tables = [self._table(t, rows) for t, rows in enumerate(self.table_rows)]
             self.embedding = DistributedEmbedding(tables, name="embedding",
                                                   **self.embedding_options)
         else:
+            tables = [self._table(t, rows) for t, rows in enumerate(self.table_rows)]
             self.embedding = _LocalTables(tables, name="embedding")
         self.top_mlp = self._compiled(mlp(self.top_mlp_dims, "top_mlp", last_linear=True,
                                            seed=self.seed))
@@ -197,6 +202,24 @@ class _ClickModel(tf.keras.Model):
     @classmethod
     def from_config(cls, config: dict, custom_objects=None) -> "_ClickModel":
         return cls(**config)
+
+    def serving_twin(self, replacements: dict) -> "_ClickModel":
+        """A copy that calls ``replacements[self.embedding]`` (``tfhybrid.serving``'s
+        stand-in of plain TF lookups) and shares nothing else: its dense layers hold
+        this model's current weights (no XLA, the global precision policy)."""
+        config = dict(self.get_config(), xla=False, embedding_options={}, fiited=None,
+                      dynamic_tables={})
+        copy = type(self)(embedding_layer=replacements[self.embedding], **config)
+        copy(example_batch(copy))
+        for target, source in zip(_dense_layers(copy), _dense_layers(self)):
+            target.set_weights(source.get_weights())
+        return copy
+
+    def serving_signature(self) -> dict:
+        """The inputs a served copy takes, as named specs: ``dense`` and ``categorical``."""
+        return {"dense": tf.TensorSpec([None, self.dense_features], tf.float32, name="dense"),
+                "categorical": tf.TensorSpec([None, len(self.table_rows)], tf.int32,
+                                             name="categorical")}
 
 
 class DLRM(_ClickModel):
@@ -373,42 +396,32 @@ def serving_copy(model: _ClickModel, tables: Sequence[np.ndarray]) -> _ClickMode
     return copy
 
 
-def export_for_serving(model: _ClickModel, export_dir: str, rank: int = 0) -> str | None:
-    """Writes a single-process SavedModel of ``model`` to ``export_dir`` (rank 0 only).
+def serving_outputs(logits: tf.Tensor) -> dict:
+    """The served signatures' outputs: the click probability and the logits."""
+    logits = tf.cast(logits, tf.float32)
+    return {"probability": tf.sigmoid(logits), "logits": logits}
+
+
+def export_for_serving(model: _ClickModel, export_dir: str, rank: int = 0,
+                       store: Any = None, tables: str = "inline",
+                       precision: str = "float32") -> str | None:
+    """Writes a single-process SavedModel of ``model`` to ``export_dir`` (rank 0 only),
+    through ``tfhybrid.serving.export``.
 
     Every rank must call it (the full tables are gathered). The SavedModel's
     ``serving_default`` signature takes ``dense`` and ``categorical`` and returns the
-    click probability; it loads with plain TensorFlow (``tf.saved_model.load``).
+    click probability; it loads with plain TensorFlow (``tf.saved_model.load``). With
+    ``tables="external"`` and a ``tfhybrid.serving.RedisStore``, the tables are also
+    written into the store by the ranks that hold them, in ``precision``, for
+    ``tfhybrid.serving.Predictor``. ``rank`` is unused (the mesh's rank decides).
     """
-    tables = model.embedding.get_weights() if model.distributed else [
-        t.get_weights()[0] for t in model.embedding.tables]
-    if rank != 0:
-        return None
-    copy = serving_copy(model, tables)
-
-    @tf.function(input_signature=[
-        tf.TensorSpec([None, copy.dense_features], tf.float32, name="dense"),
-        tf.TensorSpec([None, len(copy.table_rows)], tf.int32, name="categorical")])
-    def serve(dense, categorical):
-        logits = copy({"dense": dense, "categorical": categorical})
-        return {"probability": tf.sigmoid(logits), "logits": logits}
-
-    # A module that holds the weights and the signature, not the Keras model: saving a
-    # Keras model traces every layer's call for its own loader (tf-keras: 13 of an
-    # export's 14 s for the app's DLRM here), which the stock SavedModel does not need.
-    served = _Served([_tf_internals.tf_variable(w) for w in copy.weights], serve)
-    tf.saved_model.save(served, export_dir, signatures={"serving_default": serve})
-    return export_dir
-
-
-class _Served(tf.Module):
-    """What a serving export saves: the weights the signature reads, and the signature."""
-
-    def __init__(self, weights: list, serve: Any):
-        super().__init__(name="served")
-        self.weights = weights
-        self.serve = serve
+    if not model.distributed:
+        raise ValueError("export_for_serving takes a distributed model (a copy with whole "
+                         "tables, distributed=False, is what it writes)")
+    return serving_export(model, export_dir, store=store, tables=tables, precision=precision,
+                  input_signature=model.serving_signature(), outputs=serving_outputs,
+                  versioned=False)
 
 
 __all__ = ["DLRM", "DCNv2", "DotInteraction", "MODELS", "build_model", "export_for_serving",
-           "mlp"]
+           "mlp", "serving_outputs"]

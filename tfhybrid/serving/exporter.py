@@ -97,7 +97,7 @@ class ServedTables(tf.keras.layers.Layer):
 
         import numpy as np
         import tensorflow as tf
-        from tfhybrid.serving.export import ServedTables
+        from tfhybrid.serving.exporter import ServedTables
         layer = ServedTables("emb", {0: np.ones([5, 2], np.float32)},
                              [(0, "sum", 2, False)], "float32")
         (out,) = layer([tf.constant([[1, 2]])])
@@ -248,6 +248,9 @@ class ExportPlan:
                     out.append((t, shard, store))
         return out
 
+    def description_layers(self, version: int, key_prefix: str | None) -> list:
+        return self.describe(version, key_prefix, {})["layers"]
+
     def describe(self, version: int, key_prefix: str | None, inputs: dict) -> dict:
         """The manifest (``tfhybrid.serving.manifest``)."""
         layers = []
@@ -299,12 +302,16 @@ def _gather_tables(layer: DistributedEmbedding, tables: list[int], keep: bool,
     return out
 
 
-def _agree(failed: bool, name: str) -> None:
-    """Every rank waits for every other; all raise if one of them failed."""
-    status = collectives.allreduce(tf.constant([1.0 if failed else 0.0]), hvd.Sum, name)
-    if float(status.numpy()[0]) > 0 and not failed:
-        raise RuntimeError(f"export: {int(status.numpy()[0])} other ranks failed at {name} "
+def agree(failed: bool, name: str, counts: tuple = ()) -> list[int]:
+    """Every rank waits for every other; all raise if one of them failed. Returns
+    ``counts`` summed over the ranks."""
+    status = collectives.allreduce(
+        tf.constant([1.0 if failed else 0.0] + [float(c) for c in counts], tf.float64),
+        hvd.Sum, name).numpy()
+    if status[0] > 0 and not failed:
+        raise RuntimeError(f"export: {int(status[0])} other ranks failed at {name} "
                            "(their output names why)")
+    return [int(c) for c in status[1:]]
 
 
 def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh,
@@ -312,7 +319,8 @@ def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh
                         ) -> dict[str, int]:
     """Writes this rank's external shards into ``store``; ``changed(table_key, shard,
     start, rows)`` picks the rows to write (a bool mask; all rows without it). Returns
-    rows and bytes written. Collective: every rank calls it, all raise if one failed."""
+    rows and bytes written, by this rank and by all, and this rank's seconds.
+    Collective: every rank calls it, all raise if one failed."""
     written = {"rows": 0, "bytes": 0, "seconds": 0.0}
     begin = time.perf_counter()
     error: BaseException | None = None
@@ -339,9 +347,10 @@ def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh
         error = e
     written["seconds"] = time.perf_counter() - begin
     if error is not None:
-        _agree(True, "tfhybrid_serving_rows")
+        agree(True, "tfhybrid_serving_rows")
         raise error
-    _agree(False, "tfhybrid_serving_rows")
+    written["rows_all_ranks"], written["bytes_all_ranks"] = agree(
+        False, "tfhybrid_serving_rows", (written["rows"], written["bytes"]))
     return written
 
 
@@ -373,7 +382,10 @@ def _twin(model: tf.keras.Model, replacements: dict) -> Any:
         raise ValueError(f"export: model {model.name!r} is subclassed; give it a "
                          "serving_twin(replacements) method (docs/serving.md) or build it "
                          "with the functional API")
-    return tf.keras.models.clone_model(model, clone_function=lambda layer: by_id.get(
+    # a new, uncompiled model over the same graph: cloning a compiled one would compile
+    # the copy too (Keras 3), which needs the optimizer's class registered
+    graph = tf.keras.Model(model.input, model.output)
+    return tf.keras.models.clone_model(graph, clone_function=lambda layer: by_id.get(
         id(layer), layer))
 
 
@@ -457,18 +469,23 @@ class SavedModelWriter:
         return {spec.name: {"dtype": spec.dtype.name, "shape": list(spec.shape)}
                 for spec in tf.nest.flatten(self.input_specs)}
 
-    def write(self, directory: str, version: int, key_prefix: str | None) -> str:
+    def write(self, directory: str, version: int, key_prefix: str | None,
+              versioned: bool = True) -> str:
         """Writes version ``version`` (a temporary folder renamed into place: a reader
-        never sees half a version)."""
-        final = os.path.join(directory, str(version))
-        partial = os.path.join(directory, f".{version}.partial")
+        never sees half a version); not ``versioned``: ``directory`` itself."""
+        directory = os.path.abspath(directory)
+        final = os.path.join(directory, str(version)) if versioned else directory
+        partial = (os.path.join(directory, f".{version}.partial") if versioned
+                   else directory.rstrip("/") + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(os.path.dirname(partial), exist_ok=True)
         signatures = {name: fn for name, fn in self.functions.items()}
         tf.saved_model.save(self.module, partial, signatures=signatures)
         description = self.plan.describe(version, key_prefix, self.inputs_description())
         description["external_shapes"] = self.external_shapes
         manifest_lib.write(partial, description)
+        if not versioned:
+            shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         return final
 
@@ -485,6 +502,14 @@ def inline_values(plan: ExportPlan, mesh: mesh_lib.Mesh, everything: bool) -> di
     return out
 
 
+def write_metadata(plan: ExportPlan, store: RedisStore, version: int) -> None:
+    """Writes each external table's manifest entry beside its rows (rank 0)."""
+    for layer in plan.description_layers(version, store.key_prefix):
+        for entry in layer["tables"]:
+            if entry["external"]:
+                store.put_json(store.meta_key(entry["key"]), dict(entry, version=version))
+
+
 def next_version(directory: str) -> int:
     """One past the newest version folder of ``directory`` (1 for the first)."""
     return max(manifest_lib.version_folders(directory), default=0) + 1
@@ -494,7 +519,7 @@ def export(model: tf.keras.Model, directory: str, store: RedisStore | None = Non
            tables: str | Mapping[str, str] = "inline",
            precision: str | Mapping[str, str] = "float32",
            input_signature: Any = None, outputs: Callable | None = None,
-           full_copy: bool = True) -> str | None:
+           full_copy: bool = True, versioned: bool = True) -> str | None:
     """Exports ``model`` for serving; every rank of the mesh calls it.
 
     Args:
@@ -514,6 +539,8 @@ def export(model: tf.keras.Model, directory: str, store: RedisStore | None = Non
         that fit one host); with False, rank 0 gathers only the inline tables and
         ``serving_default`` leaves the external ones at zero rows — serve through the
         ``Predictor`` then.
+      versioned: write the next numbered version folder of ``directory`` (what
+        TensorFlow Serving and ``Predictor`` watch); False: ``directory`` itself, replaced.
 
     Returns the version folder on rank 0, None on the others.
     """
@@ -539,20 +566,14 @@ def export(model: tf.keras.Model, directory: str, store: RedisStore | None = Non
                     for t, spec in enumerate(layer.table_specs):
                         values[layer.name].setdefault(t, np.zeros([1, spec.dim], np.float32))
             writer = SavedModelWriter(model, plan, input_signature, outputs, values)
-            version = next_version(directory)
+            version = next_version(directory) if versioned else 1
             if external:
-                key_prefix = store.key_prefix
-                for layer in plan.layers:
-                    for t, spec in enumerate(layer.table_specs):
-                        if plan.external(layer, t):
-                            key = manifest_lib.table_key(layer.name, spec.name)
-                            entry = [e for e in plan.describe(version, key_prefix, {})[
-                                "layers"] for e in e["tables"] if e["key"] == key][0]
-                            store.put_json(store.meta_key(key), entry)
-            result = writer.write(directory, version, store.key_prefix if store else None)
+                write_metadata(plan, store, version)
+            result = writer.write(directory, version, store.key_prefix if store else None,
+                                  versioned)
         except BaseException as e:
             error = e
-    _agree(error is not None, "tfhybrid_serving_saved_model")
+    agree(error is not None, "tfhybrid_serving_saved_model")
     if error is not None:
         raise error
     return result

@@ -1,0 +1,171 @@
+"""The 2 x 2 job of tests/test_serving.py: train, export, publish deltas (4 ranks).
+
+``python -m tests._serving_job OUT NODES PASSWORD_FILE`` under horovodrun -np 4. Trains
+a user model (a DistributedEmbedding holding a row-wise, a column-sliced, a table-wise
+and a replicated table, beside a Keras Embedding), the app's DLRM and DCN-v2 for a few
+steps on 2 x 2, exports them with external tables (float32; the DLRM also float16 and
+int8) and writes, on rank 0, ``OUT/expected.npz`` (each model's ``predict`` on fixed
+inputs) and ``OUT/job.json`` (plans, export paths, publish history). Then trains the
+user model on with ``PublishDeltas(every_steps=10)`` while rank 0's ``Predictor`` reads
+after every publish, and records the largest difference to the model's own scores.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import tfhybrid
+from tfhybrid.layers import DistributedEmbedding, Embedding
+from tfhybrid.serving import Predictor, PublishDeltas, RedisStore, export
+from tfhybrid.train.data import dataset_spec, make_dataset
+from tfhybrid.train.models import build_model, export_for_serving
+
+# sizes: elements (rows x width) against the thresholds below decide each table's kind
+TABLES = [("rowwise", 3000, 8, "sum"), ("sliced", 600, 16, "mean"), ("tablewise", 300, 8, None),
+          ("replicated", 20, 8, None)]
+THRESHOLDS = dict(row_slice_threshold=20_000, column_slice_threshold=9_000,
+                  data_parallel_threshold=200)
+HOTNESS = 3
+BATCH = 32
+STEPS = 12
+DELTA_STEPS = 30
+EVERY = 10
+
+
+def user_model() -> tf.keras.Model:
+    inputs = {"rowwise": tf.keras.Input([HOTNESS], dtype=tf.int32, name="rowwise"),
+              "sliced": tf.keras.Input([HOTNESS], dtype=tf.int32, name="sliced"),
+              "tablewise": tf.keras.Input([], dtype=tf.int32, name="tablewise"),
+              "replicated": tf.keras.Input([], dtype=tf.int32, name="replicated"),
+              "local": tf.keras.Input([], dtype=tf.int32, name="local"),
+              "dense": tf.keras.Input([3], dtype=tf.float32, name="dense")}
+    init = lambda t: tf.keras.initializers.RandomUniform(-0.1, 0.1, seed=t)  # noqa: E731
+    layer = DistributedEmbedding(
+        [Embedding(rows, dim, combiner=combiner, name=name, embeddings_initializer=init(t))
+         if combiner else tf.keras.layers.Embedding(rows, dim, name=name,
+                                                     embeddings_initializer=init(t))
+         for t, (name, rows, dim, combiner) in enumerate(TABLES)], **THRESHOLDS,
+        name="user_tables")
+    vectors = layer([inputs[name] for name, *_ in TABLES])
+    local = tf.keras.layers.Embedding(10, 4, name="local_table",
+                                      embeddings_initializer=init(9))(inputs["local"])
+    joined = tf.keras.layers.Concatenate(name="joined")(vectors + [local, inputs["dense"]])
+    hidden = tf.keras.layers.Dense(8, activation="relu", name="hidden",
+                                   kernel_initializer=tf.keras.initializers.GlorotUniform(1))(
+        joined)
+    out = tf.keras.layers.Dense(1, name="score",
+                                kernel_initializer=tf.keras.initializers.GlorotUniform(2))(hidden)
+    return tf.keras.Model(inputs, out)
+
+
+def user_batch(rng: np.random.Generator, n: int) -> tuple[dict, np.ndarray]:
+    x = {"rowwise": rng.integers(0, 3000, [n, HOTNESS]),
+         "sliced": rng.integers(0, 600, [n, HOTNESS]),
+         "tablewise": rng.integers(0, 300, [n]), "replicated": rng.integers(0, 20, [n]),
+         "local": rng.integers(0, 10, [n])}
+    x = {k: v.astype(np.int32) for k, v in x.items()}
+    x["dense"] = rng.normal(size=[n, 3]).astype(np.float32)
+    y = ((x["rowwise"][:, 0] % 2) ^ (x["tablewise"] % 2)).astype(np.float32)[:, None]
+    return x, y
+
+
+def compile_(model: tf.keras.Model, rate: float) -> None:
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(rate)),
+                  loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
+
+
+def main(out: str, nodes: str, password_file: str) -> None:
+    mesh = tfhybrid.init(model_parallel=2)
+    with open(password_file) as f:
+        password = f.read().strip()
+    # one key prefix per export, and one for the deltas (rows updated in place must not
+    # be the rows of the user model's export)
+    store = {name: RedisStore(nodes, password=password, key_prefix=f"job-{name}")
+             for name in ("user", "dlrm_float32", "dlrm_float16", "dlrm_int8",
+                          "dcnv2_float32", "deltas")}
+    report: dict = {"exports": {}}
+    expected = {}
+    fixed = np.random.default_rng(99)
+
+    # the user model: every sharding kind, a Keras Embedding beside them
+    model = user_model()
+    compile_(model, 0.5)
+    x, y = user_batch(np.random.default_rng(mesh.rank), BATCH * STEPS)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    layer = [m for m in model.layers if isinstance(m, DistributedEmbedding)][0]
+    report["user_kinds"] = {p.name: p.kind for p in layer.plan.tables}
+    probe, _ = user_batch(fixed, 64)
+    expected["user"] = model.predict(probe, verbose=0)
+    if mesh.rank == 0:
+        np.savez(os.path.join(out, "user_probe.npz"), **probe)
+    report["exports"]["user"] = export(model, os.path.join(out, "user"), store["user"],
+                                       tables="external")
+    # the app's models, on the app's synthetic data
+    eval_data = make_dataset("synthetic", "eval", global_batch_size=4096, rank=0, size=1,
+                             max_table_rows=2000, num_batches=1)
+    (eval_x, eval_y), = [(
+        {k: v.numpy() for k, v in features.items()}, labels.numpy())
+        for features, labels in eval_data.take(1)]
+    if mesh.rank == 0:
+        np.savez(os.path.join(out, "app_eval.npz"), labels=eval_y, **eval_x)
+    for kind in ("dlrm", "dcnv2"):
+        train = make_dataset("synthetic", "train", global_batch_size=4 * 64, rank=mesh.rank,
+                             size=mesh.size, max_table_rows=2000, num_batches=40)
+        extra = (dict(bottom_mlp_dims=[16, 8]) if kind == "dlrm"
+                 else dict(num_cross_layers=2))
+        app = build_model(kind, _rows(), 13, embedding_dim=8,
+                          top_mlp_dims=[16, 1], **extra)
+        compile_(app, 0.1)
+        app.fit(train, epochs=1, verbose=0)
+        expected[kind] = tf.sigmoid(app.predict(eval_x, batch_size=512, verbose=0)).numpy()
+        precisions = ("float32", "float16", "int8") if kind == "dlrm" else ("float32",)
+        for precision in precisions:
+            name = f"{kind}_{precision}"
+            report["exports"][name] = export_for_serving(
+                app, os.path.join(out, name), store=store[name], tables="external",
+                precision=precision)
+
+    # fresh models: publish every EVERY steps while rank 0 serves
+    history = []
+
+    class Check(tf.keras.callbacks.Callback):
+        """After each publish: the predictor's scores against the model's own."""
+
+        def __init__(self, publish: PublishDeltas):
+            super().__init__()
+            self.publish = publish
+            self.seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            if len(self.publish.history) == self.seen:
+                return
+            self.seen = len(self.publish.history)
+            own = self.model(probe, training=False).numpy()   # every rank (alltoall)
+            if mesh.rank == 0:
+                served = Predictor(os.path.join(out, "deltas"), store["deltas"])(probe)
+                history.append(dict(self.publish.history[-1],
+                                    max_diff=float(np.abs(served["output"] - own).max())))
+
+    publish = PublishDeltas(os.path.join(out, "deltas"), store["deltas"], every_steps=EVERY,
+                            keep_versions=2)
+    more_x, more_y = user_batch(np.random.default_rng(100 + mesh.rank), BATCH * DELTA_STEPS)
+    model.fit(more_x, more_y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[publish, Check(publish)])
+    if mesh.rank == 0:
+        report["deltas"] = history
+        report["delta_versions"] = sorted(os.listdir(os.path.join(out, "deltas")))
+        report["table_rows"] = {name: rows for name, rows, *_ in TABLES}
+        np.savez(os.path.join(out, "expected.npz"), **expected)
+        with open(os.path.join(out, "job.json"), "w") as f:
+            json.dump(report, f)
+
+
+def _rows() -> list[int]:
+    return list(dataset_spec("synthetic", max_table_rows=2000).table_rows)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
