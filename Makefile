@@ -6,7 +6,7 @@ TF ?= 2.21
 VENV := $(if $(filter 2.21,$(TF)),.venv,.venv-tf$(TF))
 PY := $(VENV)/bin/python
 
-.PHONY: setup test run bench bench-setup clean
+.PHONY: setup test run serve-demo bench bench-setup clean
 
 setup:
 	@TF=$(TF) VENV=$(VENV) bash scripts/setup.sh
@@ -25,6 +25,11 @@ RUN_FLAGS ?= --model=dlrm --dataset=synthetic --model_parallel=2 \
 run: setup
 	@OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/horovodrun -np 4 -H localhost:4 --gloo \
 		$(PY) -m tfhybrid.train $(RUN_FLAGS)
+
+# Serving (docs/serving.md): a local Redis Cluster, the DLRM trained on 2x2 and exported
+# with its tables in the cluster, a batch served by tfhybrid.serving.Predictor
+serve-demo: setup
+	@$(PY) scripts/serve_demo.py
 
 # Every benchmark (benchmarks/catalog.py): quick checks into a scratch folder by default;
 # BENCH=full reruns the full runs whose files under benchmarks/results the docs quote

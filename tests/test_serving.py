@@ -27,6 +27,7 @@ from tests.runner import TEST_ENV
 from tfhybrid.serving import Predictor, RedisStore
 from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.testing.redis_cluster import LocalRedisCluster
+from tfhybrid.train import app as train_app
 from tfhybrid.train.metrics import roc_auc
 
 # it starts a Redis Cluster and a horovodrun job of its own
@@ -229,6 +230,22 @@ class ServingTest(unittest.TestCase):
               f"later ({len(failed)} requests failed meanwhile, gap between answers "
               f"{first_after - last_before:.1f} s); every answer equal to the reference")
         self.assertIn(victim, [n for n in self.cluster.nodes if n not in self.cluster.alive()])
+
+
+class AppFlagsTest(unittest.TestCase):
+    """The app's serving flags are checked before anything starts
+    (`make serve-demo` runs them end to end)."""
+
+    def test_bad_serving_flags_name_the_flag(self):
+        for fields, flag in [(dict(export_tables="remote"), "--export_tables"),
+                             (dict(export_precision="int4"), "--export_precision"),
+                             (dict(export_tables="external", export_dir="/tmp/x"), "--redis"),
+                             (dict(redis_password_file="/nonexistent/pw"),
+                              "--redis_password_file")]:
+            with self.assertRaisesRegex(ValueError, flag):
+                train_app.TrainConfig(**fields).validate()
+        train_app.TrainConfig(export_tables="external", export_dir="/tmp/x",
+                              redis="127.0.0.1:7000", export_precision="int8").validate()
 
 
 if __name__ == "__main__":

@@ -183,6 +183,17 @@ flags.DEFINE_string("checkpoint_dir", None, "Checkpoint folder (shared by all ra
 flags.DEFINE_integer("checkpoint_every", 0, "Save every N steps (0: only at the end).")
 flags.DEFINE_bool("restore", False, "Restore the latest checkpoint (any mesh) first.")
 flags.DEFINE_string("export_dir", None, "Write a single-process SavedModel here.")
+flags.DEFINE_enum("export_tables", _DEFAULTS.export_tables, list(train_app.EXPORT_TABLES),
+                  "inline: the SavedModel holds every table; external: the ranks that "
+                  "hold them also write the tables into the Redis Cluster of --redis, "
+                  "for tfhybrid.serving.Predictor (docs/serving.md).")
+flags.DEFINE_enum("export_precision", _DEFAULTS.export_precision,
+                  list(train_app.EXPORT_PRECISIONS),
+                  "The external tables' rows: float32, float16 or int8 (row-wise).")
+flags.DEFINE_string("redis", None, "host:port,... of the Redis Cluster of "
+                    "--export_tables=external (keys prefixed by --export_dir's name).")
+flags.DEFINE_string("redis_password_file", None, "A file holding the cluster's password.")
+flags.DEFINE_string("redis_username", None, "The cluster's ACL user (default: default).")
 # --log_dir is absl.logging's own flag; the app writes its TensorBoard logs there (rank 0)
 flags.DEFINE_string("metrics_json", None, "Write the final figures as JSON here (rank 0).")
 flags.DEFINE_integer("warmup_steps", _DEFAULTS.warmup_steps, "Steps left out of samples/s.")

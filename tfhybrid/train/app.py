@@ -23,6 +23,8 @@ from typing import Any, Sequence
 
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.plan.types import OPTIMIZERS, REPLICA_SYNC  # pure modules: no TF import
+from tfhybrid.serving.rows import PRECISIONS as EXPORT_PRECISIONS
+from tfhybrid.serving.store import RedisStore
 from tfhybrid.train import data as data_lib
 from tfhybrid.train import dynamic_tables
 
@@ -33,6 +35,8 @@ PRECISION_CHOICES = (*MIXED_PRECISION, "auto")
 # what the collectives carry: float16 sends the lookups' activations and their gradients
 # (alltoall) and the gradient allreduces as float16 while the model computes in float32
 COMMUNICATION = ("float32", "float16")
+# where --export_dir's tables go (tfhybrid.serving.export's ``tables``)
+EXPORT_TABLES = ("inline", "external")
 LAYOUTS = mesh_lib.LAYOUTS
 # TrainConfig field -> the Horovod variable it sets before hvd.init
 STALL_FLAGS = {"stall_check_seconds": mesh_lib.STALL_CHECK_ENV,
@@ -117,6 +121,13 @@ class TrainConfig:
     checkpoint_every: int = 0                  # steps; 0: only at the end
     restore: bool = False
     export_dir: str | None = None
+    # the export's tables: "inline" (the SavedModel holds them) or "external" (also
+    # written into the Redis Cluster at redis, for tfhybrid.serving.Predictor)
+    export_tables: str = "inline"
+    export_precision: str = "float32"
+    redis: str | None = None                   # host:port,... of the cluster
+    redis_password_file: str | None = None
+    redis_username: str | None = None
     log_dir: str | None = None
     metrics_json: str | None = None
     warmup_steps: int = 5
@@ -172,6 +183,7 @@ class TrainConfig:
             raise ValueError(f"--cardinality_scale={self.cardinality_scale!r} must be > 0")
         if self.fiited_target is not None:
             _check_fiited(self)
+        _check_export(self)
         if self.dram_budget is not None and not self.store_dir:
             raise ValueError(f"--dram_budget={self.dram_budget} may move tables to the disk "
                              "tier, which needs --store_dir (the folder of their files)")
@@ -856,7 +868,9 @@ def run(config: TrainConfig) -> dict:
         results["checkpoint"] = checkpoint.save(config.checkpoint_dir, model, optimizer,
                                                 last_step, mesh)
     if config.export_dir:
-        export_for_serving(model, config.export_dir, mesh.rank)
+        export_for_serving(model, config.export_dir, mesh.rank,
+                           store=_serving_store(config), tables=config.export_tables,
+                           precision=config.export_precision)
         results["export_dir"] = config.export_dir
     if mesh.rank == 0:
         _report(results, config)
@@ -865,6 +879,34 @@ def run(config: TrainConfig) -> dict:
     from tfhybrid import collectives
     collectives.allgather(tf.zeros([1]), mesh.size, "tfhybrid_train_done")
     return results
+
+
+def _check_export(config: TrainConfig) -> None:
+    """The serving flags: ValueError naming the first bad one."""
+    if config.export_tables not in EXPORT_TABLES:
+        raise ValueError(f"--export_tables={config.export_tables!r} is unknown; expected "
+                         f"one of {', '.join(EXPORT_TABLES)}")
+    if config.export_precision not in EXPORT_PRECISIONS:
+        raise ValueError(f"--export_precision={config.export_precision!r} is unknown; "
+                         f"expected one of {', '.join(EXPORT_PRECISIONS)}")
+    if config.export_tables == "external" and not (config.export_dir and config.redis):
+        raise ValueError("--export_tables=external needs --export_dir and --redis "
+                         "(host:port,... of the Redis Cluster)")
+    if config.redis_password_file and not os.path.isfile(config.redis_password_file):
+        raise ValueError(f"--redis_password_file={config.redis_password_file!r} is not a "
+                         "file")
+
+
+def _serving_store(config: TrainConfig) -> Any:
+    """The Redis Cluster of --redis, or None when the export keeps its tables inline."""
+    if config.export_tables != "external":
+        return None
+    password = None
+    if config.redis_password_file:
+        with open(config.redis_password_file) as f:
+            password = f.read().strip()
+    return RedisStore(config.redis, username=config.redis_username, password=password,
+                      key_prefix=os.path.basename(os.path.normpath(config.export_dir)))
 
 
 def _report(results: dict, config: TrainConfig) -> None:
