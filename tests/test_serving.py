@@ -42,6 +42,9 @@ HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
 JOB_TIMEOUT_S = 420
 FRESH_TIMEOUT_S = 180
 FAILOVER_TIMEOUT_S = 60
+# what a RedisStore's user needs (docs/serving.md)
+ACL_COMMANDS = ["+get", "+set", "+wait", "+ping", "+info", "+cluster|slots", "+config|get",
+                "+command"]
 
 
 def _run(command: list, timeout: float, env: dict | None = None
@@ -150,6 +153,17 @@ class ServingTest(unittest.TestCase):
         finally:
             self.cluster.cli(masters[0], "CONFIG", "SET", "maxmemory-policy", "noeviction")
         self.assertEqual(store.check_settings()["maxmemory-policy"], "noeviction")
+        # an ACL user limited to its model's keys (the commands docs/serving.md lists)
+        for node in self.cluster.alive():
+            self.cluster.cli(node, "ACL", "SETUSER", "served", "on", ">s3cret", "~job-user/*",
+                             "resetchannels", *ACL_COMMANDS)
+        limited = RedisStore(self.nodes, username="served", password="s3cret",
+                             key_prefix="job-user")
+        self.addCleanup(limited.close)
+        self.assertEqual(limited.check_settings()["maxmemory-policy"], "noeviction")
+        self.assertIsNotNone(limited.get([limited.row_key("user_tables.rowwise", 0)])[0])
+        with self.assertRaisesRegex(PermissionError, "refused user 'served'"):
+            limited.put([b"job-dlrm_float32/x"], [b"1"])
         # a key the export never wrote is an error naming it, never a zero row
         predictor = Predictor(self.report["exports"]["user"], store)
         key = store.row_key("user_tables.tablewise", int(self.user_probe["tablewise"][0]))

@@ -235,15 +235,19 @@ class RedisStore:
                 try:
                     for i, value in zip(indices, future.result()):
                         results[i] = value
+                except (exceptions.AuthenticationError, exceptions.NoPermissionError) as e:
+                    raise PermissionError(f"RedisStore {what}: node {name} refused user "
+                                          f"{self.username or 'default'!r}: {e}") from e
                 except (exceptions.ConnectionError, exceptions.TimeoutError,
-                        exceptions.ResponseError, exceptions.ClusterDownError,
-                        exceptions.MovedError, exceptions.TryAgainError,
-                        exceptions.AskError, OSError) as e:
-                    if isinstance(e, exceptions.AuthenticationError):
-                        raise PermissionError(f"RedisStore: node {name} refused the "
-                                              f"credentials: {e}") from e
+                        exceptions.ClusterDownError, exceptions.MovedError,
+                        exceptions.TryAgainError, exceptions.AskError,
+                        exceptions.BusyLoadingError, exceptions.ReadOnlyError, OSError) as e:
+                    # the cluster is moving (a failover, a resharding): read the topology
+                    # again and retry until the deadline
                     last_error[name] = f"{type(e).__name__}: {e}"
                     failed.extend(indices)
+                except exceptions.ResponseError as e:
+                    raise RuntimeError(f"RedisStore {what}: node {name} answered {e}") from e
             for future in not_done:
                 name, indices = futures[future]
                 last_error[name] = f"no answer within {deadline_s or self.timeout_s} s"
