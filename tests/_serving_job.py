@@ -128,32 +128,22 @@ def main(out: str, nodes: str, password_file: str) -> None:
                 app, os.path.join(out, name), store=store[name], tables="external",
                 precision=precision)
 
-    # fresh models: publish every EVERY steps while rank 0 serves
+    # fresh models: publish every EVERY steps; after each publish rank 0 serves. fit runs
+    # EVERY steps at a time, so the model's own scores come from predict between fits
+    # (no collective of a callback's call runs inside fit's steps)
     history = []
-
-    class Check(tf.keras.callbacks.Callback):
-        """After each publish: the predictor's scores against the model's own."""
-
-        def __init__(self, publish: PublishDeltas):
-            super().__init__()
-            self.publish = publish
-            self.seen = 0
-
-        def on_train_batch_end(self, batch, logs=None):
-            if len(self.publish.history) == self.seen:
-                return
-            self.seen = len(self.publish.history)
-            own = self.model(probe, training=False).numpy()   # every rank (alltoall)
-            if mesh.rank == 0:
-                served = Predictor(os.path.join(out, "deltas"), store["deltas"])(probe)
-                history.append(dict(self.publish.history[-1],
-                                    max_diff=float(np.abs(served["output"] - own).max())))
-
     publish = PublishDeltas(os.path.join(out, "deltas"), store["deltas"], every_steps=EVERY,
                             keep_versions=2)
     more_x, more_y = user_batch(np.random.default_rng(100 + mesh.rank), BATCH * DELTA_STEPS)
-    model.fit(more_x, more_y, batch_size=BATCH, epochs=1, verbose=0,
-              callbacks=[publish, Check(publish)])
+    for part in range(DELTA_STEPS // EVERY):
+        rows = slice(part * EVERY * BATCH, (part + 1) * EVERY * BATCH)
+        model.fit({k: v[rows] for k, v in more_x.items()}, more_y[rows], batch_size=BATCH,
+                  epochs=1, verbose=0, shuffle=False, callbacks=[publish])
+        own = model.predict(probe, verbose=0)
+        if mesh.rank == 0:
+            served = Predictor(os.path.join(out, "deltas"), store["deltas"])(probe)
+            history.append(dict(publish.history[-1],
+                                max_diff=float(np.abs(served["output"] - own).max())))
     if mesh.rank == 0:
         report["deltas"] = history
         report["delta_versions"] = sorted(os.listdir(os.path.join(out, "deltas")))

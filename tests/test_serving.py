@@ -85,9 +85,13 @@ class ServingTest(unittest.TestCase):
         # the first rank's traceback, not only the shutdown it caused on the others
         output = self.job.stdout + self.job.stderr
         first = output.find("Traceback")
+        # Horovod's own messages say why it shut down
+        horovod = [line for line in output.splitlines() if "[Horovod]" in line
+                   or "horovod" in line.lower() and "error" in line.lower()]
         self.assertEqual(self.job.returncode, 0,
                          f"the 2x2 job failed:\n{output[max(0, first - 500):first + 5000]}"
-                         f"\n...\n{output[-3000:]}")
+                         f"\n...\n{output[-3000:]}\nHorovod's messages:\n"
+                         + "\n".join(horovod[:40]))
 
     def _store(self, **kwargs) -> RedisStore:
         store = RedisStore(self.nodes, password=self.cluster.password, key_prefix="job-user",

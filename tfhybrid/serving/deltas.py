@@ -23,8 +23,9 @@ import tensorflow as tf
 
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.serving import manifest as manifest_lib
-from tfhybrid.serving.exporter import (ExportPlan, SavedModelWriter, agree, inline_values,
-                                     next_version, write_external_rows, write_metadata)
+from tfhybrid.serving.exporter import (ExportPlan, SavedModelWriter, agree, check_store,
+                                     inline_values, next_version, write_external_rows,
+                                     write_metadata)
 from tfhybrid.serving.store import RedisStore
 
 
@@ -92,8 +93,7 @@ class PublishDeltas(tf.keras.callbacks.Callback):
         mesh = mesh_lib.current_mesh()
         if self._plan is None:
             self._plan = ExportPlan(self.model, self.tables, self.precision)
-            if mesh.rank == 0:
-                self.store.check_settings()
+            check_store(self.store, mesh)
         plan = self._plan
         written = write_external_rows(plan, self.store, mesh, self._changed)
         values = inline_values(plan, mesh, everything=False)

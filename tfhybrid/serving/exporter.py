@@ -502,6 +502,20 @@ def inline_values(plan: ExportPlan, mesh: mesh_lib.Mesh, everything: bool) -> di
     return out
 
 
+def check_store(store: RedisStore, mesh: mesh_lib.Mesh) -> None:
+    """Rank 0 checks the store's settings; every rank raises if they are refused (a rank
+    that went on alone would wait for the others forever)."""
+    error: BaseException | None = None
+    if mesh.rank == 0:
+        try:
+            store.check_settings()
+        except BaseException as e:  # every rank must reach the agreement below
+            error = e
+    agree(error is not None, "tfhybrid_serving_settings")
+    if error is not None:
+        raise error
+
+
 def write_metadata(plan: ExportPlan, store: RedisStore, version: int) -> None:
     """Writes each external table's manifest entry beside its rows (rank 0)."""
     for layer in plan.description_layers(version, store.key_prefix):
@@ -549,8 +563,8 @@ def export(model: tf.keras.Model, directory: str, store: RedisStore | None = Non
     external = any(choice == "external" for choice in plan.where.values())
     if external and store is None:
         raise ValueError("export: tables are external but store=None; pass a RedisStore")
-    if external and mesh.rank == 0:
-        store.check_settings()
+    if external:
+        check_store(store, mesh)
     if any(layer.replica_sync == "weights" for layer in plan.layers):
         # replicas drift between syncs: serve their average, as training will next
         sync_replicas(model)
