@@ -199,6 +199,10 @@ RUNS: tuple[Run, ...] = (
                  "pipeline_overlap/pipeline_overlap_small.png",),
         ("--quick", "--towers", "small", "--topologies", "2x2", "--links", "1000"),
         root=True),
+    # serving: external tables in a local Redis Cluster against the all-inline SavedModel,
+    # the export's write rate against redis-benchmark
+    Run("serving", "benchmarks/serving.py", (), ("serving/",),
+        ("--quick", "--out", "{scratch}/serving")),
     Run("training_digest", "scripts/training_digest.py",
         ("--keras", "3", "--output", "benchmarks/results/training_digest/tf2.21-keras3.txt"),
         ("training_digest/tf2.21-keras3.txt",),
