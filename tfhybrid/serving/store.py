@@ -54,6 +54,40 @@ def parse_nodes(nodes: str | Sequence[str]) -> list[tuple[str, int]]:
     return pairs
 
 
+def _exchange(client: Any, chunks: list[list[bytes]], last: bytes | None = None) -> list:
+    """Sends each chunk of packed commands (and ``last`` after the final one) on one
+    connection of ``client`` (a node's ``redis.Redis``) and reads their replies in order.
+
+    A redis-py pipeline spends several times the round trip building and parsing an
+    object per command (12 of the 14 ms of a 1600-key read over 3 nodes here). An error
+    reply is read whole, so the rest of the replies stay in step, then raised.
+    """
+    from redis import exceptions
+
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        replies: list = []
+        error = None
+        for n, chunk in enumerate(chunks):
+            tail = [last] if last is not None and n == len(chunks) - 1 else []
+            connection.send_packed_command([b"".join(chunk + tail)])
+            for _ in range(len(chunk) + len(tail)):
+                try:
+                    replies.append(connection.read_response())
+                except exceptions.ResponseError as e:
+                    error = error or e
+                    replies.append(None)
+            if error is not None:
+                raise error
+        return replies
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+
+
 class RedisStore:
     """A Redis Cluster reached as ``username`` / ``password``, over TLS with ``ssl``.
 
@@ -271,15 +305,11 @@ class RedisStore:
         per master, the masters in parallel; StoreUnavailable naming a node that does
         not answer within ``deadline_s`` (default ``timeout_s``)."""
 
-        def per_node(connection: Any, node: Any, indices: list[int]) -> list:
-            out: list = []
-            for start in range(0, len(indices), PIPELINE_KEYS):
-                pipe = connection.pipeline(transaction=False)
-                for i in indices[start:start + PIPELINE_KEYS]:
-                    pipe.get(keys[i])
-                replies = pipe.execute(raise_on_error=True)
-                out.extend(replies)
-            return out
+        def per_node(client: Any, node: Any, indices: list[int]) -> list:
+            return _exchange(client, [
+                [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(keys[i]), keys[i])
+                 for i in indices[start:start + PIPELINE_KEYS]]
+                for start in range(0, len(indices), PIPELINE_KEYS)])
 
         return self._run(keys, per_node, deadline_s, "get")
 
@@ -293,21 +323,22 @@ class RedisStore:
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
         timeout_s = self.timeout_s if deadline_s is None else deadline_s
 
-        def per_node(connection: Any, node: Any, indices: list[int]) -> list:
+        def per_node(client: Any, node: Any, indices: list[int]) -> list:
+            # packed as get's are; the last chunk ends with WAIT on the same connection,
+            # which is what WAIT counts the writes of
             replicas = self._replicas_of(node)
-            for start in range(0, len(indices), PIPELINE_KEYS):
-                pipe = connection.pipeline(transaction=False)
-                for i in indices[start:start + PIPELINE_KEYS]:
-                    pipe.set(keys[i], values[i])
-                last = start + PIPELINE_KEYS >= len(indices)
-                if last and replicas:
-                    # same connection as the writes: WAIT counts this client's writes
-                    pipe.execute_command("WAIT", replicas, int(timeout_s * 1000))
-                replies = pipe.execute(raise_on_error=True)
-                if last and replicas and int(replies[-1]) < replicas:
-                    raise RuntimeError(
-                        f"RedisStore put: {replies[-1]} of master {node.name}'s {replicas} "
-                        f"replicas acknowledged the writes within {timeout_s} s")
+            replies = _exchange(client, [
+                [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+                    len(keys[i]), keys[i], len(values[i]), values[i])
+                 for i in indices[start:start + PIPELINE_KEYS]]
+                for start in range(0, len(indices), PIPELINE_KEYS)],
+                b"*3\r\n$4\r\nWAIT\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n" % (
+                    len(str(replicas)), replicas, len(str(int(timeout_s * 1000))),
+                    int(timeout_s * 1000)) if replicas else None)
+            if replicas and int(replies[-1]) < replicas:
+                raise RuntimeError(
+                    f"RedisStore put: {replies[-1]} of master {node.name}'s {replicas} "
+                    f"replicas acknowledged the writes within {timeout_s} s")
             return [True] * len(indices)
 
         self._run(keys, per_node, deadline_s, "put")
