@@ -250,7 +250,8 @@ class EmbeddingLookupCombineTest(tf.test.TestCase):
         ids = tf.constant([5, 2, 5, 5, 0], tf.int32)
         splits = tf.constant([0, 2, 2, 5], tf.int64)
         u, rows = lib.embedding_lookup_combine_grad(grad, ids, splits, tf.constant(6, tf.int64),
-                                                    combiner="mean", table_name="t")
+                                                    tf.zeros([0]), combiner="mean",
+                                                    table_name="t")
         self.assertAllEqual(u.numpy(), [0, 2, 5])
         g = grad.numpy()
         want = np.stack([g[2] / 3, g[0] / 2, g[0] / 2 + g[2] / 3 + g[2] / 3])
@@ -494,7 +495,7 @@ class FusedBackwardAdagradTest(tf.test.TestCase):
                 with self.assertRaises(tf.errors.InvalidArgumentError) as cm:
                     lib.embedding_lookup_combine_grad_rowwise_adagrad(
                         table.handle, accum.handle, grad, ids, splits, *scalars,
-                        combiner="sum", table_name="clicks")
+                        tf.zeros([0]), combiner="sum", table_name="clicks")
                 self.assertIn(expected, str(cm.exception))
                 self.assertAllEqual(table.numpy(), np.ones([5, 4]))
                 self.assertAllEqual(accum.numpy(), np.zeros([5]))
@@ -775,8 +776,8 @@ class LookupCombineConcatTest(tf.test.TestCase):
                                     r"table 't': grad_columns \[60, 70\) exceed the "
                                     "gradient's 64 columns"):
             lib.embedding_lookup_combine_grad(tf.ones([2, 64]), [1, 2], [0, 1, 2],
-                                              tf.constant(10, tf.int64), table_name="t",
-                                              grad_columns=[60, 70])
+                                              tf.constant(10, tf.int64), tf.zeros([0]),
+                                              table_name="t", grad_columns=[60, 70])
 
 
 class DynamicTableKernelsTest(tf.test.TestCase):

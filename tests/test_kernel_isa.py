@@ -107,7 +107,7 @@ class DispatchLevelTest(tf.test.TestCase):
                 print("LOADER", e)
             lib = tf.load_op_library(co.library_path)  # direct use: the kernel says it
             try:
-                lib.embedding_lookup_combine(tf.ones([4, 2]), [0, 1], [0, 2])
+                lib.embedding_lookup_combine(tf.ones([4, 2]), [0, 1], [0, 2], tf.zeros([0]))
             except tf.errors.InvalidArgumentError as e:
                 print("KERNEL", e.message)
         """)

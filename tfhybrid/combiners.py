@@ -1,23 +1,38 @@
-"""How a bag's rows combine: one rule for every table, store and route.
+"""How a bag's rows combine: one rule for every table, store, route and kernel caller.
 
-``sum`` adds a bag's rows; ``mean`` divides that sum by the bag's length, ``max(length,
-1)``, so an empty bag gives zeros (as ``tf.nn.embedding_lookup_sparse`` and
-distributed-embeddings define it).
+For a bag of rows eᵢ with per-id weights wᵢ (1 without weights), as
+``tf.nn.embedding_lookup_sparse`` defines them:
+
+- ``sum`` = Σ wᵢ·eᵢ;
+- ``mean`` = Σ wᵢ·eᵢ / Σ wᵢ (without weights: over the bag's length, at least 1);
+- ``sqrtn`` = Σ wᵢ·eᵢ / √(Σ wᵢ²) (without weights: over √length).
+
+An empty bag, or one whose denominator is 0, gives zeros. The kernels add the weighted
+rows (``sum``); the division happens where whole bags are known, by
+:func:`combined_bags`, so a bag split over row shards divides once, after its parts are
+added. For ``mean`` and ``sqrtn`` ``DistributedEmbedding`` drops ids of weight ≤ 0
+before (:func:`kept_in_bags`), as ``tf.nn.safe_embedding_lookup_sparse`` does (a sum
+keeps them).
 
 Example::
 
     import tensorflow as tf
-    from tfhybrid.combiners import bag_means
+    from tfhybrid.combiners import bag_means, combined_bags
     sums = tf.constant([[4.0, 2.0], [0.0, 0.0]])
     assert bag_means(sums, tf.constant([2, 0])).numpy().tolist() == [[2.0, 1.0], [0.0, 0.0]]
+    sqrtn = combined_bags(tf.constant([[6.0]]), "sqrtn", tf.constant([2]),
+                          tf.constant([3.0, 4.0]))
+    assert sqrtn.numpy().tolist() == [[6.0 / 5.0]]
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-# what every store's lookup combines by
-COMBINERS = ("sum", "mean")
+from tfhybrid.plan import types as plan_types
+
+# what every store's lookup combines by: the plan's combiners that combine
+COMBINERS = tuple(c for c in plan_types.COMBINERS if c is not None)
 
 
 def bag_means(sums: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
@@ -26,15 +41,50 @@ def bag_means(sums: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
     return sums / counts[:, None]
 
 
-def kept_in_bags(ids: tf.Tensor, lengths: tf.Tensor, kept: tf.Tensor
-                 ) -> tuple[tf.Tensor, tf.Tensor]:
+def weight_denominators(combiner: str, weights) -> tf.Tensor:
+    """[bags] each bag's divisor for weighted ``mean`` (Σ w) or ``sqrtn`` (√Σ w²), from
+    its ``weights`` ([bags, hotness] dense or ragged, zeros where an id is dropped)."""
+    if combiner == "mean":
+        return tf.reduce_sum(weights, axis=1)
+    return tf.sqrt(tf.reduce_sum(weights * weights, axis=1))
+
+
+def combined_bags(sums: tf.Tensor, combiner: str, lengths: tf.Tensor,
+                  weights: tf.Tensor | None = None,
+                  denominators: tf.Tensor | None = None) -> tf.Tensor:
+    """[bags, width] weighted ``sums`` of bags (``lengths`` ids each, ``weights`` per id
+    or None) combined by ``combiner`` (module docstring); ``denominators``: the bags'
+    divisors of weighted bags where known already (:func:`weight_denominators`).
+    ``ValueError`` names an unknown combiner."""
+    if combiner not in COMBINERS:
+        raise ValueError(f"combiner={combiner!r} is unknown; expected one of {COMBINERS}")
+    if combiner == "sum":
+        return sums
+    if denominators is not None:
+        return tf.math.divide_no_nan(sums, tf.cast(denominators, sums.dtype)[:, None])
+    if weights is None:
+        if combiner == "mean":
+            return bag_means(sums, lengths)
+        counts = tf.cast(tf.maximum(lengths, 1), sums.dtype)
+        return sums / tf.sqrt(counts)[:, None]
+    bags = tf.RaggedTensor.from_row_lengths(tf.cast(weights, sums.dtype),
+                                            tf.cast(lengths, tf.int64), validate=False)
+    return tf.math.divide_no_nan(sums, weight_denominators(combiner, bags)[:, None])
+
+
+def kept_in_bags(ids: tf.Tensor, lengths: tf.Tensor, kept: tf.Tensor,
+                 weights: tf.Tensor | None = None):
     """The ``ids`` where ``kept`` holds, and how many of them each bag (``lengths``) has:
     bags with some of their ids left out (a row shard's part, a dynamic table's keys
-    without a slot)."""
+    without a slot, ids of weight <= 0). With ``weights`` (one per id), also theirs:
+    (ids, counts, weights)."""
     # a bag's count is the difference of the running count of kept ids at its two ends:
     # a third of the ops of tf.repeat + a segment sum, built at every trace
     lengths = tf.cast(lengths, tf.int64)
     kept_before = tf.concat([tf.zeros([1], tf.int64), tf.cumsum(tf.cast(kept, tf.int64))], 0)
     ends = tf.cumsum(lengths)
     counts = tf.gather(kept_before, ends) - tf.gather(kept_before, ends - lengths)
-    return tf.gather(ids, tf.reshape(tf.where(kept), [-1])), counts
+    positions = tf.reshape(tf.where(kept), [-1])
+    if weights is None:
+        return tf.gather(ids, positions), counts
+    return tf.gather(ids, positions), counts, tf.gather(weights, positions)

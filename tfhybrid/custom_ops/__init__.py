@@ -3,8 +3,8 @@
 Public API::
 
     embedding_lookup_combine(params, ids, combiner="sum", table_name="embedding",
-                             use_custom_op=None) -> tf.Tensor (tf.RaggedTensor for ragged
-                             ids with combiner=None)
+                             use_custom_op=None, weights=None) -> tf.Tensor
+                             (tf.RaggedTensor for ragged ids with combiner=None)
     embedding_lookup_combine_concat(params_list, ids_list, combiner="sum",
                                     table_names=None, use_custom_op=None) -> tf.Tensor
                              (several tables' bags side by side, one op)
@@ -39,6 +39,8 @@ import threading
 from pathlib import Path
 
 import tensorflow as tf
+
+from tfhybrid import combiners as combiners_lib
 
 __all__ = ["embedding_lookup_combine", "embedding_lookup_combine_concat",
            "rowwise_adagrad_apply", "custom_ops_available",
@@ -240,8 +242,10 @@ def _check_in_range(ids, num_rows, prefix: str, what: str):
 def _normalize_combiner(combiner) -> str:
     if combiner is None:
         return "none"
-    if not isinstance(combiner, str) or combiner.lower() not in ("none", "sum", "mean"):
-        raise ValueError(f"combiner must be None, 'sum' or 'mean', got {combiner!r}")
+    if not isinstance(combiner, str) or combiner.lower() not in (
+            ("none",) + combiners_lib.COMBINERS):
+        raise ValueError(f"combiner must be None or one of {combiners_lib.COMBINERS}, got "
+                         f"{combiner!r}")
     return combiner.lower()
 
 
@@ -250,18 +254,22 @@ def _normalize_combiner(combiner) -> str:
 
 @tf.autograph.experimental.do_not_convert
 def embedding_lookup_combine(params, ids, combiner="sum", table_name="embedding",
-                             use_custom_op=None):
+                             use_custom_op=None, weights=None):
     """Fused embedding lookup + combine.
 
     Args:
       params: [R, D] table, a `tf.Tensor` or `tf.Variable` (float32; float16/bfloat16 ok).
       ids: int ids in [0, R): dense [B] (treated as [B, 1]) or [B, H], or a
         `tf.RaggedTensor` [B, None] (a `tf.SparseTensor` is converted to ragged).
-      combiner: "sum", "mean" (sum / max(bag size, 1): an empty bag gives zeros), or
-        None (no combine: [B] -> [B, D], [B, H] -> [B, H, D], ragged -> ragged [B, None, D]).
+      combiner: "sum", "mean" (sum / max(bag size, 1): an empty bag gives zeros),
+        "sqrtn" (sum / sqrt(bag size)), or None (no combine: [B] -> [B, D], [B, H] ->
+        [B, H, D], ragged -> ragged [B, None, D]).
       table_name: used in error messages, e.g.
         "embedding table 'user' got id 12345, expected ids in [0, 1000)".
       use_custom_op: None (auto), True or False; see the module docstring.
+      weights: None, or float per-id weights of the ids' form and shape, used as given
+        and not trained: "sum" is sum(w * row), "mean" that over sum(w), "sqrtn" over
+        sqrt(sum(w ** 2)), a zero denominator gives zeros (``tfhybrid.combiners``).
 
     Returns:
       The combined embeddings, dtype of `params` (accumulated in float32).
@@ -273,9 +281,40 @@ def embedding_lookup_combine(params, ids, combiner="sum", table_name="embedding"
         ids, values, splits, ragged = _normalize_ids(ids)
         if not isinstance(params, tf.Variable):
             params = tf.convert_to_tensor(params)
+        if weights is not None and combiner == "none":
+            raise ValueError(f"embedding table {table_name!r}: per-id weights need a "
+                             "combiner ('sum', 'mean' or 'sqrtn'); got combiner=None")
+        if weights is not None:
+            weights = _weights_like(weights, ids, ragged, table_name)
+        # a kernel sums (weighted, with weights); means and sqrtn with weights, and sqrtn
+        # without, divide the sums here, by one rule (tfhybrid.combiners)
+        divided_after = combiner == "sqrtn" or (weights is not None and combiner != "sum")
+        kernel_combiner = "sum" if divided_after else combiner
         if _use_op(use_custom_op, params):
-            return _lookup_op(params, ids, values, splits, ragged, combiner, table_name)
-        return _lookup_pure_tf(params, ids, values, splits, ragged, combiner, table_name)
+            out = _lookup_op(params, ids, values, splits, ragged, kernel_combiner, table_name,
+                             weights)
+        else:
+            out = _lookup_pure_tf(params, ids, values, splits, ragged, kernel_combiner,
+                                  table_name, weights)
+        if not divided_after:
+            return out
+        bag_splits = _bags(ids, values, splits, ragged)[1]
+        return tf.cast(combiners_lib.combined_bags(
+            tf.cast(out, tf.float32), combiner, bag_splits[1:] - bag_splits[:-1], weights),
+            out.dtype)
+
+
+def _weights_like(weights, ids, ragged: bool, table_name: str) -> tf.Tensor:
+    """The flat float32 per-id weights of normalized ``ids``; ``ValueError`` naming the
+    table when their form or shape does not match the ids'."""
+    if isinstance(weights, tf.SparseTensor):
+        weights = tf.RaggedTensor.from_sparse(weights)
+    weights = weights if isinstance(weights, tf.RaggedTensor) else tf.convert_to_tensor(weights)
+    if isinstance(weights, tf.RaggedTensor) != ragged or not (
+            ragged or weights.shape.is_compatible_with(ids.shape)):
+        raise ValueError(f"embedding table {table_name!r}: weights of shape {weights.shape} "
+                         f"for ids of shape {ids.shape}; expected the ids' form and shape")
+    return tf.cast(weights.flat_values if ragged else tf.reshape(weights, [-1]), tf.float32)
 
 
 def _normalize_ids(ids):
@@ -356,7 +395,8 @@ def embedding_lookup_combine_concat(params_list, ids_list, combiner="sum", table
         raise ValueError("embedding_lookup_combine_concat custom op needs tf.Variable tables "
                          "of one dtype with static widths, got "
                          f"{[(type(p).__name__, p.dtype.name, p.shape) for p in params_list]}")
-    if not (batchable and _use_op(use_custom_op, *params_list)):
+    # the op sums or averages; sqrtn divides each table's sums afterwards
+    if combiner == "sqrtn" or not (batchable and _use_op(use_custom_op, *params_list)):
         return tf.concat([embedding_lookup_combine(p, i, combiner, n, use_custom_op)
                           for p, i, n in zip(params_list, ids_list, names)], axis=1)
     with tf.name_scope("embedding_lookup_combine_concat"):
@@ -401,7 +441,12 @@ def _dense_layout(ids):
     return tf.reshape(ids, [-1]), b, h
 
 
-def _lookup_op(params, ids, values, splits, ragged, combiner, table_name):
+def _weights_input(weights) -> tf.Tensor:
+    """The ops' weights input: the per-id weights, or an empty vector for none."""
+    return tf.zeros([0], tf.float32) if weights is None else weights
+
+
+def _lookup_op(params, ids, values, splits, ragged, combiner, table_name, weights=None):
     lib = require_library()
     if combiner == "none" and not ragged:
         flat, bag_splits = tf.reshape(ids, [-1]), tf.zeros([1], tf.int64)  # splits ignored
@@ -413,13 +458,13 @@ def _lookup_op(params, ids, values, splits, ragged, combiner, table_name):
         # stored one and the result is cast like a read of the variable would be.
         var_dtype = getattr(params, "true_dtype", params.dtype)
         out = lib.resource_embedding_lookup_combine(
-            params.handle, flat, bag_splits, dtype=var_dtype, combiner=combiner,
-            table_name=table_name)
+            params.handle, flat, bag_splits, _weights_input(weights), dtype=var_dtype,
+            combiner=combiner, table_name=table_name)
         if out.dtype != params.dtype:
             out = tf.cast(out, params.dtype)
     else:
-        out = lib.embedding_lookup_combine(params, flat, bag_splits, combiner=combiner,
-                                           table_name=table_name)
+        out = lib.embedding_lookup_combine(params, flat, bag_splits, _weights_input(weights),
+                                           combiner=combiner, table_name=table_name)
     if combiner != "none":
         batch = ids.shape[0]  # static batch size (or None), dense or ragged
         out.set_shape([batch, params.shape[-1] if params.shape.rank == 2 else None])
@@ -433,10 +478,21 @@ def _lookup_op(params, ids, values, splits, ragged, combiner, table_name):
     return result
 
 
-def _lookup_pure_tf(params, ids, values, splits, ragged, combiner, table_name):
+def _lookup_pure_tf(params, ids, values, splits, ragged, combiner, table_name,
+                    weights=None):
     num_rows = _num_rows(params)
     prefix = f"embedding table '{table_name}'"
     compute_dtype = tf.float32 if params.dtype in (tf.float16, tf.bfloat16) else params.dtype
+    if weights is not None:
+        # weighted sums (the caller divides): each row times its weight, summed per bag
+        flat, bag_splits, _ = _bags(ids, values, splits, ragged)
+        flat = _check_in_range(flat, num_rows, prefix, "id")
+        rows = tf.cast(tf.gather(params, flat), compute_dtype) * tf.cast(
+            weights, compute_dtype)[:, None]
+        nbags = tf.shape(bag_splits, out_type=bag_splits.dtype)[0] - 1
+        out = tf.math.unsorted_segment_sum(
+            rows, tf.ragged.row_splits_to_segment_ids(bag_splits), nbags)
+        return tf.cast(out, params.dtype)
     if ragged:
         values = _check_in_range(values, num_rows, prefix, "id")
         rows = tf.gather(params, values)
@@ -471,28 +527,30 @@ def _lookup_grad(op, grad, dense_shape):
     combiner = combiner.decode() if isinstance(combiner, bytes) else combiner
     table_name = table_name.decode() if isinstance(table_name, bytes) else table_name
     num_rows = tf.cast(dense_shape[0], tf.int64)
+    # the weights are inputs, not trained: they scale the rows' gradients only
     unique_ids, rows = lib.embedding_lookup_combine_grad(
-        grad, op.inputs[1], op.inputs[2], num_rows, combiner=combiner, table_name=table_name)
+        grad, op.inputs[1], op.inputs[2], num_rows, op.inputs[3], combiner=combiner,
+        table_name=table_name)
     return tf.IndexedSlices(rows, unique_ids, dense_shape)
 
 
 def _register_gradients():
     def _tensor_grad(op, grad):
         dense_shape = tf.shape(op.inputs[0], out_type=tf.int32)
-        return [_lookup_grad(op, grad, dense_shape), None, None]
+        return [_lookup_grad(op, grad, dense_shape), None, None, None]
 
     def _resource_grad(op, grad):
         dense_shape = tf.raw_ops.VariableShape(input=op.inputs[0], out_type=tf.int32)
-        return [_lookup_grad(op, grad, dense_shape), None, None]
+        return [_lookup_grad(op, grad, dense_shape), None, None, None]
 
     def _chunked_grad(op, grad):
         # the table's rows: one fewer than its row offsets
         rows = tf.shape(op.inputs[1], out_type=tf.int64)[0] - 1
         unique_ids, values = require_library().embedding_lookup_combine_grad(
-            tf.cast(grad, tf.float32), op.inputs[2], op.inputs[3], rows, combiner="sum",
-            table_name=op.get_attr("table_name").decode())
+            tf.cast(grad, tf.float32), op.inputs[2], op.inputs[3], rows, op.inputs[4],
+            combiner="sum", table_name=op.get_attr("table_name").decode())
         dense_shape = tf.stack([tf.cast(rows, tf.int32), op.get_attr("dim")])
-        return [tf.IndexedSlices(values, unique_ids, dense_shape), None, None, None]
+        return [tf.IndexedSlices(values, unique_ids, dense_shape), None, None, None, None]
 
     def _concat_grad(op, grad):
         # each table's backward reads its own columns of the [B, sum D_t] gradient in place
@@ -507,8 +565,8 @@ def _register_gradients():
             dense_shape = tf.raw_ops.VariableShape(input=op.inputs[t], out_type=tf.int32)
             unique_ids, rows = require_library().embedding_lookup_combine_grad(
                 grad, op.inputs[n + t], op.inputs[2 * n + t],
-                tf.cast(dense_shape[0], tf.int64), combiner=combiner, table_name=names[t],
-                grad_columns=[first, first + widths[t]])
+                tf.cast(dense_shape[0], tf.int64), _weights_input(None), combiner=combiner,
+                table_name=names[t], grad_columns=[first, first + widths[t]])
             grads.append(tf.IndexedSlices(rows, unique_ids, dense_shape))
             first += widths[t]
         return grads + [None] * (2 * n)
@@ -580,6 +638,7 @@ def rowwise_adagrad_apply(var, accum, indices, grad, lr, epsilon, scale=1.0, wei
             if lookup_grad is not None:
                 return require_library().embedding_lookup_combine_grad_rowwise_adagrad(
                     var.handle, accum.handle, *lookup_grad.inputs[:3], *scalars,
+                    lookup_grad.inputs[4],
                     combiner=lookup_grad.get_attr("combiner"),
                     table_name=lookup_grad.get_attr("table_name"),
                     grad_columns=lookup_grad.get_attr("grad_columns"))
@@ -621,17 +680,18 @@ def custom_op_used(use_custom_op, *placed) -> bool:
 
 
 def chunked_lookup_combine(pool, row_offsets, ids, row_splits, dim: int,
-                           table_name: str = "embedding"):
+                           table_name: str = "embedding", weights=None):
     """FIITED's bags in C++: [B, dim] sums of the rows of ``ids`` ([N]) in the bags
     ``row_splits`` ([B + 1]), read from the pool variable in place. Its gradient (below)
     reaches ``pool`` as ``tf.IndexedSlices`` at the distinct logical ids, ascending, each
     row's gradient summed in input order: the dense op's backward kernel, since a bag
-    sum's gradient does not depend on how the rows are stored. The caller chooses the
-    path (:func:`custom_op_used`)."""
+    sum's gradient does not depend on how the rows are stored. ``weights``: per-id
+    weights (each row times its weight). The caller chooses the path
+    (:func:`custom_op_used`)."""
     _variable_accessed(pool)
     return require_library().chunked_embedding_lookup_combine(
-        pool.handle, row_offsets, ids, tf.cast(row_splits, tf.int64), dim=dim,
-        table_name=table_name)
+        pool.handle, row_offsets, ids, tf.cast(row_splits, tf.int64), _weights_input(weights),
+        dim=dim, table_name=table_name)
 
 
 def chunked_rowwise_adagrad_apply(pool, accum, row_offsets, indices, grad, lr, epsilon,

@@ -35,7 +35,7 @@ from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
 from tfhybrid import slot_owners
-from tfhybrid.combiners import COMBINERS, bag_means, kept_in_bags
+from tfhybrid.combiners import COMBINERS, combined_bags, kept_in_bags
 from tfhybrid.dynamic import fallback
 from tfhybrid.dynamic.initial_rows import KeyedInitializer
 from tfhybrid.fiited import checked_int
@@ -227,30 +227,46 @@ class DynamicTable(tf.Module):
         slots.set_shape(keys.shape)
         return slots, tf.reshape(out[1], [-1]), tf.reshape(out[2], [-1])
 
-    def lookup(self, slots: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum"
-               ) -> tf.Tensor:
-        """[bags, dim]: each bag's rows at ``slots`` (``lengths`` per bag) summed, or
-        their mean (``combiner="mean"``, over all of the bag's keys); a slot of -1 reads
-        the default row (zeros unless given) and takes no gradient. The fused C++ lookup where the op library is
-        loaded (and ``use_custom_op`` allows), its gradient rows at the slots."""
+    def lookup(self, slots: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
+               weights: tf.Tensor | None = None) -> tf.Tensor:
+        """[bags, dim]: each bag's rows at ``slots`` (``lengths`` per bag) combined by
+        ``combiner`` (``tfhybrid.combiners``: over all of the bag's keys), each times its
+        weight where ``weights`` (one per slot) are given; a slot of -1 reads the default
+        row (zeros unless given) and takes no gradient. The fused C++ lookup where the op
+        library is loaded (and ``use_custom_op`` allows), its gradient rows at the
+        slots."""
         if combiner not in COMBINERS:
             raise ValueError(f"combiner={combiner!r} is unknown; expected one of {COMBINERS}")
         slots = tf.reshape(tf.convert_to_tensor(slots), [-1])
         lengths = tf.cast(tf.reshape(lengths, [-1]), tf.int64)
         use_op = None if self.use_custom_op is not False else False
-        if use_op is not False and custom_ops.custom_ops_available():
+        held_weights = None
+        if weights is not None:
+            weights = tf.reshape(tf.cast(weights, tf.float32), [-1])
+            held, held_per_bag, held_weights = kept_in_bags(slots, lengths, slots >= 0,
+                                                            weights)
+        elif use_op is not False and custom_ops.custom_ops_available():
             held, held_per_bag = custom_ops.dynamic_held_slots(slots, lengths)
         else:
             held, held_per_bag = kept_in_bags(slots, lengths, slots >= 0)
         sums = custom_ops.embedding_lookup_combine(
             _tf_internals.tf_variable(self.rows),
             tf.RaggedTensor.from_row_lengths(held, held_per_bag, validate=False),
-            combiner="sum", table_name=self.name, use_custom_op=use_op)
+            combiner="sum", table_name=self.name, use_custom_op=use_op,
+            weights=None if held_weights is None else tf.RaggedTensor.from_row_lengths(
+                held_weights, held_per_bag, validate=False))
         if self.default_row is not None:
-            # each key without a slot reads the default row (a constant: no gradient)
-            unheld = tf.cast(lengths - held_per_bag, tf.float32)
+            # each key without a slot reads the default row (a constant: no gradient),
+            # times its weight
+            if weights is None:
+                unheld = tf.cast(lengths - held_per_bag, tf.float32)
+            else:
+                bags = tf.ragged.row_splits_to_segment_ids(
+                    tf.concat([[0], tf.cumsum(lengths)], 0))
+                unheld = tf.math.unsorted_segment_sum(
+                    tf.where(slots >= 0, 0.0, weights), bags, tf.size(lengths))
             sums = sums + unheld[:, None] * tf.constant(self.default_row, tf.float32)[None]
-        return bag_means(sums, lengths) if combiner == "mean" else sums
+        return combined_bags(sums, combiner, lengths, weights)
 
     def stats(self) -> dict[str, int]:
         """Its counters: rows held (``size``) of ``capacity``, admissions, evictions

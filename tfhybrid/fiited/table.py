@@ -50,7 +50,7 @@ from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
 from tfhybrid import roles
 from tfhybrid import slot_owners
-from tfhybrid.combiners import bag_means
+from tfhybrid.combiners import COMBINERS, bag_means, combined_bags
 from tfhybrid.custom_ops import coalesce_rows, rowwise_adagrad_rows
 from tfhybrid.optimizer_traits import Trains, trains_of
 
@@ -155,14 +155,17 @@ def _combine_rows(lookup, ids, combiner: str):
     return out
 
 
-def combine_bags(ids, combiner: str, lookup, fused_sums) -> tf.Tensor:
+def combine_bags(ids, combiner: str, lookup, fused_sums, weights=None) -> tf.Tensor:
     """FIITED's bags: ``[B, H]`` dense or ``[B, None]`` ragged ``ids`` -> ``[B, dim]`` sums
-    (``"mean"``: divided by max(bag size, 1)). ``fused_sums(flat ids, int64 row splits)``
-    gives the bags' sums from one C++ kernel; None takes ``lookup`` ([N] -> [N, dim])
-    and a segment sum. The mean's division is outside the kernel, so its gradient is the
-    same for every storage of the rows."""
-    if combiner not in ("sum", "mean"):
-        raise ValueError(f"combiner must be 'sum' or 'mean', got {combiner!r}")
+    (``"mean"``: divided by max(bag size, 1)). ``fused_sums(flat ids, int64 row splits,
+    weights)`` gives the bags' sums from one C++ kernel; None takes ``lookup`` ([N] ->
+    [N, dim]) and a segment sum. The mean's division is outside the kernel, so its
+    gradient is the same for every storage of the rows. ``weights`` (flat, one per id):
+    weighted bags, combined by ``tfhybrid.combiners``."""
+    if combiner not in COMBINERS:
+        raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
+    if weights is not None or combiner == "sqrtn":
+        return _weighted_bags(ids, combiner, lookup, fused_sums, weights)
     if isinstance(ids, tf.RaggedTensor):
         flat, splits = ids.values, ids.row_splits
     else:
@@ -181,6 +184,23 @@ def combine_bags(ids, combiner: str, lookup, fused_sums) -> tf.Tensor:
         out = bag_means(out, splits[1:] - splits[:-1])
     out.set_shape([ids.shape[0], out.shape[1]])
     return out
+
+
+def _weighted_bags(ids, combiner: str, lookup, fused_sums, weights) -> tf.Tensor:
+    """:func:`combine_bags` with per-id ``weights`` (or ``"sqrtn"``): weighted sums, in
+    the C++ kernel where ``fused_sums`` is given, then the combiner's division."""
+    if not isinstance(ids, tf.RaggedTensor):
+        ids = tf.RaggedTensor.from_tensor(tf.convert_to_tensor(ids))
+    flat, splits = ids.values, tf.cast(ids.row_splits, tf.int64)
+    if fused_sums is not None:
+        sums = fused_sums(flat, splits, weights)
+    else:
+        rows = lookup(flat)
+        if weights is not None:
+            rows = rows * tf.cast(weights, rows.dtype)[:, None]
+        sums = tf.math.unsorted_segment_sum(rows, ids.value_rowids(), ids.nrows())
+    sums.set_shape([ids.shape[0], sums.shape[1]])
+    return combined_bags(sums, combiner, splits[1:] - splits[:-1], weights)
 
 
 def chunked_rowwise_rows(rows, accum_rows, g, chunk_present, learning_rate, epsilon, scale,
@@ -394,21 +414,24 @@ class ChunkedTable(ChunkOptions, tf.Module):
             return rows, grad
         return rows_of(self.pool.read_value())
 
-    def lookup_combine(self, ids: Any, combiner: str = "sum") -> tf.Tensor:
+    def lookup_combine(self, ids: Any, combiner: str = "sum", weights: Any = None
+                       ) -> tf.Tensor:
         """Bags of rows combined: ``[B, H]`` dense or ``[B, None]`` ragged ids ->
         ``[B, dim]`` sums (``"mean"``: divided by max(bag size, 1)).
 
         With the C++ ops, one fused kernel gathers and sums through the row offsets, and
         the pool's gradient arrives coalesced (each looked-up row once, duplicates summed
         in input order: ``tf.IndexedSlices`` at ascending logical ids); otherwise
-        :meth:`lookup` and a segment sum."""
+        :meth:`lookup` and a segment sum. ``weights``: per-id weights (flat), each row
+        times its weight in the kernel."""
         fused = custom_ops.custom_op_used(self.use_custom_op, self.pool)
         return combine_bags(ids, combiner, self.lookup,
-                            self._fused_sums if fused else None)
+                            self._fused_sums if fused else None, weights)
 
-    def _fused_sums(self, flat: tf.Tensor, splits: tf.Tensor) -> tf.Tensor:
+    def _fused_sums(self, flat: tf.Tensor, splits: tf.Tensor, weights: Any = None
+                    ) -> tf.Tensor:
         return custom_ops.chunked_lookup_combine(self.pool, self.row_offsets, flat, splits,
-                                                 self.dim, self.name)
+                                                 self.dim, self.name, weights)
 
     def to_dense(self) -> tf.Tensor:
         """The [rows, dim] table this pool represents (pruned chunks as zeros)."""

@@ -335,6 +335,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     def _build_stores(self, input_shape) -> None:
         shapes = input_shape if isinstance(input_shape, (list, tuple)) else [input_shape]
+        shapes = [_ids_shape(shape) for shape in shapes]
         if self.plan is None:
             if len(shapes) != len(self.input_table_map):
                 raise ValueError(f"DistributedEmbedding got {len(shapes)} inputs; expected "
@@ -402,14 +403,18 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             self._whole_chunk_counts))
 
     # ------------------------------------------------------------------ call
-    def call(self, inputs, training=None):
+    def call(self, inputs, weights=None, training=None):
+        """The embeddings of ``inputs`` (one entry per fed feature: dense, ragged or
+        sparse ids, or an ``(ids, weights)`` pair); ``weights``: None, or per-id float
+        weights beside them, one entry per input (None for an unweighted feature), as
+        keras-rs takes them (``tfhybrid.combiners``)."""
         if _tf_internals.in_xla_context():
             raise ValueError(
                 f"DistributedEmbedding {self.name!r} is being compiled with XLA "
                 "(jit_compile=True), but its Horovod alltoall/allgather cannot be compiled. "
                 "Use model.compile(jit_compile=False) and wrap the dense towers in "
                 "tfhybrid.layers.XlaCompiled(...) to run them under XLA.")
-        outputs, local_batch = self._route_stages.forward(inputs, self, training)
+        outputs, local_batch = self._route_stages.forward(inputs, self, training, weights)
         self._add_activity_losses(outputs, local_batch)
         return outputs
 
@@ -618,3 +623,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             "save_weights_only=True) or BackupAndRestore: every rank, same path), which "
             "restore onto any mesh; for serving, export a single-process model")
     # ---------------------------------------- end of the checkpoints block
+
+
+def _ids_shape(shape: Any) -> Any:
+    """An input's ids' shape: the first of an ``(ids, weights)`` pair's shapes (a pair is
+    a list or tuple of shapes, where one tensor's shape is a tuple of sizes)."""
+    if isinstance(shape, (list, tuple)) and len(shape) == 2 and all(
+            isinstance(s, (list, tuple, tf.TensorShape)) for s in shape):
+        return shape[0]
+    return shape

@@ -15,8 +15,7 @@ from tfhybrid import _tf_internals
 from tfhybrid.dynamic.initial_rows import KeyedInitializer
 from tfhybrid.dynamic.keys import as_keys
 from tfhybrid.dynamic.table import EVICTION, DynamicTable, checked_default_row
-
-COMBINERS = (None, "sum", "mean")
+from tfhybrid.plan.types import COMBINERS
 KEY_DTYPES = ("int64", "string")
 
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import custom_ops
+from tfhybrid.combiners import kept_in_bags
 from tfhybrid.fiited import ChunkedTable
 from tfhybrid.plan.types import COMBINERS
 from tfhybrid.tiers import POLICIES, CachedTable, ChunkedCachedTable
@@ -247,8 +248,14 @@ class Embedding(tf.keras.layers.Embedding):
         return self.adjust(1.0 - (1.0 - self.target_memory) * ramp)
 
     # -------------------------------------------------------------------- call
-    def call(self, inputs):
+    def call(self, inputs, weights=None):
+        """``inputs``: ids (dense, ragged or sparse); ``weights``: None, or per-id float
+        weights of the ids' form and shape (``tfhybrid.combiners``: with ``mean`` and
+        ``sqrtn`` ids of weight <= 0 are dropped, as ``tf.nn.safe_embedding_lookup_sparse``
+        drops them)."""
         ids = inputs
+        if weights is not None:
+            return tf.cast(self._lookup_weighted(_int_ids(ids), weights), self.compute_dtype)
         if self.dims == "adaptive" and self.combiner is None and (
                 isinstance(ids, tf.SparseTensor)
                 or _tf_internals.uses_one_hot_matmul(self)):
@@ -355,6 +362,29 @@ class Embedding(tf.keras.layers.Embedding):
         out.set_shape(ids.shape[:-1].concatenate([self.output_dim]))
         return out
 
+    def _lookup_weighted(self, ids, weights):
+        """Bags of ``ids`` with per-id ``weights``, combined through the weighted
+        kernel (for ``mean`` and ``sqrtn`` without the ids of weight <= 0)."""
+        if self.combiner is None:
+            raise ValueError(f"Embedding {self.name!r}: weights need a combiner ('sum', "
+                             "'mean' or 'sqrtn'); the layer has combiner=None")
+        ids, weights = _ragged_pair(self.name, ids, weights)
+        flat_weights = tf.cast(weights.flat_values, tf.float32)
+        # safe_embedding_lookup_sparse's rule: a sum keeps every id
+        kept = (tf.ones_like(flat_weights, tf.bool) if self.combiner == "sum"
+                else flat_weights > 0)
+        kept, counts, kept_weights = kept_in_bags(ids.flat_values, ids.row_lengths(), kept,
+                                                  flat_weights)
+        bags = tf.RaggedTensor.from_row_lengths(kept, counts, validate=False)
+        bag_weights = tf.RaggedTensor.from_row_lengths(kept_weights, counts, validate=False)
+        if self.cache_rows is not None:
+            bags = self.table.slots(bags)
+        if self.dims == "adaptive":
+            return self.table.lookup_combine(bags, self.combiner, kept_weights)
+        return custom_ops.embedding_lookup_combine(
+            self._params(), bags, combiner=self.combiner, table_name=self.name,
+            use_custom_op=self._lookup_option(), weights=bag_weights)
+
     def _combine(self, ids):
         if self.dims == "adaptive":
             return self.table.lookup_combine(ids, self.combiner)
@@ -439,6 +469,42 @@ def _combine_dense_plain(params, ids, combiner: str):
     if combiner == "mean":
         out = out / tf.cast(tf.maximum(tf.shape(ids)[1], 1), acc_dtype)
     return tf.cast(out, rows.dtype)
+
+
+def _ragged_pair(name: str, ids, weights) -> tuple:
+    """``ids`` and their ``weights`` as [batch, None] ragged tensors of one row layout;
+    ``ValueError`` naming the layer when their forms or static shapes differ."""
+    def ragged(x, what):
+        if isinstance(x, tf.SparseTensor):
+            if x.shape.rank != 2:
+                raise ValueError(f"Embedding {name!r}: sparse {what} must be [batch, None]; "
+                                 f"got shape {x.shape}")
+            return tf.RaggedTensor.from_sparse(tf.sparse.reorder(x))
+        if isinstance(x, tf.RaggedTensor):
+            return x
+        x = tf.convert_to_tensor(x)
+        if x.shape.rank == 1:
+            x = x[:, None]
+        if x.shape.rank != 2:
+            raise ValueError(f"Embedding {name!r}: {what} with weights must be [batch] or "
+                             f"[batch, hotness]; got shape {x.shape}")
+        return tf.RaggedTensor.from_tensor(x)
+    def form(x):
+        return ("sparse" if isinstance(x, tf.SparseTensor) else
+                "ragged" if isinstance(x, tf.RaggedTensor) else "dense")
+    if form(ids) != form(weights):
+        raise ValueError(f"Embedding {name!r}: ids are {form(ids)} but weights "
+                         f"{form(weights)}; expected weights of the ids' form and shape")
+    weight_dtype = weights.dtype if hasattr(weights, "dtype") else tf.convert_to_tensor(
+        weights).dtype
+    if not tf.as_dtype(weight_dtype).is_floating:
+        raise ValueError(f"Embedding {name!r}: weights have dtype {tf.as_dtype(weight_dtype).name}"
+                         "; expected a float dtype")
+    ids, weights = ragged(ids, "ids"), ragged(weights, "weights")
+    if not weights.shape.is_compatible_with(ids.shape):
+        raise ValueError(f"Embedding {name!r}: weights have shape {weights.shape}; expected "
+                         f"the ids' shape {ids.shape}")
+    return ids, weights
 
 
 def _int_ids(ids):

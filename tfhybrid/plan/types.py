@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Sequence
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-COMBINERS = (None, "sum", "mean")
+# a table's combiner (None: one row per id); tfhybrid.combiners says how each combines
+COMBINERS = (None, "sum", "mean", "sqrtn")
 # DE's names with DE's placement, then tfhybrid's own planner
 DE_STRATEGIES = ("basic", "memory_balanced", "memory_optimized")
 STRATEGIES = DE_STRATEGIES + ("bytes_balanced",)

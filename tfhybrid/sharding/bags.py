@@ -2,8 +2,10 @@
 
 Every fed feature becomes :class:`Bags`: its ids and how many of them each bag holds
 (one bag per sample with a combiner, one per id without), whatever form it came in
-(``[batch]``, ``[batch, hotness]`` with the hotness known now or only at run time, or
-ragged). With ``dp_input=False`` each rank holds the model group's whole batch of its own
+(``[batch]``, ``[batch, hotness]`` with the hotness known now or only at run time,
+ragged, or a ``tf.SparseTensor``), and its per-id weights where given (of the ids' form;
+with ``mean`` and ``sqrtn`` ids of weight <= 0 are dropped, as
+``tf.nn.safe_embedding_lookup_sparse`` drops them). With ``dp_input=False`` each rank holds the model group's whole batch of its own
 features; an input that cannot work there is not raised on this rank alone (the others
 would wait in a collective) but reported through the id check (``id_check.py``).
 """
@@ -17,6 +19,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.combiners import kept_in_bags, weight_denominators
 from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding.tables import TableSpec, ids_as_int64, takes_strings
 
@@ -38,6 +41,14 @@ class Bags:
     # bool tensor), and why; the validation reports it with the static reasons
     unsupported: Any = False
     unsupported_reason: str = ""
+    # per-id float32 weights beside ``values`` (None: unweighted), and whether the given
+    # weights were bad at run time: NaN or infinite, or ragged rows of other lengths than
+    # the ids' (a bool tensor the id check reports on every rank)
+    weights: tf.Tensor | None = None
+    bad_weights: Any = False
+    # weighted mean / sqrtn: each bag's divisor (``tfhybrid.combiners``), from the whole
+    # bag, where the route divides its sums
+    denominators: tf.Tensor | None = None
 
 
 class BagReader:
@@ -70,27 +81,33 @@ class BagReader:
         self.fed_features = list(fed_features)
         self.dp_input = dp_input
 
-    def bags_of(self, inputs) -> tuple[dict, Any, dict]:
-        """The fed features as bags, the local batch, and dp_input=False's bad inputs."""
+    def bags_of(self, inputs, weights=None) -> tuple[dict, Any, dict]:
+        """The fed features as bags, the local batch, and dp_input=False's bad inputs.
+
+        ``weights``: None, or one entry per input (None for an unweighted feature); an
+        input may also be an ``(ids, weights)`` pair."""
         inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
         fed = self.fed_features
         if len(inputs) != len(fed):
             raise ValueError(f"DistributedEmbedding got {len(inputs)} inputs; expected "
                              f"{len(fed)}" + ("" if self.dp_input else
                                               f" (features {fed}, dp_input=False)"))
-        raw = dict(zip(fed, inputs))
+        inputs, weights = _ids_and_weights(inputs, weights)
+        raw = {f: (_as_ragged(x), _as_ragged(w))
+               for f, x, w in zip(fed, inputs, weights)}
         invalid: dict[int, str] = {}
         if self.dp_input:
-            bags = {f: self._as_bags(f, x) for f, x in raw.items()}
-            return bags, bags[0].batch, invalid
-        local_batch = self._local_batch_of_group(inputs[0])
+            bags = {f: self._as_bags(f, x, w) for f, (x, w) in raw.items()}
+            return bags, bags[fed[0]].batch, invalid
+        local_batch = self._local_batch_of_group(raw[fed[0]][0])
         start = tf.cast(self.mesh.model_position, local_batch.dtype) * local_batch
         bags = {}
-        for f, x in raw.items():
+        for f, (x, w) in raw.items():
             if self.plan.tables[self.input_table_map[f]].kind == Kind.DATA_PARALLEL:
                 # a replicated table looks up only this rank's share of the batch
                 x = x[start:start + local_batch]
-            bags[f], invalid[f] = self._as_model_parallel_bags(f, x)
+                w = None if w is None else w[start:start + local_batch]
+            bags[f], invalid[f] = self._as_model_parallel_bags(f, x, w)
         return bags, local_batch, invalid
 
     def _local_batch_of_group(self, ids) -> tf.Tensor:
@@ -114,7 +131,7 @@ class BagReader:
                         "model group")]):
             return tf.identity(rows // group)
 
-    def _as_model_parallel_bags(self, feature: int, ids) -> tuple[Bags, str]:
+    def _as_model_parallel_bags(self, feature: int, ids, weights=None) -> tuple[Bags, str]:
         """dp_input=False: this rank's bags, or a stand-in and the reason they are bad.
 
         Only this rank sees this feature, so raising here would leave the other ranks
@@ -125,7 +142,7 @@ class BagReader:
                           "sample ([batch] ids), because the other ranks must know its "
                           "output shape")
         try:
-            bags = self._as_bags(feature, ids)
+            bags = self._as_bags(feature, ids, weights)
             if not isinstance(bags.per_sample, int):
                 # the hotness is known only at run time: one id per sample holds or the
                 # validation stops every rank (the bags are read as one id per sample)
@@ -147,13 +164,55 @@ class BagReader:
             stand_in = tf.zeros([batch], tf.string if takes_strings(table) else tf.int64)
             return self._as_bags(feature, stand_in), str(error)
 
-    def _as_bags(self, feature: int, ids) -> Bags:
+    def _as_bags(self, feature: int, ids, weights=None) -> Bags:
+        bags = self._as_unweighted_bags(feature, ids)
+        if weights is None:
+            return bags
+        table = self.tables[self.input_table_map[feature]]
+        if table.combiner is None:
+            raise ValueError(f"feature {feature} (table {table.name!r}) has weights, which "
+                             "need a combiner ('sum', 'mean' or 'sqrtn'); the table has "
+                             "combiner=None")
+        if not isinstance(weights, tf.RaggedTensor):
+            weights = tf.convert_to_tensor(weights)
+        flat, lengths_match = _flat_weights(feature, table.name, ids, weights)
+        # a NaN or infinite weight fails on every rank in the id check (checked before
+        # the ids of weight <= 0 are dropped), as do ragged weights not one per id
+        bad = tf.logical_not(tf.reduce_all(tf.math.is_finite(flat)))
+        if lengths_match is not None:
+            bad = tf.logical_or(bad, tf.logical_not(lengths_match))
+            # the bad stand-ins below are never looked up: the check stops every rank
+            flat = tf.cond(lengths_match, lambda: flat,
+                           lambda: tf.ones_like(bags.values, tf.float32))
+        if table.combiner == "sum":
+            return dataclasses.replace(bags, weights=flat, bad_weights=bad)
+        positive = flat > 0
+        # the divisors from the kept weights in their bags' shape: a sum over each row of
+        # a dense [batch, hotness], where a segment sum over flat weights costs more
+        kept_weights = tf.where(positive, flat, tf.zeros_like(flat))
+        if isinstance(weights, tf.RaggedTensor):
+            in_bags = tf.RaggedTensor.from_row_lengths(kept_weights, bags.lengths,
+                                                       validate=False)
+        else:
+            shape = tf.shape(weights)
+            in_bags = tf.reshape(kept_weights, shape if weights.shape.rank == 2
+                                 else tf.concat([shape, [1]], 0))
+        denominators = weight_denominators(table.combiner, in_bags)
+        values, lengths = bags.values, tf.cast(bags.lengths, tf.int64)
+        # ids of weight <= 0 leave their bags, only in a batch that has any
+        values, lengths, kept = tf.cond(
+            tf.reduce_all(positive), lambda: (values, lengths, flat),
+            lambda: kept_in_bags(values, lengths, positive, flat))
+        return dataclasses.replace(bags, values=values, lengths=lengths, weights=kept,
+                                   bad_weights=bad, denominators=denominators)
+
+    def _as_unweighted_bags(self, feature: int, ids) -> Bags:
         table = self.tables[self.input_table_map[feature]]
         if isinstance(ids, tf.RaggedTensor):
             if table.combiner is None:
                 raise ValueError(
                     f"feature {feature} (table {table.name!r}) is ragged, which needs a "
-                    "combiner ('sum' or 'mean'); the table has combiner=None")
+                    "combiner ('sum', 'mean' or 'sqrtn'); the table has combiner=None")
             values = ids_as_int64(table, feature, ids.flat_values)
             lengths = tf.cast(ids.row_lengths(), tf.int64)
             return Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
@@ -179,3 +238,71 @@ class BagReader:
                           tf.cast(hotness, tf.int64))
         return Bags(values, lengths, tf.size(lengths, out_type=tf.int64), 1, None,
                           table.combiner)
+
+
+def _ids_and_weights(inputs: list, weights) -> tuple[list, list]:
+    """The ids and the weights (None where unweighted) of each input: ``weights`` given
+    beside the inputs, or ``(ids, weights)`` pairs among them."""
+    if weights is not None:
+        weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
+        if len(weights) != len(inputs):
+            raise ValueError(f"DistributedEmbedding got {len(weights)} weights for "
+                             f"{len(inputs)} inputs; expected one per input (None for an "
+                             "unweighted feature)")
+    else:
+        weights = [None] * len(inputs)
+    ids = []
+    for f, (x, w) in enumerate(zip(inputs, weights)):
+        if isinstance(x, (list, tuple)):
+            if len(x) != 2 or w is not None:
+                raise ValueError(f"input {f} is a {type(x).__name__} of {len(x)}; expected "
+                                 "ids, or an (ids, weights) pair with no weights= entry")
+            x, w = x
+        ids.append(x)
+        weights[f] = w
+    return ids, weights
+
+
+def _as_ragged(x):
+    """A ``tf.SparseTensor`` as the ragged tensor of its rows (others as they are)."""
+    if isinstance(x, tf.SparseTensor):
+        if x.shape.rank != 2:
+            raise ValueError(f"sparse input of shape {x.shape}; expected [batch, None]")
+        return tf.RaggedTensor.from_sparse(x)
+    return x
+
+
+def _flat_weights(feature: int, table_name: str, ids, weights) -> tuple[tf.Tensor, Any]:
+    """A feature's weights as float32 in the ids' order, and for ragged weights whether
+    their rows have the ids' lengths (a bool tensor; None for dense); ``ValueError``
+    naming the feature when their form, static shape or dtype does not match its
+    ids'."""
+    where = f"feature {feature} (table {table_name!r})"
+    if isinstance(weights, tf.RaggedTensor) != isinstance(ids, tf.RaggedTensor):
+        raise ValueError(f"{where}: its weights are "
+                         f"{'ragged' if isinstance(weights, tf.RaggedTensor) else 'dense'} "
+                         f"but its ids are "
+                         f"{'ragged' if isinstance(ids, tf.RaggedTensor) else 'dense'}; "
+                         "expected weights of the ids' form and shape")
+    if isinstance(weights, tf.RaggedTensor):
+        dtype = weights.dtype
+        flat = weights.flat_values
+        weight_splits = tf.cast(weights.row_splits, tf.int64)
+        id_splits = tf.cast(ids.row_splits, tf.int64)
+        matches = tf.cond(tf.equal(tf.size(weight_splits), tf.size(id_splits)),
+                          lambda: tf.reduce_all(tf.equal(weight_splits, id_splits)),
+                          lambda: tf.constant(False))
+        shape_ok = weights.shape.is_compatible_with(ids.shape)
+    else:
+        weights = tf.convert_to_tensor(weights)
+        dtype = weights.dtype
+        flat = tf.reshape(weights, [-1])
+        shape_ok = weights.shape.is_compatible_with(tf.convert_to_tensor(ids).shape)
+        matches = None
+    if not dtype.is_floating:
+        raise ValueError(f"{where}: its weights have dtype {dtype.name}; expected a float "
+                         "dtype (float32, float16, bfloat16 or float64)")
+    if not shape_ok:
+        raise ValueError(f"{where}: its weights have shape {weights.shape}; expected the "
+                         f"shape of its ids, {ids.shape}")
+    return tf.cast(flat, tf.float32), matches

@@ -19,8 +19,9 @@ from tfhybrid.sharding import phases
 from tfhybrid.sharding.ownership import ownership_of
 from tfhybrid.sharding.tables import TableSpec
 
-# per feature in a rank's id report: bad id?, the first bad id, bad input?, bags per sample
-REPORT_FIELDS = 4
+# per feature in a rank's id report: bad id?, the first bad id, bad input?, bags per
+# sample, bad weights?
+REPORT_FIELDS = 5
 
 
 class IdCheck:
@@ -44,7 +45,7 @@ class IdCheck:
         bags, batch, invalid = layer.route.bags_of([tf.constant([3, 12])])
         report = layer.route.id_check.report(bags, batch, invalid)
         checks, _ = layer.route.id_check.checks(report, (), read_ahead=False)
-        assert [bool(holds) for holds, _ in checks] == [True, False, True, True]
+        assert [bool(holds) for holds, _ in checks] == [True, False, True, True, True]
     """
 
     def __init__(self, name: str, mesh: mesh_lib.Mesh, tables: Sequence[TableSpec],
@@ -60,9 +61,9 @@ class IdCheck:
 
     def report(self, bags: dict, batch, invalid: dict, ended=None) -> tf.Tensor:
         """This rank's row of the check (:meth:`checks`): [batch, (bad?, first
-        bad id, bad input?, bags per sample) per feature] (zeros for a feature it does not
-        feed), and with ``ended`` (``TrainPipeline``'s read-ahead) whether its input has
-        ended.
+        bad id, bad input?, bags per sample, bad weights?) per feature] (zeros for a
+        feature it does not feed), and with ``ended`` (``TrainPipeline``'s read-ahead)
+        whether its input has ended.
 
         Every fed feature's ids are checked at once, as one list with each id's feature
         beside it: a trace then holds a few ops for all features, not a dozen per feature
@@ -107,7 +108,9 @@ class IdCheck:
                              else bool(invalid.get(f)) or bool(bags[f].unsupported)
                              for f in fed])
         per_sample = scalars([bags[f].per_sample for f in fed])
-        rows = tf.stack([tf.cast(any_bad, tf.int64), first_bad, bad_input, per_sample], 1)
+        bad_weights = scalars([bags[f].bad_weights for f in fed])
+        rows = tf.stack([tf.cast(any_bad, tf.int64), first_bad, bad_input, per_sample,
+                         bad_weights], 1)
         if len(fed) < num_features:   # zeros for the features this rank does not feed
             rows = tf.scatter_nd(tf.constant(fed, tf.int64)[:, None], rows,
                                  [num_features, REPORT_FIELDS])
@@ -115,9 +118,9 @@ class IdCheck:
 
     def checks(self, report: tf.Tensor, reasons: tuple, read_ahead: bool
                ) -> tuple[list, Any]:
-        """Checks that every id is in range and every rank has the same batch size (and,
-        with ``dp_input=True``, the same bags per sample: an owner reads every rank's
-        ids by its own).
+        """Checks that every id is in range, every weight finite and one per id, and
+        every rank has the same batch size (and, with ``dp_input=True``, the same bags per
+        sample: an owner reads every rank's ids by its own).
 
         After one allgather of every rank's :meth:`report` every rank holds the same
         ``(holds, message)`` checks, so all raise alike and none is left in a collective.
@@ -155,6 +158,13 @@ class IdCheck:
             " (table '", tf.gather(names, input_feature), "') on rank ",
             tf.strings.as_string(input_rank), " is not a supported input; that rank's log "
             "says why"] + [f" (here: {reason})" for reason in reasons])
+        bad_weights = flags[:, :, 4] > 0
+        _, weights_rank, weights_feature = first(bad_weights)
+        weights_message = tf.strings.join([
+            "DistributedEmbedding: feature ", tf.strings.as_string(weights_feature),
+            " (table '", tf.gather(names, weights_feature), "') on rank ",
+            tf.strings.as_string(weights_rank), " has a NaN or infinite weight, or ragged "
+            "weights that are not one per id; expected finite weights of its ids' shape"])
         # the word is part of the template: a string argument would print in quotes
         batch_message = tf.strings.format(
             f"DistributedEmbedding: {'local' if self.dp_input else 'model-group'} batch "
@@ -162,6 +172,7 @@ class IdCheck:
             [self.mesh.size - 1, sizes], summarize=-1)
         checks = [(tf.logical_not(tf.reduce_any(bad_input)), input_message),
                   (tf.logical_not(tf.reduce_any(bad_any)), id_message),
+                  (tf.logical_not(tf.reduce_any(bad_weights)), weights_message),
                   (tf.reduce_all(tf.equal(sizes, sizes[0])), batch_message)]
         if self.dp_input:
             per_sample = flags[:, :, 3]

@@ -44,11 +44,12 @@ class Ownership(Protocol):
     # layer cannot serve part of a row range)
     splits_rows: bool
 
-    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
-                  ) -> tuple[tf.Tensor, tf.Tensor]:
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int,
+                  weights: tf.Tensor | None = None) -> tuple:
         """Of a feature's bags (``ids``, bag ``lengths``), the ids that ``shard`` (with
         ``row_start``, ``row_end`` and ``owner``, its position in a model group of
-        ``positions``) serves, as the ids its store takes, and how many each bag has."""
+        ``positions``) serves, as the ids its store takes, and how many each bag has;
+        with per-id ``weights``, also theirs (a third value)."""
 
     def id_range(self, rows: int) -> tuple[int, int]:
         """The first and last valid id of a table of ``rows`` rows."""
@@ -69,10 +70,10 @@ class AllRows:
 
     splits_rows = False
 
-    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
-                  ) -> tuple[tf.Tensor, tf.Tensor]:
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int,
+                  weights: tf.Tensor | None = None) -> tuple:
         del shard, positions
-        return ids, lengths
+        return (ids, lengths) if weights is None else (ids, lengths, weights)
 
     def id_range(self, rows: int) -> tuple[int, int]:
         return 0, rows - 1
@@ -95,12 +96,12 @@ class RowRanges(AllRows):
 
     splits_rows = True
 
-    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
-                  ) -> tuple[tf.Tensor, tf.Tensor]:
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int,
+                  weights: tf.Tensor | None = None) -> tuple:
         del positions
-        owned, counts = kept_in_bags(ids, lengths, tf.logical_and(ids >= shard.row_start,
-                                                           ids < shard.row_end))
-        return owned - shard.row_start, counts
+        kept = kept_in_bags(ids, lengths, tf.logical_and(ids >= shard.row_start,
+                                                         ids < shard.row_end), weights)
+        return (kept[0] - shard.row_start,) + tuple(kept[1:])
 
 
 class KeyHashes(AllRows):
@@ -123,11 +124,13 @@ class KeyHashes(AllRows):
 
     splits_rows = True
 
-    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int
-                  ) -> tuple[tf.Tensor, tf.Tensor]:
+    def shard_ids(self, ids: tf.Tensor, lengths: tf.Tensor, shard: Any, positions: int,
+                  weights: tf.Tensor | None = None) -> tuple:
         if positions == 1:
-            return ids, tf.cast(lengths, tf.int64)
-        return kept_in_bags(ids, lengths, tf.equal(owner_of(ids, positions), shard.owner))
+            return super().shard_ids(ids, tf.cast(lengths, tf.int64), shard, positions,
+                                     weights)
+        return kept_in_bags(ids, lengths, tf.equal(owner_of(ids, positions), shard.owner),
+                            weights)
 
     def id_range(self, rows: int) -> tuple[int, int]:
         del rows

@@ -49,11 +49,14 @@ class RouteFacts:
     the hotness is static, None where it travels as a tensor at the end of ``sending``;
     ``read_ahead``: a pipeline prepared it (the check's outcome comes back as a message
     instead of asserts); ``inference``: a call with ``training=False``, whose stores
-    only find rows (a dynamic table admits no key)."""
+    only find rows (a dynamic table admits no key); ``weighted``: for each route this
+    position owns, whether its feature has per-id weights (their float32 bits follow
+    the ids on the wire)."""
     reasons: tuple[str, ...]
     bags_per_route: tuple[int | None, ...]
     read_ahead: bool
     inference: bool = False
+    weighted: tuple[bool, ...] = ()
 
     @property
     def run_time_counts(self) -> int:

@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from tfhybrid import collectives
 from tfhybrid import compression
-from tfhybrid.combiners import bag_means
+from tfhybrid.combiners import combined_bags
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding.bags import BagReader, Bags
@@ -126,11 +126,13 @@ class EmbeddingRoute:
         # under mixed precision, rows and their gradients cross in 16 bits
         self.wire_float = compute if compute in (tf.float16, tf.bfloat16) else tf.float32
 
-    def forward(self, inputs: Any, caller: Any, training: Any = None) -> tuple[list, Any]:
-        """The layer's outputs for ``inputs`` and the local batch; ``caller`` (the layer)
-        is who a ``TrainPipeline`` phase knows the route by; ``training=False``: the
-        stores only find rows (a dynamic table admits no key)."""
-        bags, local_batch, invalid = self.bags_of(inputs)
+    def forward(self, inputs: Any, caller: Any, training: Any = None, weights: Any = None
+                ) -> tuple[list, Any]:
+        """The layer's outputs for ``inputs`` (with per-id ``weights``, one entry per
+        input or None) and the local batch; ``caller`` (the layer) is who a
+        ``TrainPipeline`` phase knows the route by; ``training=False``: the stores only
+        find rows (a dynamic table admits no key)."""
+        bags, local_batch, invalid = self.bags_of(inputs, weights)
         phase = phases.phase_of(caller)
         if phase is not None and phase.routing:
             # TrainPipeline reads this batch ahead: it keeps what the route will send (its
@@ -155,7 +157,7 @@ class EmbeddingRoute:
             if placement.kind == Kind.DATA_PARALLEL:
                 # 5. data-parallel tables: local lookup
                 outputs.append(self.finish(bags[f], self.stores.lookup(
-                    t, 0, bags[f].values, bags[f].lengths)))
+                    t, 0, bags[f].values, bags[f].lengths, weights=bags[f].weights)))
                 continue
             if placement.kind == Kind.COLUMN_WISE:
                 summed = tf.concat([partials[(f, s)] for s in range(len(placement.shards))],
@@ -169,10 +171,10 @@ class EmbeddingRoute:
                 outputs.append(tf.cast(summed, self.compute_dtype))
         return outputs, local_batch
 
-    def bags_of(self, inputs) -> tuple[dict, Any, dict]:
-        """Stage 1 (:class:`~tfhybrid.sharding.bags.BagReader`): the fed features as bags,
-        the local batch, and dp_input=False's bad inputs."""
-        return self.bag_reader.bags_of(inputs)
+    def bags_of(self, inputs, weights=None) -> tuple[dict, Any, dict]:
+        """Stage 1 (:class:`~tfhybrid.sharding.bags.BagReader`): the fed features as bags
+        (with their per-id weights), the local batch, and dp_input=False's bad inputs."""
+        return self.bag_reader.bags_of(inputs, weights)
 
     def checked_route(self, bags: dict, batch, invalid: dict, inference: bool = False
                       ) -> tuple[dict, list]:
@@ -211,7 +213,8 @@ class EmbeddingRoute:
                 # the input already holds the model group's batch of this position's
                 # features
                 shard_ids = [self._shard_ids(bags[r.feature], r) for r in mine]
-                parts = [ids for ids, _ in shard_ids] + [n for _, n in shard_ids]
+                parts = ([ids for ids, *_ in shard_ids] + [n for _, n, *_ in shard_ids]
+                         + [w for _, _, *w in shard_ids for w in w])
         # bags per sample of each route: ints where the hotness is static; a hotness
         # known only at run time (None here) travels as a tensor after the parts, so
         # that a pipeline's read-ahead carries it to the step that sends
@@ -221,8 +224,10 @@ class EmbeddingRoute:
         reasons = [reason for reason in invalid.values() if reason] + [
             f"if so, {bag.unsupported_reason}" for bag in bags.values()
             if bag.unsupported_reason]
+        weighted = tuple(bags[r.feature].weights is not None for r in mine)
         facts = phases.RouteFacts(reasons=tuple(reasons[:1]), bags_per_route=static,
-                                  read_ahead=ended is not None, inference=inference)
+                                  read_ahead=ended is not None, inference=inference,
+                                  weighted=weighted)
         return phases.Prepared([report, tf.cast(batch, tf.int64)] + parts + run_time, facts)
 
     def exchange(self, prepared: phases.Prepared) -> phases.Exchanged:
@@ -254,11 +259,12 @@ class EmbeddingRoute:
             with tf.control_dependencies(asserts):
                 parts = [tf.identity(part) for part in parts]
         if self.dp_input:
-            route_ids, route_lengths = self._ids_received(parts[0], parts[1], batch,
-                                                          bags_per_route)
+            route_ids, route_lengths, route_weights = self._ids_received(
+                parts[0], parts[1], batch, bags_per_route, facts.weighted)
         else:
-            half = len(parts) // 2
-            route_ids, route_lengths = parts[:half], parts[half:]
+            count = len(facts.weighted)
+            route_ids, route_lengths = parts[:count], parts[count:2 * count]
+            route_weights = parts[2 * count:]
         # the routed ids become the rows each store reads (a tiered shard's cache
         # slots, their rows loaded now: read ahead by a pipeline, the rows are in the
         # cache before the step that looks them up)
@@ -266,7 +272,8 @@ class EmbeddingRoute:
             route_ids[i] = self.stores.get(r.table, r.shard).rows_of(
                 route_ids[i], self.replicas, f"{r.feature}_{r.shard}",
                 insert=not facts.inference)
-        return phases.Exchanged(route_ids + route_lengths, all_ended, failure, asserts)
+        return phases.Exchanged(route_ids + route_lengths + route_weights, all_ended, failure,
+                                asserts)
 
     def placeholders(self, bags: dict) -> list:
         """Zeros shaped like the outputs: a read-ahead's forward stops at this layer, and
@@ -279,35 +286,40 @@ class EmbeddingRoute:
                            else tf.cast(zeros, self.compute_dtype))
         return outputs
 
-    def _shard_ids(self, bag: Bags, route: RouteEntry) -> tuple[tf.Tensor, tf.Tensor]:
+    def _shard_ids(self, bag: Bags, route: RouteEntry) -> tuple:
         """The route's ids (relative to its shard) and the number of them in each bag,
-        as its table's kind owns rows (``sharding/ownership.py``)."""
+        as its table's kind owns rows (``sharding/ownership.py``), and their weights
+        where the feature has them (a third value)."""
         return ownership_of(self.plan.tables[route.table].kind).shard_ids(
-            bag.values, bag.lengths, route, self.mesh.model_parallel)
+            bag.values, bag.lengths, route, self.mesh.model_parallel, bag.weights)
 
     def _ids_payload(self, bags: dict) -> tuple[tf.Tensor, tf.Tensor]:
         """dp_input=True, stage 2's payload: to each position of the model group, the bag
-        lengths and then the ids of its routes, in one buffer, and each one's size."""
+        lengths, the ids and the weights (of weighted features) of its routes, in one
+        buffer, and each one's size."""
         wire = self.wire_id_dtype
-        # to each position, [lengths of its routes | ids of its routes]
+        # to each position, [lengths of its routes | ids of its routes | weights of its
+        # weighted routes, float32 bits as ints: one alltoall carries them all, exactly]
         payloads, sizes = [], []
         for routes in self.routes:
-            lengths, values = [], []
+            lengths, values, weights = [], [], []
             for r in routes:
-                owner_ids, bag_lengths = self._shard_ids(bags[r.feature], r)
+                owner_ids, bag_lengths, *owner_weights = self._shard_ids(bags[r.feature], r)
                 lengths.append(tf.cast(bag_lengths, wire))
                 values.append(tf.cast(owner_ids, wire))
-            payload = tf.concat(lengths + values, 0) if routes else tf.zeros([0], wire)
+                weights += [tf.cast(tf.bitcast(w, tf.int32), wire) for w in owner_weights]
+            payload = (tf.concat(lengths + values + weights, 0) if routes
+                       else tf.zeros([0], wire))
             payloads.append(payload)
             sizes.append(tf.size(payload, out_type=tf.int32))
         return tf.concat(payloads, 0), tf.stack(sizes)
 
     def _ids_received(self, payload: tf.Tensor, sizes: tf.Tensor, batch,
-                      bags_per_route: tuple) -> tuple[list, list]:
+                      bags_per_route: tuple, weighted: tuple) -> tuple[list, list, list]:
         """dp_input=True, stage 3: every rank sends each owner the ids of its routes
         (:meth:`_ids_payload`). Returns, for each route this position owns (of
         ``bags_per_route`` bags per sample), the ids and bag lengths of all M ranks'
-        samples, in rank order."""
+        samples, in rank order, and the weights of the ``weighted`` ones."""
         mesh = self.mesh
         group = mesh.model_parallel
         received, received_sizes = collectives.alltoall(
@@ -316,17 +328,32 @@ class EmbeddingRoute:
         header = batch * sum(bags_per_route)
         route_lengths = [[] for _ in mine]
         route_ids = [[] for _ in mine]
+        route_weights = [[] for _ in mine]
+        with_weights = [i for i, w in enumerate(weighted) if w]
         for chunk in tf.split(received, received_sizes, num=group):
             head = tf.cast(chunk[:header], tf.int64)
             lengths = tf.split(head, [batch * k for k in bags_per_route], num=len(mine)) \
                 if mine else []
-            counts = tf.stack([tf.reduce_sum(x) for x in lengths]) if mine else None
-            ids = tf.split(chunk[header:], counts, num=len(mine)) if mine else []
+            counts = [tf.reduce_sum(x) for x in lengths]
+            if not mine:
+                continue
+            if with_weights:
+                total = tf.add_n(counts)
+                body = chunk[header:header + total]
+                bits = tf.split(tf.cast(chunk[header + total:], tf.int32),
+                                tf.stack([counts[i] for i in with_weights]),
+                                num=len(with_weights))
+                for i, b in zip(with_weights, bits):
+                    route_weights[i].append(tf.bitcast(b, tf.float32))
+            else:
+                body = chunk[header:]
+            ids = tf.split(body, tf.stack(counts), num=len(mine))
             for i in range(len(mine)):
                 route_lengths[i].append(lengths[i])
                 route_ids[i].append(ids[i])
         return ([tf.cast(tf.concat(x, 0), tf.int64) for x in route_ids],
-                [tf.concat(x, 0) for x in route_lengths])
+                [tf.concat(x, 0) for x in route_lengths],
+                [tf.concat(route_weights[i], 0) for i in with_weights])
 
     def look_up_and_return(self, bags: dict, batch, routed: list, pipeline_step=None
                            ) -> dict:
@@ -339,15 +366,21 @@ class EmbeddingRoute:
         mesh = self.mesh
         group = mesh.model_parallel
         mine = self.routes[mesh.model_position]
-        route_ids, route_lengths = routed[:len(mine)], routed[len(mine):]
+        route_ids, route_lengths = routed[:len(mine)], routed[len(mine):2 * len(mine)]
+        received_weights = iter(routed[2 * len(mine):])
 
-        # 4. owner: look up and sum the bags of all M ranks of the model group
+        # 4. owner: look up and sum the bags of all M ranks of the model group (each row
+        # times its weight in weighted bags)
         sums = []
         for i, r in enumerate(mine):
-            summed = self.stores.lookup(r.table, r.shard, route_ids[i], route_lengths[i])
-            if not self.dp_input and self.tables[r.table].combiner == "mean":
+            bag = bags[r.feature]
+            weights = None if bag.weights is None else next(received_weights)
+            summed = self.stores.lookup(r.table, r.shard, route_ids[i], route_lengths[i],
+                                        weights=weights)
+            if not self.dp_input and bag.combiner in ("mean", "sqrtn"):
                 # only the owner sees whole bags here (a row shard's ids are a part)
-                summed = bag_means(summed, bags[r.feature].lengths)
+                summed = combined_bags(summed, bag.combiner, bag.lengths, bag.weights,
+                                       bag.denominators)
             sums.append(tf.reshape(summed, [group, -1]))   # [source, bags * width]
         if group == 1:
             return self._kept_here(mine, sums)
@@ -458,8 +491,10 @@ class EmbeddingRoute:
         return partials
 
     def finish(self, bag, summed):
-        if bag.combiner == "mean":
-            summed = bag_means(summed, bag.lengths)
+        if bag.combiner in ("mean", "sqrtn"):
+            # whole bags are here: the weighted sums of every shard are added up
+            summed = combined_bags(summed, bag.combiner, bag.lengths, bag.weights,
+                                   bag.denominators)
         if bag.out_shape is not None:
             # the batch, not -1: with zero hotness the size says nothing about it
             summed = tf.reshape(summed, [bag.batch, bag.out_shape, summed.shape[-1]])

@@ -45,7 +45,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals
 from tfhybrid import collectives
-from tfhybrid.combiners import COMBINERS, bag_means
+from tfhybrid.combiners import COMBINERS, combined_bags
 from tfhybrid import custom_ops
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.dynamic.saved import KEYED_ENTRIES
@@ -132,9 +132,9 @@ class TableStore(Protocol):
 
     def lookup(self, ids: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
                weights: tf.Tensor | None = None) -> tf.Tensor:
-        """[bags, width]: each bag's rows (``lengths`` ids each) combined by
-        ``combiner`` (:data:`COMBINERS`; an empty bag is zeros). ``weights`` (per-id
-        weights) is refused by every kind today (``combined``)."""
+        """[bags, width]: each bag's rows (``lengths`` ids each), each times its weight
+        where ``weights`` (one per id) are given, combined by ``combiner``
+        (:data:`COMBINERS`; an empty bag is zeros)."""
 
     def read_rows(self, start: int, stop: int) -> Any: ...
 
@@ -146,21 +146,22 @@ class TableStore(Protocol):
         """Its counters (a cache's hits and misses); {} where it keeps none."""
 
 
-def combined(bag_sums: Callable[[tf.Tensor, tf.Tensor], tf.Tensor], ids: tf.Tensor,
-             lengths: tf.Tensor, combiner: str, weights: tf.Tensor | None,
-             table_name: str) -> tf.Tensor:
-    """A store's ``lookup`` from its ``bag_sums(ids, lengths)``: the one rule of the
-    combiners for every kind (``"mean"``: the sum over the bag's length, zeros for an
-    empty bag). ``ValueError`` names an unknown combiner or per-id weights, which no
-    kind takes yet."""
+def combined(bag_sums: Callable[..., tf.Tensor], ids: tf.Tensor, lengths: tf.Tensor,
+             combiner: str, weights: tf.Tensor | None, table_name: str) -> tf.Tensor:
+    """A store's ``lookup`` from its ``bag_sums(ids, lengths, weights)`` (weighted
+    sums): the one rule of the combiners for every kind (``tfhybrid.combiners``: zeros
+    for an empty bag). ``ValueError`` names an unknown combiner."""
     if combiner not in COMBINERS:
         raise ValueError(f"table {table_name!r}: combiner={combiner!r} is unknown to its "
                          f"store; expected one of {COMBINERS}")
-    if weights is not None:
-        raise ValueError(f"table {table_name!r}: its store takes no per-id weights yet; "
-                         "got weights, expected weights=None")
-    sums = bag_sums(ids, lengths)
-    return bag_means(sums, lengths) if combiner == "mean" else sums
+    return combined_bags(bag_sums(ids, lengths, weights), combiner, lengths, weights)
+
+
+def _ragged_weights(weights: tf.Tensor | None, lengths: tf.Tensor) -> Any:
+    """Per-id weights as the bags' ragged weights (None stays None)."""
+    if weights is None:
+        return None
+    return tf.RaggedTensor.from_row_lengths(weights, lengths, validate=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,12 +233,14 @@ class KernelTable:
                weights: tf.Tensor | None = None) -> tf.Tensor:
         return combined(self._bag_sums, ids, lengths, combiner, weights, self._table_name)
 
-    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor, weights: Any = None
+                  ) -> tf.Tensor:
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
         # use_custom_kernel=True: the C++ op where it is built (else pure TF)
         return custom_ops.embedding_lookup_combine(
             self._storage, ragged, combiner="sum", table_name=self._table_name,
-            use_custom_op=None if self._use_custom_kernel else False)
+            use_custom_op=None if self._use_custom_kernel else False,
+            weights=_ragged_weights(weights, lengths))
 
     def read_rows(self, start: int, stop: int) -> tf.Tensor:
         # a gather reads only the rows; a dense read of a variable that saw sparse
@@ -292,9 +295,10 @@ class FiitedPool:
                weights: tf.Tensor | None = None) -> tf.Tensor:
         return combined(self._bag_sums, ids, lengths, combiner, weights, self._table.name)
 
-    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor, weights: Any = None
+                  ) -> tf.Tensor:
         return self._table.lookup_combine(
-            tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False))
+            tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False), "sum", weights)
 
     def read_rows(self, start: int, stop: int) -> tf.Tensor:
         return tf.convert_to_tensor(self._table.read_rows(start, stop))
@@ -383,13 +387,15 @@ class TieredCache:
                weights: tf.Tensor | None = None) -> tf.Tensor:
         return combined(self._bag_sums, slots, lengths, combiner, weights, self._table_name)
 
-    def _bag_sums(self, slots: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def _bag_sums(self, slots: tf.Tensor, lengths: tf.Tensor, weights: Any = None
+                  ) -> tf.Tensor:
         ragged = tf.RaggedTensor.from_row_lengths(slots, lengths, validate=False)
         if self._chunked is not None:
-            return self._chunked.lookup_combine(ragged)
+            return self._chunked.lookup_combine(ragged, "sum", weights)
         return custom_ops.embedding_lookup_combine(
             self.variable, ragged, combiner="sum", table_name=self._table_name,
-            use_custom_op=None if self._use_custom_kernel else False)
+            use_custom_op=None if self._use_custom_kernel else False,
+            weights=_ragged_weights(weights, lengths))
 
     def read_rows(self, start: int, stop: int) -> Any:
         return self._tier.read_rows(start, stop)
@@ -462,8 +468,11 @@ class DynamicShard:
 
     def lookup(self, slots: tf.Tensor, lengths: tf.Tensor, combiner: str = "sum",
                weights: tf.Tensor | None = None) -> tf.Tensor:
-        return combined(self._table.lookup, slots, lengths, combiner, weights,
-                        self._table_name)
+        if combiner not in COMBINERS:
+            raise ValueError(f"table {self._table_name!r}: combiner={combiner!r} is unknown "
+                             f"to its store; expected one of {COMBINERS}")
+        # the table combines itself: a key without a slot still counts in its bag
+        return self._table.lookup(slots, lengths, combiner, weights)
 
     def read_rows(self, start: int, stop: int) -> tf.Tensor:
         """The rows of slots [start, stop): a whole-table read gives a dynamic table's
@@ -507,7 +516,13 @@ class CustomLayerTable(KernelTable):
         self._layer = layer
         self._combiner = combiner
 
-    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    def _bag_sums(self, ids: tf.Tensor, lengths: tf.Tensor, weights: Any = None
+                  ) -> tf.Tensor:
+        if weights is not None:
+            # the user's layer gives rows; the weighted sum is TF's
+            rows = tf.cast(self._layer(ids), tf.float32) * tf.cast(weights, tf.float32)[:, None]
+            return tf.math.unsorted_segment_sum(rows, tf.ragged.row_splits_to_segment_ids(
+                tf.concat([[0], tf.cumsum(tf.cast(lengths, tf.int64))], 0)), tf.size(lengths))
         # without a combiner every bag is one id (checked when the layer is built)
         ragged = tf.RaggedTensor.from_row_lengths(ids, lengths, validate=False)
         return tf.cast(self._layer(ragged if self._combiner else ids), tf.float32)
@@ -675,9 +690,10 @@ class StoreSet:
         return iter(self._stores.items())
 
     def lookup(self, table: int, shard: int, ids: tf.Tensor, lengths: tf.Tensor,
-               combiner: str = "sum") -> tf.Tensor:
-        """Each bag's rows of one table or shard held here, combined."""
-        return self._stores[(table, shard)].lookup(ids, lengths, combiner)
+               combiner: str = "sum", weights: tf.Tensor | None = None) -> tf.Tensor:
+        """Each bag's rows of one table or shard held here (each times its weight
+        where ``weights`` are given), combined."""
+        return self._stores[(table, shard)].lookup(ids, lengths, combiner, weights)
 
 
 def _in_disk_tier(spec: TableSpec) -> str:

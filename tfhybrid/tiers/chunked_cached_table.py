@@ -108,21 +108,24 @@ class ChunkedCachedTable(ChunkOptions, CachedTable):
                                                    table_name=self.name,
                                                    use_custom_op=self.use_custom_op)
 
-    def lookup_combine(self, slots: Any, combiner: str = "sum") -> tf.Tensor:
+    def lookup_combine(self, slots: Any, combiner: str = "sum", weights: Any = None
+                       ) -> tf.Tensor:
         """:meth:`tfhybrid.fiited.ChunkedTable.lookup_combine` on cache ``slots``: the
         same bags through the dense fused kernel (zeros past a row's chunks add nothing)
         or the pool's pure-TF path."""
         fused = custom_ops.custom_op_used(self.use_custom_op, self.cache)
         return combine_bags(slots, combiner, self._gather,
-                            self._fused_sums if fused else None)
+                            self._fused_sums if fused else None, weights)
 
     def _gather(self, slots: tf.Tensor) -> tf.Tensor:
         return tf.gather(self.cache, slots)
 
-    def _fused_sums(self, flat: tf.Tensor, splits: tf.Tensor) -> tf.Tensor:
+    def _fused_sums(self, flat: tf.Tensor, splits: tf.Tensor, weights: Any = None
+                    ) -> tf.Tensor:
         bags = tf.RaggedTensor.from_row_splits(flat, splits, validate=False)
-        return custom_ops.embedding_lookup_combine(self.cache, bags, combiner="sum",
-                                                   table_name=self.name, use_custom_op=True)
+        return custom_ops.embedding_lookup_combine(
+            self.cache, bags, combiner="sum", table_name=self.name, use_custom_op=True,
+            weights=None if weights is None else bags.with_flat_values(weights))
 
     # ------------------------------------------------------------------ training
     def apply(self, slots: Any, grad: Any, learning_rate: float, epsilon: float = 1e-8,

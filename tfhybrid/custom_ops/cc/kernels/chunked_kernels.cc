@@ -147,6 +147,10 @@ class ChunkedEmbeddingLookupCombineOp : public OpKernel {
     const int64* splits = splits_t.flat<int64>().data();
     OP_REQUIRES_OK(ctx, ValidateRowSplits(splits, num_splits, n, table_name_));
     const int64 bags = num_splits - 1;
+    Combiner combiner = Combiner::kSum;
+    const float* weights = nullptr;
+    OP_REQUIRES_OK(ctx, ReadIdWeights(ctx->input(4), n, Combiner::kSum, table_name_, &combiner,
+                                      &weights));
     Tensor* out_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({bags, dim_}), &out_t));
     float* out = out_t->flat<float>().data();
@@ -178,7 +182,13 @@ class ChunkedEmbeddingLookupCombineOp : public OpKernel {
           }
           const auto r = run(p);
           const float* src = r.first;
-          for (int64 d = 0; d < r.second; ++d) o[d] += src[d];
+          if (weights == nullptr) {
+            for (int64 d = 0; d < r.second; ++d) o[d] += src[d];
+          } else {
+            // the row times its weight, then the add: the dense kernels' rounding
+            const float w = weights[p];
+            for (int64 d = 0; d < r.second; ++d) o[d] += src[d] * w;
+          }
         }
       }
     });

@@ -404,6 +404,36 @@ inline Status MapPositionsToGradRows(Combiner combiner, const Tensor& splits_t, 
   return OkStatus();
 }
 
+// A lookup's (or its backward's) per-id weights input: empty (no weights: `combiner` as
+// it is) or one float32 per id, which only combiner 'sum' takes (a weighted mean or
+// sqrtn is the weighted sum divided afterwards, by the caller that sees whole bags).
+// Sets the combiner the kernels run (kWeighted with weights) and the weights (nullptr).
+inline Status ReadIdWeights(const Tensor& weights_t, int64 nnz, Combiner combiner,
+                            const std::string& table_name, Combiner* run,
+                            const float** weights) {
+  if (!TensorShapeUtils::IsVector(weights_t.shape())) {
+    return errors::InvalidArgument("embedding table '", table_name, "': weights must be 1-D, got ",
+                                   weights_t.shape().DebugString());
+  }
+  *run = combiner;
+  *weights = nullptr;
+  if (weights_t.NumElements() == 0 && nnz != 0) return OkStatus();
+  if (weights_t.NumElements() != nnz) {
+    return errors::InvalidArgument("embedding table '", table_name, "': got ",
+                                   weights_t.NumElements(), " weights, expected ", nnz,
+                                   " (one per id) or none");
+  }
+  if (nnz == 0) return OkStatus();
+  if (combiner != Combiner::kSum) {
+    return errors::InvalidArgument("embedding table '", table_name,
+                                   "': per-id weights need combiner 'sum' (a weighted mean or "
+                                   "sqrtn divides the weighted sums afterwards)");
+  }
+  *run = Combiner::kWeighted;
+  *weights = weights_t.flat<float>().data();
+  return OkStatus();
+}
+
 template <typename Tidx>
 inline Status IdOutOfRangeError(const std::string& table_name, const Tidx* ids, int64 pos,
                                 int64 num_rows) {

@@ -85,6 +85,10 @@ void LookupCombineCompute(OpKernelContext* ctx, const Tensor& params, const std:
   const int64 R = params.dim_size(0);
   const int64 D = params.dim_size(1);
   const int64 nnz = ids_t.NumElements();
+  const float* weights = nullptr;
+  Combiner run = combiner;
+  OP_REQUIRES_OK(ctx, ReadIdWeights(ctx->input(3), nnz, combiner, table_name, &run, &weights));
+  (void)run;  // the forward needs only the weights
   const Tidx* ids = ids_t.flat<Tidx>().data();
   const T* table = params.flat<T>().data();
   AdviseHugePages(table, static_cast<size_t>(R * D) * sizeof(T));
@@ -119,8 +123,8 @@ void LookupCombineCompute(OpKernelContext* ctx, const Tensor& params, const std:
   T* out = out_t->flat<T>().data();
   if (B == 0 || D == 0) return;
   const int64 avg_bag = std::max<int64>(1, nnz / B);
-  const LookupCombineArgs<T, Tidx, Tsplits> args{table, D, ids, splits,
-                                                 combiner == Combiner::kMean, out, D};
+  const LookupCombineArgs<T, Tidx, Tsplits> args{
+      table, D, ids, splits, combiner == Combiner::kMean, out, D, weights};
   const auto kernel = LookupCombineKernel<T, Tidx, Tsplits>(isa);
   workers->ParallelFor(B, avg_bag * row_cost + D, [&](int64 begin, int64 end) {
     std::vector<float> row_buf;
@@ -320,8 +324,12 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
     const int64 bad = FirstOutOfRange(ids, nnz, R);
     OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name_, ids, bad, R));
 
+    Combiner combiner = combiner_;
+    const float* weights = nullptr;
+    OP_REQUIRES_OK(ctx, ReadIdWeights(ctx->input(4), nnz, combiner_, table_name_, &combiner,
+                                      &weights));
     ScratchHandle scratch;
-    OP_REQUIRES_OK(ctx, MapPositionsToGradRows<Tsplits>(combiner_, splits_t, nnz,
+    OP_REQUIRES_OK(ctx, MapPositionsToGradRows<Tsplits>(combiner, splits_t, nnz,
                                                         grad_t.dim_size(0), table_name_,
                                                         &*scratch));
     GroupById(ids, nnz, R, &*scratch);
@@ -346,10 +354,10 @@ class EmbeddingLookupCombineGradOp : public OpKernel {
     // per table and is read only later by the optimizer, so write-allocating it into the
     // cache costs an extra memory read.
     const GradSegmentsArgs<T> args{
-        combiner_, g.perm.empty() ? nullptr : g.perm.data(), g.seg_start.data(),
+        combiner, g.perm.empty() ? nullptr : g.perm.data(), g.seg_start.data(),
         scratch->sample_of.data(), scratch->inv_count.data(), grad, D, grad_t.dim_size(1),
         rows,
-        std::is_same<T, float>::value && StreamableRows(rows, D * sizeof(float))};
+        std::is_same<T, float>::value && StreamableRows(rows, D * sizeof(float)), weights};
     const auto kernel = GradSegmentsKernel<T>(isa);
     workers->ParallelFor(U, cost, [&](int64 begin, int64 end) {
       std::vector<float> row_buf(D);

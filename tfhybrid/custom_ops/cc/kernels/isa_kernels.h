@@ -42,7 +42,9 @@ KernelIsa BestSupportedKernelIsa();
 // mean the best) or names a level this CPU does not support.
 bool ActiveKernelIsa(KernelIsa* isa, std::string* error);
 
-enum class Combiner { kNone, kSum, kMean };
+// kWeighted: 'sum' with per-id weights (position p's row times weights[p]); the caller
+// divides a weighted mean or sqrtn by its bags' weights (tfhybrid/combiners.py).
+enum class Combiner { kNone, kSum, kMean, kWeighted };
 
 // How far ahead (in ids) the forward prefetches table rows. Measured on the 8 x 1M x 64,
 // Zipf(1.05) forward (2-core EPYC, interleaved in one process): 48 ran 5-10% faster
@@ -62,7 +64,8 @@ inline void PrefetchRowForWrite(const void* p, int64_t bytes) {
 // ---------------------------------------------------------------- forward (sum / mean)
 
 // out[b] = sum (mean: / bag size; an empty bag gives zeros) over p in
-// [splits[b], splits[b + 1]) of table[ids[p]], accumulated in float32 in id order.
+// [splits[b], splits[b + 1]) of table[ids[p]] (times weights[p] when given), accumulated
+// in float32 in id order.
 // Ids must be in range; splits must be valid (the kernel checks both first).
 template <typename T, typename Tidx, typename Tsplits>
 struct LookupCombineArgs {
@@ -73,6 +76,7 @@ struct LookupCombineArgs {
   bool mean;
   T* out;              // [B, out_stride]: bag b's row at out + b * out_stride
   int64_t out_stride;  // >= D; more when several tables write side by side
+  const float* weights = nullptr;  // [nnz] per-id weights (sum only), or none
 };
 
 // Computes bags [begin, end). scratch: D floats (unused when T is float).
@@ -87,7 +91,8 @@ LookupCombineFn<T, Tidx, Tsplits> LookupCombineKernel(KernelIsa isa);
 
 // rows[u] = sum over k in [seg_start[u], seg_start[u + 1]), in k order, of the upstream
 // gradient row that position perm[k] reads (grad[sample_of[p]] x inv_count[sample_of[p]]
-// for mean, grad[sample_of[p]] for sum, grad[p] for none).
+// for mean, grad[sample_of[p]] x weights[p] for weighted, grad[sample_of[p]] for sum,
+// grad[p] for none).
 template <typename T>
 struct GradSegmentsArgs {
   Combiner combiner;
@@ -102,6 +107,7 @@ struct GradSegmentsArgs {
   // T is float and rows are 64-byte multiples at 64-byte aligned addresses: write them
   // with non-temporal stores (x86; elsewhere ignored).
   bool stream;
+  const float* weights = nullptr;  // [nnz] per-id weights (kWeighted)
 };
 
 // Computes rows [begin, end). scratch: D floats.
@@ -135,6 +141,7 @@ struct RowwiseAdagradArgs {
   float* w;                   // [R, D]
   float* v;                   // [R]
   float lr, eps, scale, decay, inv_d;
+  const float* weights = nullptr;  // [N] per-id weights (kWeighted)
 };
 
 // Updates rows [begin, end). scratch: D floats.

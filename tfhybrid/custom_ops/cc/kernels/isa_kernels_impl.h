@@ -221,9 +221,48 @@ void LookupCombineRangeInRegisters(const LookupCombineArgs<float, Tidx, Tsplits>
 }
 #endif  // TFHYBRID_ISA_LEVEL >= 1
 
+// LookupCombineRange with per-id weights: each row times its weight (a multiply, then
+// the add, as the backward scales), summed in id order.
+template <typename T, typename Tidx, typename Tsplits>
+void LookupCombineWeightedRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t begin,
+                                int64_t end, float* scratch) {
+  const T* __restrict table = a.table;
+  const Tidx* __restrict ids = a.ids;
+  const float* __restrict weights = a.weights;
+  const int64_t D = a.D;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  auto row = [&](int64_t p) { return table + static_cast<int64_t>(ids[p]) * D; };
+  const int64_t prefetch_end = static_cast<int64_t>(a.splits[end]);
+  const int64_t first = static_cast<int64_t>(a.splits[begin]);
+  for (int64_t p = first; p < std::min(first + kPrefetchDistance, prefetch_end); ++p)
+    PrefetchRow(row(p), row_bytes);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t s = static_cast<int64_t>(a.splits[b]);
+    const int64_t e = static_cast<int64_t>(a.splits[b + 1]);
+    float* __restrict acc;
+    if constexpr (std::is_same<T, float>::value) {
+      acc = a.out + b * a.out_stride;
+    } else {
+      acc = scratch;
+    }
+    if (s == e) {
+      std::fill(acc, acc + D, 0.0f);
+    } else {
+      if (s + kPrefetchDistance < prefetch_end) PrefetchRow(row(s + kPrefetchDistance), row_bytes);
+      RowInto<RowOp::kSetScaled>(row(s), weights[s], acc, D);
+      for (int64_t p = s + 1; p < e; ++p) {
+        if (p + kPrefetchDistance < prefetch_end) PrefetchRow(row(p + kPrefetchDistance), row_bytes);
+        RowInto<RowOp::kAddScaled>(row(p), weights[p], acc, D);
+      }
+    }
+    if constexpr (!std::is_same<T, float>::value) FromFloats(acc, a.out + b * a.out_stride, D);
+  }
+}
+
 template <typename T, typename Tidx, typename Tsplits>
 void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t begin,
                         int64_t end, float* scratch) {
+  if (a.weights != nullptr) return LookupCombineWeightedRange(a, begin, end, scratch);
 #if TFHYBRID_ISA_LEVEL >= 1
   if constexpr (std::is_same<T, float>::value) {
     if (a.D > 0 && a.D % kVecLanes == 0) {
@@ -291,6 +330,9 @@ inline void WithCombiner(Combiner c, Fn fn) {
     case Combiner::kMean:
       fn(std::integral_constant<Combiner, Combiner::kMean>());
       break;
+    case Combiner::kWeighted:
+      fn(std::integral_constant<Combiner, Combiner::kWeighted>());
+      break;
   }
 }
 
@@ -310,7 +352,8 @@ inline int64_t SourceRow(const uint32_t* perm, const int32_t* sample_of, int64_t
 template <Combiner C>
 inline void SumSegmentInRegisters(const float* grad, int64_t D, int64_t ld,
                                   const uint32_t* perm, const int32_t* sample_of,
-                                  const float* inv_count, int64_t ks, int64_t ke,
+                                  const float* inv_count, const float* weights,
+                                  int64_t ks, int64_t ke,
                                   int64_t ahead, int64_t prefetch_end, float* __restrict acc) {
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
   ForEachStrip(D, [&](int64_t column, auto strip) {
@@ -325,8 +368,9 @@ inline void SumSegmentInRegisters(const float* grad, int64_t D, int64_t ld,
       const int64_t r = SourceRow<C>(perm, sample_of, k);
       const float* __restrict src = grad + r * ld + column;
       for (int i = 0; i < kVecs; ++i) x[i] = VecLoad(src + i * kVecLanes);
-      if (C == Combiner::kMean) {
-        const FloatVec scale = VecSet(inv_count[r]);
+      if (C == Combiner::kMean || C == Combiner::kWeighted) {
+        const FloatVec scale = VecSet(C == Combiner::kMean ? inv_count[r]
+                                                           : weights[perm ? perm[k] : k]);
         for (int i = 0; i < kVecs; ++i) x[i] = VecMul(x[i], scale);
       }
     };
@@ -342,19 +386,20 @@ inline void SumSegmentInRegisters(const float* grad, int64_t D, int64_t ld,
 #endif  // TFHYBRID_ISA_LEVEL >= 1
 
 // acc[0, D) = sum over k in [ks, ke), in k order, of the gradient row k reads (row r
-// at grad + r * ld; scaled by its bag's inv_count for kMean): the one summation of
+// at grad + r * ld; scaled by its bag's inv_count for kMean, by its position's weight
+// for kWeighted): the one summation of
 // GradSegments and of the fused AdaGrad, so both give bitwise the same row. With
 // ahead > 0 it also prefetches the row of position k + ahead while below prefetch_end.
 template <typename T, Combiner C>
 inline void SumSegment(const T* grad, int64_t D, int64_t ld, const uint32_t* perm,
-                       const int32_t* sample_of, const float* inv_count, int64_t ks,
-                       int64_t ke, int64_t ahead, int64_t prefetch_end,
-                       float* __restrict acc) {
+                       const int32_t* sample_of, const float* inv_count,
+                       const float* weights, int64_t ks, int64_t ke, int64_t ahead,
+                       int64_t prefetch_end, float* __restrict acc) {
 #if TFHYBRID_ISA_LEVEL >= 1
   if constexpr (std::is_same<T, float>::value) {
     if (D > 0 && D % kVecLanes == 0 && ks < ke) {
-      return SumSegmentInRegisters<C>(grad, D, ld, perm, sample_of, inv_count, ks, ke, ahead,
-                                      prefetch_end, acc);
+      return SumSegmentInRegisters<C>(grad, D, ld, perm, sample_of, inv_count, weights, ks,
+                                      ke, ahead, prefetch_end, acc);
     }
   }
 #endif
@@ -363,11 +408,12 @@ inline void SumSegment(const T* grad, int64_t D, int64_t ld, const uint32_t* per
       PrefetchRow(grad + SourceRow<C>(perm, sample_of, k + ahead) * ld, D * sizeof(T));
     const int64_t r = SourceRow<C>(perm, sample_of, k);
     const T* __restrict src = grad + r * ld;
-    if (C == Combiner::kMean) {
+    if (C == Combiner::kMean || C == Combiner::kWeighted) {
+      const float scale = C == Combiner::kMean ? inv_count[r] : weights[perm ? perm[k] : k];
       if (k == ks) {
-        RowInto<RowOp::kSetScaled>(src, inv_count[r], acc, D);
+        RowInto<RowOp::kSetScaled>(src, scale, acc, D);
       } else {
-        RowInto<RowOp::kAddScaled>(src, inv_count[r], acc, D);
+        RowInto<RowOp::kAddScaled>(src, scale, acc, D);
       }
     } else if (k == ks) {
       RowInto<RowOp::kSet>(src, 1.0f, acc, D);
@@ -393,7 +439,7 @@ void GradSegmentsRangeFor(const GradSegmentsArgs<T>& a, int64_t begin, int64_t e
     if constexpr (std::is_same<T, float>::value) {
       if (!stream) acc = a.rows + u * D;
     }
-    SumSegment<T, C>(a.grad, D, a.grad_stride, a.perm, a.sample_of, a.inv_count,
+    SumSegment<T, C>(a.grad, D, a.grad_stride, a.perm, a.sample_of, a.inv_count, a.weights,
                      a.seg_start[u], a.seg_start[u + 1], kAhead, k_end, acc);
     if constexpr (std::is_same<T, float>::value) {
       if (stream) StreamRow(a.rows + u * D, acc, D);
@@ -443,8 +489,8 @@ void RowwiseAdagradRangeFor(const RowwiseAdagradArgs<Tgrad>& a, int64_t begin, i
       PrefetchRowForWrite(w + next * D, D * sizeof(float));
       __builtin_prefetch(v + next, 1, 3);
     }
-    SumSegment<Tgrad, C>(grad, D, a.grad_stride, a.perm, a.sample_of, a.inv_count, seg[u],
-                         seg[u + 1], kGradPrefetch, seg[end], acc);
+    SumSegment<Tgrad, C>(grad, D, a.grad_stride, a.perm, a.sample_of, a.inv_count,
+                         a.weights, seg[u], seg[u + 1], kGradPrefetch, seg[end], acc);
     const int64_t row = uniq[u];
     const float vi = v[row] + SumSquares(acc, D) * a.inv_d;
     v[row] = vi;

@@ -95,7 +95,7 @@ template <typename Tgrad>
 void ApplyRowwiseAdagrad(OpKernelContext* ctx, KernelIsa isa, RowwiseState* state,
                          const Grouping& g, int64 num_positions, Combiner combiner,
                          const int32_t* sample_of, const float* inv_count, const Tgrad* grad,
-                         int64 grad_stride) {
+                         int64 grad_stride, const float* weights = nullptr) {
   const int64 D = state->var.dim_size(1);
   const int64 U = g.num_unique();
   if (U == 0 || D == 0) return;
@@ -118,7 +118,8 @@ void ApplyRowwiseAdagrad(OpKernelContext* ctx, KernelIsa isa, RowwiseState* stat
                                        state->eps,
                                        state->scale,
                                        wd > 0.0f ? lr * wd : 0.0f,
-                                       1.0f / static_cast<float>(D)};
+                                       1.0f / static_cast<float>(D),
+                                       weights};
   const auto kernel = RowwiseAdagradKernel<Tgrad>(isa);
   const int64 avg_seg = std::max<int64>(1, num_positions / U);
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
@@ -211,16 +212,20 @@ class EmbeddingLookupCombineGradRowwiseAdagradOp : public OpKernel {
       const Tidx* ids = ids_t.flat<Tidx>().data();
       const int64 bad = FirstOutOfRange(ids, nnz, R);
       OP_REQUIRES(ctx, bad < 0, IdOutOfRangeError(table_name_, ids, bad, R));
+      Combiner combiner = combiner_;
+      const float* weights = nullptr;
+      OP_REQUIRES_OK(ctx, ReadIdWeights(ctx->input(9), nnz, combiner_, table_name_, &combiner,
+                                        &weights));
       ScratchHandle scratch;
-      OP_REQUIRES_OK(ctx, MapPositionsToGradRows<Tsplits>(combiner_, ctx->input(4), nnz,
+      OP_REQUIRES_OK(ctx, MapPositionsToGradRows<Tsplits>(combiner, ctx->input(4), nnz,
                                                           grad_t.dim_size(0), table_name_,
                                                           &*scratch));
       if (nnz == 0) return;
       GroupById(ids, nnz, R, &*scratch);
-      ApplyRowwiseAdagrad<float>(ctx, isa, &state, scratch->g, nnz, combiner_,
+      ApplyRowwiseAdagrad<float>(ctx, isa, &state, scratch->g, nnz, combiner,
                                  scratch->sample_of.data(), scratch->inv_count.data(),
                                  grad_t.flat<float>().data() + first_column,
-                                 grad_t.dim_size(1));
+                                 grad_t.dim_size(1), weights);
     });
   }
 

@@ -70,6 +70,7 @@ REGISTER_OP("EmbeddingLookupCombine")
     .Input("params: T")
     .Input("ids: Tindices")
     .Input("row_splits: Tsplits")
+    .Input("weights: float")
     .Output("output: T")
     .Attr("T: {float, half, bfloat16}")
     TFHYBRID_LOOKUP_ATTRS
@@ -82,6 +83,8 @@ Fused embedding lookup + per-bag combine on CPU.
 params: [R, D] embedding table.
 ids: [nnz] row ids, every id must be in [0, R).
 row_splits: [B + 1] bag boundaries (ragged row_splits); ignored for combiner='none'.
+weights: [] (none) or [nnz] per-id weights, combiner 'sum' only: bag b is then the sum of
+  weights[p] * params[ids[p]] (a weighted mean or sqrtn divides it afterwards).
 output: combiner 'sum'/'mean' -> [B, D] (mean of an empty bag is 0);
   combiner 'none' -> [nnz, D] (plain gather).
 table_name: used in error messages.
@@ -91,6 +94,7 @@ REGISTER_OP("ResourceEmbeddingLookupCombine")
     .Input("params: resource")
     .Input("ids: Tindices")
     .Input("row_splits: Tsplits")
+    .Input("weights: float")
     .Output("output: dtype")
     .Attr("dtype: {float, half, bfloat16}")
     TFHYBRID_LOOKUP_ATTRS
@@ -161,6 +165,7 @@ REGISTER_OP("EmbeddingLookupCombineGrad")
     .Input("ids: Tindices")
     .Input("row_splits: Tsplits")
     .Input("num_rows: int64")
+    .Input("weights: float")
     .Output("unique_ids: Tindices")
     .Output("grad_rows: T")
     .Attr("T: {float, half, bfloat16}")
@@ -188,7 +193,9 @@ grad: [B, D] for 'sum'/'mean', [nnz, D] for 'none'; with grad_columns [begin, en
 unique_ids: [U] distinct ids, sorted ascending.
 grad_rows: [U, D]; row u is the sum over the positions p with ids[p] == unique_ids[u]
   (in increasing p) of the upstream gradient of p's bag (divided by the bag size for
-  'mean'). Accumulated in float32; deterministic for any thread count.
+  'mean', times weights[p] with weights). Accumulated in float32; deterministic for any
+  thread count.
+weights: the lookup's per-id weights ([] for none).
 )doc");
 
 REGISTER_OP("RowwiseAdagradApply")
@@ -242,6 +249,7 @@ REGISTER_OP("EmbeddingLookupCombineGradRowwiseAdagrad")
     .Input("epsilon: float")
     .Input("scale: float")
     .Input("weight_decay: float")
+    .Input("weights: float")
     TFHYBRID_LOOKUP_ATTRS
     TFHYBRID_GRAD_COLUMNS_ATTR
     .SetIsStateful()
@@ -263,6 +271,7 @@ are summed straight into the update instead of being written out and read back.
 var: float32 [R, D] resource (the looked-up table); accum: float32 [R] resource.
 grad: float32 [B, D] for 'sum'/'mean' (the lookup's upstream gradient), [nnz, D] for
   'none'; with grad_columns, the window read as in EmbeddingLookupCombineGrad.
+weights: the lookup's per-id weights ([] for none).
 )doc");
 
 REGISTER_OP("ChunkedEmbeddingLookup")
@@ -294,6 +303,7 @@ REGISTER_OP("ChunkedEmbeddingLookupCombine")
     .Input("row_offsets: int32")
     .Input("ids: Tindices")
     .Input("row_splits: int64")
+    .Input("weights: float")
     .Output("sums: float")
     .Attr("Tindices: {int32, int64}")
     .Attr("dim: int >= 1")
