@@ -10,6 +10,8 @@ The public surface is small on purpose, like Horovod's:
 - ``tfhybrid.optimizers`` holds the row-wise AdaGrad optimizers;
 - ``tfhybrid.TrainPipeline`` sends the next batch's ids while a step computes.
 - ``tfhybrid.compression.DCT`` turns on DCT's thresholded communication (both halves).
+- ``tfhybrid.serving`` exports a stock SavedModel with tables in a Redis Cluster and
+  serves it (``export``, ``Predictor``, ``PublishDeltas``, ``RedisStore``).
 - ``tfhybrid.keras_rs.DistributedEmbedding`` is keras-rs's layer with its tables on the mesh.
 
 Attributes load lazily, so ``import tfhybrid.plan`` pulls in neither TensorFlow nor
@@ -75,7 +77,7 @@ _LAZY_ATTRIBUTES = {
     "_dp_to_mp_input": "tfhybrid.layers.distributed_embedding",
 }
 _LAZY_SUBMODULES = {"layers", "optimizers", "planner", "custom_ops", "callbacks", "train",
-                    "compression", "keras_rs"}
+                    "compression", "keras_rs", "serving"}
 
 __all__ = (sorted(n for n in _LAZY_ATTRIBUTES if not n.startswith("_")) + sorted(_LAZY_SUBMODULES)
            + ["installed_keras_major", "keras_major"])
