@@ -589,6 +589,36 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
         digest(out, g.indices, g.values,
                co.embedding_lookup_combine(params, ids, None, use_custom_op=True))
 
+    # 3b. per-id weights: weighted sqrtn forward, its gradient, and the fused backward +
+    #     AdaGrad of a weighted sum, D = 64 (register strips) and 37 (tails)
+    rng = np.random.default_rng(5)
+    for D in (64, 37):
+        lengths = rng.integers(0, 9, 500)
+        ids = tf.RaggedTensor.from_row_lengths(rng.integers(0, 800, lengths.sum()), lengths)
+        weights = ids.with_flat_values(tf.constant(rng.uniform(0.1, 2, lengths.sum()),
+                                                   tf.float32))
+        table = tf.Variable(rng.normal(0, 1, (800, D)).astype(np.float32))
+        accum = tf.Variable(tf.zeros([800]))
+        up = tf.constant(rng.normal(0, 1, (500, D)).astype(np.float32))
+
+        @tf.function
+        def weighted_step():
+            with tf.GradientTape() as tape:
+                out = co.embedding_lookup_combine(table, ids, "sum", use_custom_op=True,
+                                                  weights=weights)
+                loss = tf.reduce_sum(out * up)
+            g = tape.gradient(loss, table)
+            co.rowwise_adagrad_apply(table, accum, g.indices, g.values, 0.05, 1e-6,
+                                     use_custom_op=True)
+            return out
+
+        with tf.GradientTape() as tape:
+            out = co.embedding_lookup_combine(table, ids, "sqrtn", use_custom_op=True,
+                                              weights=weights)
+            loss = tf.reduce_sum(out * up)
+        g = tape.gradient(loss, table)
+        digest(out, g.indices, g.values, weighted_step(), table, accum)
+
     # 4. table-batched bags and each table's fused backward + AdaGrad reading its columns
     #    of the shared upstream gradient. Widths: 64 and 16 one register strip, 37 a
     #    tail, 144 strips of 8 + 1 (AVX-512) or 8 + 8 + 2 (AVX2), 24 whole vectors at AVX2
@@ -864,6 +894,110 @@ class CachedChunkedAdagradTest(tf.test.TestCase):
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
                                     r"dim 8 is not a multiple of chunk_dim 3"):
             self._apply(cache, accum, utility, [0], [1, 1, 1], [0, 1, 2], chunk_dim=3)
+
+
+def np_weighted(params, bags, weights, combiner):
+    """tf.nn.embedding_lookup_sparse's weighted combiners, bag by bag, in float64."""
+    out = np.zeros((len(bags), params.shape[1]))
+    for b, (bag, w) in enumerate(zip(bags, weights)):
+        denominator = {"sum": 1.0, "mean": sum(w), "sqrtn": np.sqrt(sum(x * x for x in w))}
+        for i, x in zip(bag, w):
+            out[b] += x * params[i].astype(np.float64)
+        if bag and denominator[combiner]:
+            out[b] /= denominator[combiner]
+        elif bag:
+            out[b] = 0
+    return out
+
+
+class WeightedLookupTest(tf.test.TestCase):
+    """Per-id weights in the lookup, its backward and the fused backward + AdaGrad:
+    against NumPy, and the C++ path against the pure-TF one."""
+
+    def _case(self, width, seed=0):
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(0, 6, 40)
+        bags = [rng.integers(0, 30, n).tolist() for n in lengths]
+        weights = [rng.uniform(-1, 2, n).astype(np.float32).tolist() for n in lengths]
+        table = rng.normal(0, 1, (30, width)).astype(np.float32)
+        return bags, weights, table, rng.normal(0, 1, (40, width)).astype(np.float32)
+
+    def test_forward_and_gradient_equal_numpy(self):
+        for width in (16, 5, 64):
+            bags, weights, table, up = self._case(width)
+            ids = tf.ragged.constant(bags, tf.int64, ragged_rank=1, inner_shape=())
+            w = tf.ragged.constant(weights, tf.float32, ragged_rank=1, inner_shape=())
+            for combiner in ("sum", "mean", "sqrtn"):
+                want = np_weighted(table, bags, weights, combiner)
+                for use in _paths():
+                    with self.subTest(width=width, combiner=combiner, op=use):
+                        var = tf.Variable(table)
+                        with tf.GradientTape() as tape:
+                            out = co.embedding_lookup_combine(var, ids, combiner,
+                                                              use_custom_op=use, weights=w)
+                            loss = tf.reduce_sum(out * up)
+                        self.assertAllClose(out, want, rtol=0, atol=1e-5)
+                        # the gradient of a row: sum over its places of w * g / denominator
+                        grad = np.zeros_like(table, np.float64)
+                        for b, (bag, ws) in enumerate(zip(bags, weights)):
+                            d = {"sum": 1.0, "mean": sum(ws),
+                                 "sqrtn": np.sqrt(sum(x * x for x in ws))}[combiner]
+                            for i, x in zip(bag, ws):
+                                grad[i] += x * up[b] / d if d else 0
+                        self.assertAllClose(_dense(tape.gradient(loss, var)), grad,
+                                            rtol=0, atol=1e-4)
+
+    def test_half_tables_and_dense_ids(self):
+        rng = np.random.default_rng(4)
+        ids = tf.constant(rng.integers(0, 30, (20, 3)))
+        w = tf.constant(rng.uniform(0.1, 2, (20, 3)).astype(np.float32))
+        for dtype in (tf.float16, tf.bfloat16):
+            params = tf.cast(tf.constant(rng.normal(0, 1, (30, 8))), dtype)
+            got = [co.embedding_lookup_combine(params, ids, "mean", use_custom_op=use,
+                                               weights=w) for use in _paths()]
+            want = np_weighted(params.numpy().astype(np.float64), ids.numpy().tolist(),
+                               w.numpy().tolist(), "mean")
+            for g in got:
+                self.assertAllClose(tf.cast(g, tf.float32), want, rtol=0, atol=2e-2)
+
+    def test_fused_adagrad_equals_the_two_kernels(self):
+        require_op(self)
+        bags, weights, table, up = self._case(32, seed=2)
+        ids = tf.ragged.constant(bags, tf.int64, ragged_rank=1, inner_shape=())
+        w = tf.ragged.constant(weights, tf.float32, ragged_rank=1, inner_shape=())
+        results = []
+        for fused in (True, False):
+            var, accum = tf.Variable(table), tf.Variable(tf.zeros([30]))
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(co.embedding_lookup_combine(
+                        var, ids, "sum", use_custom_op=True, weights=w) * up)
+                g = tape.gradient(loss, var)
+                # a copy of the values is another op: the two-kernel route
+                values = g.values if fused else tf.identity(g.values)
+                co.rowwise_adagrad_apply(var, accum, g.indices, values, 0.1, 1e-6,
+                                         use_custom_op=True)
+
+            step()
+            results.append((var.numpy(), accum.numpy()))
+        self.assertAllEqual(results[0][0], results[1][0])
+        self.assertAllEqual(results[0][1], results[1][1])
+
+    def test_bad_weights_are_named(self):
+        ids = tf.constant([[1, 2]])
+        with self.assertRaisesRegex(ValueError, "weights of shape"):
+            co.embedding_lookup_combine(tf.ones([4, 2]), ids, "sum", weights=tf.ones([1, 3]))
+        with self.assertRaisesRegex(ValueError, "need a combiner"):
+            co.embedding_lookup_combine(tf.ones([4, 2]), ids, None, weights=tf.ones([1, 2]))
+        if not DISABLED and co.custom_ops_available():
+            lib = tf.load_op_library(co.library_path)
+            with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "one per id"):
+                lib.embedding_lookup_combine(tf.ones([4, 2]), [0, 1], [0, 2], [1.0])
+            with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "combiner 'sum'"):
+                lib.embedding_lookup_combine(tf.ones([4, 2]), [0, 1], [0, 2], [1.0, 2.0],
+                                             combiner="mean")
 
 
 class DeterminismTest(tf.test.TestCase):

@@ -47,7 +47,8 @@ _OP_TEST_CLASSES = ("LibraryTest", "EmbeddingLookupCombineTest",
                     "EmbeddingLookupCombineOddWidthTest", "EmbeddingLookupCombineWideTest",
                     "RowwiseAdagradTest", "RowwiseAdagradOddWidthTest",
                     "RowwiseAdagradWideTest", "FusedBackwardAdagradTest",
-                    "LookupCombineConcatTest", "DynamicTableKernelsTest")
+                    "LookupCombineConcatTest", "DynamicTableKernelsTest",
+                    "WeightedLookupTest")
 
 # What each level needs, as /proc/cpuinfo names it (the test's own statement of the
 # levels; isa_kernels.cc has the library's).
