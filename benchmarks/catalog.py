@@ -157,6 +157,9 @@ RUNS: tuple[Run, ...] = (
     # dynamic tables' step against fixed tables and TFRA 0.7.2 (bench-setup's .venv-tfra)
     Run("dynamic_tables", "benchmarks/dynamic_tables.py", (), ("dynamic_tables/",),
         ("--quick", "--out", "{scratch}/dynamic_tables")),
+    # weighted bags' lookup + train step against unweighted ones on the same ids
+    Run("weighted_bags", "benchmarks/weighted_bags.py", (), ("weighted_bags/",),
+        ("--quick", "--out", "{scratch}/weighted_bags")),
     # dynamic tables at half their distinct keys against unbounded ones
     Run("dynamic_quality", "benchmarks/dynamic_quality.py",
         ("--seeds", "3", "--steps", "1000", "--sets", "all,drifting",
