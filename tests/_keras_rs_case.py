@@ -51,8 +51,9 @@ def feature_configs(batch: int | None = None, optimizer: object = "adam") -> dic
     }
 
 
-def data(samples: int, seed: int = 0) -> tuple[dict, np.ndarray]:
-    """``samples`` rows of every input, and labels in [0, 1]."""
+def data(samples: int, seed: int = 0, weighted: bool = False) -> tuple[dict, np.ndarray]:
+    """``samples`` rows of every input, and labels in [0, 1]; ``weighted``: with
+    ``x["weights"]``, a positive weight beside every id, in the ids' nesting."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 5, samples)          # some bags empty
     words = tf.RaggedTensor.from_row_lengths(
@@ -64,6 +65,13 @@ def data(samples: int, seed: int = 0) -> tuple[dict, np.ndarray]:
            "country": rng.integers(0, VOCABULARY["country"], samples).astype(np.int32)}
     x = {"ids": ids, "dense": rng.normal(size=[samples, DENSE]).astype(np.float32)}
     y = rng.uniform(size=[samples, 1]).astype(np.float32)
+    if weighted:
+        def like(v):
+            if isinstance(v, tf.RaggedTensor):
+                return v.with_flat_values(rng.uniform(
+                    0.25, 2.0, v.flat_values.shape[0]).astype(np.float32))
+            return rng.uniform(0.25, 2.0, v.shape).astype(np.float32)
+        x["weights"] = tf.nest.map_structure(like, ids)
     return x, y
 
 
@@ -87,17 +95,24 @@ def local_share(x: dict, y: np.ndarray, batch: int, rank: int, world: int) -> tu
     return tf.nest.map_structure(pick, x), y[take]
 
 
-def model(embedding_class, configs: dict, **layer_kwargs) -> tuple[keras.Model, object]:
+def _inputs(dtype: str, suffix: str = "") -> dict:
+    return {"user": keras.Input((), dtype=dtype, name="user" + suffix),
+            "items": {"seen": keras.Input((3,), dtype=dtype, name="seen" + suffix),
+                      "next": keras.Input((1,), dtype=dtype, name="next" + suffix)},
+            "words": keras.Input((None,), dtype=dtype, ragged=True, name="words" + suffix),
+            "country": keras.Input((), dtype=dtype, name="country" + suffix)}
+
+
+def model(embedding_class, configs: dict, weighted: bool = False,
+          **layer_kwargs) -> tuple[keras.Model, object]:
     """The DCN model with ``embedding_class(configs, **layer_kwargs)``; the same seeded
-    dense weights whichever embedding class."""
-    ids = {"user": keras.Input((), dtype="int32", name="user"),
-           "items": {"seen": keras.Input((3,), dtype="int32", name="seen"),
-                     "next": keras.Input((1,), dtype="int32", name="next")},
-           "words": keras.Input((None,), dtype="int32", ragged=True, name="words"),
-           "country": keras.Input((), dtype="int32", name="country")}
+    dense weights whichever embedding class. ``weighted``: the ids' weights are an input
+    too (``x["weights"]``), handed to the embedding beside the ids."""
+    ids = _inputs("int32")
+    weights = _inputs("float32", "_weights") if weighted else None
     dense = keras.Input((DENSE,), name="dense")
     embedding = embedding_class(configs, **layer_kwargs)
-    embedded = embedding(ids)
+    embedded = embedding(ids, weights) if weighted else embedding(ids)
     bottom = keras.layers.Dense(4, activation="relu", name="bottom",
                                 kernel_initializer=keras.initializers.GlorotUniform(seed=21))
     x0 = keras.layers.Concatenate(name="joined")(keras.tree.flatten(embedded) + [bottom(dense)])
@@ -109,7 +124,10 @@ def model(embedding_class, configs: dict, **layer_kwargs) -> tuple[keras.Model, 
     logit = keras.layers.Dense(1, name="logit",
                                kernel_initializer=keras.initializers.GlorotUniform(seed=24))(
         hidden)
-    return keras.Model({"ids": ids, "dense": dense}, logit), embedding
+    inputs = {"ids": ids, "dense": dense}
+    if weighted:
+        inputs["weights"] = weights
+    return keras.Model(inputs, logit), embedding
 
 
 def dataset(x: dict, y: np.ndarray, batch: int) -> tf.data.Dataset:

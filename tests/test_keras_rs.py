@@ -62,6 +62,44 @@ class KerasRsTest(tf.test.TestCase):
         for name in theirs:
             self.assertAllClose(ours[name], theirs[name], atol=TOLERANCE, rtol=0, msg=name)
 
+    def test_weighted_features_equal_keras_rs(self):
+        # per-id weights beside every feature: "sum" of [batch] ids scales the row,
+        # weighted "mean" of [batch, 3] and [batch, 1] bags, weighted "sqrtn" of ragged
+        # bags, and a "mean" of [batch] ids (its weight changes nothing, as in keras-rs)
+        configs = case.feature_configs()
+        x, y = case.data(64, seed=4, weighted=True)
+        theirs, their_layer = case.model(keras_rs.layers.DistributedEmbedding, configs,
+                                         weighted=True)
+        ours, our_layer = case.model(tk.DistributedEmbedding, configs, weighted=True)
+        ids, weights = case.tensors(x["ids"]), case.tensors(x["weights"])
+        for a, b in zip(tf.nest.flatten(our_layer(ids, weights)),
+                        tf.nest.flatten(their_layer(ids, weights))):
+            self.assertAllClose(a, b, atol=TOLERANCE, rtol=0)
+        # the weights count: the weighted sqrtn bags are not the unweighted ones
+        self.assertGreater(np.abs(our_layer(ids, weights)["words"]
+                                  - our_layer(ids)["words"]).max(), 1e-3)
+        for model in (theirs, ours):
+            model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse")
+            model.fit(case.dataset(x, y, 16), epochs=1, verbose=0)
+        self._assert_tables_equal(case.tables(our_layer), case.tables(their_layer))
+        self.assertAllClose(case.dense_weights(ours), case.dense_weights(theirs),
+                            atol=TOLERANCE, rtol=0)
+
+    def test_weights_that_do_not_match_their_ids_raise_value_error(self):
+        layer = tk.DistributedEmbedding(case.feature_configs())
+        x, _ = case.data(4, weighted=True)
+        ids, weights = case.tensors(x["ids"]), case.tensors(x["weights"])
+        layer(ids, weights)
+        bad = [
+            (dict(weights, words=tf.ones([4, 3])), "'words'.*RaggedTensor"),
+            (dict(weights, items=dict(weights["items"], seen=tf.ones([4, 2]))),
+             "'items.seen'.*shape"),
+        ]
+        for given, named in bad:
+            with self.subTest(named=named):
+                with self.assertRaisesRegex(ValueError, named):
+                    layer(ids, given)
+
     def test_a_custom_loop_trains_as_keras_rs(self):
         configs = case.feature_configs()
         x, y = case.data(32, seed=3)
@@ -115,11 +153,21 @@ class KerasRsTest(tf.test.TestCase):
         # gaps between columns, an empty row, rows given out of order
         ids = tf.SparseTensor([[2, 4], [0, 1], [0, 3], [3, 0], [3, 2], [3, 4]],
                               [7, 1, 2, 3, 4, 5], [4, 5])
-        theirs = keras_rs.layers.DistributedEmbedding(configs)([tf.sparse.reorder(ids)])
-        ours = tk.DistributedEmbedding(configs)([ids])
-        self.assertIsInstance(ours, list)
-        self.assertAllClose(ours[0], theirs[0], atol=TOLERANCE, rtol=0)
-        self.assertAllClose(ours[0][1], tf.zeros([3]))
+        weights = tf.SparseTensor(ids.indices, [0.5, 1.0, 2.0, 1.5, 0.25, 3.0], [4, 5])
+        theirs_layer = keras_rs.layers.DistributedEmbedding(configs)
+        ours_layer = tk.DistributedEmbedding(configs)
+        for given in (None, weights):
+            with self.subTest(weighted=given is not None):
+                theirs = theirs_layer([tf.sparse.reorder(ids)], None if given is None
+                                      else [tf.sparse.reorder(given)])
+                ours = ours_layer([ids], None if given is None else [given])
+                self.assertIsInstance(ours, list)
+                self.assertAllClose(ours[0], theirs[0], atol=TOLERANCE, rtol=0)
+                self.assertAllClose(ours[0][1], tf.zeros([3]))
+        elsewhere = tf.SparseTensor([[0, 0], [0, 1], [0, 3], [3, 0], [3, 2], [3, 4]],
+                                    [1.0] * 6, [4, 5])
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "'0'.*indices"):
+            ours_layer([ids], [elsewhere])
 
     def test_a_single_feature_is_returned_alone(self):
         table = keras_rs.layers.TableConfig(name="t", vocabulary_size=20, embedding_dim=3,
@@ -244,7 +292,7 @@ class KerasRsTest(tf.test.TestCase):
             tk.DistributedEmbedding(one()).table_optimizer
 
     def test_the_docstring_examples_run(self):
-        for cls in (tk.DistributedEmbedding, tk.TableConfig):
+        for cls in (tk.DistributedEmbedding, tk.TableConfig, tk.FeatureConfig):
             with self.subTest(cls=cls.__name__):
                 self.assertIn("Example::", cls.__doc__)
                 exec(textwrap.dedent(cls.__doc__.split("Example::", 1)[1]), {})  # pylint: disable=exec-used

@@ -1,15 +1,20 @@
 """tfhybrid.keras_rs.DistributedEmbedding on 2 x 2 (4 ranks) equals keras-rs's own layer
 in one process on the global batch.
 
-The keras-rs DCN model of tests/_keras_rs_case.py, its tables row-sliced,
-column-sliced, table-wise and replicated, built on a 2 x 2 mesh (both layouts) with the
-one import changed: its outputs, and its tables and dense weights after 10 steps, equal
-keras-rs's layer trained on the global batch in one process, within 1e-6: under ``fit``
-with the tables' own Adam (``table_optimizers="honour"``, as keras-rs on TPUs) beside
-the dense layers' SGD, and in a custom loop with ``tfhybrid.DistributedGradientTape``
-and SGD for everything (as keras-rs on CPUs). Every rank trains that reference itself
-(keras-rs's layer runs no collective).
+The keras-rs DCN model of tests/_keras_rs_case.py with per-id weights beside every
+feature (a weighted sum, means and sqrtn bags), its tables row-sliced, column-sliced,
+table-wise and replicated, built on a 2 x 2 mesh (both layouts) with the one import
+changed: its outputs, and its tables and dense weights after 10 steps, equal keras-rs's
+layer trained on the global batch in one process, within 1e-6: under ``fit`` with the
+tables' own Adam (``table_optimizers="honour"``, as keras-rs on TPUs) beside the dense
+layers' SGD, and in a custom loop with ``tfhybrid.DistributedGradientTape`` and SGD for
+everything (as keras-rs on CPUs). Every rank trains that reference itself (keras-rs's
+layer runs no collective). A checkpoint of the 2 x 2 model restores its tables on 1 x 4.
 """
+
+import os
+import shutil
+import tempfile
 
 import horovod.tensorflow as hvd
 import keras
@@ -46,9 +51,11 @@ class KerasRsOnTheMeshTest(tf.test.TestCase):
         mesh = tfhybrid.init(model_parallel=2, layout=layout)
         world = mesh.size
         configs = case.feature_configs(optimizer=make_table_optimizer())
-        x, y = case.data(LOCAL_BATCH * world * STEPS, seed=7)
-        reference, their_layer = case.model(keras_rs.layers.DistributedEmbedding, configs)
-        ours, our_layer = case.model(tk.DistributedEmbedding, configs, mesh=mesh,
+        x, y = case.data(LOCAL_BATCH * world * STEPS, seed=7, weighted=True)
+        reference, their_layer = case.model(keras_rs.layers.DistributedEmbedding, configs,
+                                            weighted=True)
+        ours, our_layer = case.model(tk.DistributedEmbedding, configs, weighted=True,
+                                     mesh=mesh,
                                      sharding=case.SHARDING,
                                      table_optimizers="honour" if honour else "model")
         kinds = {t.name: t.kind for t in our_layer.plan.tables}
@@ -90,6 +97,26 @@ class KerasRsOnTheMeshTest(tf.test.TestCase):
         everyone = hvd.allgather_object(case.dense_weights(ours)[0])
         for other in everyone:
             self.assertAllEqual(other, everyone[0])
+        if honour:
+            self._check_restored_on_1x4(ours, trained, configs)
+
+    def _check_restored_on_1x4(self, model, trained, configs):
+        """A checkpoint of the 2 x 2 model restores the same tables on 1 x 4."""
+        folder = hvd.broadcast_object(tempfile.mkdtemp() if hvd.rank() == 0 else None)
+        if hvd.rank() == 0:
+            self.addCleanup(shutil.rmtree, folder, ignore_errors=True)
+        path = tf.train.Checkpoint(model=model).save(os.path.join(folder, "ckpt"))
+        mesh_lib.reset()
+        mesh = tfhybrid.init(model_parallel=4)
+        restored, layer = case.model(tk.DistributedEmbedding, configs, weighted=True,
+                                     mesh=mesh, sharding=case.SHARDING)
+        tf.train.Checkpoint(model=restored).restore(path).assert_existing_objects_matched()
+        tables = case.tables(layer)
+        for name in trained:
+            self.assertAllEqual(tables[name], trained[name], msg=name)
+        for got, want in zip(case.dense_weights(restored), case.dense_weights(model)):
+            self.assertAllEqual(got, want)
+        hvd.join()
 
     def _train_in_a_loop(self, model, x, y):
         optimizer = keras.optimizers.SGD(LEARNING_RATE)

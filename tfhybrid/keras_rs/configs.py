@@ -81,7 +81,19 @@ class TableConfig:
 
 @dataclasses.dataclass(eq=False)
 class FeatureConfig:
-    """A stand-in for ``keras_rs.layers.FeatureConfig`` (see :class:`TableConfig`)."""
+    """A stand-in for ``keras_rs.layers.FeatureConfig`` (same fields); features that
+    name the same table object share it.
+
+    Example::
+
+        from tfhybrid.keras_rs import FeatureConfig, TableConfig
+        words = TableConfig(name="words", vocabulary_size=1000, embedding_dim=8)
+        title = FeatureConfig(name="title", table=words, input_shape=(64, None),
+                              output_shape=(64, 8))
+        body = FeatureConfig(name="body", table=words, input_shape=(64, None),
+                             output_shape=(64, 8))
+        assert title.table is body.table and title.table.combiner == "mean"
+    """
 
     name: str
     table: Any

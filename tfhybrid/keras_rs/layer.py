@@ -26,7 +26,6 @@ from tfhybrid.keras_rs import configs
 from tfhybrid.keras_rs import table_optimizer
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding as ShardedEmbedding
 from tfhybrid.layers.embedding import Embedding
-from tfhybrid.plan.types import COMBINERS
 
 __all__ = ["DistributedEmbedding", "TABLE_OPTIMIZERS", "TPU_ONLY_ARGUMENTS"]
 
@@ -165,7 +164,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                                table_optimizer.PLANNED_AS[self._optimizer_spec[0]])
         self._tables = ShardedEmbedding(
             [Embedding(t.vocabulary_size, t.embedding_dim, name=t.name,
-                       combiner=t.combiner if t.combiner in COMBINERS else "sum",
+                       combiner=t.combiner,
                        # the tables' values are drawn whole at build (_initialize)
                        embeddings_initializer="zeros") for t in tables],
             mesh=mesh, input_table_map=[f.table for f in features],
@@ -271,9 +270,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             outputs = self._tables(feeds, weights=bag_weights, training=training)
         else:
             outputs = self._tables(feeds, training=training)
-        outputs = [self._scaled(f, out, x, w)
-                   for f, out, x, w in zip(self._features, outputs, feeds, bag_weights)]
-        return configs.pack_like(self._feature_configs, outputs)
+        return configs.pack_like(self._feature_configs, list(outputs))
 
     def _feed(self, feature: configs.Feature, ids: Any, weights: Any) -> tuple:
         """A feature's ids and weights as the sharded layer takes them: a SparseTensor's
@@ -281,12 +278,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         checked against the ids and dropped where keras-rs drops them."""
         name = feature.path or feature.config.name
         if isinstance(ids, tf.SparseTensor):
-            ids = _sparse_to_ragged(ids, name, "ids")
             if weights is not None:
                 if not isinstance(weights, tf.SparseTensor):
                     raise ValueError(f"feature {name!r}: weights must be a tf.SparseTensor "
                                      f"as its ids are; got {type(weights).__name__}")
-                weights = _sparse_to_ragged(weights, name, "weights")
+                # keras-rs's rule: a weight at each id's own position
+                with tf.control_dependencies([tf.debugging.assert_equal(
+                        weights.indices, ids.indices,
+                        message=f"feature {name!r}: the weights' indices must be the ids'")]):
+                    weights = _sparse_to_ragged(weights, name, "weights")
+            ids = _sparse_to_ragged(ids, name, "ids")
         if not isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
             ids = tf.convert_to_tensor(ids)
         if ids.shape.rank not in (1, 2):
@@ -312,23 +313,6 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         else:
             weights = tf.cast(weights, tf.float32)
         return ids, weights
-
-    def _scaled(self, feature: configs.Feature, out: tf.Tensor, ids: Any,
-                weights: Any) -> tf.Tensor:
-        """``"sqrtn"`` where the sharded tables do not combine it themselves: their sum
-        over the square root of the bag's sum of squared weights (its size unweighted),
-        zeros for an empty bag."""
-        if feature.config.table.combiner != "sqrtn" or "sqrtn" in COMBINERS \
-                or ids.shape.rank == 1:
-            return out
-        if weights is None:
-            if isinstance(ids, tf.RaggedTensor):
-                squares = tf.cast(ids.row_lengths(), out.dtype)
-            else:
-                squares = tf.fill(tf.shape(ids)[:1], tf.cast(tf.shape(ids)[1], out.dtype))
-        else:
-            squares = tf.cast(tf.reduce_sum(tf.square(weights), axis=1), out.dtype)
-        return tf.math.divide_no_nan(out, tf.sqrt(squares)[:, None])
 
     def compute_output_shape(self, input_shape: Any) -> Any:
         shapes = configs.flatten_like(self._feature_configs, input_shape, "input shapes")
