@@ -169,6 +169,35 @@ class KerasRsTest(tf.test.TestCase):
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "'0'.*indices"):
             ours_layer([ids], [elsewhere])
 
+    def test_a_model_of_sparse_inputs_fits_as_keras_rs(self):
+        table = keras_rs.layers.TableConfig(
+            name="t", vocabulary_size=20, embedding_dim=3, combiner="mean",
+            initializer=keras.initializers.RandomNormal(seed=1))
+        configs = {"a": keras_rs.layers.FeatureConfig("a", table, (None, 5), (None, 3))}
+        rng = np.random.default_rng(0)
+        # 32 rows of 1 to 3 ids at scattered columns, a weight beside each
+        indices = [[i, c] for i in range(32)
+                   for c in sorted(rng.choice(5, rng.integers(1, 4), replace=False))]
+        ids = tf.SparseTensor(np.array(indices, np.int64),
+                              rng.integers(0, 20, len(indices)).astype(np.int32), [32, 5])
+        weights = tf.SparseTensor(ids.indices, rng.uniform(0.5, 2.0, len(indices)).astype(
+            np.float32), [32, 5])
+        y = rng.uniform(size=[32, 1]).astype(np.float32)
+        trained = []
+        for cls in (keras_rs.layers.DistributedEmbedding, tk.DistributedEmbedding):
+            inputs = ({"a": keras.Input((5,), dtype="int32", sparse=True, name="a")},
+                      {"a": keras.Input((5,), dtype="float32", sparse=True, name="w")})
+            layer = cls(configs)
+            logit = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(
+                seed=3))(layer(*inputs)["a"])
+            model = keras.Model(inputs, logit)
+            model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse")
+            model.fit(tf.data.Dataset.from_tensor_slices((({"a": ids}, {"a": weights}), y))
+                      .batch(8), verbose=0)
+            trained.append(case.tables(layer))
+        self._assert_tables_equal(trained[1], trained[0])
+        self.assertGreater(np.abs(trained[1]["t"] - table.initializer((20, 3))).max(), 1e-4)
+
     def test_a_single_feature_is_returned_alone(self):
         table = keras_rs.layers.TableConfig(name="t", vocabulary_size=20, embedding_dim=3,
                                             combiner="sum")
