@@ -43,6 +43,12 @@ def _spec(optimizer: Any, table: str) -> tuple[str, dict]:
                          f"table_optimizers='honour' applies exactly; expected one of "
                          f"{HONOURED} (keras-rs's own list)")
     config = {k: v for k, v in optimizer.get_config().items() if k != "name"}
+    try:
+        make_optimizer((name, config))
+    except TypeError as error:
+        # a Keras 3 optimizer's config where tf.keras is Keras 2 (arguments it lacks)
+        raise ValueError(f"table {table!r}: optimizer {name} with {config} cannot be made "
+                         f"as this process's tf.keras.optimizers.{name}: {error}") from error
     return name, config
 
 
