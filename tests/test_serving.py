@@ -43,7 +43,7 @@ JOB_TIMEOUT_S = 420
 FRESH_TIMEOUT_S = 180
 FAILOVER_TIMEOUT_S = 60
 # what a RedisStore's user needs (docs/serving.md)
-ACL_COMMANDS = ["+get", "+set", "+wait", "+ping", "+info", "+cluster|slots", "+config|get",
+ACL_COMMANDS = ["+mget", "+mset", "+wait", "+ping", "+info", "+cluster|slots", "+config|get",
                 "+command"]
 
 

@@ -340,7 +340,8 @@ def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh
                         rows, ids = rows[mask], ids[mask]
                     if not len(ids):
                         continue
-                    store.put(store.row_keys(key, ids, slice_index), encode(rows, precision))
+                    store.put(store.row_keys(key, ids, slice_index), encode(rows, precision),
+                              slots=store.row_slots(key, ids, slice_index))
                     written["rows"] += len(ids)
                     written["bytes"] += len(ids) * value_bytes(width, precision)
     except BaseException as e:  # every rank must reach the agreement below

@@ -202,17 +202,18 @@ class Predictor:
                                  f"{table['rows']})")
             previous = wanted.get(table["key"], (table, np.zeros([0], np.int64)))[1]
             wanted[table["key"]] = (table, np.concatenate([previous, feature_ids.ravel()]))
-        keys, spans = [], []
+        keys, spans, slots = [], [], []
         for name, (table, all_ids) in wanted.items():
             unique = np.unique(all_ids)
             for s, (a, b) in enumerate(table["slices"]):
                 spans.append((name, table, unique, s, a, b, len(keys)))
                 keys.extend(self.store.row_keys(name, unique, s))
+                slots.append(self.store.row_slots(name, unique, s))
         left = self.deadline_s - (time.monotonic() - start)
         if left <= 0:
             raise TimeoutError(f"Predictor: the deadline of {self.deadline_s} s passed "
                                "before the rows were requested")
-        values = self.store.get(keys, deadline_s=left)
+        values = self.store.get(keys, deadline_s=left, slots=np.concatenate(slots))
         self.stats["keys_fetched"] += len(keys)
         whole: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for name, table, unique, s, a, b, first in spans:

@@ -3,16 +3,18 @@
 The export, the delta publisher and the predictor each take one. Every read and write
 groups its keys by the master that serves their slot and sends one pipelined request per
 master, the masters in parallel (a thread each), so a request costs one round trip per
-node, not one per key. A write ends, in the same pipeline, with ``WAIT`` for the
+node, not one per key: keys of one slot go in one ``MGET`` or ``MSET`` (commands packed
+by hand, replies read in order). A write ends, in the same pipeline, with ``WAIT`` for the
 master's replicas: a write counts once its replicas hold it, so a failover loses none of
 it. Every call has a deadline; a node that does not answer within it is an error that
 names the node, and a key that is absent comes back as ``None`` for the caller to name.
 
-Keys: ``{key_prefix}/{table}/{slice}/{row}`` for a row (or a column slice of it), and
+Keys: ``{key_prefix}/{{table}/{slice}/{block}}/{row}`` for a row (or a column slice of
+it), whose hash tag puts each block of ``BLOCK_ROWS`` rows in one slot, and
 ``{key_prefix}/meta/{table}`` for a table's metadata (JSON). ``table`` is the layer and
 table name, ``"{layer}.{table}"``.
 
-redis-py is imported when a store is made; NumPy and the standard library otherwise.
+redis-py is imported when a store is connected; NumPy and the standard library otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import concurrent.futures
 import json
 import threading
 import time
+from binascii import crc_hqx
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 # the cluster setting a store needs: an evicted row must never read as a valid one
 REQUIRED_POLICY = "noeviction"
@@ -30,6 +35,9 @@ REQUIRED_POLICY = "noeviction"
 PIPELINE_KEYS = 4096
 # the Redis Cluster's hash slots
 SLOTS = 16384
+# rows of a table (slice) that share a hash slot: a write of a shard sends one MSET per
+# block of them; reads of random ids still spread over every node
+BLOCK_ROWS = 64
 
 
 class StoreUnavailable(TimeoutError):
@@ -52,6 +60,44 @@ def parse_nodes(nodes: str | Sequence[str]) -> list[tuple[str, int]]:
             raise ValueError(f"nodes: {item!r} is not host:port")
         pairs.append((host, int(port)))
     return pairs
+
+
+def _packed(command: bytes, arguments: Sequence[bytes]) -> bytes:
+    """One command in the protocol's form (RESP), ready to send.
+
+    >>> _packed(b"GET", [b"k"])
+    b'*2\\r\\n$3\\r\\nGET\\r\\n$1\\r\\nk\\r\\n'
+    """
+    return b"*%d\r\n$%d\r\n%s\r\n" % (len(arguments) + 1, len(command), command) + b"".join(
+        b"$%d\r\n%s\r\n" % (len(a), a) for a in arguments)
+
+
+def _runs(indices: list[int], slots: np.ndarray, most: int = 512) -> list[list[int]]:
+    """``indices`` (sorted by slot) cut where the slot changes, at most ``most`` each."""
+    runs: list[list[int]] = []
+    previous = -1
+    for i in indices:
+        slot = int(slots[i])
+        if slot != previous or len(runs[-1]) >= most:
+            runs.append([])
+            previous = slot
+        runs[-1].append(i)
+    return runs
+
+
+def _chunked(commands: list[bytes], runs: list[list[int]]) -> list[list[bytes]]:
+    """The commands (one per run of keys) in chunks of about ``PIPELINE_KEYS`` keys, one
+    round trip each."""
+    sizes = [len(run) for run in runs]
+    chunks: list[list[bytes]] = [[]]
+    held = 0
+    for command, size in zip(commands, sizes):
+        if held and held + size > PIPELINE_KEYS:
+            chunks.append([])
+            held = 0
+        chunks[-1].append(command)
+        held += size
+    return chunks
 
 
 def _exchange(client: Any, chunks: list[list[bytes]], last: bytes | None = None) -> list:
@@ -128,6 +174,8 @@ class RedisStore:
         self._password = password
         self._client: Any = None
         self._slot_nodes: list[Any] = []
+        self._owner_nodes: list[Any] = []
+        self._slot_owner = np.zeros([SLOTS], np.int64)
         self._replica_counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16,
@@ -136,12 +184,24 @@ class RedisStore:
     # ------------------------------------------------------------------ keys
     def row_key(self, table: str, row: int, slice_index: int = 0) -> bytes:
         """The key of row ``row`` (slice ``slice_index``) of table ``table``."""
-        return f"{self.key_prefix}/{table}/{slice_index}/{row}".encode()
+        return self.row_keys(table, [row], slice_index)[0]
 
     def row_keys(self, table: str, rows: Any, slice_index: int = 0) -> list[bytes]:
-        """:meth:`row_key` of every row of ``rows`` (ints)."""
-        head = f"{self.key_prefix}/{table}/{slice_index}/"
-        return [(head + str(int(r))).encode() for r in rows]
+        """:meth:`row_key` of every row of ``rows`` (ints): ``{prefix}/{table/slice/b}/row``,
+        whose hash tag, the block b = row // ``BLOCK_ROWS``, puts a block's rows in one
+        slot, so that a write sends one ``MSET`` per block."""
+        rows = np.asarray(rows, np.int64)
+        head = f"{self.key_prefix}/{{{table}/{slice_index}/".encode()
+        return [head + b"%d}/%d" % (r // BLOCK_ROWS, r) for r in rows.tolist()]
+
+    def row_slots(self, table: str, rows: Any, slice_index: int = 0) -> np.ndarray:
+        """The hash slot of each of :meth:`row_keys` (one CRC per block, not per row)."""
+        blocks, where = np.unique(np.asarray(rows, np.int64) // BLOCK_ROWS,
+                                  return_inverse=True)
+        tag = f"{table}/{slice_index}/".encode()
+        slots = np.array([crc_hqx(tag + b"%d" % b, 0) & (SLOTS - 1) for b in blocks.tolist()],
+                         np.int64)
+        return slots[where.reshape(-1)]
 
     def meta_key(self, table: str) -> bytes:
         """The key of table ``table``'s metadata."""
@@ -192,6 +252,10 @@ class RedisStore:
         manager = self._client.nodes_manager
         manager.initialize()
         self._slot_nodes = [manager.get_node_from_slot(s) for s in range(SLOTS)]
+        names = sorted({n.name for n in self._slot_nodes})
+        self._owner_nodes = [next(n for n in self._slot_nodes if n.name == name)
+                             for name in names]
+        self._slot_owner = np.array([names.index(n.name) for n in self._slot_nodes], np.int64)
         # the replicas a write waits for: those connected to its master now (a dead
         # one is not waited for; a failover's new master has one replica fewer)
         counts: dict[str, int] = {}
@@ -231,18 +295,28 @@ class RedisStore:
         return self._replica_counts.get(node.name, 0)
 
     # ------------------------------------------------------------------ calls
-    def _groups(self, keys: Sequence[bytes]) -> dict[str, tuple[Any, list[int]]]:
-        from redis.crc import key_slot
-
+    def _groups(self, keys: Sequence[bytes], slots: np.ndarray
+                ) -> dict[str, tuple[Any, list[int]]]:
+        """{node name: (node, indices of its keys, sorted by slot)}."""
+        owners = self._slot_owner[slots]
         groups: dict[str, tuple[Any, list[int]]] = {}
-        slot_nodes = self._slot_nodes
-        for i, key in enumerate(keys):
-            node = slot_nodes[key_slot(key)]
-            groups.setdefault(node.name, (node, []))[1].append(i)
+        for n in np.unique(owners).tolist():
+            node = self._owner_nodes[n]
+            mine = np.flatnonzero(owners == n)
+            groups[node.name] = (node, mine[np.argsort(slots[mine], kind="stable")].tolist())
         return groups
 
+    @staticmethod
+    def slots_of(keys: Sequence[bytes]) -> np.ndarray:
+        """Each key's hash slot (CRC16 of its ``{hash tag}`` where it has one), as
+        redis-py's ``key_slot`` computes it; in one C pass for keys without a tag."""
+        from redis.crc import key_slot
+
+        return np.fromiter((key_slot(k) if b"{" in k else crc_hqx(k, 0) & (SLOTS - 1)
+                            for k in keys), np.int64, len(keys))
+
     def _run(self, keys: Sequence[bytes], per_node: Callable[[Any, Any, list[int]], list],
-             deadline_s: float | None, what: str) -> list:
+             deadline_s: float | None, what: str, slots: np.ndarray) -> list:
         """Runs ``per_node(connection, node, indices)`` for every master's keys in
         parallel, retrying (topology read again) until the deadline on a moved slot or a
         node that does not answer; the results by key index."""
@@ -254,10 +328,11 @@ class RedisStore:
         pending = list(range(len(keys)))
         last_error: dict[str, str] = {}
         while pending:
-            groups = self._groups([keys[i] for i in pending])
+            pending_at = np.asarray(pending, np.int64)
+            groups = self._groups([keys[i] for i in pending], slots[pending_at])
             futures = {}
             for name, (node, local) in groups.items():
-                indices = [pending[i] for i in local]
+                indices = pending_at[local].tolist()
                 connection = self._client.get_redis_connection(node)
                 futures[self._pool.submit(per_node, connection, node, indices)] = (
                     name, indices)
@@ -300,48 +375,48 @@ class RedisStore:
                 last_error["topology"] = f"{type(e).__name__}: {e}"
         return results
 
-    def get(self, keys: Sequence[bytes], deadline_s: float | None = None) -> list:
+    def get(self, keys: Sequence[bytes], deadline_s: float | None = None,
+            slots: np.ndarray | None = None) -> list:
         """The values of ``keys`` (``None`` where a key is absent), one pipelined request
-        per master, the masters in parallel; StoreUnavailable naming a node that does
-        not answer within ``deadline_s`` (default ``timeout_s``)."""
+        per master (an ``MGET`` per slot), the masters in parallel; StoreUnavailable
+        naming a node that does not answer within ``deadline_s`` (default ``timeout_s``).
+        ``slots``: the keys' slots if known (:meth:`row_slots`)."""
+        slots = self.slots_of(keys) if slots is None else np.asarray(slots, np.int64)
 
         def per_node(client: Any, node: Any, indices: list[int]) -> list:
-            return _exchange(client, [
-                [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(keys[i]), keys[i])
-                 for i in indices[start:start + PIPELINE_KEYS]]
-                for start in range(0, len(indices), PIPELINE_KEYS)])
+            runs = _runs(indices, slots)
+            commands = [_packed(b"MGET", [keys[i] for i in run]) for run in runs]
+            return [value for reply in _exchange(client, _chunked(commands, runs))
+                    for value in reply]
 
-        return self._run(keys, per_node, deadline_s, "get")
+        return self._run(keys, per_node, deadline_s, "get", slots)
 
     def put(self, keys: Sequence[bytes], values: Sequence[bytes],
-            deadline_s: float | None = None) -> int:
-        """Writes each key's whole value (``SET``), one pipelined request per master
-        (chunks of ``PIPELINE_KEYS``), the masters in parallel, each ending with ``WAIT``
-        for that master's replicas; RuntimeError naming a master whose replicas did not
-        acknowledge. Returns the number of keys written."""
+            deadline_s: float | None = None, slots: np.ndarray | None = None) -> int:
+        """Writes each key's whole value, one pipelined request per master (an ``MSET``
+        per slot, in chunks of about ``PIPELINE_KEYS`` keys), the masters in parallel,
+        each ending with ``WAIT`` for that master's replicas; RuntimeError naming a master
+        whose replicas did not acknowledge. Returns the number of keys written."""
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
         timeout_s = self.timeout_s if deadline_s is None else deadline_s
+        slots = self.slots_of(keys) if slots is None else np.asarray(slots, np.int64)
 
         def per_node(client: Any, node: Any, indices: list[int]) -> list:
-            # packed as get's are; the last chunk ends with WAIT on the same connection,
-            # which is what WAIT counts the writes of
+            # WAIT last on the same connection, which is what WAIT counts the writes of
             replicas = self._replicas_of(node)
-            replies = _exchange(client, [
-                [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
-                    len(keys[i]), keys[i], len(values[i]), values[i])
-                 for i in indices[start:start + PIPELINE_KEYS]]
-                for start in range(0, len(indices), PIPELINE_KEYS)],
-                b"*3\r\n$4\r\nWAIT\r\n$%d\r\n%d\r\n$%d\r\n%d\r\n" % (
-                    len(str(replicas)), replicas, len(str(int(timeout_s * 1000))),
-                    int(timeout_s * 1000)) if replicas else None)
+            runs = _runs(indices, slots)
+            commands = [_packed(b"MSET", [kv for i in run for kv in (keys[i], values[i])])
+                        for run in runs]
+            wait = _packed(b"WAIT", [b"%d" % replicas, b"%d" % int(timeout_s * 1000)])
+            replies = _exchange(client, _chunked(commands, runs), wait if replicas else None)
             if replicas and int(replies[-1]) < replicas:
                 raise RuntimeError(
                     f"RedisStore put: {replies[-1]} of master {node.name}'s {replicas} "
                     f"replicas acknowledged the writes within {timeout_s} s")
             return [True] * len(indices)
 
-        self._run(keys, per_node, deadline_s, "put")
+        self._run(keys, per_node, deadline_s, "put", slots)
         return len(keys)
 
     def put_json(self, key: bytes, value: Any, deadline_s: float | None = None) -> None:
