@@ -5,11 +5,12 @@ The keras-rs DCN model of tests/_keras_rs_case.py with per-id weights beside eve
 feature (a weighted sum, means and sqrtn bags), its tables row-sliced, column-sliced,
 table-wise and replicated, built on a 2 x 2 mesh (both layouts) with the one import
 changed: its outputs, and its tables and dense weights after 10 steps, equal keras-rs's
-layer trained on the global batch in one process, within 1e-6: under ``fit`` with the
-tables' own Adam (``table_optimizers="honour"``, as keras-rs on TPUs) beside the dense
-layers' SGD, and in a custom loop with ``tfhybrid.DistributedGradientTape`` and SGD for
-everything (as keras-rs on CPUs). Every rank trains that reference itself (keras-rs's
-layer runs no collective). A checkpoint of the 2 x 2 model restores its tables on 1 x 4.
+layer trained on the global batch in one process, within 1e-6: under ``fit`` and in a
+custom loop (``tfhybrid.DistributedOptimizer``'s route), with SGD for everything (as
+keras-rs on CPUs) and with the tables' own Adam beside the dense layers' SGD
+(``table_optimizers="honour"``, as keras-rs on TPUs), on both layouts: every pair of
+those once. Every rank trains that reference itself (keras-rs's layer runs no
+collective). A checkpoint of the 2 x 2 model restores its tables on 1 x 4.
 """
 
 import os
@@ -41,12 +42,16 @@ def make_table_optimizer():
 
 class KerasRsOnTheMeshTest(tf.test.TestCase):
 
-    def test_fit_on_2x2_equals_keras_rs_on_the_global_batch(self):
-        for layout in ("model_major", "data_major"):
-            with self.subTest(layout=layout):
-                self._check(layout, honour=layout == "model_major")
+    def test_2x2_equals_keras_rs_on_the_global_batch(self):
+        # layout x fit or loop x the tables' optimizer, every pair once
+        for layout, loop, honour in (("model_major", False, False),
+                                     ("model_major", True, True),
+                                     ("data_major", False, True),
+                                     ("data_major", True, False)):
+            with self.subTest(layout=layout, loop=loop, honour=honour):
+                self._check(layout, loop, honour)
 
-    def _check(self, layout, honour):
+    def _check(self, layout, loop, honour):
         mesh_lib.reset()
         mesh = tfhybrid.init(model_parallel=2, layout=layout)
         world = mesh.size
@@ -72,13 +77,14 @@ class KerasRsOnTheMeshTest(tf.test.TestCase):
         case.train_reference(reference, their_layer, x, y, LOCAL_BATCH * world,
                              keras.optimizers.SGD(LEARNING_RATE),
                              make_table_optimizer if honour else None)
-        if honour:
-            ours.compile(optimizer=tfhybrid.DistributedOptimizer(
-                keras.optimizers.SGD(LEARNING_RATE),
-                embedding_optimizer=our_layer.table_optimizer), loss="mse")
-            ours.fit(case.dataset(mine_x, mine_y, LOCAL_BATCH), epochs=1, verbose=0)
+        optimizer = tfhybrid.DistributedOptimizer(
+            keras.optimizers.SGD(LEARNING_RATE),
+            embedding_optimizer=our_layer.table_optimizer if honour else None)
+        if loop:
+            self._train_in_a_loop(ours, optimizer, mine_x, mine_y)
         else:
-            self._train_in_a_loop(ours, mine_x, mine_y)
+            ours.compile(optimizer=optimizer, loss="mse")
+            ours.fit(case.dataset(mine_x, mine_y, LOCAL_BATCH), epochs=1, verbose=0)
 
         trained = case.tables(our_layer)
         theirs = case.tables(their_layer)
@@ -97,7 +103,7 @@ class KerasRsOnTheMeshTest(tf.test.TestCase):
         everyone = hvd.allgather_object(case.dense_weights(ours)[0])
         for other in everyone:
             self.assertAllEqual(other, everyone[0])
-        if honour:
+        if layout == "data_major" and honour:
             self._check_restored_on_1x4(ours, trained, configs)
 
     def _check_restored_on_1x4(self, model, trained, configs):
@@ -118,15 +124,14 @@ class KerasRsOnTheMeshTest(tf.test.TestCase):
             self.assertAllEqual(got, want)
         hvd.join()
 
-    def _train_in_a_loop(self, model, x, y):
-        optimizer = keras.optimizers.SGD(LEARNING_RATE)
+    def _train_in_a_loop(self, model, optimizer, x, y):
+        """Steps of a custom loop whose ``optimizer.apply_gradients`` runs the route."""
 
         @tf.function
         def step(x, y):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(keras.losses.mean_squared_error(
                     y, model(x, training=True)))
-            tape = tfhybrid.DistributedGradientTape(tape, optimizer=optimizer)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
