@@ -9,6 +9,7 @@ raising ``ValueError`` naming its value. (2 x 2: tests/test_keras_rs_distributed
 
 import logging
 import os
+import re
 import textwrap
 
 import keras
@@ -315,7 +316,7 @@ class KerasRsTest(tf.test.TestCase):
         ]
         for kwargs, named in cases:
             with self.subTest(named=named):
-                with self.assertRaisesRegex(ValueError, _escaped(named)):
+                with self.assertRaisesRegex(ValueError, re.escape(named)):
                     tk.DistributedEmbedding(**kwargs)
         with self.assertRaisesRegex(ValueError, "table_optimizers='honour'"):
             tk.DistributedEmbedding(one()).table_optimizer
@@ -339,11 +340,6 @@ class KerasRsTest(tf.test.TestCase):
             with self.subTest(named=named):
                 with self.assertRaisesRegex(ValueError, named):
                     layer(inputs)
-
-
-def _escaped(text: str) -> str:
-    import re
-    return re.escape(text)
 
 
 if __name__ == "__main__":

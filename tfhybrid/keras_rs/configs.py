@@ -14,7 +14,7 @@ structure of inputs onto them and back, and writes and reads keras-rs's serializ
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import tensorflow as tf
 

@@ -13,7 +13,6 @@ the D x M mesh like any other.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Sequence
 
 import horovod.tensorflow as hvd
