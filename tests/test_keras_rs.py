@@ -101,6 +101,35 @@ class KerasRsTest(tf.test.TestCase):
                 with self.assertRaisesRegex(ValueError, named):
                     layer(ids, given)
 
+    def test_a_subclassed_model_fits_as_keras_rs(self):
+        # keras-rs's DLRM example's form: the layer made in __init__ (with keras-rs's
+        # table_stacking and dtype), first called inside fit's traced step, where this
+        # layer builds and draws its tables
+        class Model(keras.Model):
+            def __init__(self, embedding_class):
+                super().__init__()
+                self.bottom = keras.layers.Dense(
+                    4, kernel_initializer=keras.initializers.GlorotUniform(seed=1))
+                self.embedding_layer = embedding_class(
+                    feature_configs=case.feature_configs(), table_stacking="auto",
+                    dtype="float32", name="embedding_layer")
+                self.top = keras.layers.Dense(
+                    1, kernel_initializer=keras.initializers.GlorotUniform(seed=2))
+
+            def call(self, inputs):
+                embedded = keras.tree.flatten(self.embedding_layer(inputs["ids"]))
+                return self.top(keras.ops.concatenate(
+                    [self.bottom(inputs["dense"]), *embedded], axis=-1))
+
+        x, y = case.data(32, seed=6)
+        trained = []
+        for cls in (keras_rs.layers.DistributedEmbedding, tk.DistributedEmbedding):
+            model = Model(cls)
+            model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss="mse")
+            model.fit(case.dataset(x, y, 8), verbose=0)
+            trained.append(case.tables(model.embedding_layer))
+        self._assert_tables_equal(trained[1], trained[0])
+
     def test_a_custom_loop_trains_as_keras_rs(self):
         configs = case.feature_configs()
         x, y = case.data(32, seed=3)
