@@ -68,7 +68,7 @@ class KerasRsTest(tf.test.TestCase):
         # weighted "mean" of [batch, 3] and [batch, 1] bags, weighted "sqrtn" of ragged
         # bags, and a "mean" of [batch] ids (its weight changes nothing, as in keras-rs)
         configs = case.feature_configs()
-        x, y = case.data(64, seed=4, weighted=True)
+        x, y = case.data(32, seed=4, weighted=True)
         theirs, their_layer = case.model(keras_rs.layers.DistributedEmbedding, configs,
                                          weighted=True)
         ours, our_layer = case.model(tk.DistributedEmbedding, configs, weighted=True)

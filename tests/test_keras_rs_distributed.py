@@ -43,40 +43,53 @@ def make_table_optimizer():
 class KerasRsOnTheMeshTest(tf.test.TestCase):
 
     def test_2x2_equals_keras_rs_on_the_global_batch(self):
+        world = HOROVOD_NP[0]
+        data = case.data(LOCAL_BATCH * world * STEPS, seed=7, weighted=True)
+        # keras-rs's run in one process depends on the tables' optimizer only
+        references = {honour: self._reference(data, world, honour)
+                      for honour in (False, True)}
         # layout x fit or loop x the tables' optimizer, every pair once
         for layout, loop, honour in (("model_major", False, False),
                                      ("model_major", True, True),
                                      ("data_major", False, True),
                                      ("data_major", True, False)):
             with self.subTest(layout=layout, loop=loop, honour=honour):
-                self._check(layout, loop, honour)
+                self._check(layout, loop, honour, data, references[honour])
 
-    def _check(self, layout, loop, honour):
+    @staticmethod
+    def _reference(data, world, honour):
+        """keras-rs's layer in one process on the global batches: its outputs on the
+        first one before training, its initial and trained tables, its dense weights."""
+        x, y = data
+        configs = case.feature_configs(optimizer=make_table_optimizer())
+        model, layer = case.model(keras_rs.layers.DistributedEmbedding, configs,
+                                  weighted=True)
+        first = np.asarray(model(case.tensors(case.rows(x, 0, LOCAL_BATCH * world))))
+        initial = case.tables(layer)
+        case.train_reference(model, layer, x, y, LOCAL_BATCH * world,
+                             keras.optimizers.SGD(LEARNING_RATE),
+                             make_table_optimizer if honour else None)
+        return first, initial, case.tables(layer), case.dense_weights(model)
+
+    def _check(self, layout, loop, honour, data, reference):
+        want_first, initial, theirs, their_dense = reference
         mesh_lib.reset()
         mesh = tfhybrid.init(model_parallel=2, layout=layout)
-        world = mesh.size
         configs = case.feature_configs(optimizer=make_table_optimizer())
-        x, y = case.data(LOCAL_BATCH * world * STEPS, seed=7, weighted=True)
-        reference, their_layer = case.model(keras_rs.layers.DistributedEmbedding, configs,
-                                            weighted=True)
         ours, our_layer = case.model(tk.DistributedEmbedding, configs, weighted=True,
-                                     mesh=mesh,
-                                     sharding=case.SHARDING,
+                                     mesh=mesh, sharding=case.SHARDING,
                                      table_optimizers="honour" if honour else "model")
         kinds = {t.name: t.kind for t in our_layer.plan.tables}
         self.assertEqual(kinds, {"country": "data_parallel", "item": "column_wise",
                                  "user": "row_wise", "words": "table_wise"})
 
         # forward: this rank's outputs on its share of the first global batch
-        mine_x, mine_y = case.local_share(x, y, LOCAL_BATCH, mesh.rank, world)
+        mine_x, mine_y = case.local_share(*data, LOCAL_BATCH, mesh.rank, mesh.size)
         first = case.rows(mine_x, 0, LOCAL_BATCH)
-        want = reference(case.tensors(case.rows(x, 0, LOCAL_BATCH * world)))
         mine = slice(mesh.rank * LOCAL_BATCH, (mesh.rank + 1) * LOCAL_BATCH)
-        self.assertAllClose(ours(case.tensors(first)), want[mine], atol=TOLERANCE, rtol=0)
+        self.assertAllClose(ours(case.tensors(first)), want_first[mine], atol=TOLERANCE,
+                            rtol=0)
 
-        case.train_reference(reference, their_layer, x, y, LOCAL_BATCH * world,
-                             keras.optimizers.SGD(LEARNING_RATE),
-                             make_table_optimizer if honour else None)
         optimizer = tfhybrid.DistributedOptimizer(
             keras.optimizers.SGD(LEARNING_RATE),
             embedding_optimizer=our_layer.table_optimizer if honour else None)
@@ -87,19 +100,14 @@ class KerasRsOnTheMeshTest(tf.test.TestCase):
             ours.fit(case.dataset(mine_x, mine_y, LOCAL_BATCH), epochs=1, verbose=0)
 
         trained = case.tables(our_layer)
-        theirs = case.tables(their_layer)
         self.assertEqual(sorted(trained), sorted(theirs))
         for name in theirs:
             self.assertAllClose(trained[name], theirs[name], atol=TOLERANCE, rtol=0,
                                 msg=name)
-        self.assertAllClose(case.dense_weights(ours), case.dense_weights(reference),
-                            atol=TOLERANCE, rtol=0)
-        # the tables trained: rows moved from their initial values
-        fresh = case.tables(case.model(keras_rs.layers.DistributedEmbedding,
-                                       case.feature_configs())[1])
-        for name in theirs:
-            self.assertGreater(np.abs(trained[name] - fresh[name]).max(), 1e-5, name)
-        # every rank holds the same tables and dense weights
+            # the tables trained: rows moved from their initial values
+            self.assertGreater(np.abs(trained[name] - initial[name]).max(), 1e-5, name)
+        self.assertAllClose(case.dense_weights(ours), their_dense, atol=TOLERANCE, rtol=0)
+        # every rank holds the same dense weights
         everyone = hvd.allgather_object(case.dense_weights(ours)[0])
         for other in everyone:
             self.assertAllEqual(other, everyone[0])
