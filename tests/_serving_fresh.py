@@ -27,7 +27,7 @@ def main(out: str, nodes: str, password_file: str) -> None:
     for name, path in job["exports"].items():
         store = RedisStore(nodes, password=password, key_prefix=f"job-{name}")
         predictor = Predictor(path, store)
-        if name == "user":
+        if name.startswith("user"):
             served[name] = predictor(user_probe)["output"]
         else:
             served[name] = predictor(app_eval)["probability"]

@@ -84,7 +84,7 @@ def main(out: str, nodes: str, password_file: str) -> None:
     # one key prefix per export, and one for the deltas (rows updated in place must not
     # be the rows of the user model's export)
     store = {name: RedisStore(nodes, password=password, key_prefix=f"job-{name}")
-             for name in ("user", "dlrm_float32", "dlrm_float16", "dlrm_int8",
+             for name in ("user", "user_int8", "dlrm_float32", "dlrm_float16", "dlrm_int8",
                           "dcnv2_float32", "deltas")}
     report: dict = {"exports": {}}
     expected = {}
@@ -103,6 +103,10 @@ def main(out: str, nodes: str, password_file: str) -> None:
         np.savez(os.path.join(out, "user_probe.npz"), **probe)
     report["exports"]["user"] = export(model, os.path.join(out, "user"), store["user"],
                                        tables="external")
+    # int8 rows: the column-sliced table's slices each with their own scale
+    report["exports"]["user_int8"] = export(model, os.path.join(out, "user_int8"),
+                                            store["user_int8"], tables="external",
+                                            precision="int8")
     # the app's models, on the app's synthetic data
     eval_data = make_dataset("synthetic", "eval", global_batch_size=4096, rank=0, size=1,
                              max_table_rows=2000, num_batches=1)

@@ -112,6 +112,15 @@ class ServingTest(unittest.TestCase):
             model = name.split("_")[0]
             np.testing.assert_allclose(served[name], self.expected[model], rtol=0, atol=1e-6,
                                        err_msg=name)
+        # int8 rows, the sliced table's two slices each with their own scale and offset:
+        # close to predict, not equal (the rows really are quantized)
+        int8_error = np.abs(served["user_int8"] - self.expected["user"]).max()
+        self.assertLess(int8_error, 1e-2)
+        self.assertGreater(int8_error, 0.0)
+        sliced = [t for t in manifest_lib.read(self.report["exports"]["user_int8"])["layers"][
+            0]["tables"] if t["key"] == "user_tables.sliced"][0]
+        self.assertEqual(sliced["slices"], [[0, 8], [8, 16]])
+        self.assertEqual(sliced["value_bytes"], [16, 16])   # 8 bytes + scale and offset
         labels = np.load(os.path.join(self.work, "app_eval.npz"))["labels"].ravel()
         auc = {p: roc_auc(labels, served[f"dlrm_{p}"].ravel())
                for p in ("float32", "float16", "int8")}
