@@ -41,12 +41,30 @@ class PublishDeltas(tf.keras.callbacks.Callback):
 
     ``history`` lists each publish: step, version, rows and bytes written (all ranks).
 
-    Example (``model`` has DistributedEmbedding layers, ``store`` a ``RedisStore``)::
+    Example (one process; under horovodrun every rank runs the same)::
 
-        from tfhybrid.serving import PublishDeltas
-        publish = PublishDeltas("/tmp/served", store, every_steps=100, tables="external")
-        model.fit(data, callbacks=[publish])
-        print(publish.history[-1])   # {'step': ..., 'version': ..., 'rows': ...}
+        import tempfile
+        import numpy as np
+        import tensorflow as tf
+        import tfhybrid
+        from tfhybrid.layers import DistributedEmbedding
+        from tfhybrid.serving import PublishDeltas, RedisStore
+        from tfhybrid.testing.redis_cluster import LocalRedisCluster
+        tfhybrid.init(model_parallel=1)
+        ids = tf.keras.Input([], dtype=tf.int32, name="ids")
+        (vector,) = DistributedEmbedding([tf.keras.layers.Embedding(100, 4)])([ids])
+        model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(vector))
+        model.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
+                      loss="mse")
+        with LocalRedisCluster() as cluster:
+            store = RedisStore(cluster.nodes, password=cluster.password)
+            publish = PublishDeltas(tempfile.mkdtemp(), store, every_steps=2)
+            model.fit(np.arange(8, dtype=np.int32), np.ones([8, 1]), batch_size=2,
+                      verbose=0, callbacks=[publish])
+            # steps 1-2 train ids 0-3, steps 3-4 ids 4-7: the first publish writes all
+            # 100 rows, the second the 4 rows trained since
+            assert [h["rows"] for h in publish.history] == [100, 4]
+            store.close()
     """
 
     def __init__(self, directory: str, store: RedisStore, every_steps: int,
