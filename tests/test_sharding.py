@@ -87,15 +87,40 @@ class StoreProtocolTest(tf.test.TestCase):
                     self.assertAllClose(mean, expected / np.maximum(lengths, 1)[:, None],
                                         rtol=0, atol=1e-5, msg=f"{kind}, {shape}, mean")
 
-    def test_a_combiner_or_weights_no_store_takes_are_named(self):
+    def test_every_kind_weighs_bags_like_a_numpy_table(self):
+        # weighted sum / mean / sqrtn of the written rows, as the route asks for them
+        custom_ops.require_library()
+        replicas = stores.ShardReplicas("layer", tfhybrid.init(model_parallel=1), "gradients")
+        ids = np.array([0, 5, 5, 39, 7, 2, 1], np.int64)
+        lengths = np.array([3, 0, 1, 3], np.int64)
+        weights = np.array([0.5, 2.0, 1.5, 3.0, 0.25, 1.0, 2.0], np.float32)
+        rows = _values()[ids] * weights[:, None]
+        ends = np.cumsum(lengths)
+        sums = np.stack([rows[end - n:end].sum(axis=0) for n, end in zip(lengths, ends)])
+        divisors = {"sum": np.ones(len(lengths)),
+                    "mean": [weights[end - n:end].sum() for n, end in zip(lengths, ends)],
+                    "sqrtn": [np.sqrt((weights[end - n:end] ** 2).sum())
+                              for n, end in zip(lengths, ends)]}
+        with tempfile.TemporaryDirectory() as directory:
+            for kind, store in _stores(directory).items():
+                if kind == "custom":
+                    continue   # a user's layer without a combiner: one id per bag
+                looked_up = store.rows_of(tf.constant(ids), replicas, "t")
+                for combiner, divisor in divisors.items():
+                    got = store.lookup(looked_up, tf.constant(lengths), combiner,
+                                       tf.constant(weights))
+                    want = np.where(np.asarray(divisor)[:, None] > 0,
+                                    sums / np.maximum(np.asarray(divisor), 1e-30)[:, None], 0)
+                    self.assertAllClose(got, want, rtol=0, atol=1e-5, msg=f"{kind} {combiner}")
+
+    def test_an_unknown_combiner_is_named(self):
         ids, lengths = tf.constant([1, 2], tf.int64), tf.constant([1, 1], tf.int64)
         with tempfile.TemporaryDirectory() as directory:
             for kind, store in _stores(directory).items():
                 with self.assertRaisesRegex(
-                        ValueError, r"combiner='sqrtn' is unknown.*\('sum', 'mean'\)", msg=kind):
-                    store.lookup(ids, lengths, "sqrtn")
-                with self.assertRaisesRegex(ValueError, "no per-id weights", msg=kind):
-                    store.lookup(ids, lengths, weights=tf.ones([2]))
+                        ValueError, r"combiner='max' is unknown.*\('sum', 'mean', 'sqrtn'\)",
+                        msg=kind):
+                    store.lookup(ids, lengths, "max")
 
     def test_every_kind_names_the_optimizers_that_train_it(self):
         with tempfile.TemporaryDirectory() as directory:

@@ -175,7 +175,7 @@ def _train(test, mesh, case, optimizer="adagrad", kind="kernel", dp_input=True,
                 np.testing.assert_allclose(
                     o.numpy(), want[step][f][mine], rtol=0, atol=1e-6,
                     err_msg=f"step {step} feature {f} ({case.combiners[f]}) on {mesh}")
-    return layer.get_weights(), outputs, want_tables
+    return layer.get_weights(all_ranks=True), outputs, want_tables
 
 
 def _inputs(layer, mesh, case, step, mine, dp_input, unweighted):
@@ -191,6 +191,7 @@ def _inputs(layer, mesh, case, step, mine, dp_input, unweighted):
 
 
 def _check_tables(test, got, want, what):
+    test.assertLen(got, len(TABLES))
     for (name, *_), g, w in zip(TABLES, got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-6, err_msg=f"{what}: table {name}")
 

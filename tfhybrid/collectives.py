@@ -196,6 +196,13 @@ def allreduce(tensor: tf.Tensor, op: Any, name: str, process_set: Any = None) ->
     return reduced
 
 
+def leave_together(name: str) -> None:
+    """Every rank waits here for every other (a global allreduce of a zero): after
+    collectives inside process sets, a rank that goes on alone and ends its script would
+    shut Horovod down under a set still at work."""
+    allreduce(tf.zeros([1]), hvd.Sum, name)
+
+
 def grouped_allreduce(tensors: list, op: Any, name: str, process_set: Any = None,
                       postscale_factor: float = 1.0, prescale_factor: float = 1.0) -> list:
     """``hvd.grouped_allreduce``: one negotiation for many tensors of one dtype; named,

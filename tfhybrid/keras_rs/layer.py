@@ -15,11 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import collectives
 from tfhybrid import mesh as mesh_lib
 from tfhybrid.keras_rs import configs
 from tfhybrid.keras_rs import table_optimizer
@@ -323,13 +321,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
     def get_embedding_tables(self) -> dict[str, np.ndarray]:
         """Every table whole, by its ``TableConfig`` name (keras-rs's method). A
         collective: every rank must call it, and every rank gets the tables."""
+        # (get_weights ends with every rank leaving together)
         whole = self._tables.get_weights(all_ranks=True)
-        mesh = self._tables.mesh
-        if mesh is not None and mesh.size > 1:
-            # every rank leaves together: each model group gathers on its own, and a rank
-            # whose script then ends shuts Horovod down under a group still gathering
-            collectives.allreduce(tf.zeros([1]), hvd.Sum,
-                                  f"tfhybrid_{self.name}_embedding_tables_done")
         return {t.name: value for t, value in zip(self._table_configs, whole)}
 
     # ----------------------------------------------------------------- config

@@ -95,6 +95,9 @@ class WholeTables:
                         full[shard.row_start + start:shard.row_start + stop,
                              shard.col_start:shard.col_end] = local.numpy()
             full_tables.append(full)
+        if mesh.size > 1:
+            # each model group gathers on its own: every rank leaves together
+            collectives.leave_together(f"tfhybrid_{self._name}_get_weights_done")
         return full_tables if keep else []
 
     def set_weights(self, weights: Sequence[Any], chunk: int | None = None) -> None:
