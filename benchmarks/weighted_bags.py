@@ -161,8 +161,8 @@ def main() -> int:
         medians[name] = [float(np.median(x["seconds"])) for x in results]
         pooled = _stats.summarize([s for x in results for s in x["seconds"]])
         lines.append(f"{name:16s} {combiner:6s} weights={'yes' if weighted else 'no ':3s} "
-                     f"TF {results[-1]['tf']} kernels {results[-1]['kernel_isa']:7s} "
-                     f"{np.median(medians[name]) * 1e3:8.1f} ms  {pooled.format(1e3, 1)}")
+                     f"{np.median(medians[name]) * 1e3:8.1f} ms  {pooled.format(1e3, 1)}  "
+                     f"(TF {results[-1]['tf']}, kernels {results[-1]['kernel_isa']})")
     lines.append("")
     for top, bottom, what in RATIOS:
         per_round = [a / b for a, b in zip(medians[top], medians[bottom])]
