@@ -100,9 +100,19 @@ def _chunked(commands: list[bytes], runs: list[list[int]]) -> list[list[bytes]]:
     return chunks
 
 
-def _exchange(client: Any, chunks: list[list[bytes]], last: bytes | None = None) -> list:
-    """Sends each chunk of packed commands (and ``last`` after the final one) on one
-    connection of ``client`` (a node's ``redis.Redis``) and reads their replies in order.
+def _completed(per_node: Callable[..., Any], *args: Any) -> list:
+    """``per_node``'s results in a thread: read now where it returned a reader."""
+    result = per_node(*args)
+    return result() if callable(result) else result
+
+
+def _send(client: Any, chunks: list[list[bytes]], last: bytes | None, deadline: float
+          ) -> Callable[[], list]:
+    """Sends chunks of packed commands (and ``last`` after the final one) on one
+    connection of ``client`` (a node's ``redis.Redis``); returns the function that reads
+    their replies in order (each read bounded by ``deadline``, a ``time.monotonic()``).
+    One chunk goes out now; a later chunk once the one before it is read (one round trip
+    each, so replies never pile up past a chunk).
 
     A redis-py pipeline spends several times the round trip building and parsing an
     object per command (12 of the 14 ms of a 1600-key read over 3 nodes here). An error
@@ -112,26 +122,41 @@ def _exchange(client: Any, chunks: list[list[bytes]], last: bytes | None = None)
 
     pool = client.connection_pool
     connection = pool.get_connection()
+
+    def packed(n: int) -> list[bytes]:
+        return chunks[n] + ([last] if last is not None and n == len(chunks) - 1 else [])
+
     try:
-        replies: list = []
-        error = None
-        for n, chunk in enumerate(chunks):
-            tail = [last] if last is not None and n == len(chunks) - 1 else []
-            connection.send_packed_command([b"".join(chunk + tail)])
-            for _ in range(len(chunk) + len(tail)):
-                try:
-                    replies.append(connection.read_response())
-                except exceptions.ResponseError as e:
-                    error = error or e
-                    replies.append(None)
-            if error is not None:
-                raise error
-        return replies
+        connection.send_packed_command([b"".join(packed(0))])
     except BaseException:
         connection.disconnect()
-        raise
-    finally:
         pool.release(connection)
+        raise
+
+    def read() -> list:
+        try:
+            replies: list = []
+            error = None
+            for n in range(len(chunks)):
+                if n:
+                    connection.send_packed_command([b"".join(packed(n))])
+                for _ in packed(n):
+                    try:
+                        replies.append(connection.read_response(
+                            timeout=max(0.001, deadline - time.monotonic())))
+                    except exceptions.ResponseError as e:
+                        error = error or e
+                        replies.append(None)
+                if error is not None:
+                    raise error
+            return replies
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+
+    return read
 
 
 class RedisStore:
@@ -315,13 +340,15 @@ class RedisStore:
         return np.fromiter((key_slot(k) if b"{" in k else crc_hqx(k, 0) & (SLOTS - 1)
                             for k in keys), np.int64, len(keys))
 
-    def _run(self, keys: Sequence[bytes], per_node: Callable[[Any, Any, list[int]], list],
-             deadline_s: float | None, what: str, slots: np.ndarray) -> list:
-        """Runs ``per_node(connection, node, indices)`` for every master's keys in
-        parallel, retrying (topology read again) until the deadline on a moved slot or a
-        node that does not answer; the results by key index."""
-        from redis import exceptions
-
+    def _run(self, keys: Sequence[bytes], per_node: Callable[..., Any],
+             deadline_s: float | None, what: str, slots: np.ndarray,
+             fan_out: bool = False) -> list:
+        """Runs ``per_node(connection, node, indices, deadline)`` for every master's keys,
+        retrying (topology read again) until the deadline on a moved slot or a node that
+        does not answer; the results by key index. The masters run in parallel: each in
+        a thread, or with ``fan_out`` (small requests) in this one: ``per_node`` sends and
+        returns a function that reads the replies, so every master's request is on the
+        wire before any reply is read."""
         self.client()
         deadline = time.monotonic() + (self.timeout_s if deadline_s is None else deadline_s)
         results: list = [None] * len(keys)
@@ -330,37 +357,45 @@ class RedisStore:
         while pending:
             pending_at = np.asarray(pending, np.int64)
             groups = self._groups([keys[i] for i in pending], slots[pending_at])
-            futures = {}
-            for name, (node, local) in groups.items():
-                indices = pending_at[local].tolist()
-                connection = self._client.get_redis_connection(node)
-                futures[self._pool.submit(per_node, connection, node, indices)] = (
-                    name, indices)
-            left = max(0.0, deadline - time.monotonic())
-            done, not_done = concurrent.futures.wait(futures, timeout=left)
+            outcomes: dict[str, tuple[list[int], Any]] = {}
+            if fan_out:
+                reads = {}
+                for name, (node, local) in groups.items():
+                    indices = pending_at[local].tolist()
+                    try:
+                        reads[name] = (indices, per_node(
+                            self._client.get_redis_connection(node), node, indices, deadline))
+                    except Exception as e:  # classified below, with the others
+                        outcomes[name] = (indices, e)
+                for name, (indices, read) in reads.items():
+                    try:
+                        outcomes[name] = (indices, read())
+                    except Exception as e:
+                        outcomes[name] = (indices, e)
+            else:
+                futures = {self._pool.submit(
+                    _completed, per_node, self._client.get_redis_connection(node), node,
+                    pending_at[local].tolist(), deadline): (name, pending_at[local].tolist())
+                    for name, (node, local) in groups.items()}
+                done, not_done = concurrent.futures.wait(
+                    futures, timeout=max(0.0, deadline - time.monotonic()))
+                for future in done:
+                    name, indices = futures[future]
+                    error = future.exception()
+                    outcomes[name] = (indices, error if error is not None else future.result())
+                for future in not_done:
+                    name, indices = futures[future]
+                    outcomes[name] = (indices, TimeoutError(
+                        f"no answer within {deadline_s or self.timeout_s} s"))
             failed: list[int] = []
-            for future in done:
-                name, indices = futures[future]
-                try:
-                    for i, value in zip(indices, future.result()):
-                        results[i] = value
-                except (exceptions.AuthenticationError, exceptions.NoPermissionError) as e:
-                    raise PermissionError(f"RedisStore {what}: node {name} refused user "
-                                          f"{self.username or 'default'!r}: {e}") from e
-                except (exceptions.ConnectionError, exceptions.TimeoutError,
-                        exceptions.ClusterDownError, exceptions.MovedError,
-                        exceptions.TryAgainError, exceptions.AskError,
-                        exceptions.BusyLoadingError, exceptions.ReadOnlyError, OSError) as e:
-                    # the cluster is moving (a failover, a resharding): read the topology
-                    # again and retry until the deadline
-                    last_error[name] = f"{type(e).__name__}: {e}"
+            for name, (indices, outcome) in outcomes.items():
+                if isinstance(outcome, BaseException):
+                    self._classify(outcome, name, what)
+                    last_error[name] = f"{type(outcome).__name__}: {outcome}"
                     failed.extend(indices)
-                except exceptions.ResponseError as e:
-                    raise RuntimeError(f"RedisStore {what}: node {name} answered {e}") from e
-            for future in not_done:
-                name, indices = futures[future]
-                last_error[name] = f"no answer within {deadline_s or self.timeout_s} s"
-                failed.extend(indices)
+                else:
+                    for i, value in zip(indices, outcome):
+                        results[i] = value
             if not failed:
                 break
             if time.monotonic() >= deadline:
@@ -375,6 +410,24 @@ class RedisStore:
                 last_error["topology"] = f"{type(e).__name__}: {e}"
         return results
 
+    def _classify(self, error: BaseException, name: str, what: str) -> None:
+        """Returns for an error worth a retry (the cluster is moving: a failover, a
+        resharding, a node not answering); raises the others, naming the node."""
+        from redis import exceptions
+
+        if isinstance(error, (exceptions.AuthenticationError, exceptions.NoPermissionError)):
+            raise PermissionError(f"RedisStore {what}: node {name} refused user "
+                                  f"{self.username or 'default'!r}: {error}") from error
+        if isinstance(error, (exceptions.ConnectionError, exceptions.TimeoutError,
+                              exceptions.ClusterDownError, exceptions.MovedError,
+                              exceptions.TryAgainError, exceptions.AskError,
+                              exceptions.BusyLoadingError, exceptions.ReadOnlyError,
+                              OSError)):
+            return
+        if isinstance(error, exceptions.ResponseError):
+            raise RuntimeError(f"RedisStore {what}: node {name} answered {error}") from error
+        raise error
+
     def get(self, keys: Sequence[bytes], deadline_s: float | None = None,
             slots: np.ndarray | None = None) -> list:
         """The values of ``keys`` (``None`` where a key is absent), one pipelined request
@@ -383,13 +436,16 @@ class RedisStore:
         ``slots``: the keys' slots if known (:meth:`row_slots`)."""
         slots = self.slots_of(keys) if slots is None else np.asarray(slots, np.int64)
 
-        def per_node(client: Any, node: Any, indices: list[int]) -> list:
+        def per_node(client: Any, node: Any, indices: list[int], deadline: float) -> Any:
             runs = _runs(indices, slots)
             commands = [_packed(b"MGET", [keys[i] for i in run]) for run in runs]
-            return [value for reply in _exchange(client, _chunked(commands, runs))
-                    for value in reply]
+            read = _send(client, _chunked(commands, runs), None, deadline)
+            return lambda: [value for reply in read() for value in reply]
 
-        return self._run(keys, per_node, deadline_s, "get", slots)
+        # a large read goes out chunk by chunk, each master in a thread; a request's few
+        # thousand keys fan out from this thread, every master's request sent first
+        return self._run(keys, per_node, deadline_s, "get", slots,
+                         fan_out=len(keys) <= PIPELINE_KEYS)
 
     def put(self, keys: Sequence[bytes], values: Sequence[bytes],
             deadline_s: float | None = None, slots: np.ndarray | None = None) -> int:
@@ -402,14 +458,15 @@ class RedisStore:
         timeout_s = self.timeout_s if deadline_s is None else deadline_s
         slots = self.slots_of(keys) if slots is None else np.asarray(slots, np.int64)
 
-        def per_node(client: Any, node: Any, indices: list[int]) -> list:
+        def per_node(client: Any, node: Any, indices: list[int], deadline: float) -> list:
             # WAIT last on the same connection, which is what WAIT counts the writes of
             replicas = self._replicas_of(node)
             runs = _runs(indices, slots)
             commands = [_packed(b"MSET", [kv for i in run for kv in (keys[i], values[i])])
                         for run in runs]
             wait = _packed(b"WAIT", [b"%d" % replicas, b"%d" % int(timeout_s * 1000)])
-            replies = _exchange(client, _chunked(commands, runs), wait if replicas else None)
+            replies = _send(client, _chunked(commands, runs), wait if replicas else None,
+                            deadline)()
             if replicas and int(replies[-1]) < replicas:
                 raise RuntimeError(
                     f"RedisStore put: {replies[-1]} of master {node.name}'s {replicas} "
