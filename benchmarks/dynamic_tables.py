@@ -31,14 +31,14 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-import _results  # beside this script, as is _stats
+import _results  # beside this script, as are _rounds and _stats
+import _rounds
 import _stats
 
 NAME = "dynamic_tables"
@@ -183,37 +183,22 @@ def _tfra_step(tf, args):
 def run_path(path: tuple, data: str, rows: int) -> dict:
     name, venv, library, optimizer = path
     python = os.path.join(_results.ROOT, venv, "bin", "python")
-    argv = [python, os.path.abspath(__file__), "--worker", "--path", name, "--library",
-            library, "--optimizer", optimizer, "--data", data, "--rows", str(rows)]
     # TFRA's import needs setuptools < 70 (pkg_resources), which its venv holds
-    done = subprocess.run(argv, capture_output=True, text=True,
-                          env=_results.child_env(OMP_NUM_THREADS=None))
-    for line in done.stdout.splitlines():
-        if line.startswith(LINE):
-            return json.loads(line[len(LINE):])
-    raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return _rounds.worker_result(name, [
+        python, os.path.abspath(__file__), "--worker", "--path", name, "--library", library,
+        "--optimizer", optimizer, "--data", data, "--rows", str(rows)], LINE)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--steps", type=int, help="timed steps per run")
-    parser.add_argument("--out")
+    parser = _rounds.parser_with(__doc__.splitlines()[0],
+                                 ("path", "library", "optimizer", "data"))
     parser.add_argument("--paths", help="comma-separated paths to run (default: all; the "
                                         "ratios need their two)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("path", "library", "optimizer", "data"):
-        parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return 0
-    settings = dict(QUICK if args.quick else FULL)
-    for key in ("rounds", "steps"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
+    settings = _rounds.settings_of(args, QUICK, FULL)
     from tfhybrid.testing import provenance
     load = provenance.OtherLoad()
     out = _results.out_dir(NAME, args.quick, args.out)
@@ -228,14 +213,8 @@ def main() -> int:
     distinct = sum(len(np.unique(ids[:, t])) for t in range(TABLES))
 
     chosen = [p for p in PATHS if not args.paths or p[0] in args.paths.split(",")]
-    runs: dict[str, list[dict]] = {p[0]: [] for p in chosen}
-    for r in range(settings["rounds"]):
-        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
-        for path in order:
-            result = run_path(path, data, settings["rows"])
-            runs[path[0]].append(result)
-            print(f"round {r + 1} {path[0]:20s} {np.median(result['seconds']) * 1e3:8.1f} ms",
-                  flush=True)
+    runs = _rounds.run_rounds(chosen, settings["rounds"],
+                              lambda path: run_path(path, data, settings["rows"]))
 
     lines = provenance.header(sys.argv, load=load) + [
         f"# workload: {TABLES} tables x {settings['rows']:,} rows x {DIM}, batch "
@@ -265,9 +244,7 @@ def main() -> int:
     for top, bottom, what in RATIOS:
         if top not in medians or bottom not in medians:
             continue
-        per_round = [a / b for a, b in zip(medians[top], medians[bottom])]
-        lines.append(f"{top} / {bottom}: {np.median(per_round):.3f} (per round "
-                     f"{', '.join(f'{x:.3f}' for x in per_round)}); {what}")
+        lines.append(_rounds.per_round_ratio(medians, top, bottom, what))
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "results.txt"), "w") as f:
         f.write(text)

@@ -24,14 +24,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-import _results  # beside this script, as are _stats and dynamic_tables
+import _results  # beside this script, as are _rounds, _stats and dynamic_tables
+import _rounds
 import _stats
 from dynamic_tables import BATCH, DIM, EPSILON, HOTNESS, LEARNING_RATE, ROWS, TABLES, ZIPF
 from dynamic_tables import zipf_ids
@@ -96,35 +96,20 @@ def _kernel_isa() -> str:
 
 def run_path(path: tuple, data: str, rows: int) -> dict:
     name, combiner, weighted = path
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--path", name,
-            "--combiner", combiner, "--weighted", "1" if weighted else "0", "--data", data,
-            "--rows", str(rows)]
-    done = subprocess.run(argv, capture_output=True, text=True,
-                          env=_results.child_env(OMP_NUM_THREADS=None))
-    for line in done.stdout.splitlines():
-        if line.startswith(LINE):
-            return json.loads(line[len(LINE):])
-    raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return _rounds.worker_result(name, [
+        sys.executable, os.path.abspath(__file__), "--worker", "--path", name, "--combiner",
+        combiner, "--weighted", "1" if weighted else "0", "--data", data, "--rows",
+        str(rows)], LINE)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int)
-    parser.add_argument("--steps", type=int, help="timed steps per run")
-    parser.add_argument("--out")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("path", "combiner", "weighted", "data"):
-        parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    parser = _rounds.parser_with(__doc__.splitlines()[0], ("path", "combiner", "weighted",
+                                                           "data"))
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return 0
-    settings = dict(QUICK if args.quick else FULL)
-    for key in ("rounds", "steps"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
+    settings = _rounds.settings_of(args, QUICK, FULL)
     from tfhybrid.testing import provenance
     load = provenance.OtherLoad()
     out = _results.out_dir(NAME, args.quick, args.out)
@@ -138,14 +123,8 @@ def main() -> int:
     np.save(os.path.join(data, "upstream.npy"),
             rng.normal(0, 1, [settings["batch"], TABLES * DIM]).astype(np.float32))
 
-    runs: dict[str, list[dict]] = {p[0]: [] for p in PATHS}
-    for r in range(settings["rounds"]):
-        order = PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]
-        for path in order:
-            result = run_path(path, data, settings["rows"])
-            runs[path[0]].append(result)
-            print(f"round {r + 1} {path[0]:16s} {np.median(result['seconds']) * 1e3:8.1f} ms",
-                  flush=True)
+    runs = _rounds.run_rounds(PATHS, settings["rounds"],
+                              lambda path: run_path(path, data, settings["rows"]))
 
     lines = provenance.header(sys.argv, load=load) + [
         f"# workload: {TABLES} tables x {settings['rows']:,} rows x {DIM}, batch "
@@ -164,10 +143,7 @@ def main() -> int:
                      f"{np.median(medians[name]) * 1e3:8.1f} ms  {pooled.format(1e3, 1)}  "
                      f"(TF {results[-1]['tf']}, kernels {results[-1]['kernel_isa']})")
     lines.append("")
-    for top, bottom, what in RATIOS:
-        per_round = [a / b for a, b in zip(medians[top], medians[bottom])]
-        lines.append(f"{top} / {bottom}: {np.median(per_round):.3f} (per round "
-                     f"{', '.join(f'{x:.3f}' for x in per_round)}); {what}")
+    lines += [_rounds.per_round_ratio(medians, *ratio) for ratio in RATIOS]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "results.txt"), "w") as f:
         f.write(text)

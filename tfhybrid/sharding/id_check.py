@@ -151,20 +151,21 @@ class IdCheck:
             tf.strings.as_string(tf.reshape(flags, [-1, REPORT_FIELDS])[where, 1]),
             " on rank ", tf.strings.as_string(bad_rank), "; expected ids in [0, ",
             tf.strings.as_string(tf.gather(rows, bad_feature)), ")"])
-        bad_input = flags[:, :, 2] > 0
-        _, input_rank, input_feature = first(bad_input)
-        input_message = tf.strings.join([
-            "DistributedEmbedding: feature ", tf.strings.as_string(input_feature),
-            " (table '", tf.gather(names, input_feature), "') on rank ",
-            tf.strings.as_string(input_rank), " is not a supported input; that rank's log "
-            "says why"] + [f" (here: {reason})" for reason in reasons])
-        bad_weights = flags[:, :, 4] > 0
-        _, weights_rank, weights_feature = first(bad_weights)
-        weights_message = tf.strings.join([
-            "DistributedEmbedding: feature ", tf.strings.as_string(weights_feature),
-            " (table '", tf.gather(names, weights_feature), "') on rank ",
-            tf.strings.as_string(weights_rank), " has a NaN or infinite weight, or ragged "
-            "weights that are not one per id; expected finite weights of its ids' shape"])
+        def feature_failure(field: int, what: list) -> tuple:
+            # where a feature's flag is set: (any rank's flag, the first one named)
+            bad = flags[:, :, field] > 0
+            _, rank, feature = first(bad)
+            return bad, tf.strings.join([
+                "DistributedEmbedding: feature ", tf.strings.as_string(feature),
+                " (table '", tf.gather(names, feature), "') on rank ",
+                tf.strings.as_string(rank)] + what)
+
+        bad_input, input_message = feature_failure(
+            2, [" is not a supported input; that rank's log says why"]
+            + [f" (here: {reason})" for reason in reasons])
+        bad_weights, weights_message = feature_failure(
+            4, [" has a NaN or infinite weight, or ragged weights that are not one per "
+                "id; expected finite weights of its ids' shape"])
         # the word is part of the template: a string argument would print in quotes
         batch_message = tf.strings.format(
             f"DistributedEmbedding: {'local' if self.dp_input else 'model-group'} batch "

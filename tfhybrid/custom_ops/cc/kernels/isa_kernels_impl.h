@@ -221,59 +221,11 @@ void LookupCombineRangeInRegisters(const LookupCombineArgs<float, Tidx, Tsplits>
 }
 #endif  // TFHYBRID_ISA_LEVEL >= 1
 
-// LookupCombineRange with per-id weights: each row times its weight (a multiply, then
-// the add, as the backward scales), summed in id order.
-template <typename T, typename Tidx, typename Tsplits>
-void LookupCombineWeightedRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t begin,
-                                int64_t end, float* scratch) {
-  const T* __restrict table = a.table;
-  const Tidx* __restrict ids = a.ids;
-  const float* __restrict weights = a.weights;
-  const int64_t D = a.D;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  auto row = [&](int64_t p) { return table + static_cast<int64_t>(ids[p]) * D; };
-  const int64_t prefetch_end = static_cast<int64_t>(a.splits[end]);
-  const int64_t first = static_cast<int64_t>(a.splits[begin]);
-  for (int64_t p = first; p < std::min(first + kPrefetchDistance, prefetch_end); ++p)
-    PrefetchRow(row(p), row_bytes);
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t s = static_cast<int64_t>(a.splits[b]);
-    const int64_t e = static_cast<int64_t>(a.splits[b + 1]);
-    float* __restrict acc;
-    if constexpr (std::is_same<T, float>::value) {
-      acc = a.out + b * a.out_stride;
-    } else {
-      acc = scratch;
-    }
-    if (s == e) {
-      std::fill(acc, acc + D, 0.0f);
-    } else {
-      if (s + kPrefetchDistance < prefetch_end) PrefetchRow(row(s + kPrefetchDistance), row_bytes);
-      RowInto<RowOp::kSetScaled>(row(s), weights[s], acc, D);
-      for (int64_t p = s + 1; p < e; ++p) {
-        if (p + kPrefetchDistance < prefetch_end) PrefetchRow(row(p + kPrefetchDistance), row_bytes);
-        RowInto<RowOp::kAddScaled>(row(p), weights[p], acc, D);
-      }
-    }
-    if constexpr (!std::is_same<T, float>::value) FromFloats(acc, a.out + b * a.out_stride, D);
-  }
-}
-
-template <typename T, typename Tidx, typename Tsplits>
-void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t begin,
-                        int64_t end, float* scratch) {
-  if (a.weights != nullptr) return LookupCombineWeightedRange(a, begin, end, scratch);
-#if TFHYBRID_ISA_LEVEL >= 1
-  if constexpr (std::is_same<T, float>::value) {
-    if (a.D > 0 && a.D % kVecLanes == 0) {
-      const int64_t vecs = a.D / kVecLanes;
-      if (vecs > kMaxStripVecs) return LookupCombineRangeInRegisters<0>(a, begin, end);
-      return WithStripVecs(vecs, [&](auto row_vecs) {
-        LookupCombineRangeInRegisters<decltype(row_vecs)::value>(a, begin, end);
-      });
-    }
-  }
-#endif
+// LookupCombineRange's loop through memory (kWeighted: each row times its weight, a
+// multiply and then the add, as the backward scales).
+template <bool kWeighted, typename T, typename Tidx, typename Tsplits>
+void LookupCombineRangeInMemory(const LookupCombineArgs<T, Tidx, Tsplits>& a,
+                                int64_t begin, int64_t end, float* scratch) {
   const T* __restrict table = a.table;
   const Tidx* __restrict ids = a.ids;
   const int64_t D = a.D;
@@ -301,18 +253,44 @@ void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t be
       // the loop body, the forward of the -march=native build (znver3 tuning) measured
       // ~10% slower.
       if (s + kPrefetchDistance < prefetch_end) PrefetchRow(row(s + kPrefetchDistance), row_bytes);
-      RowInto<RowOp::kSet>(row(s), 1.0f, acc, D);
+      if constexpr (kWeighted) {
+        RowInto<RowOp::kSetScaled>(row(s), a.weights[s], acc, D);
+      } else {
+        RowInto<RowOp::kSet>(row(s), 1.0f, acc, D);
+      }
       for (int64_t p = s + 1; p < e; ++p) {
         if (p + kPrefetchDistance < prefetch_end) PrefetchRow(row(p + kPrefetchDistance), row_bytes);
-        RowInto<RowOp::kAdd>(row(p), 1.0f, acc, D);
+        if constexpr (kWeighted) {
+          RowInto<RowOp::kAddScaled>(row(p), a.weights[p], acc, D);
+        } else {
+          RowInto<RowOp::kAdd>(row(p), 1.0f, acc, D);
+        }
       }
-      if (a.mean) {
+      if (!kWeighted && a.mean) {
         const float cnt = static_cast<float>(e - s);
         for (int64_t d = 0; d < D; ++d) acc[d] /= cnt;
       }
     }
     if constexpr (!std::is_same<T, float>::value) FromFloats(acc, a.out + b * a.out_stride, D);
   }
+}
+
+template <typename T, typename Tidx, typename Tsplits>
+void LookupCombineRange(const LookupCombineArgs<T, Tidx, Tsplits>& a, int64_t begin,
+                        int64_t end, float* scratch) {
+  if (a.weights != nullptr) return LookupCombineRangeInMemory<true>(a, begin, end, scratch);
+#if TFHYBRID_ISA_LEVEL >= 1
+  if constexpr (std::is_same<T, float>::value) {
+    if (a.D > 0 && a.D % kVecLanes == 0) {
+      const int64_t vecs = a.D / kVecLanes;
+      if (vecs > kMaxStripVecs) return LookupCombineRangeInRegisters<0>(a, begin, end);
+      return WithStripVecs(vecs, [&](auto row_vecs) {
+        LookupCombineRangeInRegisters<decltype(row_vecs)::value>(a, begin, end);
+      });
+    }
+  }
+#endif
+  LookupCombineRangeInMemory<false>(a, begin, end, scratch);
 }
 
 // ---------------------------------------------------------------- backward
