@@ -17,28 +17,26 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from tfhybrid.combiners import COMBINERS, combined_bags
 from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.serving.rows import decode
 from tfhybrid.serving.store import RedisStore
 
 
-def _sum(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    return rows.sum(axis=1)
-
-
-def _mean(rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    return rows.sum(axis=1) / np.maximum(lengths, 1)[:, None].astype(rows.dtype)
-
-
-# one function per combiner name: a bag's rows [bags, hotness, width] and lengths [bags]
-# to [bags, width] (a new combiner is one entry)
-COMBINE: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "sum": _sum, "mean": _mean}
+def _combined(rows: np.ndarray, combiner: str, table_key: str) -> np.ndarray:
+    """Bags of ``rows`` ([bags, hotness, width]) combined as in training: the one rule of
+    ``tfhybrid.combiners`` (TensorFlow ops, no op library)."""
+    if combiner not in COMBINERS:
+        raise ValueError(f"table {table_key}: combiner {combiner!r} has no serving rule "
+                         f"({COMBINERS})")
+    lengths = tf.fill([rows.shape[0]], rows.shape[1])
+    return combined_bags(tf.reduce_sum(tf.constant(rows), axis=1), combiner,
+                         lengths).numpy()
 
 
 class Predictor:
@@ -234,10 +232,6 @@ class Predictor:
             gathered = table_rows[np.searchsorted(unique, feature_ids)]
             combiner = table["combiner"]
             if combiner is not None and feature_ids.ndim == 2:
-                if combiner not in COMBINE:
-                    raise ValueError(f"table {table['key']}: combiner {combiner!r} has no "
-                                     f"serving rule ({sorted(COMBINE)})")
-                lengths = np.full([feature_ids.shape[0]], feature_ids.shape[1])
-                gathered = COMBINE[combiner](gathered, lengths)
+                gathered = _combined(gathered, combiner, table["key"])
             out[key] = gathered
         return out
