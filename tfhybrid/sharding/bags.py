@@ -176,6 +176,9 @@ class BagReader:
         if not isinstance(weights, tf.RaggedTensor):
             weights = tf.convert_to_tensor(weights)
         flat, lengths_match = _flat_weights(feature, table.name, ids, weights)
+        # weights are inputs, not trained: nothing differentiates through them (their
+        # divisors included), so the backward is the rows' alone
+        flat = tf.stop_gradient(flat)
         # a NaN or infinite weight fails on every rank in the id check (checked before
         # the ids of weight <= 0 are dropped), as do ragged weights not one per id
         bad = tf.logical_not(tf.reduce_all(tf.math.is_finite(flat)))
