@@ -466,15 +466,16 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         return [mine[f] for f in strategy.input_ids_list[self._mesh.rank]]
 
     # ------------------------------------------------------- full tables
-    def get_weights(self, all_ranks: bool = False) -> list:
+    def get_weights(self, all_ranks: bool = False, tables: Sequence[int] | None = None
+                    ) -> list:
         """The full tables, gathered in chunks.
 
-        Every rank must call it. Returns a list of numpy arrays (one per table) on rank 0,
-        or on every rank with ``all_ranks=True``; other ranks get ``[]``. Beyond the
-        returned tables, it needs one chunk of memory
+        Every rank must call it. Returns a list of numpy arrays (one per table, or per
+        index of ``tables``) on rank 0, or on every rank with ``all_ranks=True``; other
+        ranks get ``[]``. Beyond the returned tables, it needs one chunk of memory
         (``tfhybrid.sharding.full_tables.CHUNK_BYTES``).
         """
-        return self._whole("get_weights").get_weights(all_ranks)
+        return self._whole("get_weights").get_weights(all_ranks, tables)
 
     def set_weights(self, weights: Sequence[Any], chunk: int | None = None,
                     use_lock: bool = False) -> None:

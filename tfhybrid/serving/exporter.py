@@ -52,7 +52,6 @@ from tfhybrid.plan.types import Kind
 from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.serving.rows import check_precision, encode, value_bytes
 from tfhybrid.serving.store import RedisStore
-from tfhybrid.sharding.full_tables import row_chunks
 
 # what a ServedTables call does, set while a signature traces: look every table up
 # ("inline"), take external features' rows from the given dict ("external"), or hand
@@ -273,35 +272,6 @@ class ExportPlan:
                 "layers": layers}
 
 
-def _gather_tables(layer: DistributedEmbedding, tables: list[int], keep: bool,
-                   mesh: mesh_lib.Mesh) -> dict[int, np.ndarray]:
-    """Whole float32 values of ``tables`` on the rank with ``keep``; every rank calls it
-    (the shards' rows travel over the model group, as ``get_weights`` moves them)."""
-    out = {}
-    for t in tables:
-        spec, placement = layer.table_specs[t], layer.plan.tables[t]
-        full = np.empty([spec.rows, spec.dim], np.float32) if keep else None
-        replicated = placement.kind == Kind.DATA_PARALLEL
-        for s, shard in enumerate(placement.shards):
-            width = shard.col_end - shard.col_start
-            store = layer.stores.get(t, 0 if replicated else s)
-            for start, stop in row_chunks(shard.row_end - shard.row_start, width):
-                if replicated and not keep:
-                    continue
-                local = (tf.convert_to_tensor(store.read_rows(start, stop))
-                         if store is not None else tf.zeros([0, width], tf.float32))
-                if not replicated:
-                    local = collectives.allgather(local, mesh.model_parallel,
-                                                  f"tfhybrid_{layer.name}_serving_gather",
-                                                  mesh.model_process_set)
-                if keep:
-                    full[shard.row_start + start:shard.row_start + stop,
-                         shard.col_start:shard.col_end] = local.numpy()
-        if keep:
-            out[t] = full
-    return out
-
-
 def agree(failed: bool, name: str, counts: tuple = ()) -> list[int]:
     """Every rank waits for every other; all raise if one of them failed. Returns
     ``counts`` summed over the ranks."""
@@ -499,7 +469,8 @@ def inline_values(plan: ExportPlan, mesh: mesh_lib.Mesh, everything: bool) -> di
     for layer in plan.layers:
         wanted = [t for t in range(len(layer.table_specs))
                   if everything or not plan.external(layer, t)]
-        out[layer.name] = _gather_tables(layer, wanted, mesh.rank == 0, mesh)
+        # the shards' rows travel over the model group to rank 0 (others get [])
+        out[layer.name] = dict(zip(wanted, layer.get_weights(tables=wanted)))
     return out
 
 

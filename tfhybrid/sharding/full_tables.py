@@ -71,12 +71,15 @@ class WholeTables:
         self._tables = list(tables)
         self._stores = stores
 
-    def get_weights(self, all_ranks: bool = False) -> list:
-        """The full tables, on rank 0 (every rank with ``all_ranks``); others get []."""
+    def get_weights(self, all_ranks: bool = False, tables: Sequence[int] | None = None
+                    ) -> list:
+        """The full tables (those indexed by ``tables``, else all), on rank 0 (every rank
+        with ``all_ranks``); others get []."""
         mesh = self._mesh
         keep = all_ranks or mesh.rank == 0
         full_tables = []
-        for t, (table, placement) in enumerate(zip(self._tables, self._plan.tables)):
+        for t in range(len(self._tables)) if tables is None else tables:
+            table, placement = self._tables[t], self._plan.tables[t]
             full = np.empty([table.rows, table.dim], np.float32) if keep else None
             replicated = placement.kind == Kind.DATA_PARALLEL
             for s, shard in enumerate(placement.shards):
