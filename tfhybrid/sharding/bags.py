@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from tfhybrid import mesh as mesh_lib
-from tfhybrid.combiners import kept_in_bags, weight_denominators
+from tfhybrid.combiners import kept_in_bags, normalized_weights
 from tfhybrid.plan.types import Kind, ShardingPlan
 from tfhybrid.sharding.tables import TableSpec, ids_as_int64, takes_strings
 
@@ -46,9 +46,9 @@ class Bags:
     # the ids' (a bool tensor the id check reports on every rank)
     weights: tf.Tensor | None = None
     bad_weights: Any = False
-    # weighted mean / sqrtn: each bag's divisor (``tfhybrid.combiners``), from the whole
-    # bag, where the route divides its sums
-    denominators: tf.Tensor | None = None
+    # the ids as given, where ids of weight <= 0 left ``values`` (None: ``values``): the
+    # id check reads every given id, in a list whose length the trace knows
+    given_values: tf.Tensor | None = None
 
 
 class BagReader:
@@ -190,24 +190,28 @@ class BagReader:
         if table.combiner == "sum":
             return dataclasses.replace(bags, weights=flat, bad_weights=bad)
         positive = flat > 0
-        # the divisors from the kept weights in their bags' shape: a sum over each row of
-        # a dense [batch, hotness], where a segment sum over flat weights costs more
+        # the bag's divisor goes into its ids' weights here, where the whole bag is read
+        # (tfhybrid.combiners): from the kept weights in their bags' shape, a sum over
+        # each row of a dense [batch, hotness], where a segment sum costs more
         kept_weights = tf.where(positive, flat, tf.zeros_like(flat))
         if isinstance(weights, tf.RaggedTensor):
             in_bags = tf.RaggedTensor.from_row_lengths(kept_weights, bags.lengths,
                                                        validate=False)
+            shares = normalized_weights(table.combiner, in_bags).flat_values
         else:
             shape = tf.shape(weights)
             in_bags = tf.reshape(kept_weights, shape if weights.shape.rank == 2
                                  else tf.concat([shape, [1]], 0))
-        denominators = weight_denominators(table.combiner, in_bags)
+            shares = tf.reshape(normalized_weights(table.combiner, in_bags), [-1])
         values, lengths = bags.values, tf.cast(bags.lengths, tf.int64)
         # ids of weight <= 0 leave their bags, only in a batch that has any
         values, lengths, kept = tf.cond(
-            tf.reduce_all(positive), lambda: (values, lengths, flat),
-            lambda: kept_in_bags(values, lengths, positive, flat))
+            tf.reduce_all(positive), lambda: (values, lengths, shares),
+            lambda: kept_in_bags(values, lengths, positive, shares))
+        # the weighted sum of each bag is now its mean or sqrtn: nothing divides later
         return dataclasses.replace(bags, values=values, lengths=lengths, weights=kept,
-                                   bad_weights=bad, denominators=denominators)
+                                   bad_weights=bad, combiner="sum",
+                                   given_values=bags.values)
 
     def _as_unweighted_bags(self, feature: int, ids) -> Bags:
         table = self.tables[self.input_table_map[feature]]

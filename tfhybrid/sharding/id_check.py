@@ -68,6 +68,8 @@ class IdCheck:
         Every fed feature's ids are checked at once, as one list with each id's feature
         beside it: a trace then holds a few ops for all features, not a dozen per feature
         (a step's graph is built on every rank, and this check was most of the layer's).
+        The ids are those given, ids of weight <= 0 that a weighted mean drops included:
+        a bad id is bad input whatever its weight.
         """
         num_features = len(self.input_table_map)
         fed = [f for f in range(num_features) if f in bags]
@@ -76,8 +78,10 @@ class IdCheck:
         if not fed:
             return tf.reshape(tf.concat(
                 head + [tf.zeros([num_features * REPORT_FIELDS], tf.int64)] + tail, 0), [1, -1])
-        values = tf.concat([tf.cast(bags[f].values, tf.int64) for f in fed], 0)
-        sizes = tf.stack([tf.size(bags[f].values, out_type=tf.int64) for f in fed])
+        given = [bags[f].values if bags[f].given_values is None else bags[f].given_values
+                 for f in fed]
+        values = tf.concat([tf.cast(v, tf.int64) for v in given], 0)
+        sizes = tf.stack([tf.size(v, out_type=tf.int64) for v in given])
         total = tf.size(values, out_type=tf.int64)
         places = tf.range(total)
         # each id's feature: how many features end at or before its place (a dozen ops,

@@ -379,8 +379,7 @@ class EmbeddingRoute:
                                         weights=weights)
             if not self.dp_input and bag.combiner in ("mean", "sqrtn"):
                 # only the owner sees whole bags here (a row shard's ids are a part)
-                summed = combined_bags(summed, bag.combiner, bag.lengths, bag.weights,
-                                       bag.denominators)
+                summed = combined_bags(summed, bag.combiner, bag.lengths)
             sums.append(tf.reshape(summed, [group, -1]))   # [source, bags * width]
         if group == 1:
             return self._kept_here(mine, sums)
@@ -492,9 +491,9 @@ class EmbeddingRoute:
 
     def finish(self, bag, summed):
         if bag.combiner in ("mean", "sqrtn"):
-            # whole bags are here: the weighted sums of every shard are added up
-            summed = combined_bags(summed, bag.combiner, bag.lengths, bag.weights,
-                                   bag.denominators)
+            # whole bags are here, the sums of every shard added up (a weighted bag's
+            # divisor is in its weights already, and its combiner "sum")
+            summed = combined_bags(summed, bag.combiner, bag.lengths)
         if bag.out_shape is not None:
             # the batch, not -1: with zero hotness the size says nothing about it
             summed = tf.reshape(summed, [bag.batch, bag.out_shape, summed.shape[-1]])
