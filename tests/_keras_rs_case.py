@@ -13,8 +13,6 @@ weights on any mesh. The embeddings are concatenated into a DCN tower (keras-rs'
 
 from __future__ import annotations
 
-import functools
-
 import keras
 import keras_rs
 import numpy as np
@@ -27,11 +25,22 @@ DENSE = 3
 SHARDING = dict(data_parallel_threshold=30, row_slice_threshold=270,
                 column_slice_threshold=200)
 VOCABULARY = {"user": 96, "item": 64, "words": 40, "country": 10}
+# an optimizer of its own for each table, the four keras-rs honours (makers: a new one
+# each call)
+MIXED_OPTIMIZERS = {
+    "user": lambda: keras.optimizers.SGD(0.1),
+    "item": lambda: keras.optimizers.Adagrad(0.2),
+    "words": lambda: keras.optimizers.Adam(0.05),
+    "country": lambda: keras.optimizers.Ftrl(0.2, l1_regularization_strength=0.01),
+}
 
 
 def feature_configs(batch: int | None = None, optimizer: object = "adam") -> dict:
-    """The features; every table names ``optimizer`` (keras-rs's default: "adam")."""
-    table = functools.partial(keras_rs.layers.TableConfig, optimizer=optimizer)
+    """The features; every table names ``optimizer`` (keras-rs's default: "adam"), or,
+    a dict, the table's ``optimizer[table name]``."""
+    def table(**fields):
+        own = optimizer[fields["name"]] if isinstance(optimizer, dict) else optimizer
+        return keras_rs.layers.TableConfig(optimizer=own, **fields)
     feature = keras_rs.layers.FeatureConfig
     user = table(name="user", vocabulary_size=96, embedding_dim=3, combiner="sum",
                  initializer=keras.initializers.RandomNormal(seed=11))
@@ -141,14 +150,20 @@ def dense_weights(model: keras.Model) -> list:
 
 
 def train_reference(model: keras.Model, layer: object, x: dict, y: np.ndarray, batch: int,
-                    dense_optimizer: object, table_optimizer: object = None) -> None:
+                    dense_optimizer: object, table_optimizer: object = None) -> dict:
     """keras-rs's model trained in one process on ``batch``-row batches of ``x``, ``y``:
     the dense layers by ``dense_optimizer``, each table by a new optimizer of its own from
-    ``table_optimizer()`` (as keras-rs trains them on TPUs), or by ``dense_optimizer``
-    where that is None (as keras-rs on CPUs)."""
+    ``table_optimizer()`` (or, a dict, from ``table_optimizer[table name]()``), as
+    keras-rs trains them on TPUs, or by ``dense_optimizer`` where that is None (as
+    keras-rs on CPUs). keras-rs's CPU layer trains its tables with the model's optimizer
+    whatever their configs say, so the tables' own optimizers are applied here by hand,
+    each to its table's variable. Returns them by table name."""
     tables = {v.path: v for v in layer.trainable_variables}
     dense = [v for v in model.trainable_variables if v.path not in tables]
-    owners = {path: table_optimizer() for path in tables} if table_optimizer else {}
+    # keras-rs's table variables are "<layer>/<table name>/embeddings"
+    make = ((lambda path: table_optimizer[path.split("/")[-2]]())
+            if isinstance(table_optimizer, dict) else lambda path: table_optimizer())
+    owners = {path: make(path) for path in tables} if table_optimizer else {}
     for path, optimizer in owners.items():
         optimizer.build([tables[path]])
     dense_optimizer.build(dense + ([] if owners else list(tables.values())))
@@ -171,6 +186,15 @@ def train_reference(model: keras.Model, layer: object, x: dict, y: np.ndarray, b
 
     for start in range(0, len(y), batch):
         step(tensors(rows(x, start, start + batch)), y[start:start + batch])
+    return {path.split("/")[-2]: optimizer for path, optimizer in owners.items()}
+
+
+def slots(optimizer: object, table: object) -> dict:
+    """``optimizer``'s slots of the variable ``table`` by slot name, as numpy (Keras 3
+    names a slot "<variable path, / as _>_<slot>")."""
+    prefix = table.path.replace("/", "_") + "_"
+    return {v.name[len(prefix):]: np.asarray(v) for v in optimizer.variables
+            if v.name.startswith(prefix)}
 
 
 def tables(embedding) -> dict:

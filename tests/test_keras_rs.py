@@ -175,6 +175,57 @@ class KerasRsTest(tf.test.TestCase):
                 self.assertAllClose(case.dense_weights(ours), case.dense_weights(reference),
                                     atol=TOLERANCE, rtol=0)
 
+    def test_tables_naming_different_optimizers_train_each_with_its_own(self):
+        configs = case.feature_configs(
+            optimizer={name: make() for name, make in case.MIXED_OPTIMIZERS.items()})
+        x, y = case.data(32, seed=5)
+        reference, theirs = case.model(keras_rs.layers.DistributedEmbedding, configs)
+        case.train_reference(reference, theirs, x, y, 8, keras.optimizers.SGD(LEARNING_RATE),
+                             case.MIXED_OPTIMIZERS)
+        ours, layer = case.model(tk.DistributedEmbedding, configs, table_optimizers="honour")
+        per_table = layer.table_optimizer
+        self.assertIsInstance(per_table, tfhybrid.table_optimizers.TableOptimizers)
+        self.assertEqual({name: type(o).__name__ for name, o in per_table.by_table.items()},
+                         {"user": "SGD", "item": "Adagrad", "words": "Adam",
+                          "country": "Ftrl"})
+        ours.compile(optimizer=tfhybrid.DistributedOptimizer(
+            keras.optimizers.SGD(LEARNING_RATE), embedding_optimizer=per_table), loss="mse")
+        ours.fit(case.dataset(x, y, 8), verbose=0)
+        # the planner counted the largest state of the tables' optimizers (Adam's)
+        self.assertEqual(layer.plan.optimizer, "adam")
+        trained = case.tables(layer)
+        self._assert_tables_equal(trained, case.tables(theirs))
+        self.assertAllClose(case.dense_weights(ours), case.dense_weights(reference),
+                            atol=TOLERANCE, rtol=0)
+        for name in trained:   # every table trained
+            self.assertGreater(np.abs(trained[name] - self._initial(name, configs)).max(),
+                               1e-4, name)
+
+        # a weights file round-trips every table's optimizer state: a new model and
+        # optimizer loaded from it hold the same state
+        path = os.path.join(self.get_temp_dir(), "mixed.weights.h5")
+        ours.save_weights(path)
+        again, again_layer = case.model(tk.DistributedEmbedding, configs,
+                                        table_optimizers="honour")
+        optimizer = tfhybrid.DistributedOptimizer(
+            keras.optimizers.SGD(LEARNING_RATE),
+            embedding_optimizer=again_layer.table_optimizer)
+        again.compile(optimizer=optimizer, loss="mse")
+        again.load_weights(path)
+        optimizer.build(again.trainable_variables)
+        self._assert_tables_equal(case.tables(again_layer), trained)
+        for name, saved in per_table.by_table.items():
+            loaded = optimizer.embedding_optimizer.by_table[name]
+            want = [np.asarray(v) for v in saved.variables]
+            got = [np.asarray(v) for v in loaded.variables]
+            self.assertEqual([w.shape for w in got], [w.shape for w in want], name)
+            for g, w in zip(got, want):
+                self.assertAllEqual(g, w, msg=name)
+            # the state holds slots of the table's shape, where the optimizer keeps any
+            # (SGD keeps none)
+            if name != "user":
+                self.assertIn(trained[name].shape, [w.shape for w in want], name)
+
     def test_sparse_ids_equal_keras_rs(self):
         table = keras_rs.layers.TableConfig(
             name="t", vocabulary_size=20, embedding_dim=3, combiner="sqrtn",
@@ -336,12 +387,13 @@ class KerasRsTest(tf.test.TestCase):
              "RMSprop"),
             (dict(feature_configs=one(optimizer=None), table_optimizers="honour"),
              "optimizer=None"),
+            # tables may name different optimizers, each of the four
             (dict(feature_configs={
                 "a": feature("a", table(name="a", vocabulary_size=10, embedding_dim=2,
-                                        optimizer="sgd"), (4,), (4, 2)),
+                                        optimizer="adagrad"), (4,), (4, 2)),
                 "b": feature("b", table(name="b", vocabulary_size=10, embedding_dim=2,
-                                        optimizer=keras.optimizers.Adam(0.1)), (4,), (4, 2))},
-                table_optimizers="honour"), "on ['b']"),
+                                        optimizer=keras.optimizers.Lion(0.1)), (4,), (4, 2))},
+                table_optimizers="honour"), "table 'b': optimizer Lion"),
         ]
         for kwargs, named in cases:
             with self.subTest(named=named):

@@ -235,13 +235,16 @@ class FiitedAdjust(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         # a DistributedOptimizer may train the tables with its own embedding optimizer
-        optimizer = getattr(optimizer, "embedding_optimizer", None) or optimizer
-        optimizer = slot_owners.base_optimizer(optimizer)   # inside a loss scale one
-        if self._layers() and trains_of(optimizer) is not Trains.ROW_STATE:
-            raise ValueError(
-                f"FiitedAdjust resizes the adaptive tables, which {type(optimizer).__name__}"
-                "'s per-entry state cannot follow; compile with "
-                "tfhybrid.optimizers.RowWiseAdagrad")
+        # (or one per table)
+        optimizers = slot_owners.each_optimizer(
+            getattr(optimizer, "embedding_optimizer", None)) or [optimizer]
+        for optimizer in optimizers:
+            optimizer = slot_owners.base_optimizer(optimizer)   # inside a loss scale one
+            if self._layers() and trains_of(optimizer) is not Trains.ROW_STATE:
+                raise ValueError(
+                    f"FiitedAdjust resizes the adaptive tables, which "
+                    f"{type(optimizer).__name__}'s per-entry state cannot follow; compile "
+                    "with tfhybrid.optimizers.RowWiseAdagrad")
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._batches += 1

@@ -32,6 +32,7 @@ from tfhybrid import slot_owners
 from tfhybrid.checkpoint import pieces
 from tfhybrid.checkpoint import tables
 from tfhybrid.optimizers import ROW_STATE_SLOT
+from tfhybrid.sharding.rank_stores import table_key
 from tfhybrid.sharding.stores import keeps_row_state, saved_layout_of
 
 # The optimizer's checkpoint child (part of the checkpoint format).
@@ -48,10 +49,12 @@ def variables_of(optimizer: Any) -> list:
     return list(found() if callable(found) and not isinstance(found, list) else found)
 
 
-def slots_of(optimizer: Any, variable: tf.Variable) -> dict[str, tf.Variable]:
+def slots_of(optimizer: Any, variable: tf.Variable,
+             table: str | None = None) -> dict[str, tf.Variable]:
     """``variable``'s optimizer slots by slot name ("m", "accumulator", ...), from the
-    optimizer that holds them (``slot_owners.slot_owner``)."""
-    owner = slot_owners.slot_owner(optimizer, variable)
+    optimizer that holds them (``slot_owners.slot_owner``; ``table``, a table key, picks
+    the one of that table for a layer's anchor under per-table optimizers)."""
+    owner = slot_owners.slot_owner(optimizer, variable, table)
     if owner is None:
         return {}
     state = roles.role_of(variable).row_accumulator
@@ -103,11 +106,11 @@ def layer_slot_pieces(optimizer: Any, layer: Any) -> dict[str, tuple[int, tuple,
     """``table_<t>_<slot>`` -> (t, the slot's full shape, the pieces this rank holds) of
     every table slot of ``layer`` in ``optimizer``: what checkpoints and weights files
     hold of them."""
-    # the anchor is on every rank, so its slot names are the same everywhere even
-    # where a rank holds no shard of a table
-    names = sorted(slots_of(optimizer, layer.anchor))
     found = {}
     for t, (table, held) in enumerate(zip(layer.table_specs, pieces.layer_pieces(layer))):
+        # the anchor is on every rank, so its slot names are the same everywhere even
+        # where a rank holds no shard of a table (per-table optimizers: in the table's)
+        names = sorted(slots_of(optimizer, layer.anchor, table_key(layer.name, table)))
         layout = saved_layout_of(table)
         if layout is not None and layout.saves_row_state:
             continue   # its kind's saved layout holds its rows' state (a dynamic table's)
@@ -214,7 +217,8 @@ class _OptimizerState:
         self._built_counts: tuple[int, ...] | None = None
 
     def members(self) -> list:
-        """The optimizer, the optimizers a loss scale wraps, and the embedding optimizer."""
+        """The optimizer, the optimizers a loss scale wraps, and the embedding optimizer
+        (each per-table one)."""
         optimizer = self.optimizer()
         found, todo = [], [optimizer]
         while todo:
@@ -222,8 +226,8 @@ class _OptimizerState:
             if current is None or any(current is f for f in found):
                 continue
             found.append(current)
-            todo += [getattr(current, "inner_optimizer", None),
-                     getattr(current, "embedding_optimizer", None)]
+            todo += [getattr(current, "inner_optimizer", None)] + slot_owners.each_optimizer(
+                getattr(current, "embedding_optimizer", None))
         return found
 
     def layers(self) -> list:
@@ -271,6 +275,8 @@ class _OptimizerState:
 
     def after_build(self) -> None:
         """Slots exist now: re-place the views, then restore what waited for them."""
+        if not slot_owners.tables_built(self.optimizer()):
+            return   # per-table optimizers build one by one: restore once all have slots
         counts = tuple(len(variables_of(m)) for m in self.members())
         if counts == self._built_counts:
             return

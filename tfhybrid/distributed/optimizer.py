@@ -19,6 +19,7 @@ from tfhybrid.checkpoint import weights_file as checkpoint_weights_file
 from tfhybrid.distributed import options as options_lib
 from tfhybrid.distributed.route import GradientRoute
 from tfhybrid.slot_owners import is_loss_scaling
+from tfhybrid.table_optimizers import TableOptimizers
 
 
 def _keep_table_state_in_checkpoints(optimizer: Any) -> None:
@@ -93,7 +94,7 @@ class _RoutedBuild:
 
 def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                          mesh: mesh_lib.Mesh | None = None,
-                         embedding_optimizer: tf.keras.optimizers.Optimizer | None = None,
+                         embedding_optimizer: Any = None,
                          *, name: str | None = None, device_dense: str = "",
                          device_sparse: str = "", compression: Any = hvd.Compression.none,
                          sparse_as_dense: bool = False,
@@ -114,7 +115,11 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
     route unscales Keras 3's first, so both Kerases sync, clip and skip the same
     gradients. ``embedding_optimizer`` (row-wise AdaGrad, say) then applies the
     gradients of ``DistributedEmbedding``'s tables, and ``optimizer`` those of every
-    other variable; each clips with its own settings over its own variables.
+    other variable; each clips with its own settings over its own variables. A dict
+    ``{"table name": optimizer, ...}`` (or a ``tfhybrid.table_optimizers.TableOptimizers``)
+    gives each table an optimizer of its own (every table needs one; a key may also be
+    ``"<layer name>/<table name>"``): each applies, clips and checkpoints its tables'
+    gradients and slots as a single embedding optimizer does all of them.
 
     Horovod's keywords (``horovod.tensorflow.keras.DistributedOptimizer``'s, and
     ``use_locking`` of ``horovod.tensorflow``'s) keep Horovod's meaning; the package doc
@@ -158,7 +163,11 @@ def DistributedOptimizer(optimizer: tf.keras.optimizers.Optimizer,
                          "must be True or False")
     if use_locking:
         options_lib.log_once("tfhybrid: use_locking=True is ignored: Keras optimizers take no locks")
-    if embedding_optimizer is not None:
+    if isinstance(embedding_optimizer, dict):
+        # one optimizer per table (ValueError names a key or optimizer that is not one)
+        embedding_optimizer = TableOptimizers(embedding_optimizer)
+    if embedding_optimizer is not None and not isinstance(embedding_optimizer,
+                                                          TableOptimizers):
         if is_loss_scaling(embedding_optimizer) or isinstance(embedding_optimizer,
                                                                _RoutedApply):
             raise ValueError(

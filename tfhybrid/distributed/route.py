@@ -18,7 +18,7 @@ from tfhybrid.distributed import gradients
 from tfhybrid.distributed import sync
 from tfhybrid.distributed import weight_sync
 from tfhybrid.distributed.options import SyncOptions
-from tfhybrid.slot_owners import is_loss_scaling
+from tfhybrid.slot_owners import PerTableOptimizers, each_optimizer, is_loss_scaling
 
 
 def _made_eagerly(next_creator: Callable, **kwargs) -> tf.Variable:
@@ -157,9 +157,10 @@ class GradientRoute:
         if self.embedding_optimizer is not None:
             tables = [i for i, v in enumerate(variables) if roles.is_embedding(v)]
             dense = [i for i, v in enumerate(variables) if not roles.is_embedding(v)]
-            groups = [(optimizer, apply_fn, dense),
-                      (self.embedding_optimizer, self.embedding_optimizer.apply_gradients,
-                       tables)]
+            groups = [(optimizer, apply_fn, dense)] + [
+                (owner, owner.apply_gradients, [tables[j] for j in members])
+                for owner, members in _table_groups(self.embedding_optimizer,
+                                                    [variables[i] for i in tables])]
         results = []
         for owner, apply_group, members in groups:
             if not members:
@@ -248,9 +249,8 @@ class GradientRoute:
 
         def count_pass():
             # as Horovod's helper: iterations counts every backward pass
-            for owner in (optimizer, self.embedding_optimizer):
-                if owner is not None:
-                    owner.iterations.assign_add(1)
+            for owner in [optimizer] + each_optimizer(self.embedding_optimizer):
+                owner.iterations.assign_add(1)
             return tf.constant(False)
 
         tf.cond(tf.equal(passes, k), step, count_pass)
@@ -269,6 +269,14 @@ class GradientRoute:
             return tf.constant(True)
 
         return tf.cond(finite, step, lambda: tf.constant(False))
+
+
+def _table_groups(embedding_optimizer: Any, variables: list) -> list[tuple[Any, list[int]]]:
+    """(optimizer, positions in ``variables``) of the embedding optimizer, or of each
+    per-table one: each clips and applies its own (the same groups on every rank)."""
+    if isinstance(embedding_optimizer, PerTableOptimizers):
+        return embedding_optimizer.split(variables)
+    return [(embedding_optimizer, list(range(len(variables))))]
 
 
 def unscaled(optimizer: Any, pairs: list) -> list:

@@ -6,7 +6,7 @@ DistributedEmbedding``. keras-rs itself is not needed at run time: its
 ``FeatureConfig`` / ``TableConfig`` objects are read by their attributes, and
 :class:`FeatureConfig` / :class:`TableConfig` here are stand-ins with the same fields.
 ``configs`` reads and checks the configs; ``table_optimizer`` turns the tables' optimizers
-into the one embedding optimizer (``table_optimizers="honour"``); ``layer`` is the layer.
+into the embedding optimizer (``table_optimizers="honour"``); ``layer`` is the layer.
 """
 
 from tfhybrid.keras_rs.configs import FeatureConfig, TableConfig

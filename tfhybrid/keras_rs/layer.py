@@ -29,7 +29,7 @@ __all__ = ["DistributedEmbedding", "TABLE_OPTIMIZERS", "TPU_ONLY_ARGUMENTS"]
 _LOG = logging.getLogger(__name__)
 
 # How tables are trained: "model", by the model's optimizer (what keras-rs does on CPUs
-# and GPUs, whatever TableConfig.optimizer says); "honour", by the optimizer every
+# and GPUs, whatever TableConfig.optimizer says); "honour", each by the optimizer its
 # TableConfig names (``layer.table_optimizer``, the DistributedOptimizer's
 # embedding_optimizer), as keras-rs on TPUs
 TABLE_OPTIMIZERS = ("model", "honour")
@@ -86,10 +86,11 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         mesh and ``dp_input``, which this layer sets.
       table_optimizers: ``"model"`` (default): every table is trained by the model's
         optimizer, as keras-rs trains them on CPUs and GPUs; a warning says once that
-        ``TableConfig.optimizer`` is not used. ``"honour"``: the tables' own optimizer,
-        as keras-rs on TPUs: every table must name the same one, of SGD, Adagrad, Adam
-        and FTRL (``ValueError`` names the others), and :attr:`table_optimizer` is it,
-        to pass as ``tfhybrid.DistributedOptimizer(..., embedding_optimizer=...)``.
+        ``TableConfig.optimizer`` is not used. ``"honour"``: each table's own
+        optimizer, as keras-rs on TPUs: one of SGD, Adagrad, Adam and FTRL
+        (``ValueError`` names the others), tables may name different ones, and
+        :attr:`table_optimizer` trains them, to pass as
+        ``tfhybrid.DistributedOptimizer(..., embedding_optimizer=...)``.
       **kwargs: Keras layer arguments; keras-rs's TPU-only ``optimizer``,
         ``pipeline_execution_with_tensor_core`` and ``sparse_core_embedding_config`` are
         accepted and not used (logged once).
@@ -142,8 +143,8 @@ class DistributedEmbedding(tf.keras.layers.Layer):
                              "argument, every rank feeding its own batch)")
         features, tables = configs.read_features(feature_configs)
         _check_table_stacking(table_stacking, [t.name for t in tables])
-        # ValueError naming an optimizer that is not honoured, or tables that differ
-        object.__setattr__(self, "_optimizer_spec", table_optimizer.table_optimizer_spec(
+        # ValueError naming an optimizer that is not honoured
+        object.__setattr__(self, "_optimizer_specs", table_optimizer.table_optimizer_specs(
             tables) if table_optimizers == "honour" else None)
         object.__setattr__(self, "_table_optimizer", None)
         # plain data, set past Keras' __setattr__ (whose tracking would wrap the nesting)
@@ -155,10 +156,9 @@ class DistributedEmbedding(tf.keras.layers.Layer):
         self.table_optimizers = table_optimizers
         self.sharding = sharding
         planned = dict(sharding)
-        if self._optimizer_spec is not None:
-            # the planner counts the honoured optimizer's state
-            planned.setdefault("optimizer",
-                               table_optimizer.PLANNED_AS[self._optimizer_spec[0]])
+        if self._optimizer_specs is not None:
+            # the planner counts the honoured optimizers' state
+            planned.setdefault("optimizer", table_optimizer.planned_as(self._optimizer_specs))
         self._tables = ShardedEmbedding(
             [Embedding(t.vocabulary_size, t.embedding_dim, name=t.name,
                        combiner=t.combiner,
@@ -179,7 +179,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             _LOG.info("DistributedEmbedding %r: placement %s is not used; every table is "
                       "planned over the mesh", self.name, placed)
         with_optimizer = [t.name for t in tables if t.optimizer is not None]
-        if with_optimizer and self._optimizer_spec is None:
+        if with_optimizer and self._optimizer_specs is None:
             _LOG.warning("DistributedEmbedding %r: TableConfig.optimizer of tables %s is "
                          "not used; the model's optimizer trains every table, as keras-rs "
                          "does on CPUs and GPUs", self.name, with_optimizer)
@@ -198,10 +198,12 @@ class DistributedEmbedding(tf.keras.layers.Layer):
 
     @property
     def table_optimizer(self) -> Any:
-        """With ``table_optimizers="honour"``: the Keras optimizer every table names
-        (made once), for ``tfhybrid.DistributedOptimizer(dense_optimizer,
-        embedding_optimizer=layer.table_optimizer)``."""
-        if self._optimizer_spec is None:
+        """With ``table_optimizers="honour"``: what trains the tables (made once), for
+        ``tfhybrid.DistributedOptimizer(dense_optimizer,
+        embedding_optimizer=layer.table_optimizer)``: the Keras optimizer every table
+        names where they name the same (class and configuration), else a
+        ``tfhybrid.table_optimizers.TableOptimizers`` of each table's, by table name."""
+        if self._optimizer_specs is None:
             raise ValueError(f"DistributedEmbedding {self.name!r}: table_optimizer needs "
                              f"table_optimizers='honour'; got {self.table_optimizers!r} "
                              "(the model's optimizer trains the tables)")
@@ -209,7 +211,7 @@ class DistributedEmbedding(tf.keras.layers.Layer):
             # plain state, set past Keras' __setattr__: the optimizer's variables are the
             # DistributedOptimizer's to track, not this layer's
             object.__setattr__(self, "_table_optimizer",
-                               table_optimizer.make_optimizer(self._optimizer_spec))
+                               table_optimizer.make_table_optimizer(self._optimizer_specs))
         return self._table_optimizer
 
     @property

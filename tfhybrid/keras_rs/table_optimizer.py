@@ -1,12 +1,13 @@
-"""keras-rs's per-table optimizers (``TableConfig.optimizer``) as the one Keras optimizer
-``tfhybrid.DistributedOptimizer(..., embedding_optimizer=...)`` applies to every table.
+"""keras-rs's per-table optimizers (``TableConfig.optimizer``) as the embedding optimizer
+of ``tfhybrid.DistributedOptimizer(..., embedding_optimizer=...)``.
 
 keras-rs trains each table with its ``TableConfig.optimizer`` on TPUs (SGD, Adagrad, Adam
-and FTRL); tfhybrid's gradient route gives the tables one optimizer of their own beside
-the dense one. So the tables' optimizers are honoured exactly where they are one: every
-table names the same class with the same configuration (keras-rs's default, ``"adam"``
-on every table, is). Tables whose optimizers differ, or an optimizer outside those four,
-raise ``ValueError`` naming them.
+and FTRL), and so does tfhybrid with ``table_optimizers="honour"``: where every table
+names the same class with the same configuration (keras-rs's default, ``"adam"`` on every
+table, does), the embedding optimizer is one new Keras optimizer of it; where they
+differ, a ``tfhybrid.table_optimizers.TableOptimizers`` of one optimizer per distinct
+configuration, by table name. An optimizer outside those four raises ``ValueError``
+naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-__all__ = ["HONOURED", "PLANNED_AS", "table_optimizer_spec", "make_optimizer"]
+from tfhybrid.plan.types import OPTIMIZER_STATE
+from tfhybrid.table_optimizers import TableOptimizers
+
+__all__ = ["HONOURED", "PLANNED_AS", "table_optimizer_specs", "planned_as",
+           "make_table_optimizer", "make_optimizer"]
 
 # the optimizers keras-rs supports on TPUs, by their Keras class names
 HONOURED = ("SGD", "Adagrad", "Adam", "Ftrl")
@@ -52,21 +57,32 @@ def _spec(optimizer: Any, table: str) -> tuple[str, dict]:
     return name, config
 
 
-def table_optimizer_spec(tables: Sequence[Any]) -> tuple[str, dict]:
-    """The one (class name, config) every table's ``optimizer`` names; ``ValueError``
-    names an optimizer that is not honoured, or the tables whose optimizers differ."""
-    found: dict[str, tuple[tuple[str, dict], list[str]]] = {}
-    for table in tables:
-        spec = _spec(table.optimizer, table.name)
-        key = json.dumps(spec, sort_keys=True, default=repr)
-        found.setdefault(key, (spec, []))[1].append(table.name)
-    if len(found) > 1:
-        groups = "; ".join(f"{spec[0]}({spec[1]}) on {names}"
-                           for spec, names in found.values())
-        raise ValueError(f"table_optimizers='honour' applies one optimizer to every table, "
-                         f"but the tables name several: {groups}. Give them the same, or "
-                         "use table_optimizers='model'")
-    return next(iter(found.values()))[0]
+def table_optimizer_specs(tables: Sequence[Any]) -> dict[str, tuple[str, dict]]:
+    """Table name -> (class name, config) of the optimizer each table names;
+    ``ValueError`` names a table whose optimizer is not honoured."""
+    return {table.name: _spec(table.optimizer, table.name) for table in tables}
+
+
+def planned_as(specs: dict[str, tuple[str, dict]]) -> str:
+    """The planner's name for the tables' optimizers: of several, the one with the most
+    state per element, so the planner does not count too little."""
+    return max((PLANNED_AS[name] for name, _ in specs.values()), key=OPTIMIZER_STATE.get)
+
+
+def make_table_optimizer(specs: dict[str, tuple[str, dict]]) -> Any:
+    """The embedding optimizer of tables naming ``specs``: one new Keras optimizer where
+    every table names the same; else a ``TableOptimizers`` of one per distinct spec, by
+    table name."""
+    made: dict[str, Any] = {}
+    for spec in specs.values():
+        made.setdefault(_key(spec), make_optimizer(spec))
+    if len(made) == 1:
+        return next(iter(made.values()))
+    return TableOptimizers({table: made[_key(spec)] for table, spec in specs.items()})
+
+
+def _key(spec: tuple[str, dict]) -> str:
+    return json.dumps(spec, sort_keys=True, default=repr)
 
 
 def make_optimizer(spec: tuple[str, dict]) -> Any:
