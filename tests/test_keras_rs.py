@@ -403,10 +403,13 @@ class KerasRsTest(tf.test.TestCase):
             tk.DistributedEmbedding(one()).table_optimizer
 
     def test_the_docstring_examples_run(self):
-        for cls in (tk.DistributedEmbedding, tk.TableConfig, tk.FeatureConfig):
+        for cls in (tk.DistributedEmbedding, tk.TableConfig, tk.FeatureConfig,
+                    tfhybrid.table_optimizers.TableOptimizers):
             with self.subTest(cls=cls.__name__):
-                self.assertIn("Example::", cls.__doc__)
-                exec(textwrap.dedent(cls.__doc__.split("Example::", 1)[1]), {})  # pylint: disable=exec-used
+                # "Example::" or "Example (one process; ...)::"
+                parts = re.split(r"\n *Example[^\n]*::\n", cls.__doc__, maxsplit=1)
+                self.assertEqual(len(parts), 2, cls.__name__)
+                exec(textwrap.dedent(parts[1]), {})  # pylint: disable=exec-used
 
     def test_bad_inputs_raise_value_error_naming_the_feature(self):
         layer = tk.DistributedEmbedding(case.feature_configs())
