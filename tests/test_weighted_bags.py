@@ -23,6 +23,7 @@ from tfhybrid.layers import DistributedEmbedding, DynamicEmbedding, Embedding
 from tfhybrid.optimizers import RowWiseAdagrad
 
 HOROVOD_NP = (1, 4)
+KERAS = (2, 3)
 
 LR, EPS, STEPS, LOCAL_BATCH = 0.05, 1e-8, 10, 3
 # (name, rows, dim, form): with the thresholds below "rows" is row-sliced over every
