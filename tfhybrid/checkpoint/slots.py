@@ -275,8 +275,6 @@ class _OptimizerState:
 
     def after_build(self) -> None:
         """Slots exist now: re-place the views, then restore what waited for them."""
-        if not slot_owners.tables_built(self.optimizer()):
-            return   # per-table optimizers build one by one: restore once all have slots
         counts = tuple(len(variables_of(m)) for m in self.members())
         if counts == self._built_counts:
             return
@@ -289,7 +287,10 @@ class _OptimizerState:
                     _tf_internals.restore_waiting_child(member, name, children[name])
         for view in self._views.values():
             view.restore_deferred()
-        self.slots_node.restore_deferred()
+        # per-table optimizers build one by one: the tables' slots are restored once all
+        # of them have theirs (a restoration reaches what exists when it is handed over)
+        if slot_owners.tables_built(self.optimizer()):
+            self.slots_node.restore_deferred()
 
 
 def state_of(optimizer: Any) -> "_OptimizerState":

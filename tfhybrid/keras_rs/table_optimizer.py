@@ -75,7 +75,8 @@ def make_table_optimizer(specs: dict[str, tuple[str, dict]]) -> Any:
     table name."""
     made: dict[str, Any] = {}
     for spec in specs.values():
-        made.setdefault(_key(spec), make_optimizer(spec))
+        if _key(spec) not in made:
+            made[_key(spec)] = make_optimizer(spec)
     if len(made) == 1:
         return next(iter(made.values()))
     return TableOptimizers({table: made[_key(spec)] for table, spec in specs.items()})
