@@ -68,6 +68,10 @@ class PerTableOptimizers:
         in the same order on every rank."""
         raise NotImplementedError
 
+    def build(self, var_list: list) -> None:
+        """Builds every optimizer with its share of ``var_list``."""
+        raise NotImplementedError
+
     @property
     def built(self) -> bool:
         """Whether every optimizer has made its slots (they are built one by one)."""

@@ -275,7 +275,13 @@ def _table_groups(embedding_optimizer: Any, variables: list) -> list[tuple[Any, 
     """(optimizer, positions in ``variables``) of the embedding optimizer, or of each
     per-table one: each clips and applies its own (the same groups on every rank)."""
     if isinstance(embedding_optimizer, PerTableOptimizers):
-        return embedding_optimizer.split(variables)
+        groups = embedding_optimizer.split(variables)
+        if not embedding_optimizer.built:
+            # all of them before any steps: Keras builds an optimizer in its first
+            # apply, and a restore waiting for the tables' slots is handed over once
+            # every one has them
+            embedding_optimizer.build(variables)
+        return groups
     return [(embedding_optimizer, list(range(len(variables))))]
 
 
