@@ -104,9 +104,14 @@ class PerTableOptimizersTest(tf.test.TestCase):
         for got, want, name in zip(restored.get_weights(), layer.get_weights(), ROWS):
             self.assertAllEqual(got, want, msg=name)
 
-    def test_a_table_without_an_optimizer_and_a_loss_scaling_one_raise(self):
+    def test_a_table_without_an_optimizer_an_unknown_key_and_loss_scaling_raise(self):
         layer, optimizer = self._ours(given={"users": tf.keras.optimizers.Adagrad(0.1)})
         with self.assertRaisesRegex(ValueError, "items' has no optimizer"):
+            self._step(layer, optimizer, batches()[0])
+        layer, optimizer = self._ours(given={"users": tf.keras.optimizers.Adagrad(0.1),
+                                             "items": tf.keras.optimizers.Adam(0.1),
+                                             "itmes": tf.keras.optimizers.SGD(0.1)})
+        with self.assertRaisesRegex(ValueError, r"name \['itmes'\], which no built"):
             self._step(layer, optimizer, batches()[0])
         scaled = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam())
         with self.assertRaisesRegex(ValueError, "table 'items'.*plain Keras optimizer"):

@@ -102,7 +102,7 @@ class TableOptimizers(slot_owners.PerTableOptimizers, _tf_internals.Trackable):
 
     # ------------------------------------------------------------ which owner
     def _reindex(self) -> None:
-        index = {}
+        index, known = {}, set()
         for layer in checkpoint_tables.built_layers():
             anchor = _tf_internals.tf_variable(layer.anchor)
             index[id(anchor)] = (weakref.ref(anchor), None)
@@ -111,6 +111,12 @@ class TableOptimizers(slot_owners.PerTableOptimizers, _tf_internals.Trackable):
                     variable = _tf_internals.tf_variable(variable)
                     index[id(variable)] = (weakref.ref(variable),
                                            (table_key(layer.name, spec), spec.name))
+                known.update((table_key(layer.name, spec), spec.name))
+        # a key naming no table is a typo: its table would train with another optimizer
+        unknown = sorted(set(self._by_key) - known)
+        if unknown:
+            raise ValueError(f"the per-table optimizers name {unknown}, which no built "
+                             f"DistributedEmbedding has; its tables: {sorted(known)}")
         self._index = index
 
     def _table_of(self, variable: Any) -> tuple[str, str] | None:
