@@ -155,12 +155,32 @@ class FindOrInsertTest(tf.test.TestCase):
 
     def test_the_numpy_twin_gives_the_kernels_slots_bit_for_bit(self):
         rules = dict(admit_after=2, evict="lru", ttl_steps=4, pinned_calls=2)
-        tables = [DynamicTable(20, 2, use_custom_op=op, **rules) for op in (True, False)]
-        for keys in _stream(np.random.default_rng(9), 30, 32, 300):
-            got = [t.slots(tf.constant(keys)).numpy() for t in tables]
+        self.check_twins(20, 2, _stream(np.random.default_rng(9), 30, 32, 300), **rules)
+
+    def test_the_kernel_writes_new_rows_as_the_twin_and_tf_ops_do(self):
+        # the op writes new keys' rows and zero accumulators itself; calls of thousands
+        # of missing keys (any int64, repeated) take its radix sort
+        rng = np.random.default_rng(4)
+        big = [np.concatenate([rng.integers(-2**63, 2**63 - 1, 1500), [-1, 0, 1, 2**63 - 1],
+                               rng.integers(-40, 40, 600)]) for _ in range(3)]
+        for init, dim in ((tf.keras.initializers.RandomUniform(-0.3, 0.2), 5),
+                          (tf.keras.initializers.RandomNormal(0.1, 0.4), 3), (0.5, 2)):
+            self.check_twins(3000, dim, big, initializer=init, seed=7, evict="lfu")
+
+    def check_twins(self, capacity, dim, stream, **rules):
+        """The C++ op and its NumPy twin (rows by TensorFlow's ops), call by call: the
+        same slots, and the same state, rows and accumulators, bit for bit."""
+        tables = [DynamicTable(capacity, dim, use_custom_op=op, **rules)
+                  for op in (True, False)]
+        for keys in stream:
+            for t in tables:
+                # a nonzero accumulator everywhere: a new key's slot must reset it
+                t.accumulator.assign(t.accumulator + 1.0)
+            got = [t.slots(tf.constant(keys, tf.int64)).numpy() for t in tables]
             self.assertAllEqual(got[0], got[1])
         for name in ("slot_keys", "slot_seen", "slot_count", "index", "cand_keys",
-                     "cand_seen", "cand_count", "cand_index", "counters"):
+                     "cand_seen", "cand_count", "cand_index", "counters", "rows",
+                     "accumulator"):
             self.assertAllEqual(getattr(tables[0], name), getattr(tables[1], name), name)
 
     def test_a_full_table_without_eviction_refuses_and_counts(self):

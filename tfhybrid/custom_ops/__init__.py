@@ -41,6 +41,9 @@ from pathlib import Path
 import tensorflow as tf
 
 from tfhybrid import combiners as combiners_lib
+# dynamic tables' ops, here by name as every op's wrapper
+from tfhybrid.custom_ops.dynamic import (dynamic_find_or_insert, dynamic_held_slots,
+                                         dynamic_keyed_rows)
 
 __all__ = ["embedding_lookup_combine", "embedding_lookup_combine_concat",
            "rowwise_adagrad_apply", "custom_ops_available",
@@ -718,39 +721,6 @@ def cached_chunked_rowwise_adagrad_apply(cache, accum, slot_chunks, slot_rows, c
         *_chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,
                                 utility_decay),
         chunk_dim=chunk_dim)
-
-
-def dynamic_find_or_insert(state, keys, call, admit_after: int, evict: str, ttl: int,
-                           pinned: int, insert: bool = True):
-    """One call of a dynamic table's shard on int64 ``keys`` in C++ (the rules are in
-    ``cc/kernels/dynamic_table_kernels.cc``): (each key's slot, -1 where not admitted;
-    the slots that took a new key; those keys; with ``insert=False`` only finds, changing
-    nothing). ``state`` holds the shard's variables
-    (``slot_keys``, ``slot_seen``, ``slot_count``, ``index``, ``cand_keys``,
-    ``cand_seen``, ``cand_count``, ``cand_index``, ``counters``)."""
-    return require_library().dynamic_find_or_insert(
-        state.slot_keys.handle, state.slot_seen.handle, state.slot_count.handle,
-        state.index.handle, state.cand_keys.handle, state.cand_seen.handle,
-        state.cand_count.handle, state.cand_index.handle, state.counters.handle,
-        tf.cast(keys, tf.int64), tf.cast(call, tf.int64), admit_after=admit_after,
-        evict=evict, ttl=ttl, pinned=pinned, insert=insert)
-
-
-def dynamic_keyed_rows(keys, kind: str, low: float, high: float, seed: int, dim: int):
-    """[len(keys), dim] float32: each int64 key's initial row in C++, the formula of
-    ``tfhybrid.dynamic.initial_rows`` (``kind`` ``"uniform"`` or ``"normal"``; ``low``,
-    ``high`` its two numbers, in float64; ``seed`` the table's)."""
-    seed_bits = tf.bitcast(tf.constant(seed % 2**64, tf.uint64), tf.int64)
-    return require_library().dynamic_keyed_rows(
-        tf.reshape(tf.cast(keys, tf.int64), [-1]), seed_bits,
-        tf.constant([low, high], tf.float64), kind=kind, dim=dim)
-
-
-def dynamic_held_slots(slots, lengths):
-    """(the slots >= 0 of bags of ``lengths`` slots, how many each bag keeps) in C++:
-    ``tfhybrid.combiners.kept_in_bags(slots, lengths, slots >= 0)`` in one pass."""
-    return require_library().dynamic_held_slots(tf.cast(slots, tf.int32),
-                                                tf.cast(lengths, tf.int64))
 
 
 def _chunked_update_inputs(grad, lr, epsilon, scale, weight_decay, utility,

@@ -196,20 +196,25 @@ class DynamicTable(tf.Module):
             return tf.reshape(found, tf.shape(keys))
         slots, new_slots, new_keys = self._find_or_insert(flat, self.calls.assign_add(1),
                                                           insert=True)
-        fresh = self.initializer.rows(new_keys, self.dim,
-                                      use_custom_op=False if self.use_custom_op is False
-                                      else None)
+        if self._uses_op():
+            # the op wrote the new slots' rows and zero accumulators itself
+            return tf.reshape(slots, tf.shape(keys))
+        fresh = self.initializer.rows(new_keys, self.dim, use_custom_op=False)
         written = [self.rows.scatter_update(tf.IndexedSlices(fresh, new_slots)),
                    self.accumulator.scatter_update(tf.IndexedSlices(
                        tf.zeros(tf.shape(new_slots), tf.float32), new_slots))]
         with tf.control_dependencies(written):
             return tf.reshape(tf.identity(slots), tf.shape(keys))
 
+    def _uses_op(self) -> bool:
+        """Whether calls run the C++ op (else its NumPy twin and TensorFlow's ops)."""
+        return self.use_custom_op is not False and custom_ops.custom_ops_available()
+
     def _find_or_insert(self, keys: tf.Tensor, call: tf.Tensor, insert: bool):
         """One call of DynamicFindOrInsert: the C++ op, or its NumPy twin."""
         rules = dict(admit_after=self.admit_after, evict=self.evict or "none",
                      ttl=self.ttl_steps or 0, pinned=self.pinned_calls, insert=insert)
-        if self.use_custom_op is not False and custom_ops.custom_ops_available():
+        if self._uses_op():
             return custom_ops.dynamic_find_or_insert(self, keys, call, **rules)
         state = [getattr(self, name) for name in STATE]
 

@@ -1,6 +1,7 @@
 // CPU kernels of dynamic tables (tfhybrid/dynamic/): DynamicFindOrInsert, one shard's
-// batched find-or-insert of keys, with admission, eviction and expiry; and
-// DynamicKeyedRows, the initial rows of new keys.
+// batched find-or-insert of keys, with admission, eviction and expiry, which also writes
+// the new keys' initial rows and zero accumulators; and DynamicKeyedRows, the initial
+// rows of keys alone.
 //
 // A shard has `capacity` slots. Its state is variables, so that checkpoints, broadcasts
 // and replicas see it like any other: per slot its key, the call that last saw it (-1: a
@@ -22,8 +23,9 @@
 //      recently seen, then smallest key), with lru the least recently seen (then fewest
 //      sightings, then smallest key), never a slot seen in the last `pinned` calls; with
 //      evict none, or no slot to evict, a key is refused (it reads the default row);
-//   6. every input key's slot is returned (-1: not admitted), and the slots that took a
-//      new key with those keys, for their rows to be initialized.
+//   6. the slots that took a new key get the key's initial row (initial_rows.py's
+//      formula) and a zero accumulator; every input key's slot is returned (-1: not
+//      admitted), and the slots that took a new key with those keys.
 //
 // With insert false (inference) a call only finds: the state is not touched.
 //
@@ -47,6 +49,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "huge_pages.h"
 #include "isa_kernels.h"
 
 namespace tensorflow {
@@ -162,6 +165,123 @@ Status CheckIndex(const Tensor& index_t, int64 size, const char* what) {
   return OkStatus();
 }
 
+// Sorts keys ascending. A call's missing keys are thousands: a radix sort (LSD, 11-bit
+// digits of the key with its sign bit flipped, so that unsigned order is the keys'
+// order; a digit all keys share is skipped) takes a few passes over them where
+// std::sort's comparisons mispredict.
+void SortKeys(std::vector<int64>* keys) {
+  const size_t n = keys->size();
+  if (n < 512) {
+    std::sort(keys->begin(), keys->end());
+    return;
+  }
+  constexpr int kBits = 11, kPasses = 6;
+  constexpr uint64 kDigits = uint64{1} << kBits, kSign = uint64{1} << 63;
+  std::vector<uint64> a(n), b(n);
+  std::vector<uint32> count(kPasses * kDigits, 0);
+  for (size_t i = 0; i < n; ++i) {
+    a[i] = static_cast<uint64>((*keys)[i]) ^ kSign;
+    for (int p = 0; p < kPasses; ++p) {
+      ++count[p * kDigits + ((a[i] >> (p * kBits)) & (kDigits - 1))];
+    }
+  }
+  for (int p = 0; p < kPasses; ++p) {
+    uint32* c = &count[p * kDigits];
+    if (c[(a[0] >> (p * kBits)) & (kDigits - 1)] == n) continue;
+    uint32 sum = 0;
+    for (uint64 d = 0; d < kDigits; ++d) {
+      const uint32 here = c[d];
+      c[d] = sum;
+      sum += here;
+    }
+    for (size_t i = 0; i < n; ++i) b[c[(a[i] >> (p * kBits)) & (kDigits - 1)]++] = a[i];
+    a.swap(b);
+  }
+  for (size_t i = 0; i < n; ++i) (*keys)[i] = static_cast<int64>(a[i] ^ kSign);
+}
+
+// The initial rows of keys: tfhybrid/dynamic/initial_rows.py's formula (its pure-TF
+// KeyedInitializer.rows is the reference; tests hold the two together).
+class KeyedRows {
+ public:
+  enum Kind { kConstant, kUniform, kNormal };
+
+  static Status KindOf(const std::string& name, Kind* kind) {
+    if (name == "constant" || name == "uniform" || name == "normal") {
+      *kind = name == "constant" ? kConstant : name == "uniform" ? kUniform : kNormal;
+      return OkStatus();
+    }
+    return errors::InvalidArgument("unknown initializer kind '", name, "'");
+  }
+
+  // seed_t: the table seed's 64 bits (scalar); bounds_t: [low, high] in float64
+  static Status Of(Kind kind, int64 dim, const Tensor& seed_t, const Tensor& bounds_t,
+                   KeyedRows* out) {
+    if (!TensorShapeUtils::IsScalar(seed_t.shape()) || bounds_t.NumElements() != 2) {
+      return errors::InvalidArgument("seed must be a scalar and bounds [low, high]");
+    }
+    out->kind_ = kind;
+    out->dim_ = dim;
+    out->low_ = bounds_t.flat<double>()(0);
+    out->high_ = bounds_t.flat<double>()(1);
+    out->seed_word_ = Mix64(static_cast<uint64>(seed_t.scalar<int64>()()) + kGolden);
+    if (kind == kUniform) {
+      KernelIsa isa;
+      std::string error;
+      if (!ActiveKernelIsa(&isa, &error)) return errors::InvalidArgument(error);
+      out->uniform_ = KeyedUniformKernel(isa);
+    }
+    return OkStatus();
+  }
+
+  // Writes key i's row to row_of(i), for i in [0, n), sharded over the workers.
+  template <typename RowOf>
+  void Fill(OpKernelContext* ctx, const int64* keys, int64 n, RowOf row_of) const {
+    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
+    const int64 cost = kind_ == kNormal ? dim_ * 60 : dim_ * 4;
+    Shard(workers.num_threads, workers.workers, n, cost, [&](int64 begin, int64 end) {
+      for (int64 i = begin; i < end; ++i) Row(keys[i], row_of(i));
+    });
+  }
+
+ private:
+  static constexpr uint64 kGolden = 0x9E3779B97F4A7C15ULL;
+  // 2 pi, as Python's 2.0 * math.pi
+  static constexpr double kTwoPi = 6.283185307179586;
+
+  // u(k, j): the top 53 bits of draw j + 1 of the key's stream, in [0, 1)
+  static double Uniform(uint64 state, int64 j) {
+    const uint64 bits = Mix64(state + static_cast<uint64>(j + 1) * kGolden);
+    return static_cast<double>(bits >> 11) * 0x1.0p-53;
+  }
+
+  void Row(int64 key, float* row) const {
+    if (kind_ == kConstant) {
+      std::fill(row, row + dim_, static_cast<float>(low_));
+      return;
+    }
+    const uint64 state = Mix64(static_cast<uint64>(key) ^ seed_word_);
+    if (kind_ == kUniform) {
+      // the dispatched loop (AVX-512 multiplies 64-bit words in its vectors)
+      const KeyedUniformArgs args{&state, dim_, low_, high_ - low_, row};
+      uniform_(args, 0, 1);
+      return;
+    }
+    for (int64 j = 0; j < dim_; ++j) {
+      const double u0 = Uniform(state, 2 * j);
+      const double u1 = Uniform(state, 2 * j + 1);
+      const double radius = std::sqrt(-2.0 * std::log1p(-u0));
+      row[j] = static_cast<float>(low_ + high_ * radius * std::cos(kTwoPi * u1));
+    }
+  }
+
+  Kind kind_ = kConstant;
+  int64 dim_ = 1;
+  double low_ = 0.0, high_ = 0.0;
+  uint64 seed_word_ = 0;
+  KeyedUniformFn uniform_ = nullptr;
+};
+
 class DynamicFindOrInsertOp : public OpKernel {
  public:
   explicit DynamicFindOrInsertOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -172,13 +292,30 @@ class DynamicFindOrInsertOp : public OpKernel {
     std::string evict;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("evict", &evict));
     evict_ = evict == "lfu" ? kLfu : evict == "lru" ? kLru : kNone;
+    std::string init;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("init", &init));
+    OP_REQUIRES_OK(ctx, KeyedRows::KindOf(init, &init_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     // inputs 0..8: slot_keys, slot_seen, slot_count, index, cand_keys, cand_seen,
-    // cand_count, cand_index, counters (variables); 9: keys; 10: call
+    // cand_count, cand_index, counters; 9, 10: rows, accumulator (variables); 11: keys;
+    // 12: call; 13, 14: the initializer's seed and bounds
+    std::vector<int> variables = {0, 1, 2, 3, 4, 5, 6, 7, 8};
+    if (insert_) {
+      // the rows and accumulator are written at a few slots, as scatter updates and the
+      // optimizer's kernels write them: in copy-on-read mode, set before the locks
+      for (int i : {kRows, kAccumulator}) {
+        core::RefCountPtr<Var> var;
+        OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &var));
+        OP_REQUIRES(ctx, var->tensor()->dtype() == DT_FLOAT,
+                    errors::InvalidArgument("rows and accumulator must be float32"));
+        OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, float>(ctx, var.get()));
+        variables.push_back(i);
+      }
+    }
     auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, int64>(
-        ctx, /*do_lock=*/true, /*sparse=*/false, {0, 1, 2, 3, 4, 5, 6, 7, 8});
+        ctx, /*do_lock=*/true, /*sparse=*/false, variables);
     Tensor t[9];
     for (int i : {0, 1, 4, 5, 8}) {
       OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, int64>(ctx, i, true, false,
@@ -208,13 +345,35 @@ class DynamicFindOrInsertOp : public OpKernel {
     }
     OP_REQUIRES(ctx, t[8].NumElements() == kNumCounters,
                 errors::InvalidArgument("counters must have ", kNumCounters, " entries"));
-    const Tensor& keys_t = ctx->input(9);
-    const Tensor& call_t = ctx->input(10);
+    const Tensor& keys_t = ctx->input(11);
+    const Tensor& call_t = ctx->input(12);
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(call_t.shape()),
                 errors::InvalidArgument("call must be a scalar"));
     const int64 call = call_t.scalar<int64>()();
     OP_REQUIRES(ctx, call >= 0, errors::InvalidArgument("call must be >= 0, got ", call));
+    // the rows new keys get, and their accumulators (read, and checked, before any state
+    // changes)
+    Tensor rows_t, accum_t;
+    KeyedRows init;
+    int64 dim = 0;
+    if (insert_) {
+      OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(
+                              ctx, kRows, /*lock_held=*/true, /*sparse=*/true, &rows_t));
+      OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(
+                              ctx, kAccumulator, /*lock_held=*/true, /*sparse=*/true,
+                              &accum_t));
+      OP_REQUIRES(ctx, rows_t.dims() == 2 && rows_t.dim_size(0) == capacity &&
+                           rows_t.dim_size(1) > 0 && accum_t.NumElements() == capacity,
+                  errors::InvalidArgument("rows must be [", capacity, ", dim] and the "
+                                          "accumulator [", capacity, "]; got ",
+                                          rows_t.shape().DebugString(), " and ",
+                                          accum_t.shape().DebugString()));
+      dim = rows_t.dim_size(1);
+      OP_REQUIRES_OK(ctx, KeyedRows::Of(init_, dim, ctx->input(13), ctx->input(14), &init));
+    }
 
+    // the index and the slots' arrays are read at random, a key at a time (huge_pages.h)
+    for (int i : {0, 1, 2, 3}) AdviseHugePages(t[i].tensor_data().data(), t[i].TotalBytes());
     KeyArrays slots{t[0].flat<int64>().data(), t[1].flat<int64>().data(),
                     t[2].flat<int32>().data(), capacity};
     KeyArrays cands{t[4].flat<int64>().data(), t[5].flat<int64>().data(),
@@ -230,13 +389,14 @@ class DynamicFindOrInsertOp : public OpKernel {
     int32* out = slots_out->flat<int32>().data();
 
     // 1-2. each occurrence probes the index: a hit is seen now and counted (without
-    // insert only found, the state untouched); the missing occurrences, sorted by key
-    // (then position), give the distinct missing keys and how often each occurs
-    std::vector<std::pair<int64, int64>> missing_at;   // (key, position)
+    // insert only found, the state untouched); the missing occurrences' keys, sorted,
+    // give the distinct missing keys and how often each occurs
+    std::vector<int64> missing_at;   // positions
     // A probe costs two cache misses in a large shard (its bucket, then its slot's
     // key): prefetched kBucketAhead and kSlotAhead keys ahead, the misses of several
-    // keys overlap instead of following each other.
-    constexpr int64 kBucketAhead = 16, kSlotAhead = 8;
+    // keys overlap instead of following each other. (On the benchmark's 8 shards of 1M
+    // slots, 48 / 24 took 8% less CPU time in the find-or-insert than 16 / 8.)
+    constexpr int64 kBucketAhead = 48, kSlotAhead = 24;
     for (int64 k = 0; k < n; ++k) {
       if (k + kBucketAhead < n) index.PrefetchBucket(keys[k + kBucketAhead]);
       if (k + kSlotAhead < n) {
@@ -255,23 +415,31 @@ class DynamicFindOrInsertOp : public OpKernel {
       if (s >= 0) {
         slots.seen[s] = call;
         slots.count[s] = Saturated(int64{slots.count[s]} + 1);
-        ++counters[kHits];
       } else {
-        ++counters[kMisses];
-        missing_at.emplace_back(keys[k], k);
+        missing_at.push_back(k);
       }
     }
-    std::sort(missing_at.begin(), missing_at.end());
+    if (!insert_) {
+      Tensor* none = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &none));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({0}), &none));
+      return;
+    }
+    const int64 misses = static_cast<int64>(missing_at.size());
+    counters[kHits] += n - misses;
+    counters[kMisses] += misses;
+    std::vector<int64> sorted(misses);
+    for (int64 m = 0; m < misses; ++m) sorted[m] = keys[missing_at[m]];
+    SortKeys(&sorted);
     std::vector<int64> distinct, occurs;
-    for (size_t m = 0; m < missing_at.size(); ++m) {
-      if (m == 0 || missing_at[m].first != missing_at[m - 1].first) {
-        distinct.push_back(missing_at[m].first);
+    for (int64 m = 0; m < misses; ++m) {
+      if (m == 0 || sorted[m] != sorted[m - 1]) {
+        distinct.push_back(sorted[m]);
         occurs.push_back(0);
       }
       ++occurs.back();
     }
     const int64 u = static_cast<int64>(distinct.size());
-    std::vector<int32> slot_of(u, -1);
     std::vector<int64> missing(u);
     std::iota(missing.begin(), missing.end(), int64{0});
 
@@ -313,7 +481,9 @@ class DynamicFindOrInsertOp : public OpKernel {
     std::vector<int32> new_slots;
     std::vector<int64> new_keys;
     size_t next_free = 0, next_victim = 0;
+    constexpr int64 kInsertAhead = 32;   // the new keys' home buckets, prefetched
     for (int64 a = 0; a < need; ++a) {
+      if (a + kInsertAhead < need) index.PrefetchBucket(distinct[admit[a + kInsertAhead]]);
       const int64 i = admit[a];
       int32 s;
       if (next_free < free_slots.size()) {
@@ -335,17 +505,26 @@ class DynamicFindOrInsertOp : public OpKernel {
       index.Insert(distinct[i], s);
       ++counters[kLive];
       ++counters[kAdmissions];
-      slot_of[i] = s;
       new_slots.push_back(s);
       new_keys.push_back(distinct[i]);
     }
 
-    // 6. outputs: the missing occurrences' slots (-1: not admitted)
-    for (size_t m = 0, i = 0; m < missing_at.size(); ++m) {
-      if (m > 0 && missing_at[m].first != missing_at[m - 1].first) ++i;
-      out[missing_at[m].second] = slot_of[i];
-    }
+    // 6. the new slots' initial rows and zero accumulators; the missing occurrences'
+    // slots (-1: not admitted), found again now that the admitted keys are in
     const int64 added = static_cast<int64>(new_slots.size());
+    if (added > 0) {
+      float* rows = rows_t.flat<float>().data();
+      float* accum = accum_t.flat<float>().data();
+      const int32* at = new_slots.data();
+      init.Fill(ctx, new_keys.data(), added, [rows, dim, at](int64 i) {
+        return rows + static_cast<int64>(at[i]) * dim;
+      });
+      for (int32 s : new_slots) accum[s] = 0.0f;
+    }
+    for (int64 m = 0; m < misses; ++m) {
+      if (m + kInsertAhead < misses) index.PrefetchBucket(keys[missing_at[m + kInsertAhead]]);
+      out[missing_at[m]] = index.Find(keys[missing_at[m]]);
+    }
     Tensor* new_slots_out = nullptr;
     Tensor* new_keys_out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({added}), &new_slots_out));
@@ -356,6 +535,7 @@ class DynamicFindOrInsertOp : public OpKernel {
 
  private:
   enum Evict { kLfu, kLru, kNone };
+  static constexpr int kRows = 9, kAccumulator = 10;
 
   // Step 4 with admit_after > 1: counts the missing keys as candidates; those whose
   // sightings reach admit_after leave the candidates to be admitted.
@@ -457,6 +637,7 @@ class DynamicFindOrInsertOp : public OpKernel {
   int64 pinned_;
   bool insert_;
   Evict evict_;
+  KeyedRows::Kind init_;
 };
 
 // DynamicHeldSlots: the slots >= 0 of each bag, in order, and how many each bag keeps
@@ -503,77 +684,33 @@ class DynamicHeldSlotsOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("DynamicHeldSlots").Device(DEVICE_CPU), DynamicHeldSlotsOp);
 
-// DynamicKeyedRows: each key's initial row, tfhybrid/dynamic/initial_rows.py's formula
-// (the pure-TF KeyedInitializer.rows is its reference; tests hold the two together).
+// DynamicKeyedRows: each key's initial row (KeyedRows).
 class DynamicKeyedRowsOp : public OpKernel {
  public:
   explicit DynamicKeyedRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::string kind;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("kind", &kind));
-    normal_ = kind == "normal";
+    OP_REQUIRES_OK(ctx, KeyedRows::KindOf(kind, &kind_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& keys_t = ctx->input(0);
-    const Tensor& seed_t = ctx->input(1);
-    const Tensor& bounds_t = ctx->input(2);
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(keys_t.shape()),
                 errors::InvalidArgument("keys must be a vector, got ",
                                         keys_t.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(seed_t.shape()) && bounds_t.NumElements() == 2,
-                errors::InvalidArgument("seed must be a scalar and bounds [low, high]"));
+    KeyedRows rows;
+    OP_REQUIRES_OK(ctx, KeyedRows::Of(kind_, dim_, ctx->input(1), ctx->input(2), &rows));
     const int64 n = keys_t.NumElements();
     Tensor* rows_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &rows_t));
-    const int64* keys = keys_t.flat<int64>().data();
-    const double low = bounds_t.flat<double>()(0);
-    const double high = bounds_t.flat<double>()(1);
-    const uint64 seed_word =
-        Mix64(static_cast<uint64>(seed_t.scalar<int64>()()) + kGolden);
-    float* rows = rows_t->flat<float>().data();
+    float* out = rows_t->flat<float>().data();
     const int64 dim = dim_;
-    const auto& workers = *ctx->device()->tensorflow_cpu_worker_threads();
-    if (!normal_) {
-      // the dispatched loop (AVX-512 multiplies 64-bit words in its vectors)
-      KernelIsa isa;
-      std::string error;
-      OP_REQUIRES(ctx, ActiveKernelIsa(&isa, &error), errors::InvalidArgument(error));
-      std::vector<uint64> states(n);
-      for (int64 i = 0; i < n; ++i) states[i] = Mix64(static_cast<uint64>(keys[i]) ^ seed_word);
-      const KeyedUniformArgs args{states.data(), dim, low, high - low, rows};
-      const KeyedUniformFn uniform = KeyedUniformKernel(isa);
-      Shard(workers.num_threads, workers.workers, n, dim * 4,
-            [&](int64 begin, int64 end) { uniform(args, begin, end); });
-      return;
-    }
-    auto fill = [&](int64 begin, int64 end) {
-      for (int64 i = begin; i < end; ++i) {
-        const uint64 state = Mix64(static_cast<uint64>(keys[i]) ^ seed_word);
-        float* row = rows + i * dim;
-        for (int64 j = 0; j < dim; ++j) {
-          const double u0 = Uniform(state, 2 * j);
-          const double u1 = Uniform(state, 2 * j + 1);
-          const double radius = std::sqrt(-2.0 * std::log1p(-u0));
-          row[j] = static_cast<float>(low + high * radius * std::cos(kTwoPi * u1));
-        }
-      }
-    };
-    Shard(workers.num_threads, workers.workers, n, dim * 60, fill);
+    rows.Fill(ctx, keys_t.flat<int64>().data(), n, [out, dim](int64 i) { return out + i * dim; });
   }
 
  private:
-  static constexpr uint64 kGolden = 0x9E3779B97F4A7C15ULL;
-  // 2 pi, as Python's 2.0 * math.pi
-  static constexpr double kTwoPi = 6.283185307179586;
-
-  // u(k, j): the top 53 bits of draw j + 1 of the key's stream, in [0, 1)
-  static double Uniform(uint64 state, int64 j) {
-    const uint64 bits = Mix64(state + static_cast<uint64>(j + 1) * kGolden);
-    return static_cast<double>(bits >> 11) * 0x1.0p-53;
-  }
-
-  bool normal_;
+  KeyedRows::Kind kind_;
   int64 dim_;
 };
 

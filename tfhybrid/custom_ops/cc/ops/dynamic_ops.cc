@@ -1,7 +1,7 @@
-// The op of dynamic tables (tfhybrid/dynamic/): DynamicFindOrInsert, one shard's batched
-// find-or-insert of keys. Its kernel, and the rules it follows, are in
-// ../kernels/dynamic_table_kernels.cc; its Python wrapper is in
-// tfhybrid/custom_ops/__init__.py.
+// The ops of dynamic tables (tfhybrid/dynamic/): DynamicFindOrInsert, one shard's batched
+// find-or-insert of keys, which also writes the new keys' rows. Its kernel, and the rules
+// it follows, are in ../kernels/dynamic_table_kernels.cc; the Python wrappers are in
+// tfhybrid/custom_ops/dynamic.py.
 
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -21,8 +21,12 @@ REGISTER_OP("DynamicFindOrInsert")
     .Input("cand_count: resource")
     .Input("cand_index: resource")
     .Input("counters: resource")
+    .Input("rows: resource")
+    .Input("accumulator: resource")
     .Input("keys: int64")
     .Input("call: int64")
+    .Input("seed: int64")
+    .Input("bounds: double")
     .Output("slots: int32")
     .Output("new_slots: int32")
     .Output("new_keys: int64")
@@ -31,24 +35,28 @@ REGISTER_OP("DynamicFindOrInsert")
     .Attr("ttl: int >= 0 = 0")
     .Attr("pinned: int >= 1 = 1")
     .Attr("insert: bool = true")
+    .Attr("init: {'constant', 'uniform', 'normal'} = 'constant'")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(9));
+      c->set_output(0, c->input(11));
       c->set_output(1, c->Vector(c->UnknownDim()));
       c->set_output(2, c->Vector(c->UnknownDim()));
       return OkStatus();
     })
     .Doc(R"doc(
 One call of a dynamic table's shard on `keys`: the slot of each key (-1: not admitted),
-and the slots that took a new key in this call, with those keys (their rows are to be
-initialized).
+and the slots that took a new key in this call, with those keys. Those slots' rows get
+their keys' initial rows (as DynamicKeyedRows gives them) and their accumulators zero.
 
 slot_keys, slot_seen: int64 [capacity], slot_count: int32 [capacity]: each slot's key,
-  the call that last saw it (-1: free) and its sightings (saturating at 2**31 - 1). index: int32 [buckets], a power of two at least
-  twice the capacity, -1 where empty. cand_*: the same for admission candidates (any
-  size with admit_after 1). counters: int64 [8]: admissions, evictions, refusals, hits,
-  misses, live slots, the first never-used slot, live candidates. call: this call's
-  number, larger than every earlier one.
+  the call that last saw it (-1: free) and its sightings (saturating at 2**31 - 1).
+  index: int32 [buckets], a power of two at least twice the capacity, -1 where empty.
+  cand_*: the same for admission candidates (any size with admit_after 1). counters:
+  int64 [8]: admissions, evictions, refusals, hits, misses, live slots, the first
+  never-used slot, live candidates. rows: float32 [capacity, dim], accumulator: float32
+  [capacity]: the table's rows and row-wise accumulators. call: this call's number,
+  larger than every earlier one. seed, bounds, init: the initializer, as
+  DynamicKeyedRows' seed, bounds and kind ('constant': every entry is bounds[0]).
 admit_after: sightings before a key gets a slot. evict: which row makes room when the
   shard is full ('none': refuse the key). ttl: free slots unseen for more than ttl calls
   (0: never). pinned: slots seen in the last `pinned` calls are never evicted. insert:
