@@ -1,9 +1,11 @@
 """The fresh serving process of tests/test_serving.py: Predictor scores of every export.
 
 ``python -m tests._serving_fresh OUT NODES PASSWORD_FILE`` (one plain process): serves
-each export of the job in ``OUT`` with ``tfhybrid.serving.Predictor``, writes the scores
-to ``OUT/served.npz`` and prints, as JSON, which of Horovod, tfhybrid's op library and
-its layers the process imported (none may be).
+each export of the job in ``OUT`` with ``tfhybrid.serving.Predictor`` (the dynamic
+model's inline export through plain ``tf.saved_model.load``), writes the scores to
+``OUT/served.npz`` and prints, as JSON, the keys that read a dynamic table's default row
+and which of Horovod, tfhybrid's op library and its layers the process imported (none
+may be).
 """
 
 import json
@@ -11,6 +13,7 @@ import os
 import sys
 
 import numpy as np
+import tensorflow as tf
 
 from tfhybrid.serving import Predictor, RedisStore
 
@@ -32,8 +35,18 @@ def main(out: str, nodes: str, password_file: str) -> None:
         else:
             served[name] = predictor(app_eval)["probability"]
         store.close()
+    dynamic_probe = dict(np.load(os.path.join(out, "dynamic_probe.npz")))
+    store = RedisStore(nodes, password=password, key_prefix="job-dynamic")
+    predictor = Predictor(job["dynamic_exports"]["external"], store)
+    served["dynamic"] = predictor(dynamic_probe)["output"]
+    default_rows = predictor.stats["default_rows"]
+    store.close()
+    inline = tf.saved_model.load(job["dynamic_exports"]["inline"]).signatures[
+        "serving_default"]
+    served["dynamic_inline"] = inline(**{k: tf.constant(v) for k, v in
+                                         dynamic_probe.items()})["output"].numpy()
     np.savez(os.path.join(out, "served.npz"), **served)
-    print(json.dumps({"imported": sorted(m for m in sys.modules if m == "horovod" or
+    print(json.dumps({"default_rows": default_rows, "imported": sorted(m for m in sys.modules if m == "horovod" or
                                          m.startswith(("horovod.", "tfhybrid.custom_ops",
                                                        "tfhybrid.layers")))}))
 

@@ -8,6 +8,11 @@ int8) and writes, on rank 0, ``OUT/expected.npz`` (each model's ``predict`` on f
 inputs) and ``OUT/job.json`` (plans, export paths, publish history). Then trains the
 user model on with ``PublishDeltas(every_steps=10)`` while rank 0's ``Predictor`` reads
 after every publish, and records the largest difference to the model's own scores.
+Last, a model of two dynamic tables (int64 keys, negative ones included, with a default
+row; string keys) beside a fixed one: exported external and inline (``OUT/dynamic``,
+``OUT/dynamic_inline``, its probe in ``OUT/dynamic_probe.npz``), then trained on keys
+that drift past a small capacity with ``PublishDeltas(every_steps=5)``: evicted keys are
+deleted from the store and read the default row, as in the model.
 """
 
 import json
@@ -18,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfhybrid
-from tfhybrid.layers import DistributedEmbedding, Embedding
+from tfhybrid.layers import DistributedEmbedding, DynamicEmbedding, Embedding
 from tfhybrid.serving import Predictor, PublishDeltas, RedisStore, export
 from tfhybrid.train.data import dataset_spec, make_dataset
 from tfhybrid.train.models import build_model, export_for_serving
@@ -72,6 +77,91 @@ def user_batch(rng: np.random.Generator, n: int) -> tuple[dict, np.ndarray]:
     return x, y
 
 
+# the dynamic model: keys trained (negative ones included), keys never seen
+TRAINED_KEYS = np.array([-(1 << 62), -(1 << 40), -17, -1, 0, 3, 12, 99, 1 << 33, 1 << 50,
+                         (1 << 63) - 1, 64])
+FRESH_KEYS = np.array([-(1 << 61), -2, 5, 1 << 40, 10 ** 15])
+NAMES = 10
+DYNAMIC_STEPS = 8
+DYNAMIC_EVERY = 5
+
+
+def dynamic_model(capacity: int) -> tf.keras.Model:
+    inputs = {"keys": tf.keras.Input([2], dtype=tf.int64, name="keys"),
+              "name": tf.keras.Input([], dtype=tf.string, name="name"),
+              "item": tf.keras.Input([], dtype=tf.int32, name="item")}
+    layer = DistributedEmbedding([
+        DynamicEmbedding(4, capacity=capacity, combiner="mean", default_row=0.25,
+                         name="keyed", seed=3,
+                         initializer=tf.keras.initializers.RandomUniform(-0.1, 0.1)),
+        DynamicEmbedding(4, capacity=64, key_dtype=tf.string, name="named", seed=4),
+        Embedding(30, 4, name="items",
+                  embeddings_initializer=tf.keras.initializers.RandomUniform(-0.1, 0.1, 5))],
+        name="dynamic_tables")
+    vectors = layer([inputs["keys"], inputs["name"], inputs["item"]])
+    out = tf.keras.layers.Dense(1, name="score", kernel_initializer=tf.keras.initializers
+                                .GlorotUniform(3))(tf.keras.layers.Concatenate()(vectors))
+    model = tf.keras.Model(inputs, out)
+    model.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)),
+                  loss="mse")
+    return model
+
+
+def dynamic_batch(rng: np.random.Generator, n: int, keys: np.ndarray, names: list
+                  ) -> dict:
+    return {"keys": keys[rng.integers(0, len(keys), [n, 2])].astype(np.int64),
+            "name": np.array([names[i] for i in rng.integers(0, len(names), [n])], object),
+            "item": rng.integers(0, 30, [n]).astype(np.int32)}
+
+
+def dynamic_part(out: str, mesh, store: RedisStore, delta_store: RedisStore,
+                 report: dict, expected: dict) -> None:
+    """The dynamic model: exports, a probe of trained and fresh keys, drifting deltas."""
+    names = [f"user:{i}" for i in range(NAMES)]
+    model = dynamic_model(capacity=64)
+    model.fit(dynamic_batch(np.random.default_rng(200 + mesh.rank), BATCH * DYNAMIC_STEPS,
+                            TRAINED_KEYS, names),
+              np.ones([BATCH * DYNAMIC_STEPS, 1]), batch_size=BATCH, verbose=0)
+    rng = np.random.default_rng(7)
+    probe = dynamic_batch(rng, 16, np.concatenate([TRAINED_KEYS, FRESH_KEYS]),
+                          names + ["new:a", "new:b"])
+    expected["dynamic"] = model.predict(probe, verbose=0)
+    # every trained key was admitted (capacity holds them all): the fresh ones are the
+    # keys that read the default row, each counted once per call
+    trained = set()
+    for r in range(mesh.size):
+        seen = dynamic_batch(np.random.default_rng(200 + r), BATCH * DYNAMIC_STEPS,
+                             TRAINED_KEYS, names)
+        trained |= set(seen["keys"].ravel().tolist()) | set(seen["name"].tolist())
+    report["dynamic_default_rows"] = len(set(probe["keys"].ravel().tolist()) - trained) + \
+        len(set(probe["name"].tolist()) - trained)
+    report["dynamic_exports"] = {
+        "external": export(model, os.path.join(out, "dynamic"), store, tables="external"),
+        "inline": export(model, os.path.join(out, "dynamic_inline"))}
+    if mesh.rank == 0:
+        np.savez(os.path.join(out, "dynamic_probe.npz"),
+                 **dict(probe, name=probe["name"].astype(bytes)))
+    # keys drift past a capacity of 8: each publish deletes the keys evicted since the
+    # last, which then read the default row in the model and in the served copy
+    # built after the exports: every rank made the served copies, so it trains in step
+    drifting = dynamic_model(capacity=8)
+    publish = PublishDeltas(os.path.join(out, "dynamic_deltas"), delta_store,
+                            every_steps=DYNAMIC_EVERY)
+    history = []
+    for part in range(3):
+        keys = TRAINED_KEYS[4 * part:4 * part + 4]
+        x = dynamic_batch(np.random.default_rng(300 + 10 * part + mesh.rank),
+                          BATCH * DYNAMIC_EVERY, keys, names)
+        drifting.fit(x, np.ones([BATCH * DYNAMIC_EVERY, 1]), batch_size=BATCH, verbose=0,
+                     shuffle=False, callbacks=[publish])
+        own = drifting.predict(probe, verbose=0)
+        if mesh.rank == 0:
+            served = Predictor(os.path.join(out, "dynamic_deltas"), delta_store)(probe)
+            history.append(dict(publish.history[-1],
+                                max_diff=float(np.abs(served["output"] - own).max())))
+    report["dynamic_deltas"] = history
+
+
 def compile_(model: tf.keras.Model, rate: float) -> None:
     model.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(rate)),
                   loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
@@ -85,7 +175,7 @@ def main(out: str, nodes: str, password_file: str) -> None:
     # be the rows of the user model's export)
     store = {name: RedisStore(nodes, password=password, key_prefix=f"job-{name}")
              for name in ("user", "user_int8", "dlrm_float32", "dlrm_float16", "dlrm_int8",
-                          "dcnv2_float32", "deltas")}
+                          "dcnv2_float32", "deltas", "dynamic", "dynamic_deltas")}
     report: dict = {"exports": {}}
     expected = {}
     fixed = np.random.default_rng(99)
@@ -148,6 +238,7 @@ def main(out: str, nodes: str, password_file: str) -> None:
             served = Predictor(os.path.join(out, "deltas"), store["deltas"])(probe)
             history.append(dict(publish.history[-1],
                                 max_diff=float(np.abs(served["output"] - own).max())))
+    dynamic_part(out, mesh, store["dynamic"], store["dynamic_deltas"], report, expected)
     if mesh.rank == 0:
         report["deltas"] = history
         report["delta_versions"] = sorted(os.listdir(os.path.join(out, "deltas")))

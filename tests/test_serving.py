@@ -43,8 +43,8 @@ JOB_TIMEOUT_S = 420
 FRESH_TIMEOUT_S = 180
 FAILOVER_TIMEOUT_S = 60
 # what a RedisStore's user needs (docs/serving.md)
-ACL_COMMANDS = ["+mget", "+mset", "+wait", "+ping", "+info", "+cluster|slots", "+config|get",
-                "+command"]
+ACL_COMMANDS = ["+mget", "+mset", "+del", "+wait", "+ping", "+info", "+cluster|slots",
+                "+config|get", "+command"]
 
 
 def _run(command: list, timeout: float, env: dict | None = None
@@ -108,10 +108,14 @@ class ServingTest(unittest.TestCase):
         self.assertEqual(fresh.returncode, 0, fresh.stderr[-5000:])
         self.assertEqual(json.loads(fresh.stdout.strip().splitlines()[-1])["imported"], [])
         served = dict(np.load(os.path.join(self.work, "served.npz")))
-        for name in ("user", "dlrm_float32", "dcnv2_float32"):
+        for name in ("user", "dlrm_float32", "dcnv2_float32", "dynamic", "dynamic_inline"):
             model = name.split("_")[0]
             np.testing.assert_allclose(served[name], self.expected[model], rtol=0, atol=1e-6,
                                        err_msg=name)
+        # dynamic tables: keys never trained read the default row, counted (once per call)
+        default_rows = json.loads(fresh.stdout.strip().splitlines()[-1])["default_rows"]
+        self.assertEqual(default_rows, self.report["dynamic_default_rows"])
+        self.assertGreater(default_rows, 0)
         # int8 rows, the sliced table's two slices each with their own scale and offset:
         # close to predict, not equal (the rows really are quantized)
         int8_error = np.abs(served["user_int8"] - self.expected["user"]).max()
@@ -211,6 +215,17 @@ class ServingTest(unittest.TestCase):
               + ", ".join(str(d["rows"]) for d in deltas) + f" of {every}")
         # versions beyond keep_versions=2 are removed
         self.assertEqual(self.report["delta_versions"], ["2", "3"])
+
+    def test_d_dynamic_deltas_delete_evicted_keys(self):
+        deltas = self.report["dynamic_deltas"]
+        self.assertEqual([d["step"] for d in deltas], [5, 10, 15])
+        for d in deltas:
+            self.assertLessEqual(d["max_diff"], 1e-6, d)
+        # keys drift past the capacity: evicted keys leave the store
+        self.assertEqual(deltas[0]["deleted"], 0)
+        self.assertGreater(sum(d["deleted"] for d in deltas), 0)
+        print("dynamic table, keys deleted per publish: "
+              + ", ".join(str(d["deleted"]) for d in deltas))
 
     def test_e_a_killed_master_fails_over_and_scores_stay_right(self):
         store = self._store(timeout_s=2.0)

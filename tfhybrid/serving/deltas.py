@@ -39,7 +39,8 @@ class PublishDeltas(tf.keras.callbacks.Callback):
       tables, precision, input_signature, outputs: as ``tfhybrid.serving.export``'s.
       keep_versions: the newest versions kept; older ones are removed.
 
-    ``history`` lists each publish: step, version, rows and bytes written (all ranks).
+    ``history`` lists each publish: step, version, rows and bytes written and keys
+    deleted (a dynamic table's evicted keys), all ranks.
 
     Example (one process; under horovodrun every rank runs the same)::
 
@@ -90,21 +91,38 @@ class PublishDeltas(tf.keras.callbacks.Callback):
         self._steps = 0
         self._plan: ExportPlan | None = None
         self._writer: SavedModelWriter | None = None
-        self._published: dict[tuple, np.ndarray] = {}
+        self._published: dict[tuple, tuple] = {}
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._steps += 1
         if self._steps % self.every_steps == 0:
             self.publish()
 
-    def _changed(self, key: str, shard: Any, start: int, rows: np.ndarray) -> np.ndarray:
-        """Rows of this chunk that differ from the last publish (all at the first)."""
+    def _changed(self, key: str, shard: Any, start: int | None, rows: np.ndarray,
+                 keys: np.ndarray | None = None) -> np.ndarray:
+        """Rows of this chunk (or a dynamic shard's held ``keys``) that differ from the
+        last publish, or were not in it (all at the first)."""
         where = (key, shard.row_start, shard.col_start, start)
         before = self._published.get(where)
-        self._published[where] = rows.copy()
+        self._published[where] = (rows.copy(), None if keys is None else keys.copy())
         if before is None:
             return np.ones([len(rows)], bool)
-        return np.any(rows != before, axis=1)
+        old_rows, old_keys = before
+        if keys is None:
+            return np.any(rows != old_rows, axis=1)
+        # both sorted by key: a key held before compares with its row then
+        at = np.minimum(np.searchsorted(old_keys, keys), max(len(old_keys) - 1, 0))
+        held_before = (old_keys[at] == keys) if len(old_keys) else np.zeros(len(keys), bool)
+        same = held_before.copy()
+        same[held_before] = np.all(rows[held_before] == old_rows[at[held_before]], axis=1)
+        return ~same
+
+    def _evicted(self, key: str, shard: Any, keys: np.ndarray) -> np.ndarray:
+        """Keys of a dynamic shard published before that it no longer holds."""
+        before = self._published.get((key, shard.row_start, shard.col_start, None))
+        if before is None:
+            return np.zeros([0], np.int64)
+        return np.setdiff1d(before[1], keys)
 
     def publish(self) -> dict:
         """Publishes now (every rank calls it); returns this publish's entry of history."""
@@ -113,30 +131,29 @@ class PublishDeltas(tf.keras.callbacks.Callback):
             self._plan = ExportPlan(self.model, self.tables, self.precision)
             check_store(self.store, mesh)
         plan = self._plan
-        written = write_external_rows(plan, self.store, mesh, self._changed)
+        written = write_external_rows(plan, self.store, mesh, self._changed, self._evicted)
         values = inline_values(plan, mesh, everything=False)
         entry = {"step": self._steps, "rows": written["rows_all_ranks"],
-                 "bytes": written["bytes_all_ranks"], "version": None}
+                 "bytes": written["bytes_all_ranks"],
+                 "deleted": written["deleted_all_ranks"], "version": None}
         error: BaseException | None = None
-        if mesh.rank == 0:
-            try:
-                for layer in plan.layers:
-                    for t, spec in enumerate(layer.table_specs):
-                        values[layer.name].setdefault(t, np.zeros([1, spec.dim], np.float32))
-                # a functional copy shares the model's layers; a serving_twin copies
-                # their weights when made, so it is made again
-                if self._writer is None or callable(getattr(self.model, "serving_twin", None)):
-                    self._writer = SavedModelWriter(self.model, plan, self.input_signature,
-                                                    self.outputs, values)
-                else:
-                    self._writer.update_inline(values)
+        try:
+            # a functional copy shares the model's layers; a serving_twin copies their
+            # weights when made, so it is made again (as is one whose inline dynamic
+            # tables' keys changed). Every rank makes it, rank 0 writes it (as export)
+            if self._writer is None or callable(getattr(
+                    self.model, "serving_twin", None)) or not \
+                    self._writer.update_inline(values):
+                self._writer = SavedModelWriter(self.model, plan, self.input_signature,
+                                                self.outputs, values)
+            if mesh.rank == 0:
                 version = next_version(self.directory)
                 write_metadata(plan, self.store, version)
                 self._writer.write(self.directory, version, self.store.key_prefix)
                 entry["version"] = version
                 self._prune()
-            except BaseException as e:  # every rank must reach the agreement below
-                error = e
+        except BaseException as e:  # every rank must reach the agreement below
+            error = e
         agree(error is not None, "tfhybrid_serving_publish")
         if error is not None:
             raise error

@@ -44,14 +44,16 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid import _tf_internals, collectives
+from tfhybrid import _tf_internals, collectives, roles
 from tfhybrid import mesh as mesh_lib
+from tfhybrid.combiners import combined_bags
 from tfhybrid.distributed import sync_replicas
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.plan.types import Kind
 from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.serving.rows import check_precision, encode, value_bytes
 from tfhybrid.serving.store import RedisStore
+from tfhybrid.sharding.tables import ids_as_int64
 
 # what a ServedTables call does, set while a signature traces: look every table up
 # ("inline"), take external features' rows from the given dict ("external"), or hand
@@ -71,26 +73,57 @@ def _mode(kind: str, values: dict):
         _MODE.reset(token)
 
 
-def _combine(combiner: str | None, gathered: tf.Tensor, ids: Any) -> tf.Tensor:
-    """A bag's gathered rows combined as the model's table combines them."""
-    if combiner is None or ids.shape.rank == 1:
+def _combine(combiner: str | None, gathered: Any, ids_rank: int) -> Any:
+    """A bag's gathered rows ([bags, hotness, width], dense or ragged) combined as the
+    model's table combines them: the one rule of ``tfhybrid.combiners``, in the stock
+    TensorFlow ops it traces to."""
+    if combiner is None or ids_rank == 1:
         return gathered
-    if combiner == "sum":
-        return tf.reduce_sum(gathered, axis=1)
-    if combiner == "mean":
-        if isinstance(gathered, tf.RaggedTensor):
-            lengths = tf.maximum(gathered.row_lengths(), 1)
-            return tf.reduce_sum(gathered, axis=1) / tf.cast(lengths, gathered.dtype)[:, None]
-        return tf.reduce_mean(gathered, axis=1)
-    raise ValueError(f"combiner={combiner!r} has no serving rule (sum, mean)")
+    if isinstance(gathered, tf.RaggedTensor):
+        return combined_bags(tf.reduce_sum(gathered, axis=1), combiner,
+                             gathered.row_lengths())
+    # a bag is the ids' last dimension, as the layers combine them
+    sums = tf.reduce_sum(gathered, axis=-2)
+    shape = tf.shape(gathered)
+    bags = tf.reshape(sums, [-1, shape[-1]])
+    combined = combined_bags(bags, combiner, tf.fill(tf.shape(bags)[:1], shape[-2]))
+    return tf.reshape(combined, tf.shape(sums))
+
+
+def held_entries(table_store: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(keys int64 [n], rows float32 [n, width]) a dynamic table's shard holds, by key."""
+    # the table whose rows the shard's variable is, as checkpoints by key find it
+    table = roles.role_of(table_store.variable).table
+    live = np.asarray(table.slot_seen) >= 0
+    keys = np.asarray(table.slot_keys)[live]
+    order = np.argsort(keys, kind="stable")
+    return keys[order], np.asarray(table.rows, np.float32)[live][order]
+
+
+def id_columns(shapes: Mapping[str, Any]) -> dict[str, tuple[int, int, list[int]]]:
+    """Each external feature's columns ``[start, stop)`` in ``feature_ids``' one ids
+    matrix and its ids' shape past the batch, from the ids' shapes (in order)."""
+    columns, start = {}, 0
+    for key, shape in shapes.items():
+        tail = list(tf.TensorShape(shape)[1:])
+        if any(d is None for d in tail):
+            raise ValueError(f"export: feature {key} looks up ids of shape {list(shape)}; "
+                             "a served external feature needs a fixed shape past the batch")
+        width = int(np.prod(tail, dtype=np.int64))
+        columns[key] = (start, start + width, [int(d) for d in tail])
+        start += width
+    return columns
 
 
 class ServedTables(tf.keras.layers.Layer):
     """A ``DistributedEmbedding``'s stand-in in the served copy: plain TF lookups.
 
-    ``tables`` holds each inline table's whole float32 values; ``features`` lists per
-    input feature ``(table index, combiner, width, external)``; ``dtype_out`` is the
-    original layer's compute dtype. Made by ``export``; not trained.
+    ``tables`` holds each inline table's whole float32 values (a dynamic table's as
+    ``(keys, rows)``: the sorted keys, searched by ``tf.searchsorted``, find a key's row,
+    and a key it does not hold reads the default row); ``features`` lists per input feature
+    ``(table index, combiner, width, external)``; ``dynamic`` maps a dynamic table's
+    index to ``(its TableSpec, default_row)``; ``dtype_out`` is the original layer's
+    compute dtype. Made by ``export``; not trained.
 
     Example::
 
@@ -103,17 +136,48 @@ class ServedTables(tf.keras.layers.Layer):
         assert out.numpy().tolist() == [[2.0, 2.0]]
     """
 
-    def __init__(self, source_name: str, tables: Mapping[int, np.ndarray],
+    def __init__(self, source_name: str, tables: Mapping[int, Any],
                  features: list[tuple[int, str | None, int, bool]], dtype_out: str,
-                 **kwargs: Any):
+                 dynamic: Mapping[int, tuple[Any, tuple]] | None = None, **kwargs: Any):
         super().__init__(name=f"served_{source_name}", trainable=False, **kwargs)
         self.source_name = source_name
         self.features = list(features)
         self.dtype_out = dtype_out
+        self.keyed_tables = dict(dynamic or {})
+        variables, key_variables = {}, {}
+        for t, values in tables.items():
+            if t in self.keyed_tables:
+                keys, rows = values
+                order = np.argsort(np.asarray(keys, np.int64), kind="stable")
+                default = np.asarray(self.keyed_tables[t][1], np.float32)[None]
+                # row len(keys), the default row, is what a key without a row reads
+                values = np.concatenate([np.asarray(rows, np.float32).reshape(
+                    len(order), default.shape[1])[order], default])
+                key_variables[t] = tf.Variable(np.asarray(keys, np.int64)[order],
+                                               trainable=False, name=f"{source_name}_keys_{t}")
+            variables[t] = tf.Variable(np.asarray(values, np.float32), trainable=False,
+                                       name=f"{source_name}_table_{t}")
         # plain variables, kept past Keras' tracking: export's module saves them
-        object.__setattr__(self, "table_variables", {
-            t: tf.Variable(np.asarray(w, np.float32), trainable=False,
-                           name=f"{source_name}_table_{t}") for t, w in tables.items()})
+        object.__setattr__(self, "table_variables", variables)
+        object.__setattr__(self, "key_variables", key_variables)
+
+    def _rows_of_keys(self, table: int, keys: Any) -> Any:
+        """Each key's row in an inline dynamic table: its place among the sorted held keys
+        (``tf.searchsorted``), or the default row after them where it is not held."""
+        held = self.key_variables[table]
+        count = tf.shape(held, out_type=tf.int64)[0]
+        flat = tf.reshape(keys, [-1])
+        at = tf.searchsorted(held, flat, out_type=tf.int64)
+        found = tf.equal(tf.gather(held, tf.minimum(at, tf.maximum(count - 1, 0))), flat)
+        found = tf.logical_and(found, at < count)
+        return tf.reshape(tf.where(found, at, count), tf.shape(keys))
+
+    def _ids(self, table: int, feature: int, ids: Any) -> Any:
+        """A feature's ids as int64: a dynamic table's as its keys (strings by their
+        fingerprint, the training rule, in stock ops)."""
+        if table in self.keyed_tables:
+            return ids_as_int64(self.keyed_tables[table][0], feature, ids)
+        return tf.cast(ids, tf.int64)
 
     def call(self, inputs):
         ids_list = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
@@ -123,14 +187,22 @@ class ServedTables(tf.keras.layers.Layer):
             table, combiner, width, external = self.features[f]
             key = manifest_lib.feature_key(self.source_name, f)
             if external and mode == "ids":
-                values[key] = tf.cast(ids, tf.int64)
-            if external and mode in ("external", "ids"):
-                rows = values[key] if mode == "external" else tf.zeros(
-                    tf.concat([tf.shape(ids)[:1 if combiner else None], [width]], 0))
-                outputs.append(tf.cast(rows, self.dtype_out))
+                values[key] = self._ids(table, f, ids)
+                kept = tf.shape(ids)[:-1] if combiner and ids.shape.rank > 1 else tf.shape(ids)
+                outputs.append(tf.zeros(tf.concat([kept, [width]], 0), self.dtype_out))
                 continue
+            if external and mode == "external":
+                start, stop, tail = values["columns"][key]
+                rows = tf.gather(values["rows"], values["positions"][:, start:stop])
+                rows = tf.reshape(rows[:, :, :width], [-1] + tail + [width])
+                outputs.append(tf.cast(_combine(combiner, rows, len(tail) + 1),
+                                       self.dtype_out))
+                continue
+            if table in self.key_variables:
+                ids = self._rows_of_keys(table, self._ids(table, f, ids))
             gathered = tf.gather(self.table_variables[table], ids)
-            outputs.append(tf.cast(_combine(combiner, gathered, ids), self.dtype_out))
+            outputs.append(tf.cast(_combine(combiner, gathered, ids.shape.rank),
+                                   self.dtype_out))
         return outputs
 
     def compute_output_shape(self, input_shape):
@@ -139,7 +211,7 @@ class ServedTables(tf.keras.layers.Layer):
         for f, shape in enumerate(shapes):
             _, combiner, width, _ = self.features[f]
             shape = tuple(shape)
-            keep = shape if combiner is None or len(shape) == 1 else shape[:1]
+            keep = shape if combiner is None or len(shape) == 1 else shape[:-1]
             out.append(tuple(keep) + (width,))
         return out
 
@@ -214,12 +286,19 @@ class ExportPlan:
             for spec in layer.table_specs:
                 key = manifest_lib.table_key(layer.name, spec.name)
                 check_precision(self.precision[key])
-                if spec.keyed is not None:
-                    raise ValueError(f"export: table {key!r} is a dynamic table (open-world "
-                                     "keys); serving it is not supported yet")
                 if self.where[key] == "inline" and self.precision[key] != "float32":
                     raise ValueError(f"export: table {key!r} is inline; precision "
                                      f"{self.precision[key]!r} applies to external tables only")
+
+    @staticmethod
+    def dynamic(layer: DistributedEmbedding, t: int) -> tuple[str, tuple] | None:
+        """A dynamic table's (key dtype, default row), None for a table of fixed rows."""
+        spec = layer.table_specs[t]
+        if spec.keyed is None:
+            return None
+        default = spec.keyed.default_row
+        return spec.keyed.key_dtype, tuple(default) if default is not None else (
+            (0.0,) * spec.dim)
 
     def external(self, layer: DistributedEmbedding, t: int) -> bool:
         return self.where[manifest_lib.table_key(layer.name, layer.table_specs[t].name)] \
@@ -230,11 +309,13 @@ class ExportPlan:
         """Table t's column slices, by column (one for a table that is not sliced)."""
         return sorted({(s.col_start, s.col_end) for s in layer.plan.tables[t].shards})
 
-    def writes(self, layer: DistributedEmbedding, mesh: mesh_lib.Mesh) -> list[tuple]:
-        """(table, shard, store) of the external shards this rank writes."""
+    def writes(self, layer: DistributedEmbedding, mesh: mesh_lib.Mesh,
+               everything: bool = False) -> list[tuple]:
+        """(table, shard, store) of the external shards this rank writes (with
+        ``everything``: of every table)."""
         out = []
         for t, placement in enumerate(layer.plan.tables):
-            if not self.external(layer, t):
+            if not (everything or self.external(layer, t)):
                 continue
             if placement.kind == Kind.DATA_PARALLEL:
                 # every rank holds it: the first writes it, once
@@ -264,6 +345,11 @@ class ExportPlan:
                     "slices": [list(s) for s in self.slices(layer, t)],
                     "value_bytes": [value_bytes(b - a, self.precision[key])
                                     for a, b in self.slices(layer, t)]})
+                dynamic = self.dynamic(layer, t)
+                if dynamic is not None:
+                    # rows: the capacity; a key it does not hold reads default_row
+                    tables[-1]["dynamic"] = {"key_dtype": dynamic[0],
+                                             "default_row": list(dynamic[1])}
             layers.append({"name": layer.name, "tables": tables,
                            "features": [{"key": manifest_lib.feature_key(layer.name, f),
                                          "table": t} for f, t in
@@ -285,13 +371,17 @@ def agree(failed: bool, name: str, counts: tuple = ()) -> list[int]:
 
 
 def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh,
-                        changed: Callable[[str, Any, int, np.ndarray], np.ndarray] | None = None
+                        changed: Callable[..., np.ndarray] | None = None,
+                        evicted: Callable[[str, Any, np.ndarray], np.ndarray] | None = None
                         ) -> dict[str, int]:
     """Writes this rank's external shards into ``store``; ``changed(table_key, shard,
-    start, rows)`` picks the rows to write (a bool mask; all rows without it). Returns
-    rows and bytes written, by this rank and by all, and this rank's seconds.
-    Collective: every rank calls it, all raise if one failed."""
-    written = {"rows": 0, "bytes": 0, "seconds": 0.0}
+    start, rows, keys=None)`` picks the rows to write (a bool mask; all rows without it):
+    a fixed table's chunk from row ``start`` of the shard, a dynamic table's held
+    ``keys`` (``start`` None); ``evicted(table_key, shard, keys)``: the keys of a dynamic
+    shard to delete from the store (keys it held before, not now). Returns rows, bytes
+    and deleted keys, by this rank and by all, and this rank's seconds. Collective:
+    every rank calls it, all raise if one failed."""
+    written = {"rows": 0, "bytes": 0, "deleted": 0, "seconds": 0.0}
     begin = time.perf_counter()
     error: BaseException | None = None
     try:
@@ -301,6 +391,30 @@ def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh
                 slice_index = plan.slices(layer, t).index((shard.col_start, shard.col_end))
                 precision = plan.precision[key]
                 width = shard.col_end - shard.col_start
+
+                def put(ids: np.ndarray, rows: np.ndarray) -> None:
+                    for first in range(0, len(ids), EXPORT_CHUNK_ROWS):
+                        part = slice(first, first + EXPORT_CHUNK_ROWS)
+                        store.put(store.row_keys(key, ids[part], slice_index),
+                                  encode(rows[part], precision),
+                                  slots=store.row_slots(key, ids[part], slice_index))
+                    written["rows"] += len(ids)
+                    written["bytes"] += len(ids) * value_bytes(width, precision)
+
+                if plan.dynamic(layer, t) is not None:
+                    # a dynamic shard: its held keys, each under its own key
+                    keys, rows = held_entries(table_store)
+                    if evicted is not None:
+                        gone = evicted(key, shard, keys)
+                        if len(gone):
+                            written["deleted"] += store.delete(
+                                store.row_keys(key, gone, slice_index),
+                                slots=store.row_slots(key, gone, slice_index))
+                    if changed is not None:
+                        mask = changed(key, shard, None, rows, keys=keys)
+                        keys, rows = keys[mask], rows[mask]
+                    put(keys, rows)
+                    continue
                 for start in range(0, shard.row_end - shard.row_start, EXPORT_CHUNK_ROWS):
                     stop = min(shard.row_end - shard.row_start, start + EXPORT_CHUNK_ROWS)
                     rows = np.asarray(table_store.read_rows(start, stop), np.float32)
@@ -308,20 +422,17 @@ def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh
                     if changed is not None:
                         mask = changed(key, shard, start, rows)
                         rows, ids = rows[mask], ids[mask]
-                    if not len(ids):
-                        continue
-                    store.put(store.row_keys(key, ids, slice_index), encode(rows, precision),
-                              slots=store.row_slots(key, ids, slice_index))
-                    written["rows"] += len(ids)
-                    written["bytes"] += len(ids) * value_bytes(width, precision)
+                    if len(ids):
+                        put(ids, rows)
     except BaseException as e:  # every rank must reach the agreement below
         error = e
     written["seconds"] = time.perf_counter() - begin
     if error is not None:
         agree(True, "tfhybrid_serving_rows")
         raise error
-    written["rows_all_ranks"], written["bytes_all_ranks"] = agree(
-        False, "tfhybrid_serving_rows", (written["rows"], written["bytes"]))
+    written["rows_all_ranks"], written["bytes_all_ranks"], written["deleted_all_ranks"] = \
+        agree(False, "tfhybrid_serving_rows",
+              (written["rows"], written["bytes"], written["deleted"]))
     return written
 
 
@@ -384,8 +495,11 @@ class SavedModelWriter:
         for layer in plan.layers:
             features = [(t, layer.table_specs[t].combiner, layer.table_specs[t].dim,
                          plan.external(layer, t)) for t in layer.input_table_map]
+            dynamic = {t: (layer.table_specs[t], plan.dynamic(layer, t)[1])
+                       for t in range(len(layer.table_specs))
+                       if plan.dynamic(layer, t) is not None}
             self.served[layer] = ServedTables(layer.name, inline_tables[layer.name],
-                                              features, layer.compute_dtype)
+                                              features, layer.compute_dtype, dynamic)
         self.twin = _twin(model, self.served)
         self.input_specs = _input_specs(model, input_signature)
         twin, specs = self.twin, self.input_specs
@@ -396,31 +510,44 @@ class SavedModelWriter:
                 return _as_outputs(twin(inputs, training=False), outputs)
 
         @tf.function(input_signature=[specs])
-        def feature_ids(inputs):
+        def ids_by_feature(inputs):
             found: dict = {}
             with _mode("ids", found):
                 twin(inputs, training=False)
             return found
 
         functions = {manifest_lib.INLINE_SIGNATURE: serve}
-        self.external_shapes: dict[str, list] = {}
+        self.columns: dict[str, tuple[int, int, list[int]]] = {}
+        self.row_width = 0
         if any(plan.where[k] == "external" for k in plan.where):
-            ids_concrete = feature_ids.get_concrete_function()
-            widths = {manifest_lib.feature_key(layer.name, f): feature
-                      for layer, served in self.served.items()
-                      for f, feature in enumerate(served.features)}
-            row_specs = {}
-            for key, ids_spec in ids_concrete.structured_outputs.items():
-                _, combiner, width, _ = widths[key]
-                rank = ids_spec.shape.rank
-                shape = [None, width] if combiner is not None or rank == 1 else \
-                    [None] + list(ids_spec.shape[1:]) + [width]
-                row_specs[key] = tf.TensorSpec(shape, tf.float32, name=key)
-                self.external_shapes[key] = shape
+            shapes = ids_by_feature.get_concrete_function().structured_outputs
+            order = [manifest_lib.feature_key(layer.name, f) for layer in plan.layers
+                     for f in range(len(layer.input_table_map))]
+            columns = id_columns({k: shapes[k].shape for k in order if k in shapes})
+            self.columns = columns
+            self.row_width = max(feature[2] for served in self.served.values()
+                                 for feature in served.features if feature[3])
+            names = {spec.name for spec in tf.nest.flatten(specs)}
+            for name in (manifest_lib.ROWS_INPUT, manifest_lib.POSITIONS_INPUT):
+                if name in names:
+                    raise ValueError(f"export: the model has an input named {name!r}, the "
+                                     "name external_rows gives the looked-up rows; rename it")
+            width = self.row_width
+            total = max((stop for _, stop, _ in columns.values()), default=0)
 
-            @tf.function(input_signature=[specs, row_specs])
-            def external_rows(inputs, rows):
-                with _mode("external", dict(rows)):
+            @tf.function(input_signature=[specs])
+            def feature_ids(inputs):
+                found = ids_by_feature(inputs)
+                return {manifest_lib.IDS_OUTPUT: tf.concat(
+                    [tf.reshape(found[k], [-1, stop - start])
+                     for k, (start, stop, _) in columns.items()], axis=1)}
+
+            @tf.function(input_signature=[
+                specs, tf.TensorSpec([None, width], tf.float32, name=manifest_lib.ROWS_INPUT),
+                tf.TensorSpec([None, total], tf.int32, name=manifest_lib.POSITIONS_INPUT)])
+            def external_rows(inputs, rows, positions):
+                with _mode("external", {"rows": rows, "positions": positions,
+                                        "columns": columns}):
                     return _as_outputs(twin(inputs, training=False), outputs)
 
             functions[manifest_lib.IDS_SIGNATURE] = feature_ids
@@ -429,12 +556,22 @@ class SavedModelWriter:
         variables = [_tf_internals.tf_variable(v) for v in self.twin.weights]
         for served in self.served.values():
             variables.extend(served.table_variables.values())
+            variables.extend(served.key_variables.values())
         self.module = _Served(variables, functions)
 
-    def update_inline(self, inline_tables: dict) -> None:
+    def update_inline(self, inline_tables: dict) -> bool:
+        """Writes new values of the inline tables; False if it cannot (a dynamic table's
+        held keys change in number, its variables' shapes with them): make a new writer
+        then."""
+        inline = {layer: [t for t in inline_tables[layer.name]
+                          if not self.plan.external(layer, t)] for layer in self.served}
+        if any(t in served.keyed_tables for layer, served in self.served.items()
+               for t in inline[layer]):
+            return False
         for layer, served in self.served.items():
-            for t, values in inline_tables[layer.name].items():
-                served.table_variables[t].assign(values)
+            for t in inline[layer]:
+                served.table_variables[t].assign(inline_tables[layer.name][t])
+        return True
 
     def inputs_description(self) -> dict:
         return {spec.name: {"dtype": spec.dtype.name, "shape": list(spec.shape)}
@@ -453,7 +590,8 @@ class SavedModelWriter:
         signatures = {name: fn for name, fn in self.functions.items()}
         tf.saved_model.save(self.module, partial, signatures=signatures)
         description = self.plan.describe(version, key_prefix, self.inputs_description())
-        description["external_shapes"] = self.external_shapes
+        description["id_columns"] = {k: [a, b] for k, (a, b, _) in self.columns.items()}
+        description["row_width"] = self.row_width
         manifest_lib.write(partial, description)
         if not versioned:
             shutil.rmtree(final, ignore_errors=True)
@@ -462,16 +600,52 @@ class SavedModelWriter:
 
 
 def inline_values(plan: ExportPlan, mesh: mesh_lib.Mesh, everything: bool) -> dict:
-    """{layer name: {table: whole values}} on rank 0 (empty dicts elsewhere): every
-    table with ``everything`` (the all-inline signature needs them), else the inline
-    ones. Collective."""
+    """{layer name: {table: whole values}} on rank 0: every table with ``everything``
+    (the all-inline signature needs them), else the inline ones; a dynamic table's as
+    (keys, rows), a table left out as an empty stand-in (``serving_default`` then reads
+    zeros, or a dynamic table's default row, for it). Other ranks get stand-ins of every
+    table. Collective."""
     out = {}
     for layer in plan.layers:
         wanted = [t for t in range(len(layer.table_specs))
                   if everything or not plan.external(layer, t)]
+        fixed = [t for t in wanted if plan.dynamic(layer, t) is None]
         # the shards' rows travel over the model group to rank 0 (others get [])
-        out[layer.name] = dict(zip(wanted, layer.get_weights(tables=wanted)))
+        out[layer.name] = dict(zip(fixed, layer.get_weights(tables=fixed)))
+        for t in wanted:
+            if plan.dynamic(layer, t) is not None:
+                out[layer.name][t] = _gathered_entries(plan, layer, t, mesh)
+        if mesh.rank != 0:
+            out[layer.name] = {}
+        for t, spec in enumerate(layer.table_specs):
+            if t not in out[layer.name]:
+                out[layer.name][t] = ((np.zeros([0], np.int64), np.zeros([0, spec.dim]))
+                                      if plan.dynamic(layer, t) is not None
+                                      else np.zeros([1, spec.dim], np.float32))
     return out
+
+
+def _gathered_entries(plan: ExportPlan, layer: DistributedEmbedding, t: int,
+                      mesh: mesh_lib.Mesh) -> tuple[np.ndarray, np.ndarray]:
+    """A dynamic table's (keys, rows), every shard's, on every rank (each shard from the
+    first replica of its owner). Collective: sums over the ranks, each rank's entries at
+    its own offset and zeros elsewhere, so the sums are the entries exactly."""
+    dim = layer.table_specs[t].dim
+    keys, rows = np.zeros([0], np.int64), np.zeros([0, dim], np.float32)
+    for _, _, table_store in [w for w in plan.writes(layer, mesh, everything=True)
+                              if w[0] == t]:
+        keys, rows = held_entries(table_store)
+    name = f"tfhybrid_serving_{layer.name}_{t}"
+    counts = np.zeros([mesh.size], np.int64)
+    counts[mesh.rank] = len(keys)
+    counts = collectives.allreduce(tf.constant(counts), hvd.Sum, name + "_counts").numpy()
+    start = int(counts[:mesh.rank].sum())
+    all_keys = np.zeros([int(counts.sum())], np.int64)
+    all_rows = np.zeros([int(counts.sum()), dim], np.float32)
+    all_keys[start:start + len(keys)] = keys
+    all_rows[start:start + len(keys)] = rows
+    return (collectives.allreduce(tf.constant(all_keys), hvd.Sum, name + "_keys").numpy(),
+            collectives.allreduce(tf.constant(all_rows), hvd.Sum, name + "_rows").numpy())
 
 
 def check_store(store: RedisStore, mesh: mesh_lib.Mesh) -> None:
@@ -545,20 +719,19 @@ def export(model: tf.keras.Model, directory: str, store: RedisStore | None = Non
     values = inline_values(plan, mesh, full_copy)
     result = None
     error: BaseException | None = None
-    if mesh.rank == 0:
-        try:
-            if not full_copy:
-                for layer in plan.layers:
-                    for t, spec in enumerate(layer.table_specs):
-                        values[layer.name].setdefault(t, np.zeros([1, spec.dim], np.float32))
-            writer = SavedModelWriter(model, plan, input_signature, outputs, values)
+    try:
+        # every rank makes the served copy (rank 0 alone writes it): making it alone
+        # leaves rank 0's Keras state apart, and a model with a dynamic table built
+        # afterwards would not train in step with the other ranks
+        writer = SavedModelWriter(model, plan, input_signature, outputs, values)
+        if mesh.rank == 0:
             version = next_version(directory) if versioned else 1
             if external:
                 write_metadata(plan, store, version)
             result = writer.write(directory, version, store.key_prefix if store else None,
                                   versioned)
-        except BaseException as e:
-            error = e
+    except BaseException as e:  # every rank must reach the agreement below
+        error = e
     agree(error is not None, "tfhybrid_serving_saved_model")
     if error is not None:
         raise error

@@ -32,6 +32,10 @@ INLINE_SIGNATURE = "serving_default"
 EXTERNAL_SIGNATURE = "external_rows"
 IDS_SIGNATURE = "feature_ids"
 MANIFEST_PATH = os.path.join("assets.extra", "tfhybrid_serving.json")
+# feature_ids' one output, and external_rows' two inputs beside the model's
+IDS_OUTPUT = "ids"
+ROWS_INPUT = "served_rows"
+POSITIONS_INPUT = "served_positions"
 
 
 def feature_key(layer: str, feature: int) -> str:

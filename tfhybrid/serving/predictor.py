@@ -1,12 +1,15 @@
 """``Predictor``: raw inputs in, scores out, from an export and its store.
 
 Per call: check the inputs against the export's (a ``ValueError`` names a missing,
-extra or malformed input), run the SavedModel's ``feature_ids`` signature to get the ids
-each external feature looks up, check them against their tables' rows, fetch every
-distinct row (and column slice) of every external table in one ``RedisStore.get`` (one
-pipelined request per Redis node, the nodes in parallel), dequantize, join slices,
-combine each bag with its table's combiner, and run the ``external_rows`` signature.
-A model without external tables runs ``serving_default`` directly.
+extra or malformed input), run the SavedModel's ``feature_ids`` signature (every
+external feature's ids, or a dynamic table's 64-bit keys, side by side in one matrix),
+check ids against their tables' rows, fetch every distinct row (and column slice) of
+every external table in one ``RedisStore.get`` (one pipelined request per Redis node,
+the nodes in parallel), dequantize and join slices into one matrix of rows, and run the
+``external_rows`` signature on it with each id's position in it: the SavedModel gathers
+and combines the bags itself. A key a dynamic table does not hold reads the table's
+default row (counted in ``stats["default_rows"]``). A model without external tables
+runs ``serving_default`` directly.
 
 Imports TensorFlow, NumPy and redis-py only: a serving process needs neither Horovod nor
 tfhybrid's op library.
@@ -22,21 +25,55 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfhybrid.combiners import COMBINERS, combined_bags
 from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.serving.rows import decode
 from tfhybrid.serving.store import RedisStore
 
 
-def _combined(rows: np.ndarray, combiner: str, table_key: str) -> np.ndarray:
-    """Bags of ``rows`` ([bags, hotness, width]) combined as in training: the one rule of
-    ``tfhybrid.combiners`` (TensorFlow ops, no op library)."""
-    if combiner not in COMBINERS:
-        raise ValueError(f"table {table_key}: combiner {combiner!r} has no serving rule "
-                         f"({COMBINERS})")
-    lengths = tf.fill([rows.shape[0]], rows.shape[1])
-    return combined_bags(tf.reduce_sum(tf.constant(rows), axis=1), combiner,
-                         lengths).numpy()
+class _Layout:
+    """What a call needs of a version's manifest, worked out once: the ids matrix's
+    columns of each external table, and for fixed tables each column's row range and
+    its offset in one id space of all of them (so one ``np.unique`` finds the distinct
+    rows of every fixed table at once)."""
+
+    def __init__(self, manifest: dict):
+        tables, by_key = [], {}
+        for layer in manifest["layers"]:
+            for feature in layer["features"]:
+                table = layer["tables"][feature["table"]]
+                if not table["external"]:
+                    continue
+                if table["key"] not in by_key:
+                    by_key[table["key"]] = (table, [])
+                    tables.append(table["key"])
+                start, stop = manifest["id_columns"][feature["key"]]
+                by_key[table["key"]][1].append((feature["key"], start, stop))
+        self.width = int(manifest["row_width"])
+        self.total = max((stop for _, stop in manifest["id_columns"].values()), default=0)
+        self.fixed = [by_key[k] for k in tables if "dynamic" not in by_key[k][0]]
+        self.dynamic = [(table, np.concatenate([np.arange(a, b) for _, a, b in cols]))
+                        for table, cols in (by_key[k] for k in tables)
+                        if "dynamic" in table]
+        # fixed tables' columns, their tables' rows and offsets in the one id space
+        self.fixed_columns = np.concatenate(
+            [np.arange(a, b) for _, cols in self.fixed for _, a, b in cols] or
+            [np.zeros([0], np.int64)]).astype(np.int64)
+        self.all_fixed = np.array_equal(self.fixed_columns, np.arange(self.total))
+        bases = np.cumsum([0] + [table["rows"] for table, _ in self.fixed]).astype(np.int64)
+        self.bases = bases
+        limit, base, owner = [], [], []
+        for i, (table, cols) in enumerate(self.fixed):
+            for _, a, b in cols:
+                limit += [table["rows"]] * (b - a)
+                base += [bases[i]] * (b - a)
+                owner += [i] * (b - a)
+        self.limit = np.array(limit, np.int64)
+        self.base = np.array(base, np.int64)
+        self.owner = np.array(owner, np.int64)
+        self.feature_of_column = {}
+        for table, cols in self.fixed:
+            for key, a, b in cols:
+                self.feature_of_column.update({c: (key, table) for c in range(a, b)})
 
 
 class Predictor:
@@ -48,7 +85,9 @@ class Predictor:
       store: the ``RedisStore`` of the external tables (None if every table is inline).
       deadline_s: each call's limit (fetching rows from every node included).
 
-    ``stats`` counts calls and rows fetched. Calls are thread-safe.
+    ``stats`` counts calls, rows and keys fetched, and ``default_rows``: the keys (once
+    per call) that a dynamic table did not hold, which read its default row. Calls are
+    thread-safe.
 
     Example (an export with inline tables only needs no store)::
 
@@ -75,7 +114,7 @@ class Predictor:
         self.base = saved_model_dir
         self.store = store
         self.deadline_s = float(deadline_s)
-        self.stats = {"calls": 0, "rows_fetched": 0, "keys_fetched": 0}
+        self.stats = {"calls": 0, "rows_fetched": 0, "keys_fetched": 0, "default_rows": 0}
         self._lock = threading.Lock()
         self.version_dir = ""
         self._load()
@@ -96,23 +135,18 @@ class Predictor:
             return
         manifest = manifest_lib.read(version_dir)
         loaded = tf.saved_model.load(version_dir)
-        tables, features = {}, []
-        for layer in manifest["layers"]:
-            for t, table in enumerate(layer["tables"]):
-                tables[(layer["name"], t)] = table
-            for feature in layer["features"]:
-                table = tables[(layer["name"], feature["table"])]
-                if table["external"]:
-                    features.append((feature["key"], table))
-        if features and self.store is None:
+        external = any(table["external"] for layer in manifest["layers"]
+                       for table in layer["tables"])
+        if external and self.store is None:
             raise ValueError(f"the export at {version_dir!r} has external tables; "
                              "Predictor needs store=RedisStore(...)")
-        if features and manifest["key_prefix"] != self.store.key_prefix:
+        if external and manifest["key_prefix"] != self.store.key_prefix:
             raise ValueError(f"the export at {version_dir!r} wrote its rows under "
                              f"key_prefix={manifest['key_prefix']!r}; the store given has "
                              f"key_prefix={self.store.key_prefix!r}")
+        layout = _Layout(manifest) if manifest.get("id_columns") else None
         with self._lock:
-            self.manifest, self.loaded, self.features = manifest, loaded, features
+            self.manifest, self.loaded, self.layout = manifest, loaded, layout
             self.version_dir = version_dir
             self.version = int(manifest["version"])
 
@@ -143,6 +177,8 @@ class Predictor:
         for name, spec in expected.items():
             value = np.asarray(inputs[name])
             dtype = np.dtype(tf.as_dtype(spec["dtype"]).as_numpy_dtype)
+            if dtype == np.dtype(object) and value.dtype.kind in "USO":
+                value = value.astype(object)     # strings, as str or bytes
             if value.dtype != dtype:
                 same_kind = (np.issubdtype(value.dtype, np.integer) and
                              np.issubdtype(dtype, np.integer)) or (
@@ -171,67 +207,106 @@ class Predictor:
         start = time.monotonic()
         self._load()
         with self._lock:
-            manifest, loaded, features = self.manifest, self.loaded, self.features
+            manifest, loaded, layout = self.manifest, self.loaded, self.layout
         checked = self._checked(inputs)
         tensors = {k: tf.constant(v) for k, v in checked.items()}
         self.stats["calls"] += 1
-        if not features:
+        if layout is None:
             out = loaded.signatures[manifest_lib.INLINE_SIGNATURE](**tensors)
             return {k: v.numpy() for k, v in out.items()}
-        ids = {k: v.numpy() for k, v in
-               loaded.signatures[manifest_lib.IDS_SIGNATURE](**tensors).items()}
-        rows = self._rows(features, ids, start)
-        feeds = dict(tensors)
-        feeds.update({k: tf.constant(v) for k, v in rows.items()})
-        out = loaded.signatures[manifest_lib.EXTERNAL_SIGNATURE](**feeds)
+        ids = loaded.signatures[manifest_lib.IDS_SIGNATURE](**tensors)[
+            manifest_lib.IDS_OUTPUT].numpy()
+        rows, positions = self._rows(layout, ids, start)
+        out = loaded.signatures[manifest_lib.EXTERNAL_SIGNATURE](
+            **tensors, **{manifest_lib.ROWS_INPUT: tf.constant(rows),
+                          manifest_lib.POSITIONS_INPUT: tf.constant(positions)})
         return {k: v.numpy() for k, v in out.items()}
 
     predict = __call__
 
-    def _rows(self, features: list, ids: dict, start: float) -> dict[str, np.ndarray]:
-        """Each external feature's rows, combined: one store request for all tables."""
-        wanted: dict[str, tuple[dict, np.ndarray]] = {}
-        for key, table in features:
-            feature_ids = ids[key]
-            bad = feature_ids[(feature_ids < 0) | (feature_ids >= table["rows"])]
-            if bad.size:
+    def _rows(self, layout: _Layout, ids: np.ndarray, start: float
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct rows the request looks up, [n, width] (a narrower table's in its
+        first columns), and each id's row among them ([batch, columns] int32): one store
+        request for every table."""
+        positions = np.empty(ids.shape, np.int32)
+        # (table, its ids or keys to fetch, their first row in the matrix)
+        wanted: list[tuple[dict, np.ndarray, int]] = []
+        n = 0
+        if len(layout.fixed_columns):
+            sub = ids if layout.all_fixed else ids[:, layout.fixed_columns]
+            bad = (sub < 0) | (sub >= layout.limit)
+            if bad.any():
+                column = int(np.flatnonzero(bad.any(axis=0))[0])
+                key, table = layout.feature_of_column[int(layout.fixed_columns[column])]
+                outside = sub[:, layout.owner == layout.owner[column]]
+                outside = outside[(outside < 0) | (outside >= table["rows"])]
                 raise ValueError(f"inputs: feature {key} (table {table['key']}) has ids "
-                                 f"{sorted(set(bad.tolist()))[:5]} outside [0, "
+                                 f"{sorted(set(outside.tolist()))[:5]} outside [0, "
                                  f"{table['rows']})")
-            previous = wanted.get(table["key"], (table, np.zeros([0], np.int64)))[1]
-            wanted[table["key"]] = (table, np.concatenate([previous, feature_ids.ravel()]))
+            unique, inverse = np.unique(sub + layout.base, return_inverse=True)
+            inverse = inverse.reshape(sub.shape)
+            if layout.all_fixed:
+                positions[:] = inverse
+            else:
+                positions[:, layout.fixed_columns] = inverse
+            cuts = np.searchsorted(unique, layout.bases)
+            for i, (table, _) in enumerate(layout.fixed):
+                if cuts[i + 1] > cuts[i]:
+                    wanted.append((table, unique[cuts[i]:cuts[i + 1]] - layout.bases[i],
+                                   int(cuts[i])))
+            n = len(unique)
+        for table, columns in layout.dynamic:
+            keys, inverse = np.unique(ids[:, columns], return_inverse=True)
+            positions[:, columns] = n + inverse.reshape(len(ids), len(columns))
+            wanted.append((table, keys, n))
+            n += len(keys)
         keys, spans, slots = [], [], []
-        for name, (table, all_ids) in wanted.items():
-            unique = np.unique(all_ids)
+        for table, table_ids, first_row in wanted:
             for s, (a, b) in enumerate(table["slices"]):
-                spans.append((name, table, unique, s, a, b, len(keys)))
-                keys.extend(self.store.row_keys(name, unique, s))
-                slots.append(self.store.row_slots(name, unique, s))
+                spans.append((table, table_ids, first_row, s, a, b, len(keys)))
+                keys.extend(self.store.row_keys(table["key"], table_ids, s))
+                slots.append(self.store.row_slots(table["key"], table_ids, s))
         left = self.deadline_s - (time.monotonic() - start)
         if left <= 0:
             raise TimeoutError(f"Predictor: the deadline of {self.deadline_s} s passed "
                                "before the rows were requested")
-        values = self.store.get(keys, deadline_s=left, slots=np.concatenate(slots))
+        values = self.store.get(keys, deadline_s=left,
+                                slots=np.concatenate(slots) if slots else None)
         self.stats["keys_fetched"] += len(keys)
-        whole: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for name, table, unique, s, a, b, first in spans:
-            chunk = values[first:first + len(unique)]
-            missing = [keys[first + i].decode() for i, v in enumerate(chunk) if v is None]
-            if missing:
+        self.stats["rows_fetched"] += n
+        rows = np.zeros([n, layout.width], np.float32)
+        # the spans of one width and precision are decoded in one go
+        groups: dict[tuple, list] = {}
+        for span in spans:
+            table, table_ids, first_row, s, a, b, first = span
+            chunk = values[first:first + len(table_ids)]
+            if "dynamic" in table:
+                self._dynamic_rows(table, table_ids, chunk,
+                                   rows[first_row:first_row + len(table_ids)])
+                continue
+            if None in chunk:
+                missing = [keys[first + i].decode() for i, v in enumerate(chunk) if v is None]
                 raise LookupError(f"Predictor: the store has no key {missing[:5]} "
-                                  f"({len(missing)} missing) of table {name}: the export "
-                                  "did not finish, or the store lost them")
-            if name not in whole:
-                whole[name] = (unique, np.empty([len(unique), table["dim"]], np.float32))
-                self.stats["rows_fetched"] += len(unique)
-            whole[name][1][:, a:b] = decode(chunk, b - a, table["precision"])
-        out = {}
-        for key, table in features:
-            unique, table_rows = whole[table["key"]]
-            feature_ids = ids[key]
-            gathered = table_rows[np.searchsorted(unique, feature_ids)]
-            combiner = table["combiner"]
-            if combiner is not None and feature_ids.ndim == 2:
-                gathered = _combined(gathered, combiner, table["key"])
-            out[key] = gathered
-        return out
+                                  f"({len(missing)} missing) of table {table['key']}: the "
+                                  "export did not finish, or the store lost them")
+            groups.setdefault((b - a, table["precision"]), []).append((span, chunk))
+        for (width, precision), members in groups.items():
+            decoded = decode([v for _, chunk in members for v in chunk], width, precision)
+            at = 0
+            for (table, table_ids, first_row, s, a, b, first), chunk in members:
+                rows[first_row:first_row + len(chunk), a:b] = decoded[at:at + len(chunk)]
+                at += len(chunk)
+        return rows, positions
+
+    def _dynamic_rows(self, table: dict, keys: np.ndarray, values: list, rows: np.ndarray
+                      ) -> None:
+        """A dynamic table's rows into ``rows``: a key it holds reads its row, a key it
+        does not hold (never admitted, or evicted) the default row, counted once per
+        call."""
+        held = np.array([v is not None for v in values], bool)
+        rows[:, :table["dim"]] = np.asarray(table["dynamic"]["default_row"], np.float32)
+        if held.any():
+            rows[held, :table["dim"]] = decode([v for v in values if v is not None],
+                                               table["dim"], table["precision"])
+        self.stats["default_rows"] += int(len(keys) - held.sum())

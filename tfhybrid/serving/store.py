@@ -74,15 +74,14 @@ def _packed(command: bytes, arguments: Sequence[bytes]) -> bytes:
 
 def _runs(indices: list[int], slots: np.ndarray, most: int = 512) -> list[list[int]]:
     """``indices`` (sorted by slot) cut where the slot changes, at most ``most`` each."""
-    runs: list[list[int]] = []
-    previous = -1
-    for i in indices:
-        slot = int(slots[i])
-        if slot != previous or len(runs[-1]) >= most:
-            runs.append([])
-            previous = slot
-        runs[-1].append(i)
-    return runs
+    if not len(indices):
+        return []
+    at = np.asarray(indices, np.int64)
+    of = slots[at]
+    starts = np.flatnonzero(np.concatenate([[True], of[1:] != of[:-1]])).tolist()
+    ends = starts[1:] + [len(at)]
+    return [indices[c:min(b, c + most)] for a, b in zip(starts, ends)
+            for c in range(a, b, most)]
 
 
 def _chunked(commands: list[bytes], runs: list[list[int]]) -> list[list[bytes]]:
@@ -455,6 +454,14 @@ class RedisStore:
         whose replicas did not acknowledge. Returns the number of keys written."""
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
+        self._write(b"MSET", keys, values, deadline_s, slots)
+        return len(keys)
+
+    def _write(self, command: bytes, keys: Sequence[bytes], values: Sequence[bytes] | None,
+               deadline_s: float | None, slots: np.ndarray | None) -> int:
+        """``command`` (``MSET`` with ``values``, or ``DEL``) per slot of ``keys``, one
+        pipelined request per master ending with ``WAIT``; the commands' integer replies
+        summed (``MSET``'s ``OK`` counts 0)."""
         timeout_s = self.timeout_s if deadline_s is None else deadline_s
         slots = self.slots_of(keys) if slots is None else np.asarray(slots, np.int64)
 
@@ -462,19 +469,36 @@ class RedisStore:
             # WAIT last on the same connection, which is what WAIT counts the writes of
             replicas = self._replicas_of(node)
             runs = _runs(indices, slots)
-            commands = [_packed(b"MSET", [kv for i in run for kv in (keys[i], values[i])])
-                        for run in runs]
+            if values is None:
+                commands = [_packed(command, [keys[i] for i in run]) for run in runs]
+            else:
+                commands = [_packed(command, [kv for i in run for kv in (keys[i], values[i])])
+                            for run in runs]
             wait = _packed(b"WAIT", [b"%d" % replicas, b"%d" % int(timeout_s * 1000)])
             replies = _send(client, _chunked(commands, runs), wait if replicas else None,
                             deadline)()
             if replicas and int(replies[-1]) < replicas:
                 raise RuntimeError(
-                    f"RedisStore put: {replies[-1]} of master {node.name}'s {replicas} "
-                    f"replicas acknowledged the writes within {timeout_s} s")
-            return [True] * len(indices)
+                    f"RedisStore {command.decode().lower()}: {replies[-1]} of master "
+                    f"{node.name}'s {replicas} replicas acknowledged the writes within "
+                    f"{timeout_s} s")
+            counts = [r if isinstance(r, int) else 0 for r in replies[:len(commands)]]
+            # one result per key: the count of its run on the run's first key
+            out = [0] * len(indices)
+            at = 0
+            for run, n in zip(runs, counts):
+                out[at] = n
+                at += len(run)
+            return out
 
-        self._run(keys, per_node, deadline_s, "put", slots)
-        return len(keys)
+        return sum(self._run(keys, per_node, deadline_s, command.decode().lower(), slots))
+
+    def delete(self, keys: Sequence[bytes], deadline_s: float | None = None,
+               slots: np.ndarray | None = None) -> int:
+        """Deletes ``keys`` (absent ones are no error) as :meth:`put` writes: a ``DEL`` per
+        slot, one pipelined request per master ending with ``WAIT``. Returns the number of
+        keys that were there."""
+        return self._write(b"DEL", keys, None, deadline_s, slots)
 
     def put_json(self, key: bytes, value: Any, deadline_s: float | None = None) -> None:
         """Writes ``value`` as JSON under ``key`` (metadata), replicas acknowledged."""
