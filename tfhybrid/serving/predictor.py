@@ -70,6 +70,25 @@ class _Layout:
         self.limit = np.array(limit, np.int64)
         self.base = np.array(base, np.int64)
         self.owner = np.array(owner, np.int64)
+        # the fixed tables' slices: a request's keys of slice s are built for every table
+        # with an s-th slice at once, and decoded by column range and precision
+        self.fixed_names = [table["key"] for table, _ in self.fixed]
+        self.slice_counts = np.array([len(table["slices"]) for table, _ in self.fixed],
+                                     np.int64)
+        self.most_slices = int(self.slice_counts.max()) if len(self.fixed) else 0
+        self.all_sliced = [bool((self.slice_counts > s).all())
+                           for s in range(self.most_slices)]
+        self.slice_groups: list[dict[tuple, np.ndarray | None]] = []
+        for s in range(self.most_slices):
+            groups: dict[tuple, np.ndarray] = {}
+            for i, (table, _) in enumerate(self.fixed):
+                if len(table["slices"]) > s:
+                    a, b = table["slices"][s]
+                    groups.setdefault((a, b, table["precision"]),
+                                      np.zeros(len(self.fixed), bool))[i] = True
+            # None: the group is every table with an s-th slice
+            self.slice_groups.append({k: None if len(groups) == 1 else mask
+                                      for k, mask in groups.items()})
         self.feature_of_column = {}
         for table, cols in self.fixed:
             for key, a, b in cols:
@@ -228,10 +247,13 @@ class Predictor:
               ) -> tuple[np.ndarray, np.ndarray]:
         """The distinct rows the request looks up, [n, width] (a narrower table's in its
         first columns), and each id's row among them ([batch, columns] int32): one store
-        request for every table."""
+        request for every table. The fixed tables' keys are built for all of them at
+        once, slice by slice."""
         positions = np.empty(ids.shape, np.int32)
-        # (table, its ids or keys to fetch, their first row in the matrix)
-        wanted: list[tuple[dict, np.ndarray, int]] = []
+        keys: list[bytes] = []
+        slots: list[np.ndarray] = []
+        # fixed tables: (slice, its distinct ids' indices, their tables, first key)
+        fixed_spans: list[tuple[int, np.ndarray | None, np.ndarray, int]] = []
         n = 0
         if len(layout.fixed_columns):
             sub = ids if layout.all_fixed else ids[:, layout.fixed_columns]
@@ -250,23 +272,29 @@ class Predictor:
                 positions[:] = inverse
             else:
                 positions[:, layout.fixed_columns] = inverse
-            cuts = np.searchsorted(unique, layout.bases)
-            for i, (table, _) in enumerate(layout.fixed):
-                if cuts[i + 1] > cuts[i]:
-                    wanted.append((table, unique[cuts[i]:cuts[i + 1]] - layout.bases[i],
-                                   int(cuts[i])))
+            which = np.searchsorted(layout.bases, unique, side="right") - 1
+            local = unique - layout.bases[which]
+            for s in range(layout.most_slices):
+                taken = None if s == 0 or layout.all_sliced[s] else np.flatnonzero(
+                    layout.slice_counts[which] > s)
+                at_which = which if taken is None else which[taken]
+                at_local = local if taken is None else local[taken]
+                fixed_spans.append((s, taken, at_which, len(keys)))
+                keys.extend(self.store.tables_row_keys(layout.fixed_names, at_which,
+                                                       at_local, s))
+                slots.append(self.store.tables_row_slots(layout.fixed_names, at_which,
+                                                         at_local, s))
             n = len(unique)
+        # dynamic tables: (table, its keys, their first row in the matrix, first key)
+        dynamic_spans = []
         for table, columns in layout.dynamic:
-            keys, inverse = np.unique(ids[:, columns], return_inverse=True)
+            table_keys, inverse = np.unique(ids[:, columns], return_inverse=True)
             positions[:, columns] = n + inverse.reshape(len(ids), len(columns))
-            wanted.append((table, keys, n))
-            n += len(keys)
-        keys, spans, slots = [], [], []
-        for table, table_ids, first_row in wanted:
-            for s, (a, b) in enumerate(table["slices"]):
-                spans.append((table, table_ids, first_row, s, a, b, len(keys)))
-                keys.extend(self.store.row_keys(table["key"], table_ids, s))
-                slots.append(self.store.row_slots(table["key"], table_ids, s))
+            for s in range(len(table["slices"])):
+                dynamic_spans.append((table, table_keys, n, len(keys)))
+                keys.extend(self.store.row_keys(table["key"], table_keys, s))
+                slots.append(self.store.row_slots(table["key"], table_keys, s))
+            n += len(table_keys)
         left = self.deadline_s - (time.monotonic() - start)
         if left <= 0:
             raise TimeoutError(f"Predictor: the deadline of {self.deadline_s} s passed "
@@ -276,27 +304,35 @@ class Predictor:
         self.stats["keys_fetched"] += len(keys)
         self.stats["rows_fetched"] += n
         rows = np.zeros([n, layout.width], np.float32)
-        # the spans of one width and precision are decoded in one go
-        groups: dict[tuple, list] = {}
-        for span in spans:
-            table, table_ids, first_row, s, a, b, first = span
-            chunk = values[first:first + len(table_ids)]
-            if "dynamic" in table:
-                self._dynamic_rows(table, table_ids, chunk,
-                                   rows[first_row:first_row + len(table_ids)])
-                continue
+        for s, taken, at_which, first in fixed_spans:
+            chunk = values[first:first + len(at_which)]
             if None in chunk:
-                missing = [keys[first + i].decode() for i, v in enumerate(chunk) if v is None]
+                absent = [i for i, v in enumerate(chunk) if v is None]
+                table = layout.fixed[int(at_which[absent[0]])][0]
+                missing = [keys[first + i].decode() for i in absent
+                           if layout.fixed[int(at_which[i])][0] is table]
                 raise LookupError(f"Predictor: the store has no key {missing[:5]} "
                                   f"({len(missing)} missing) of table {table['key']}: the "
                                   "export did not finish, or the store lost them")
-            groups.setdefault((b - a, table["precision"]), []).append((span, chunk))
-        for (width, precision), members in groups.items():
-            decoded = decode([v for _, chunk in members for v in chunk], width, precision)
-            at = 0
-            for (table, table_ids, first_row, s, a, b, first), chunk in members:
-                rows[first_row:first_row + len(chunk), a:b] = decoded[at:at + len(chunk)]
-                at += len(chunk)
+            # the tables of one column range and precision are decoded in one go
+            for (a, b, precision), members in layout.slice_groups[s].items():
+                if members is None:
+                    mine = None
+                    part = chunk
+                else:
+                    mine = np.flatnonzero(members[at_which])
+                    if not len(mine):
+                        continue
+                    part = [chunk[i] for i in mine.tolist()]
+                decoded = decode(part, b - a, precision)
+                if taken is None and mine is None:
+                    rows[:len(decoded), a:b] = decoded
+                else:
+                    at = np.arange(len(at_which)) if taken is None else taken
+                    rows[at if mine is None else at[mine], a:b] = decoded
+        for table, table_keys, first_row, first in dynamic_spans:
+            self._dynamic_rows(table, table_keys, values[first:first + len(table_keys)],
+                               rows[first_row:first_row + len(table_keys)])
         return rows, positions
 
     def _dynamic_rows(self, table: dict, keys: np.ndarray, values: list, rows: np.ndarray
