@@ -17,6 +17,7 @@ Example (needs ``redis-server``; about 3 s)::
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -30,6 +31,15 @@ from typing import Sequence
 # how long a master may be silent before its replicas take over: short, so a test's
 # failover takes seconds; long enough that four busy ranks on two cores do not trip it
 NODE_TIMEOUT_MS = 3000
+# prctl's option that asks the kernel to signal a process when its parent dies
+PR_SET_PDEATHSIG = 1
+
+
+def _end_with_parent() -> None:
+    """Runs in a server's process before it starts: the kernel ends it when the process
+    that started it dies, so a test or benchmark killed by a signal (no cleanup runs)
+    leaves no server behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port_pair() -> int:
@@ -135,7 +145,7 @@ class LocalRedisCluster:
             f.write("\n".join(config) + "\n")
         self.processes[port] = subprocess.Popen(
             ["redis-server", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_end_with_parent)
 
     def _run(self, command: list[str], deadline: float) -> str:
         result = subprocess.run(command, capture_output=True, text=True,
