@@ -63,8 +63,13 @@ def quantize_int8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return np.clip(q, 0, 255).astype(np.uint8), scale, low.astype(np.float32)
 
 
-def encode(rows: np.ndarray, precision: str) -> list[bytes]:
-    """One stored value per row of float ``rows`` [n, width]."""
+def encode_matrix(rows: np.ndarray, precision: str) -> np.ndarray:
+    """The stored values of float ``rows`` [n, width] as one uint8 array [n, value bytes]:
+    row i holds row i's value, so a writer frames them all at once.
+
+    >>> encode_matrix(np.ones([2, 3], np.float32), "float16").shape
+    (2, 6)
+    """
     check_precision(precision)
     rows = np.ascontiguousarray(rows, np.float32)
     n = len(rows)
@@ -72,13 +77,21 @@ def encode(rows: np.ndarray, precision: str) -> list[bytes]:
         q, scale, offset = quantize_int8(rows)
         tail = np.empty([n], _INT8_TAIL)
         tail["scale"], tail["offset"] = scale, offset
-        packed = np.concatenate([q, tail.view(np.uint8).reshape(n, 8)], axis=1)
-    else:
-        packed = rows.astype("<f4" if precision == "float32" else "<f2").view(np.uint8)
-        packed = packed.reshape(n, -1)
-    buffer = packed.tobytes()
-    size = packed.shape[1]
-    return [buffer[i * size:(i + 1) * size] for i in range(n)]
+        return np.concatenate([q, tail.view(np.uint8).reshape(n, 8)], axis=1)
+    packed = rows.astype("<f4" if precision == "float32" else "<f2").view(np.uint8)
+    return packed.reshape(n, value_bytes(rows.shape[1], precision))
+
+
+def values_of(matrix: np.ndarray) -> list[bytes]:
+    """One stored value (bytes) per row of an encoded ``matrix`` (:func:`encode_matrix`)."""
+    buffer = np.ascontiguousarray(matrix, np.uint8).tobytes()
+    size = matrix.shape[1]
+    return [buffer[i * size:(i + 1) * size] for i in range(len(matrix))]
+
+
+def encode(rows: np.ndarray, precision: str) -> list[bytes]:
+    """One stored value per row of float ``rows`` [n, width]."""
+    return values_of(encode_matrix(rows, precision))
 
 
 def decode(values: Sequence[bytes], width: int, precision: str) -> np.ndarray:

@@ -4,10 +4,12 @@ The export, the delta publisher and the predictor each take one. Every read and 
 groups its keys by the master that serves their slot and sends one pipelined request per
 master, the masters in parallel (a thread each), so a request costs one round trip per
 node, not one per key: keys of one slot go in one ``MGET`` or ``MSET`` (commands packed
-by hand, replies read in order). A request's read (up to ``PIPELINE_KEYS`` keys, no TLS)
-goes over a plain socket per master kept open, all from the calling thread, its replies
-parsed by hiredis; anything unusual on it (a failover, a moved slot) sends the read the
-redis-py way, which follows the cluster. A write ends, in the same pipeline, with
+by hand, replies read in order). A request's read (up to ``PIPELINE_KEYS`` keys), and a
+write of whole rows (``put_rows``: an export's millions), go over a plain socket per
+master kept open, all from the calling thread, their requests built with NumPy and
+replies parsed by hiredis (``tfhybrid.serving.wire``; not over TLS); anything unusual on
+them (a failover, a moved slot) sends that part the redis-py way, which follows the
+cluster. A write ends, in the same pipeline, with
 ``WAIT`` for the master's replicas: a write counts once its replicas hold it, so a
 failover loses none of it. Every call has a deadline; a node that does not answer within
 it is an error that names the node, and a key that is absent comes back as ``None`` for
@@ -25,8 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import selectors
-import socket
 import threading
 import time
 from binascii import crc_hqx
@@ -34,13 +34,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from tfhybrid.serving.rows import values_of
+from tfhybrid.serving.wire import RUN_KEYS, SLOTS, KeptSockets, packed
+
 # the cluster setting a store needs: an evicted row must never read as a valid one
 REQUIRED_POLICY = "noeviction"
 # keys per pipelined request: large enough to amortize a round trip, small enough that
 # one request's replies stay a few MB
 PIPELINE_KEYS = 4096
-# the Redis Cluster's hash slots
-SLOTS = 16384
 # rows of a table (slice) that share a hash slot: a write of a shard sends one MSET per
 # block of them; reads of random ids still spread over every node
 BLOCK_ROWS = 64
@@ -71,17 +72,7 @@ def parse_nodes(nodes: str | Sequence[str]) -> list[tuple[str, int]]:
     return pairs
 
 
-def _packed(command: bytes, arguments: Sequence[bytes]) -> bytes:
-    """One command in the protocol's form (RESP), ready to send.
-
-    >>> _packed(b"GET", [b"k"])
-    b'*2\\r\\n$3\\r\\nGET\\r\\n$1\\r\\nk\\r\\n'
-    """
-    return b"*%d\r\n$%d\r\n%s\r\n" % (len(arguments) + 1, len(command), command) + b"".join(
-        b"$%d\r\n%s\r\n" % (len(a), a) for a in arguments)
-
-
-def _runs(indices: list[int], slots: np.ndarray, most: int = 512) -> list[list[int]]:
+def _runs(indices: list[int], slots: np.ndarray, most: int = RUN_KEYS) -> list[list[int]]:
     """``indices`` (sorted by slot) cut where the slot changes, at most ``most`` each."""
     if not len(indices):
         return []
@@ -167,140 +158,6 @@ def _send(client: Any, chunks: list[list[bytes]], last: bytes | None, deadline: 
     return read
 
 
-class _FastReads:
-    """One plain socket per master, kept open between calls, for the reads of a request:
-    every master's pipelined ``MGET``s are sent first, then the replies read as they come
-    in (``selectors``, this thread), parsed by hiredis' C reader. redis-py's connection
-    objects spend most of a request's read on Python work per reply (about 1.5 of 3.7 ms
-    of a batch of 64 here).
-
-    A read it cannot finish simply (a connection that fails or closes, an error reply
-    such as ``MOVED``, ``-LOADING`` or ``-CLUSTERDOWN``, no answer within the deadline)
-    returns None, its sockets closed: the store then reads with redis-py, which follows
-    the cluster's changes and names the node at fault. TLS connections always go that
-    way.
-    """
-
-    def __init__(self, username: str | None, password: str | None):
-        self.auth = None if password is None else _packed(
-            b"AUTH", ([username.encode()] if username else []) + [password.encode()])
-        self.sockets: dict[str, tuple[socket.socket, Any]] = {}
-        self.lock = threading.Lock()
-
-    def close(self) -> None:
-        """Closes the sockets (the caller holds ``lock``)."""
-        sockets, self.sockets = self.sockets, {}
-        for sock, _ in sockets.values():
-            sock.close()
-
-    def reset(self) -> None:
-        """Closes the sockets once no read uses them (the cluster changed)."""
-        with self.lock:
-            self.close()
-
-    def _open(self, node: Any, deadline: float) -> tuple[socket.socket, Any]:
-        import hiredis
-
-        if node.name not in self.sockets:
-            sock = socket.create_connection((node.host, node.port),
-                                            timeout=max(0.001, deadline - time.monotonic()))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader = hiredis.Reader()
-            self.sockets[node.name] = (sock, reader)
-            if self.auth is not None:
-                sock.sendall(self.auth)
-                replies = self._replies({node.name: 1}, deadline)
-                if replies is None or replies[node.name] != [b"OK"]:
-                    # refused or no answer: redis-py's read says which
-                    raise ConnectionError(f"AUTH: no OK from {node.name}")
-        return self.sockets[node.name]
-
-    def _replies(self, wanted: dict[str, int], deadline: float) -> dict[str, list] | None:
-        """``wanted[name]`` replies from each master's socket; None on an error reply, a
-        closed socket or the deadline."""
-        replies: dict[str, list] = {name: [] for name in wanted}
-        with selectors.DefaultSelector() as selector:
-            for name in wanted:
-                selector.register(self.sockets[name][0], selectors.EVENT_READ, name)
-            left = len(wanted)
-            while left:
-                ready = selector.select(max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    return None
-                for key, _ in ready:
-                    name = key.data
-                    sock, reader = self.sockets[name]
-                    data = sock.recv(1 << 20)
-                    if not data:
-                        return None
-                    reader.feed(data)
-                    out = replies[name]
-                    while True:
-                        reply = reader.gets()
-                        if reply is False:
-                            break
-                        if isinstance(reply, Exception):
-                            return None
-                        out.append(reply)
-                    if len(out) >= wanted[name]:
-                        selector.unregister(sock)
-                        left -= 1
-        return replies
-
-    def get(self, nodes: list, owners: np.ndarray, keys: Sequence[bytes],
-            slots: np.ndarray, deadline: float) -> list | None:
-        """The values of ``keys`` (``owners``: each key's index in ``nodes``, the masters),
-        or None where the store must read them with redis-py."""
-        if not self.lock.acquire(blocking=False):
-            return None     # another thread's read holds the sockets
-        try:
-            import hiredis
-
-            try:
-                values = self._get(nodes, owners, keys, slots, deadline)
-            except (OSError, hiredis.ProtocolError):
-                values = None
-            if values is None:
-                self.close()
-            return values
-        finally:
-            self.lock.release()
-
-    def _get(self, nodes: list, owners: np.ndarray, keys: Sequence[bytes],
-             slots: np.ndarray, deadline: float) -> list | None:
-        # keys by master, then slot: a master's request is one contiguous range of them,
-        # an MGET per slot, its header in front of the slot's first key
-        tagged = owners * SLOTS + slots
-        order = np.argsort(tagged, kind="stable")
-        tagged = tagged[order]
-        starts = np.flatnonzero(np.concatenate([[True], tagged[1:] != tagged[:-1]]))
-        sizes = np.diff(np.append(starts, len(order)))
-        heads = [b""] * len(order)
-        for at, size in zip(starts.tolist(), sizes.tolist()):
-            heads[at] = b"*%d\r\n$4\r\nMGET\r\n" % (size + 1)
-        framed = [b"%s$%d\r\n%s\r\n" % (head, len(key), key)
-                  for head, key in zip(heads, map(keys.__getitem__, order.tolist()))]
-        masters = np.unique(owners).tolist()
-        ends = np.searchsorted(tagged, [(n + 1) * SLOTS for n in masters]).tolist()
-        wanted = dict(zip((nodes[n].name for n in masters),
-                          np.bincount(owners[order[starts]], minlength=len(nodes))[
-                              masters].tolist()))
-        begin = 0
-        for n, end in zip(masters, ends):
-            sock, _ = self._open(nodes[n], deadline)
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(b"".join(framed[begin:end]))
-            begin = end
-        replies = self._replies(wanted, deadline)
-        if replies is None:
-            return None
-        # the masters' replies in key order: by master, then slot
-        values = np.empty(len(order), object)
-        values[order] = [value for n in masters for reply in replies[nodes[n].name]
-                         for value in reply]
-        return values.tolist()
-
-
 class RedisStore:
     """A Redis Cluster reached as ``username`` / ``password``, over TLS with ``ssl``.
 
@@ -314,6 +171,7 @@ class RedisStore:
 
     Example (needs a running cluster; the one of ``tfhybrid.testing.redis_cluster``)::
 
+        import numpy as np
         from tfhybrid.serving import RedisStore
         from tfhybrid.testing.redis_cluster import LocalRedisCluster
         with LocalRedisCluster() as cluster:
@@ -321,6 +179,8 @@ class RedisStore:
             assert store.check_settings()["maxmemory-policy"] == "noeviction"
             store.put([b"k1", b"k2"], [b"a", b"b"])
             assert store.get([b"k2", b"k1", b"nope"]) == [b"b", b"a", None]
+            store.put_rows("layer.table", [7, 70], np.array([[1, 2], [3, 4]], np.uint8))
+            assert store.get(store.row_keys("layer.table", [70])) == [b"\\x03\\x04"]
             store.close()
     """
 
@@ -347,7 +207,9 @@ class RedisStore:
         self._block_slots: dict[bytes, np.ndarray] = {}
         self._slot_spaces: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
-        self._fast = _FastReads(username, password)
+        # reads and writes each on sockets of their own: neither waits for the other
+        self._fast = KeptSockets(username, password)
+        self._fast_writes = KeptSockets(username, password)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16,
                                                            thread_name_prefix="redis-store")
 
@@ -367,9 +229,13 @@ class RedisStore:
                         slice_index: int = 0) -> list[bytes]:
         """:meth:`row_keys` of rows of several tables in one pass: row ``rows[i]`` of
         table ``tables[which[i]]``."""
-        heads = [f"{self.key_prefix}/{{{table}/{slice_index}/".encode() for table in tables]
+        heads = [self._row_key_head(table, slice_index) for table in tables]
         return [heads[t] + b"%d}/%d" % (r // BLOCK_ROWS, r) for t, r in
                 zip(np.asarray(which).tolist(), np.asarray(rows, np.int64).tolist())]
+
+    def _row_key_head(self, table: str, slice_index: int) -> bytes:
+        """What the keys of a table (slice)'s rows begin with, up to the block."""
+        return f"{self.key_prefix}/{{{table}/{slice_index}/".encode()
 
     def row_slots(self, table: str, rows: Any, slice_index: int = 0) -> np.ndarray:
         """The hash slot of each of :meth:`row_keys` (one CRC per block, not per row)."""
@@ -481,6 +347,7 @@ class RedisStore:
     def refresh(self) -> None:
         """Reads the cluster's topology again (the calls do it after an error)."""
         self._fast.reset()
+        self._fast_writes.reset()
         with self._lock:
             if self._client is None:
                 self._client = self._connect()
@@ -629,15 +496,15 @@ class RedisStore:
             self.client()
             deadline = time.monotonic() + (
                 self.timeout_s if deadline_s is None else deadline_s)
-            values = self._fast.get(self._owner_nodes, self._slot_owner[slots], keys, slots,
-                                    deadline)
+            values = self._fast.attempt(self._fast.get, self._owner_nodes,
+                                        self._slot_owner[slots], keys, slots, deadline)
             if values is not None:
                 return values
             deadline_s = max(0.0, deadline - time.monotonic())
 
         def per_node(client: Any, node: Any, indices: list[int], deadline: float) -> Any:
             runs = _runs(indices, slots)
-            commands = [_packed(b"MGET", [keys[i] for i in run]) for run in runs]
+            commands = [packed(b"MGET", [keys[i] for i in run]) for run in runs]
             read = _send(client, _chunked(commands, runs), None, deadline)
             return lambda: [value for reply in read() for value in reply]
 
@@ -657,6 +524,49 @@ class RedisStore:
         self._write(b"MSET", keys, values, deadline_s, slots)
         return len(keys)
 
+    def put_rows(self, table: str, rows: Any, values: np.ndarray, slice_index: int = 0,
+                 deadline_s: float | None = None) -> int:
+        """Writes ``values[i]`` (uint8 [n, value bytes], :func:`rows.encode_matrix`) under
+        :meth:`row_key` of ``rows[i]`` (ints >= 0, any order), as :meth:`put` does: an
+        ``MSET`` per slot, each master's request ending with ``WAIT`` for its replicas,
+        within ``deadline_s``. Returns the number of rows written.
+
+        An export writes millions of rows: their request is built at once with NumPy and
+        sent over plain sockets kept open (``tfhybrid.serving.wire``), every master's at
+        once from this thread, where :meth:`put` spent more CPU per row than the Redis
+        servers. Rows of a master that answered anything unusual (``MOVED``, a closed
+        socket, too few replicas, the deadline), and every row over TLS, are written again
+        by :meth:`put`, which follows the cluster and names a node at fault (an ``MSET``
+        repeated writes the same).
+        """
+        rows, values = np.asarray(rows).reshape(-1), np.asarray(values)
+        if rows.dtype.kind not in "iu":
+            raise ValueError(f"put_rows: rows must be ints >= 0, not {rows.dtype}")
+        rows = rows.astype(np.int64)
+        if len(rows) and int(rows.min()) < 0:
+            raise ValueError(f"put_rows: rows must be ints >= 0; got {int(rows.min())} "
+                             "(or one >= 2**63)")
+        if values.dtype != np.uint8 or values.shape[:1] != rows.shape or values.ndim != 2:
+            raise ValueError(f"put_rows: values must be uint8 [{len(rows)}, value bytes], "
+                             f"got {values.dtype} {list(values.shape)}")
+        timeout_s = self.timeout_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + timeout_s
+        slots = self.row_slots(table, rows, slice_index)
+        written = np.zeros(len(rows), bool)
+        if len(rows) and not self.ssl:
+            self.client()
+            replicas = [self._replicas_of(node) for node in self._owner_nodes]
+            self._fast_writes.attempt(
+                self._fast_writes.put, self._owner_nodes, self._slot_owner[slots], slots,
+                self._row_key_head(table, slice_index), rows // BLOCK_ROWS, rows,
+                np.ascontiguousarray(values), replicas, max(1, int(timeout_s * 1000)),
+                deadline, written)
+        left = np.flatnonzero(~written)
+        if len(left):
+            self.put(self.row_keys(table, rows[left], slice_index), values_of(values[left]),
+                     max(0.0, deadline - time.monotonic()), slots[left])
+        return len(rows)
+
     def _write(self, command: bytes, keys: Sequence[bytes], values: Sequence[bytes] | None,
                deadline_s: float | None, slots: np.ndarray | None) -> int:
         """``command`` (``MSET`` with ``values``, or ``DEL``) per slot of ``keys``, one
@@ -670,11 +580,11 @@ class RedisStore:
             replicas = self._replicas_of(node)
             runs = _runs(indices, slots)
             if values is None:
-                commands = [_packed(command, [keys[i] for i in run]) for run in runs]
+                commands = [packed(command, [keys[i] for i in run]) for run in runs]
             else:
-                commands = [_packed(command, [kv for i in run for kv in (keys[i], values[i])])
+                commands = [packed(command, [kv for i in run for kv in (keys[i], values[i])])
                             for run in runs]
-            wait = _packed(b"WAIT", [b"%d" % replicas, b"%d" % int(timeout_s * 1000)])
+            wait = packed(b"WAIT", [b"%d" % replicas, b"%d" % int(timeout_s * 1000)])
             replies = _send(client, _chunked(commands, runs), wait if replicas else None,
                             deadline)()
             if replicas and int(replies[-1]) < replicas:
@@ -712,6 +622,7 @@ class RedisStore:
     def close(self) -> None:
         """Closes the connections (the store reconnects on next use)."""
         self._fast.reset()
+        self._fast_writes.reset()
         with self._lock:
             if self._client is not None:
                 self._client.close()
