@@ -8,11 +8,12 @@ int8) and writes, on rank 0, ``OUT/expected.npz`` (each model's ``predict`` on f
 inputs) and ``OUT/job.json`` (plans, export paths, publish history). Then trains the
 user model on with ``PublishDeltas(every_steps=10)`` while rank 0's ``Predictor`` reads
 after every publish, and records the largest difference to the model's own scores.
-Last, a model of two dynamic tables (int64 keys, negative ones included, with a default
+Then a model of two dynamic tables (int64 keys, negative ones included, with a default
 row; string keys) beside a fixed one: exported external and inline (``OUT/dynamic``,
 ``OUT/dynamic_inline``, its probe in ``OUT/dynamic_probe.npz``), then trained on keys
 that drift past a small capacity with ``PublishDeltas(every_steps=5)``: evicted keys are
-deleted from the store and read the default row, as in the model.
+deleted from the store and read the default row, as in the model. Last, a model with
+a ragged input whose layer syncs replicas by weights (``ragged_part``).
 """
 
 import json
@@ -162,6 +163,55 @@ def dynamic_part(out: str, mesh, store: RedisStore, delta_store: RedisStore,
     report["dynamic_deltas"] = history
 
 
+RAGGED_ROWS = 500
+
+
+def ragged_model() -> tf.keras.Model:
+    """Ragged ids (bags of any length, empty ones too) beside one id per example, in a
+    layer whose replicas keep their own weights between syncs."""
+    words = tf.keras.Input([None], dtype=tf.int32, ragged=True, name="words")
+    item = tf.keras.Input([], dtype=tf.int32, name="item")
+    init = lambda t: tf.keras.initializers.RandomUniform(-0.1, 0.1, seed=t)  # noqa: E731
+    layer = DistributedEmbedding(
+        [Embedding(RAGGED_ROWS, 8, combiner="mean", name="words", embeddings_initializer=init(1)),
+         Embedding(40, 8, name="items", embeddings_initializer=init(2))],
+        row_slice_threshold=2000, replica_sync="weights", sync_every=1000,
+        name="ragged_tables")
+    vectors = layer([words, item])
+    out = tf.keras.layers.Dense(1, name="score", kernel_initializer=tf.keras.initializers
+                                .GlorotUniform(4))(tf.keras.layers.Concatenate()(vectors))
+    return tf.keras.Model({"words": words, "item": item}, out)
+
+
+def ragged_batch(rng: np.random.Generator, n: int) -> dict:
+    lengths = rng.integers(0, 5, [n])
+    return {"words": tf.RaggedTensor.from_row_lengths(
+                rng.integers(0, RAGGED_ROWS, [int(lengths.sum())]).astype(np.int32), lengths),
+            "item": rng.integers(0, 40, [n]).astype(np.int32)}
+
+
+def ragged_part(out: str, mesh, store: RedisStore, report: dict, expected: dict) -> None:
+    """Ragged inputs, replicas synced by weights: each replica trains on its own data, so
+    the replicas differ until the export syncs them; each rank's scores before the
+    export go to ``OUT/ragged_before_{rank}.npy``, the synced model's to expected."""
+    model = ragged_model()
+    compile_(model, 0.5)
+    x = ragged_batch(np.random.default_rng(400 + mesh.rank), BATCH * 6)
+    y = (x["item"] % 2).astype(np.float32)[:, None]
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), verbose=0)
+    probe = ragged_batch(np.random.default_rng(8), 24)
+    probe_data = tf.data.Dataset.from_tensor_slices(probe).batch(24)
+    np.save(os.path.join(out, f"ragged_before_{mesh.rank}.npy"),
+            model.predict(probe_data, verbose=0))
+    report["exports"]["ragged"] = export(model, os.path.join(out, "ragged"), store,
+                                         tables="external")
+    expected["ragged"] = model.predict(probe_data, verbose=0)
+    if mesh.rank == 0:
+        np.savez(os.path.join(out, "ragged_probe.npz"), item=probe["item"],
+                 words_values=probe["words"].values.numpy(),
+                 words_splits=probe["words"].row_splits.numpy())
+
+
 def compile_(model: tf.keras.Model, rate: float) -> None:
     model.compile(optimizer=tfhybrid.DistributedOptimizer(tf.keras.optimizers.SGD(rate)),
                   loss=tf.keras.losses.BinaryCrossentropy(from_logits=True))
@@ -175,7 +225,7 @@ def main(out: str, nodes: str, password_file: str) -> None:
     # be the rows of the user model's export)
     store = {name: RedisStore(nodes, password=password, key_prefix=f"job-{name}")
              for name in ("user", "user_int8", "dlrm_float32", "dlrm_float16", "dlrm_int8",
-                          "dcnv2_float32", "deltas", "dynamic", "dynamic_deltas")}
+                          "dcnv2_float32", "deltas", "dynamic", "dynamic_deltas", "ragged")}
     report: dict = {"exports": {}}
     expected = {}
     fixed = np.random.default_rng(99)
@@ -239,6 +289,7 @@ def main(out: str, nodes: str, password_file: str) -> None:
             history.append(dict(publish.history[-1],
                                 max_diff=float(np.abs(served["output"] - own).max())))
     dynamic_part(out, mesh, store["dynamic"], store["dynamic_deltas"], report, expected)
+    ragged_part(out, mesh, store["ragged"], report, expected)
     if mesh.rank == 0:
         report["deltas"] = history
         report["delta_versions"] = sorted(os.listdir(os.path.join(out, "deltas")))

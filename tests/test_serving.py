@@ -108,10 +108,27 @@ class ServingTest(unittest.TestCase):
         self.assertEqual(fresh.returncode, 0, fresh.stderr[-5000:])
         self.assertEqual(json.loads(fresh.stdout.strip().splitlines()[-1])["imported"], [])
         served = dict(np.load(os.path.join(self.work, "served.npz")))
-        for name in ("user", "dlrm_float32", "dcnv2_float32", "dynamic", "dynamic_inline"):
+        for name in ("user", "dlrm_float32", "dcnv2_float32", "dynamic", "dynamic_inline",
+                     "ragged", "ragged_lists", "ragged_feature_ids"):
             model = name.split("_")[0]
             np.testing.assert_allclose(served[name], self.expected[model], rtol=0, atol=1e-6,
                                        err_msg=name)
+        # the ragged model's replicas had drifted apart (synced by weights every 1000
+        # steps): the export synced them, and serves what the synced model predicts
+        before = [np.load(os.path.join(self.work, f"ragged_before_{r}.npy")) for r in range(4)]
+        self.assertGreater(max(np.abs(b - before[0]).max() for b in before), 1e-4)
+        # ids that are columns of an input are read from the request; string keys, which
+        # the model hashes, come from the SavedModel's feature_ids
+        sources = {name: manifest_lib.read(path)["id_sources"]
+                   for name, path in self.report["exports"].items()}
+        self.assertEqual(sorted(sources["ragged"]), ["ragged_tables__f0", "ragged_tables__f1"])
+        self.assertEqual(sources["ragged"]["ragged_tables__f0"],
+                         {"input": "words.values", "unpacked": []})
+        self.assertEqual(sources["dlrm_float32"]["embedding__f2"],
+                         {"input": "categorical", "unpacked": [[1, 2]]})
+        self.assertIsNotNone(sources["user"])
+        self.assertIsNone(manifest_lib.read(self.report["dynamic_exports"]["external"])[
+            "id_sources"])
         # dynamic tables: keys never trained read the default row, counted (once per call)
         default_rows = json.loads(fresh.stdout.strip().splitlines()[-1])["default_rows"]
         self.assertEqual(default_rows, self.report["dynamic_default_rows"])

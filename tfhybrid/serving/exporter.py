@@ -51,6 +51,7 @@ from tfhybrid.distributed import sync_replicas
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.plan.types import Kind
 from tfhybrid.serving import manifest as manifest_lib
+from tfhybrid.serving.inputs import ServedInputs
 from tfhybrid.serving.rows import check_precision, encode, value_bytes
 from tfhybrid.serving.store import RedisStore
 from tfhybrid.sharding.tables import ids_as_int64
@@ -115,6 +116,58 @@ def id_columns(shapes: Mapping[str, Any]) -> dict[str, tuple[int, int, list[int]
     return columns
 
 
+# ops an input passes through on its way to a table that leave its ids as they are
+_SAME_IDS_OPS = ("Identity", "Snapshot", "StopGradient")
+
+
+def _id_source(tensor: tf.Tensor, inputs: dict) -> dict | None:
+    """Where a traced feature's ids come from, if they are one model input as is or
+    some of its columns: ``{"input": name, "unpacked": [[axis, index], ...]}`` (each
+    ``tf.unstack`` on the way, outermost first); None for anything else (the ids are
+    computed, and only the SavedModel's ``feature_ids`` gives them)."""
+    unpacked: list[list[int]] = []
+    while True:
+        op = tensor.op
+        if op.type in _SAME_IDS_OPS:
+            tensor = op.inputs[0]
+        elif op.type == "Cast":
+            source = op.inputs[0].dtype
+            # integers widen to int64 exactly; anything else is a computation
+            if not (source.is_integer and source != tf.uint64):
+                return None
+            tensor = op.inputs[0]
+        elif op.type == "Unpack":
+            rank = op.inputs[0].shape.rank
+            axis = op.get_attr("axis")
+            if rank is None:
+                return None
+            axis = axis % rank
+            if axis == 0:       # along the batch: not the ids of each example
+                return None
+            unpacked.insert(0, [axis, tensor.value_index])
+            tensor = op.inputs[0]
+        elif op.type == "Placeholder" and tensor.ref() in inputs:
+            if not tensor.dtype.is_integer:
+                return None
+            return {"input": inputs[tensor.ref()], "unpacked": unpacked}
+        else:
+            return None
+
+
+def id_sources(traced: Any, keys: list[str], ragged_keys: list[str]
+               ) -> dict[str, dict] | None:
+    """Each external feature's ids as columns of a model input (``_id_source``; a ragged
+    feature's as its input's values), from the traced function that hands the ids out,
+    if every feature's are: the predictor then reads them from the request itself, with
+    no call of ``feature_ids``. None otherwise."""
+    specs = tf.nest.flatten(traced.structured_input_signature)
+    inputs = {t.ref(): spec.name for t, spec in zip(traced.graph.inputs, specs)}
+    outputs = traced.structured_outputs
+    found = {key: _id_source(outputs[key], inputs) for key in keys}
+    found.update({key: _id_source(outputs[key].values, inputs) for key in ragged_keys})
+    return None if any(source is None for source in found.values()) else found
+
+
 class ServedTables(tf.keras.layers.Layer):
     """A ``DistributedEmbedding``'s stand-in in the served copy: plain TF lookups.
 
@@ -172,11 +225,22 @@ class ServedTables(tf.keras.layers.Layer):
         found = tf.logical_and(found, at < count)
         return tf.reshape(tf.where(found, at, count), tf.shape(keys))
 
+    def _stand_in(self, ids: Any, combiner: str | None, width: int) -> Any:
+        """Zeros of a feature's output shape, while ``feature_ids`` traces."""
+        if isinstance(ids, tf.RaggedTensor):
+            if combiner:
+                return tf.zeros(tf.stack([ids.nrows(), width]), self.dtype_out)
+            return ids.with_values(tf.zeros(tf.stack([tf.size(ids.values), width]),
+                                            self.dtype_out))
+        kept = tf.shape(ids)[:-1] if combiner and ids.shape.rank > 1 else tf.shape(ids)
+        return tf.zeros(tf.concat([kept, [width]], 0), self.dtype_out)
+
     def _ids(self, table: int, feature: int, ids: Any) -> Any:
         """A feature's ids as int64: a dynamic table's as its keys (strings by their
         fingerprint, the training rule, in stock ops)."""
         if table in self.keyed_tables:
-            return ids_as_int64(self.keyed_tables[table][0], feature, ids)
+            return tf.ragged.map_flat_values(
+                lambda values: ids_as_int64(self.keyed_tables[table][0], feature, values), ids)
         return tf.cast(ids, tf.int64)
 
     def call(self, inputs):
@@ -188,8 +252,12 @@ class ServedTables(tf.keras.layers.Layer):
             key = manifest_lib.feature_key(self.source_name, f)
             if external and mode == "ids":
                 values[key] = self._ids(table, f, ids)
-                kept = tf.shape(ids)[:-1] if combiner and ids.shape.rank > 1 else tf.shape(ids)
-                outputs.append(tf.zeros(tf.concat([kept, [width]], 0), self.dtype_out))
+                outputs.append(self._stand_in(ids, combiner, width))
+                continue
+            if external and mode == "external" and key in values["ragged"]:
+                rows = tf.gather(values["rows"], values["ragged"][key])[:, :width]
+                bags = tf.RaggedTensor.from_row_splits(rows, ids.row_splits, validate=False)
+                outputs.append(tf.cast(_combine(combiner, bags, 2), self.dtype_out))
                 continue
             if external and mode == "external":
                 start, stop, tail = values["columns"][key]
@@ -199,7 +267,8 @@ class ServedTables(tf.keras.layers.Layer):
                                        self.dtype_out))
                 continue
             if table in self.key_variables:
-                ids = self._rows_of_keys(table, self._ids(table, f, ids))
+                ids = tf.ragged.map_flat_values(lambda keys: self._rows_of_keys(table, keys),
+                                                self._ids(table, f, ids))
             gathered = tf.gather(self.table_variables[table], ids)
             outputs.append(tf.cast(_combine(combiner, gathered, ids.shape.rank),
                                    self.dtype_out))
@@ -436,24 +505,6 @@ def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh
     return written
 
 
-def _input_specs(model: tf.keras.Model, input_signature: Any) -> Any:
-    if input_signature is not None:
-        return input_signature
-    structure = getattr(model, "input", None) if getattr(model, "inputs", None) else None
-    if structure is None:
-        raise ValueError("export: the model is not functional, so it has no inputs to read; "
-                         "pass input_signature= (tf.TensorSpec per input, named)")
-
-    def spec(tensor: Any, name: str) -> tf.TensorSpec:
-        return tf.TensorSpec(tuple(tensor.shape), tf.as_dtype(tensor.dtype), name=name)
-
-    if isinstance(structure, dict):
-        return {k: spec(v, k) for k, v in structure.items()}
-    if isinstance(structure, (list, tuple)):
-        return [spec(v, v.name.split(":")[0].split("/")[0]) for v in structure]
-    return spec(structure, structure.name.split(":")[0].split("/")[0])
-
-
 def _twin(model: tf.keras.Model, replacements: dict) -> Any:
     """A copy of ``model`` with each DistributedEmbedding replaced, other layers shared."""
     twin_of = getattr(model, "serving_twin", None)
@@ -501,54 +552,75 @@ class SavedModelWriter:
             self.served[layer] = ServedTables(layer.name, inline_tables[layer.name],
                                               features, layer.compute_dtype, dynamic)
         self.twin = _twin(model, self.served)
-        self.input_specs = _input_specs(model, input_signature)
-        twin, specs = self.twin, self.input_specs
+        self.inputs = ServedInputs(model, input_signature)
+        twin, served_inputs, specs = self.twin, self.inputs, self.inputs.specs
 
         @tf.function(input_signature=[specs])
-        def serve(inputs):
+        def serve(flat):
             with _mode("inline", {}):
-                return _as_outputs(twin(inputs, training=False), outputs)
+                return _as_outputs(twin(served_inputs.structured(flat), training=False),
+                                   outputs)
 
         @tf.function(input_signature=[specs])
-        def ids_by_feature(inputs):
+        def ids_by_feature(flat):
             found: dict = {}
             with _mode("ids", found):
-                twin(inputs, training=False)
+                twin(served_inputs.structured(flat), training=False)
             return found
 
         functions = {manifest_lib.INLINE_SIGNATURE: serve}
         self.columns: dict[str, tuple[int, int, list[int]]] = {}
+        self.ragged_keys: list[str] = []
+        self.id_sources: dict[str, dict] | None = None
         self.row_width = 0
         if any(plan.where[k] == "external" for k in plan.where):
-            shapes = ids_by_feature.get_concrete_function().structured_outputs
+            traced = ids_by_feature.get_concrete_function()
+            found = traced.structured_outputs
             order = [manifest_lib.feature_key(layer.name, f) for layer in plan.layers
-                     for f in range(len(layer.input_table_map))]
-            columns = id_columns({k: shapes[k].shape for k in order if k in shapes})
-            self.columns = columns
+                     for f in range(len(layer.input_table_map)) if
+                     manifest_lib.feature_key(layer.name, f) in found]
+            ragged_keys = [k for k in order if isinstance(found[k], tf.RaggedTensor)]
+            for key in ragged_keys:
+                if found[key].ragged_rank != 1 or found[key].shape.rank != 2:
+                    raise ValueError(f"export: feature {key} looks up ragged ids of shape "
+                                     f"{found[key].shape}; a served ragged feature is "
+                                     "[batch, None]")
+            columns = id_columns({k: found[k].shape for k in order if k not in ragged_keys})
+            self.columns, self.ragged_keys = columns, ragged_keys
+            self.id_sources = id_sources(traced, list(columns), ragged_keys)
             self.row_width = max(feature[2] for served in self.served.values()
                                  for feature in served.features if feature[3])
-            names = {spec.name for spec in tf.nest.flatten(specs)}
             for name in (manifest_lib.ROWS_INPUT, manifest_lib.POSITIONS_INPUT):
-                if name in names:
+                if any(n == name or n.startswith(name + ".") for n in specs):
                     raise ValueError(f"export: the model has an input named {name!r}, the "
                                      "name external_rows gives the looked-up rows; rename it")
             width = self.row_width
             total = max((stop for _, stop, _ in columns.values()), default=0)
 
             @tf.function(input_signature=[specs])
-            def feature_ids(inputs):
-                found = ids_by_feature(inputs)
-                return {manifest_lib.IDS_OUTPUT: tf.concat(
-                    [tf.reshape(found[k], [-1, stop - start])
-                     for k, (start, stop, _) in columns.items()], axis=1)}
+            def feature_ids(flat):
+                found = ids_by_feature(flat)
+                dense = [tf.reshape(found[k], [-1, stop - start])
+                         for k, (start, stop, _) in columns.items()]
+                ids = {manifest_lib.ragged_ids_output(k): found[k].values
+                       for k in ragged_keys}
+                ids[manifest_lib.IDS_OUTPUT] = tf.concat(dense, axis=1) if dense else \
+                    tf.zeros(tf.stack([found[ragged_keys[0]].nrows(), 0]), tf.int64)
+                return ids
+
+            ragged_specs = {k: tf.TensorSpec([None], tf.int32,
+                                             name=manifest_lib.ragged_positions_input(k))
+                            for k in ragged_keys}
 
             @tf.function(input_signature=[
                 specs, tf.TensorSpec([None, width], tf.float32, name=manifest_lib.ROWS_INPUT),
-                tf.TensorSpec([None, total], tf.int32, name=manifest_lib.POSITIONS_INPUT)])
-            def external_rows(inputs, rows, positions):
+                tf.TensorSpec([None, total], tf.int32, name=manifest_lib.POSITIONS_INPUT),
+                ragged_specs])
+            def external_rows(flat, rows, positions, ragged_positions):
                 with _mode("external", {"rows": rows, "positions": positions,
-                                        "columns": columns}):
-                    return _as_outputs(twin(inputs, training=False), outputs)
+                                        "columns": columns, "ragged": ragged_positions}):
+                    return _as_outputs(twin(served_inputs.structured(flat), training=False),
+                                       outputs)
 
             functions[manifest_lib.IDS_SIGNATURE] = feature_ids
             functions[manifest_lib.EXTERNAL_SIGNATURE] = external_rows
@@ -573,10 +645,6 @@ class SavedModelWriter:
                 served.table_variables[t].assign(inline_tables[layer.name][t])
         return True
 
-    def inputs_description(self) -> dict:
-        return {spec.name: {"dtype": spec.dtype.name, "shape": list(spec.shape)}
-                for spec in tf.nest.flatten(self.input_specs)}
-
     def write(self, directory: str, version: int, key_prefix: str | None,
               versioned: bool = True) -> str:
         """Writes version ``version`` (a temporary folder renamed into place: a reader
@@ -589,9 +657,11 @@ class SavedModelWriter:
         os.makedirs(os.path.dirname(partial), exist_ok=True)
         signatures = {name: fn for name, fn in self.functions.items()}
         tf.saved_model.save(self.module, partial, signatures=signatures)
-        description = self.plan.describe(version, key_prefix, self.inputs_description())
+        description = self.plan.describe(version, key_prefix, self.inputs.description)
         description["id_columns"] = {k: [a, b] for k, (a, b, _) in self.columns.items()}
         description["row_width"] = self.row_width
+        description["id_sources"] = self.id_sources
+        description["ragged_features"] = self.ragged_keys
         manifest_lib.write(partial, description)
         if not versioned:
             shutil.rmtree(final, ignore_errors=True)

@@ -4,17 +4,25 @@ A version folder ``{directory}/{version}/`` is a stock SavedModel (what TensorFl
 Serving loads from a base folder of numbered versions) with three signatures:
 
 - ``serving_default`` (``INLINE_SIGNATURE``): the model's own inputs, every table inline;
-- ``external_rows`` (``EXTERNAL_SIGNATURE``): the model's inputs, and for each feature
-  of an external table its looked-up rows, combined as the model combines them
-  (``[batch, dim]``; ``[batch, hotness, dim]`` for a table without a combiner), under the
-  feature's key ``"{layer}__f{feature}"``;
 - ``feature_ids`` (``IDS_SIGNATURE``): the model's inputs to the ids each external
-  feature looks up (int64), as the model hands them to its ``DistributedEmbedding``.
+  feature looks up (int64, a dynamic table's keys), as the model hands them to its
+  ``DistributedEmbedding``: one matrix of every feature's ids side by side
+  (``IDS_OUTPUT``), and a ragged feature's ids, flat, under ``ragged_ids_output``;
+- ``external_rows`` (``EXTERNAL_SIGNATURE``): the model's inputs, the distinct rows the
+  request looks up (``ROWS_INPUT``) and each id's row among them (``POSITIONS_INPUT``,
+  shaped as ``feature_ids``' matrix; a ragged feature's under
+  ``ragged_positions_input``); it gathers and combines the bags itself.
+
+A ragged input is two signature inputs, its values and row splits
+(``tfhybrid.serving.inputs``).
 
 ``assets.extra/tfhybrid_serving.json`` (TensorFlow Serving ignores ``assets.extra``) is
-the manifest: the version, the store's key prefix, the inputs, and per layer its
-features and tables (rows, width, column slices, combiner, external or inline,
-precision). The store holds each external table's entry beside its rows.
+the manifest: the version, the store's key prefix, the inputs, per layer its features
+and tables (rows, width, column slices, combiner, external or inline, precision), each
+external feature's columns in ``feature_ids``' matrix, and ``id_sources``: where the
+export found every external feature's ids to be columns of an input (or a ragged
+input's values), so a predictor reads them from the request without ``feature_ids``.
+The store holds each external table's entry beside its rows.
 
 >>> feature_key("embedding", 3)
 'embedding__f3'
@@ -41,6 +49,16 @@ POSITIONS_INPUT = "served_positions"
 def feature_key(layer: str, feature: int) -> str:
     """The signature key of feature ``feature`` of layer ``layer``."""
     return f"{layer}__f{feature}"
+
+
+def ragged_ids_output(feature: str) -> str:
+    """``feature_ids``' output of a ragged feature's ids (its values, flat)."""
+    return f"{IDS_OUTPUT}.{feature}"
+
+
+def ragged_positions_input(feature: str) -> str:
+    """``external_rows``' input of a ragged feature's rows (a position per id, flat)."""
+    return f"{POSITIONS_INPUT}.{feature}"
 
 
 def table_key(layer: str, table: str) -> str:

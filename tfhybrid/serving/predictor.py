@@ -1,15 +1,17 @@
 """``Predictor``: raw inputs in, scores out, from an export and its store.
 
 Per call: check the inputs against the export's (a ``ValueError`` names a missing,
-extra or malformed input), run the SavedModel's ``feature_ids`` signature (every
-external feature's ids, or a dynamic table's 64-bit keys, side by side in one matrix),
-check ids against their tables' rows, fetch every distinct row (and column slice) of
-every external table in one ``RedisStore.get`` (one pipelined request per Redis node,
-the nodes in parallel), dequantize and join slices into one matrix of rows, and run the
-``external_rows`` signature on it with each id's position in it: the SavedModel gathers
-and combines the bags itself. A key a dynamic table does not hold reads the table's
-default row (counted in ``stats["default_rows"]``). A model without external tables
-runs ``serving_default`` directly.
+extra or malformed input; a ragged input travels as its values and row splits), take
+every external feature's ids (or a dynamic table's 64-bit keys): read from the request
+itself where the export found them to be columns of an input, else from the
+SavedModel's ``feature_ids`` signature; check ids against their tables' rows, fetch
+every distinct row (and column slice) of every external table in one ``RedisStore.get``
+(one pipelined request per Redis node, the nodes in parallel), dequantize and join
+slices into one matrix of rows, and run the ``external_rows`` signature on it with each
+id's position in it: the SavedModel gathers and combines the bags itself. A key a
+dynamic table does not hold reads the table's default row (counted in
+``stats["default_rows"]``). A model without external tables runs ``serving_default``
+directly.
 
 Imports TensorFlow, NumPy and redis-py only: a serving process needs neither Horovod nor
 tfhybrid's op library.
@@ -26,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfhybrid.serving import manifest as manifest_lib
+from tfhybrid.serving.inputs import batch_size, request_tensors
 from tfhybrid.serving.rows import decode
 from tfhybrid.serving.store import RedisStore
 
@@ -38,22 +41,31 @@ class _Layout:
 
     def __init__(self, manifest: dict):
         tables, by_key = [], {}
+        ragged = set(manifest.get("ragged_features") or [])
         for layer in manifest["layers"]:
             for feature in layer["features"]:
                 table = layer["tables"][feature["table"]]
                 if not table["external"]:
                     continue
                 if table["key"] not in by_key:
-                    by_key[table["key"]] = (table, [])
+                    by_key[table["key"]] = (table, [], [])
                     tables.append(table["key"])
+                if feature["key"] in ragged:
+                    by_key[table["key"]][2].append(feature["key"])
+                    continue
                 start, stop = manifest["id_columns"][feature["key"]]
                 by_key[table["key"]][1].append((feature["key"], start, stop))
         self.width = int(manifest["row_width"])
         self.total = max((stop for _, stop in manifest["id_columns"].values()), default=0)
-        self.fixed = [by_key[k] for k in tables if "dynamic" not in by_key[k][0]]
-        self.dynamic = [(table, np.concatenate([np.arange(a, b) for _, a, b in cols]))
-                        for table, cols in (by_key[k] for k in tables)
+        self.fixed = [by_key[k][:2] for k in tables if "dynamic" not in by_key[k][0]]
+        # a ragged feature's ids come flat, beside the matrix: (feature, fixed table)
+        self.fixed_ragged = [(key, i) for i, k in enumerate(
+            k for k in tables if "dynamic" not in by_key[k][0]) for key in by_key[k][2]]
+        self.dynamic = [(table, np.concatenate([np.arange(a, b) for _, a, b in cols] or
+                                               [np.zeros([0], np.int64)]), ragged_keys)
+                        for table, cols, ragged_keys in (by_key[k] for k in tables)
                         if "dynamic" in table]
+        self.ragged = sorted(ragged)
         # fixed tables' columns, their tables' rows and offsets in the one id space
         self.fixed_columns = np.concatenate(
             [np.arange(a, b) for _, cols in self.fixed for _, a, b in cols] or
@@ -93,6 +105,49 @@ class _Layout:
         for table, cols in self.fixed:
             for key, a, b in cols:
                 self.feature_of_column.update({c: (key, table) for c in range(a, b)})
+        sources = manifest.get("id_sources")
+        self.id_groups = None if not sources else _id_groups(manifest["id_columns"], sources)
+        self.ragged_sources = None if not sources else {k: sources[k]["input"]
+                                                        for k in self.ragged}
+
+    def ids_of(self, inputs: dict[str, np.ndarray], batch: int
+               ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """What ``feature_ids`` would give (the ids matrix, and each ragged feature's ids),
+        read from the request's tensors themselves: the export found every external
+        feature's ids to be columns of an input, or a ragged input's values."""
+        ragged = {k: inputs[name].astype(np.int64, copy=False)
+                  for k, name in self.ragged_sources.items()}
+        ids = np.empty([batch, self.total], np.int64)
+        for name, outer, axis, first, count, start, stop in self.id_groups:
+            value = inputs[name]
+            for at, index in outer:
+                value = np.take(value, index, axis=at)
+            if axis is not None:
+                value = np.moveaxis(value[(slice(None),) * axis + (slice(first, first + count),)],
+                                    axis, 1)
+            ids[:, start:stop] = value.reshape(batch, -1)
+        return ids, ragged
+
+
+def _id_groups(columns: dict, sources: dict) -> list[tuple]:
+    """The features' ``id_sources`` in column order, runs of them that are neighbouring
+    columns of one input (``tf.unstack``'s outputs in order, as the app's models take
+    theirs) joined: ``(input, outer unstacks, axis, first, count, start, stop)``."""
+    groups: list[list] = []
+    for key in sorted(columns, key=lambda k: columns[k][0]):
+        start, stop = columns[key]
+        source = sources[key]
+        unpacked = [tuple(u) for u in source["unpacked"]]
+        outer, last = (unpacked[:-1], unpacked[-1]) if unpacked else ([], None)
+        if groups and last is not None:
+            name, g_outer, axis, first, count, g_start, g_stop = groups[-1]
+            if (name, g_outer, axis) == (source["input"], outer, last[0]) and \
+                    first + count == last[1] and g_stop == start:
+                groups[-1][4:] = [count + 1, g_start, stop]
+                continue
+        groups.append([source["input"], outer, None if last is None else last[0],
+                       0 if last is None else last[1], 1, start, stop])
+    return [tuple(g) for g in groups]
 
 
 class Predictor:
@@ -173,105 +228,91 @@ class Predictor:
         """Serves the newest version folder of the base folder (if it changed)."""
         self._load()
 
-    # ------------------------------------------------------------------ checks
-    def _checked(self, inputs: Any) -> dict[str, np.ndarray]:
-        expected = self.manifest["inputs"]
-        if not isinstance(inputs, dict):
-            if len(expected) == 1 and not isinstance(inputs, (list, tuple)):
-                inputs = {next(iter(expected)): inputs}
-            elif isinstance(inputs, (list, tuple)):
-                if len(inputs) != len(expected):
-                    raise ValueError(f"inputs: got {len(inputs)} inputs; the model takes "
-                                     f"{len(expected)} ({sorted(expected)})")
-                inputs = dict(zip(expected, inputs))
-            else:
-                raise ValueError(f"inputs: expected a dict of {sorted(expected)}; got "
-                                 f"{type(inputs).__name__}")
-        missing = sorted(set(expected) - set(inputs))
-        extra = sorted(set(inputs) - set(expected))
-        if missing or extra:
-            raise ValueError(f"inputs: missing {missing}, unexpected {extra}; the model "
-                             f"takes {sorted(expected)}")
-        checked = {}
-        for name, spec in expected.items():
-            value = np.asarray(inputs[name])
-            dtype = np.dtype(tf.as_dtype(spec["dtype"]).as_numpy_dtype)
-            if dtype == np.dtype(object) and value.dtype.kind in "USO":
-                value = value.astype(object)     # strings, as str or bytes
-            if value.dtype != dtype:
-                same_kind = (np.issubdtype(value.dtype, np.integer) and
-                             np.issubdtype(dtype, np.integer)) or (
-                    np.issubdtype(value.dtype, np.floating) and
-                    np.issubdtype(dtype, np.floating))
-                if not same_kind:
-                    raise ValueError(f"inputs[{name!r}] has dtype {value.dtype}; the model "
-                                     f"takes {dtype}")
-                value = value.astype(dtype)
-            shape = spec["shape"]
-            if value.ndim != len(shape) or any(
-                    want is not None and want != got for want, got in zip(shape, value.shape)):
-                raise ValueError(f"inputs[{name!r}] has shape {list(value.shape)}; the model "
-                                 f"takes {shape} (None: any size)")
-            checked[name] = value
-        batches = {v.shape[0] for v in checked.values() if v.ndim}
-        if len(batches) > 1:
-            raise ValueError(f"inputs: batch sizes differ: "
-                             f"{ {n: v.shape[0] for n, v in checked.items()} }")
-        return checked
-
     # ------------------------------------------------------------------ call
     def __call__(self, inputs: Any) -> dict[str, np.ndarray]:
         """The model's outputs (NumPy) for raw ``inputs`` (a dict by input name, or a
-        list in the export's order, or one array for a one-input model)."""
+        list in the export's order, or one array for a one-input model; a ragged input
+        as a ``tf.RaggedTensor`` or a list of rows)."""
         start = time.monotonic()
         self._load()
         with self._lock:
             manifest, loaded, layout = self.manifest, self.loaded, self.layout
-        checked = self._checked(inputs)
-        tensors = {k: tf.constant(v) for k, v in checked.items()}
+        flat = request_tensors(manifest["inputs"], inputs)
+        tensors = {k: tf.constant(v) for k, v in flat.items()}
         self.stats["calls"] += 1
         if layout is None:
             out = loaded.signatures[manifest_lib.INLINE_SIGNATURE](**tensors)
             return {k: v.numpy() for k, v in out.items()}
-        ids = loaded.signatures[manifest_lib.IDS_SIGNATURE](**tensors)[
-            manifest_lib.IDS_OUTPUT].numpy()
-        rows, positions = self._rows(layout, ids, start)
-        out = loaded.signatures[manifest_lib.EXTERNAL_SIGNATURE](
-            **tensors, **{manifest_lib.ROWS_INPUT: tf.constant(rows),
-                          manifest_lib.POSITIONS_INPUT: tf.constant(positions)})
+        if layout.id_groups is not None:
+            ids, ragged_ids = layout.ids_of(flat, batch_size(manifest["inputs"], flat))
+        else:
+            found = loaded.signatures[manifest_lib.IDS_SIGNATURE](**tensors)
+            ids = found[manifest_lib.IDS_OUTPUT].numpy()
+            ragged_ids = {k: found[manifest_lib.ragged_ids_output(k)].numpy()
+                          for k in layout.ragged}
+        rows, positions, ragged_positions = self._rows(layout, ids, ragged_ids, start)
+        served = {manifest_lib.ROWS_INPUT: tf.constant(rows),
+                  manifest_lib.POSITIONS_INPUT: tf.constant(positions)}
+        served.update({manifest_lib.ragged_positions_input(k): tf.constant(v)
+                       for k, v in ragged_positions.items()})
+        out = loaded.signatures[manifest_lib.EXTERNAL_SIGNATURE](**tensors, **served)
         return {k: v.numpy() for k, v in out.items()}
 
     predict = __call__
 
-    def _rows(self, layout: _Layout, ids: np.ndarray, start: float
-              ) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _joined(dense: np.ndarray, ragged: list[np.ndarray]) -> np.ndarray:
+        """One flat array of a matrix's ids and ragged features' ids (no copy for none)."""
+        return dense.reshape(-1) if not ragged else np.concatenate(
+            [dense.reshape(-1)] + ragged)
+
+    def _check_fixed(self, layout: _Layout, sub: np.ndarray,
+                     ragged_ids: dict[str, np.ndarray]) -> None:
+        """ValueError naming the first feature with an id outside its table's rows."""
+        bad = (sub < 0) | (sub >= layout.limit)
+        if bad.any():
+            column = int(np.flatnonzero(bad.any(axis=0))[0])
+            key, table = layout.feature_of_column[int(layout.fixed_columns[column])]
+            outside = sub[:, layout.owner == layout.owner[column]]
+            outside = outside[(outside < 0) | (outside >= table["rows"])]
+            raise ValueError(f"inputs: feature {key} (table {table['key']}) has ids "
+                             f"{sorted(set(outside.tolist()))[:5]} outside [0, "
+                             f"{table['rows']})")
+        for key, i in layout.fixed_ragged:
+            table, values = layout.fixed[i][0], ragged_ids[key]
+            outside = values[(values < 0) | (values >= table["rows"])]
+            if len(outside):
+                raise ValueError(f"inputs: feature {key} (table {table['key']}) has ids "
+                                 f"{sorted(set(outside.tolist()))[:5]} outside [0, "
+                                 f"{table['rows']})")
+
+    def _rows(self, layout: _Layout, ids: np.ndarray, ragged_ids: dict[str, np.ndarray],
+              start: float) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """The distinct rows the request looks up, [n, width] (a narrower table's in its
-        first columns), and each id's row among them ([batch, columns] int32): one store
-        request for every table. The fixed tables' keys are built for all of them at
-        once, slice by slice."""
+        first columns), each id's row among them ([batch, columns] int32) and each ragged
+        feature's ids' rows (flat int32): one store request for every table. The fixed
+        tables' keys are built for all of them at once, slice by slice."""
         positions = np.empty(ids.shape, np.int32)
+        ragged_positions: dict[str, np.ndarray] = {}
         keys: list[bytes] = []
         slots: list[np.ndarray] = []
         # fixed tables: (slice, its distinct ids' indices, their tables, first key)
         fixed_spans: list[tuple[int, np.ndarray | None, np.ndarray, int]] = []
         n = 0
-        if len(layout.fixed_columns):
+        if len(layout.fixed_columns) or layout.fixed_ragged:
             sub = ids if layout.all_fixed else ids[:, layout.fixed_columns]
-            bad = (sub < 0) | (sub >= layout.limit)
-            if bad.any():
-                column = int(np.flatnonzero(bad.any(axis=0))[0])
-                key, table = layout.feature_of_column[int(layout.fixed_columns[column])]
-                outside = sub[:, layout.owner == layout.owner[column]]
-                outside = outside[(outside < 0) | (outside >= table["rows"])]
-                raise ValueError(f"inputs: feature {key} (table {table['key']}) has ids "
-                                 f"{sorted(set(outside.tolist()))[:5]} outside [0, "
-                                 f"{table['rows']})")
-            unique, inverse = np.unique(sub + layout.base, return_inverse=True)
-            inverse = inverse.reshape(sub.shape)
+            self._check_fixed(layout, sub, ragged_ids)
+            ragged = [ragged_ids[key] + layout.bases[i] for key, i in layout.fixed_ragged]
+            unique, inverse = np.unique(self._joined(sub + layout.base, ragged),
+                                        return_inverse=True)
             if layout.all_fixed:
-                positions[:] = inverse
+                positions[:] = inverse[:sub.size].reshape(sub.shape)
             else:
-                positions[:, layout.fixed_columns] = inverse
+                positions[:, layout.fixed_columns] = inverse[:sub.size].reshape(sub.shape)
+            at = sub.size
+            for (key, _), values in zip(layout.fixed_ragged, ragged):
+                ragged_positions[key] = inverse[at:at + len(values)].astype(np.int32)
+                at += len(values)
             which = np.searchsorted(layout.bases, unique, side="right") - 1
             local = unique - layout.bases[which]
             for s in range(layout.most_slices):
@@ -287,9 +328,17 @@ class Predictor:
             n = len(unique)
         # dynamic tables: (table, its keys, their first row in the matrix, first key)
         dynamic_spans = []
-        for table, columns in layout.dynamic:
-            table_keys, inverse = np.unique(ids[:, columns], return_inverse=True)
-            positions[:, columns] = n + inverse.reshape(len(ids), len(columns))
+        for table, columns, ragged_keys in layout.dynamic:
+            dense = ids[:, columns]
+            table_keys, inverse = np.unique(
+                self._joined(dense, [ragged_ids[k] for k in ragged_keys]),
+                return_inverse=True)
+            positions[:, columns] = n + inverse[:dense.size].reshape(dense.shape)
+            at = dense.size
+            for key in ragged_keys:
+                count = len(ragged_ids[key])
+                ragged_positions[key] = (n + inverse[at:at + count]).astype(np.int32)
+                at += count
             for s in range(len(table["slices"])):
                 dynamic_spans.append((table, table_keys, n, len(keys)))
                 keys.extend(self.store.row_keys(table["key"], table_keys, s))
@@ -333,7 +382,7 @@ class Predictor:
         for table, table_keys, first_row, first in dynamic_spans:
             self._dynamic_rows(table, table_keys, values[first:first + len(table_keys)],
                                rows[first_row:first_row + len(table_keys)])
-        return rows, positions
+        return rows, positions, ragged_positions
 
     def _dynamic_rows(self, table: dict, keys: np.ndarray, values: list, rows: np.ndarray
                       ) -> None:
