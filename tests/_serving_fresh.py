@@ -33,18 +33,19 @@ def main(out: str, nodes: str, password_file: str) -> None:
         if name.startswith("user"):
             served[name] = predictor(user_probe)["output"]
         elif name == "ragged":
-            probe = dict(np.load(os.path.join(out, "ragged_probe.npz")))
-            words = tf.RaggedTensor.from_row_splits(probe["words_values"],
-                                                    probe["words_splits"])
-            served[name] = predictor({"words": words, "item": probe["item"]})["output"]
-            # the same request with its bags as lists of ids
-            served["ragged_lists"] = predictor(
-                {"words": words.to_list(), "item": probe["item"]})["output"]
+            saved = dict(np.load(os.path.join(out, "ragged_probe.npz")))
+            probe = {k: v for k, v in saved.items() if "." not in k}
+            for k in ("words", "word_weights"):
+                probe[k] = tf.RaggedTensor.from_row_splits(saved[f"{k}.values"],
+                                                           saved[f"{k}.row_splits"])
+            served[name] = predictor(probe)["output"]
+            # the same request with its bags as lists
+            served["ragged_lists"] = predictor(dict(probe, **{
+                k: probe[k].to_list() for k in ("words", "word_weights")}))["output"]
             # and with the ids from the SavedModel's feature_ids, as for a model that
             # computes its ids
             predictor.layout.id_groups = None
-            served["ragged_feature_ids"] = predictor(
-                {"words": words, "item": probe["item"]})["output"]
+            served["ragged_feature_ids"] = predictor(probe)["output"]
         else:
             served[name] = predictor(app_eval)["probability"]
         store.close()

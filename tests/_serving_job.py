@@ -13,7 +13,8 @@ row; string keys) beside a fixed one: exported external and inline (``OUT/dynami
 ``OUT/dynamic_inline``, its probe in ``OUT/dynamic_probe.npz``), then trained on keys
 that drift past a small capacity with ``PublishDeltas(every_steps=5)``: evicted keys are
 deleted from the store and read the default row, as in the model. Last, a model with
-a ragged input whose layer syncs replicas by weights (``ragged_part``).
+weighted ragged and dense bags whose layer syncs replicas by weights
+(``ragged_part``).
 """
 
 import json
@@ -167,27 +168,40 @@ RAGGED_ROWS = 500
 
 
 def ragged_model() -> tf.keras.Model:
-    """Ragged ids (bags of any length, empty ones too) beside one id per example, in a
-    layer whose replicas keep their own weights between syncs."""
-    words = tf.keras.Input([None], dtype=tf.int32, ragged=True, name="words")
-    item = tf.keras.Input([], dtype=tf.int32, name="item")
+    """Weighted ragged ids (bags of any length, empty ones too), one id per example, and
+    weighted bags of three, in a layer whose replicas keep their own weights between
+    syncs."""
+    inputs = {"words": tf.keras.Input([None], dtype=tf.int32, ragged=True, name="words"),
+              "word_weights": tf.keras.Input([None], dtype=tf.float32, ragged=True,
+                                             name="word_weights"),
+              "item": tf.keras.Input([], dtype=tf.int32, name="item"),
+              "tags": tf.keras.Input([3], dtype=tf.int32, name="tags"),
+              "tag_weights": tf.keras.Input([3], dtype=tf.float32, name="tag_weights")}
     init = lambda t: tf.keras.initializers.RandomUniform(-0.1, 0.1, seed=t)  # noqa: E731
     layer = DistributedEmbedding(
         [Embedding(RAGGED_ROWS, 8, combiner="mean", name="words", embeddings_initializer=init(1)),
-         Embedding(40, 8, name="items", embeddings_initializer=init(2))],
+         Embedding(40, 8, name="items", embeddings_initializer=init(2)),
+         Embedding(60, 8, combiner="sqrtn", name="tags", embeddings_initializer=init(3))],
         row_slice_threshold=2000, replica_sync="weights", sync_every=1000,
         name="ragged_tables")
-    vectors = layer([words, item])
+    vectors = layer([(inputs["words"], inputs["word_weights"]), inputs["item"],
+                     (inputs["tags"], inputs["tag_weights"])])
     out = tf.keras.layers.Dense(1, name="score", kernel_initializer=tf.keras.initializers
                                 .GlorotUniform(4))(tf.keras.layers.Concatenate()(vectors))
-    return tf.keras.Model({"words": words, "item": item}, out)
+    return tf.keras.Model(inputs, out)
 
 
 def ragged_batch(rng: np.random.Generator, n: int) -> dict:
     lengths = rng.integers(0, 5, [n])
+    count = int(lengths.sum())
+    # weights of 0 and below drop their id from a mean bag (a bag may lose them all)
     return {"words": tf.RaggedTensor.from_row_lengths(
-                rng.integers(0, RAGGED_ROWS, [int(lengths.sum())]).astype(np.int32), lengths),
-            "item": rng.integers(0, 40, [n]).astype(np.int32)}
+                rng.integers(0, RAGGED_ROWS, [count]).astype(np.int32), lengths),
+            "word_weights": tf.RaggedTensor.from_row_lengths(
+                rng.choice([-1.0, 0.0, 0.5, 1.0, 2.5], [count]).astype(np.float32), lengths),
+            "item": rng.integers(0, 40, [n]).astype(np.int32),
+            "tags": rng.integers(0, 60, [n, 3]).astype(np.int32),
+            "tag_weights": rng.uniform(0.1, 2.0, [n, 3]).astype(np.float32)}
 
 
 def ragged_part(out: str, mesh, store: RedisStore, report: dict, expected: dict) -> None:
@@ -207,9 +221,10 @@ def ragged_part(out: str, mesh, store: RedisStore, report: dict, expected: dict)
                                          tables="external")
     expected["ragged"] = model.predict(probe_data, verbose=0)
     if mesh.rank == 0:
-        np.savez(os.path.join(out, "ragged_probe.npz"), item=probe["item"],
-                 words_values=probe["words"].values.numpy(),
-                 words_splits=probe["words"].row_splits.numpy())
+        np.savez(os.path.join(out, "ragged_probe.npz"), **{
+            k: v for k, v in probe.items() if not isinstance(v, tf.RaggedTensor)}, **{
+            f"{k}.{part}": getattr(v, part).numpy() for k, v in probe.items()
+            if isinstance(v, tf.RaggedTensor) for part in ("values", "row_splits")})
 
 
 def compile_(model: tf.keras.Model, rate: float) -> None:

@@ -113,15 +113,17 @@ class ServingTest(unittest.TestCase):
             model = name.split("_")[0]
             np.testing.assert_allclose(served[name], self.expected[model], rtol=0, atol=1e-6,
                                        err_msg=name)
-        # the ragged model's replicas had drifted apart (synced by weights every 1000
-        # steps): the export synced them, and serves what the synced model predicts
+        # the ragged model (per-id weights: a ragged mean bag with weights <= 0, a sqrtn
+        # bag of three) had replicas drifted apart (synced by weights every 1000 steps):
+        # the export synced them, and serves what the synced model predicts
         before = [np.load(os.path.join(self.work, f"ragged_before_{r}.npy")) for r in range(4)]
         self.assertGreater(max(np.abs(b - before[0]).max() for b in before), 1e-4)
         # ids that are columns of an input are read from the request; string keys, which
         # the model hashes, come from the SavedModel's feature_ids
         sources = {name: manifest_lib.read(path)["id_sources"]
                    for name, path in self.report["exports"].items()}
-        self.assertEqual(sorted(sources["ragged"]), ["ragged_tables__f0", "ragged_tables__f1"])
+        self.assertEqual(sorted(sources["ragged"]), ["ragged_tables__f0", "ragged_tables__f1",
+                                                     "ragged_tables__f2"])
         self.assertEqual(sources["ragged"]["ragged_tables__f0"],
                          {"input": "words.values", "unpacked": []})
         self.assertEqual(sources["dlrm_float32"]["embedding__f2"],

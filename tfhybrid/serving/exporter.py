@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tfhybrid import _tf_internals, collectives, roles
 from tfhybrid import mesh as mesh_lib
-from tfhybrid.combiners import combined_bags
+from tfhybrid.combiners import combined_bags, normalized_weights
 from tfhybrid.distributed import sync_replicas
 from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.plan.types import Kind
@@ -54,6 +54,7 @@ from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.serving.inputs import ServedInputs
 from tfhybrid.serving.rows import check_precision, encode, value_bytes
 from tfhybrid.serving.store import RedisStore
+from tfhybrid.sharding.bags import ids_and_weights
 from tfhybrid.sharding.tables import ids_as_int64
 
 # what a ServedTables call does, set while a signature traces: look every table up
@@ -74,12 +75,19 @@ def _mode(kind: str, values: dict):
         _MODE.reset(token)
 
 
-def _combine(combiner: str | None, gathered: Any, ids_rank: int) -> Any:
+def _combine(combiner: str | None, gathered: Any, ids_rank: int, weights: Any = None
+             ) -> Any:
     """A bag's gathered rows ([bags, hotness, width], dense or ragged) combined as the
-    model's table combines them: the one rule of ``tfhybrid.combiners``, in the stock
-    TensorFlow ops it traces to."""
-    if combiner is None or ids_rank == 1:
+    model's table combines them, with per-id ``weights`` (of the ids' form) or without:
+    the one rule of ``tfhybrid.combiners``, in the stock TensorFlow ops it traces to."""
+    if combiner is None:
         return gathered
+    if ids_rank == 1:
+        # one id per example: a bag of one, its weight still counts (a sum scales by it)
+        return gathered if weights is None else _weighted(combiner, gathered[:, None, :],
+                                                          weights[:, None])
+    if weights is not None:
+        return _weighted(combiner, gathered, weights)
     if isinstance(gathered, tf.RaggedTensor):
         return combined_bags(tf.reduce_sum(gathered, axis=1), combiner,
                              gathered.row_lengths())
@@ -89,6 +97,25 @@ def _combine(combiner: str | None, gathered: Any, ids_rank: int) -> Any:
     bags = tf.reshape(sums, [-1, shape[-1]])
     combined = combined_bags(bags, combiner, tf.fill(tf.shape(bags)[:1], shape[-2]))
     return tf.reshape(combined, tf.shape(sums))
+
+
+def _weighted(combiner: str, gathered: Any, weights: Any) -> Any:
+    """Σ w·e of each bag, with a ``mean`` or ``sqrtn`` bag's weights first divided by its
+    divisor (ids of weight <= 0 dropped), as training's layers weigh them."""
+    weights = tf.cast(weights, gathered.dtype)
+    if isinstance(gathered, tf.RaggedTensor):
+        if combiner != "sum":
+            weights = normalized_weights(combiner, tf.ragged.map_flat_values(
+                lambda w: tf.where(w > 0, w, tf.zeros_like(w)), weights))
+        return tf.reduce_sum(gathered.with_values(
+            gathered.values * weights.values[:, None]), axis=1)
+    shape = tf.shape(gathered)
+    bags = tf.reshape(weights, [-1, shape[-2]])
+    if combiner != "sum":
+        bags = normalized_weights(combiner, tf.where(bags > 0, bags, tf.zeros_like(bags)))
+    rows = tf.reshape(gathered, [-1, shape[-2], shape[-1]])
+    sums = tf.reduce_sum(rows * bags[:, :, None], axis=1)
+    return tf.reshape(sums, tf.concat([shape[:-2], shape[-1:]], 0))
 
 
 def held_entries(table_store: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -243,11 +270,12 @@ class ServedTables(tf.keras.layers.Layer):
                 lambda values: ids_as_int64(self.keyed_tables[table][0], feature, values), ids)
         return tf.cast(ids, tf.int64)
 
-    def call(self, inputs):
-        ids_list = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    def call(self, inputs, weights=None):
+        ids_list, weights = ids_and_weights(
+            list(inputs) if isinstance(inputs, (list, tuple)) else [inputs], weights)
         mode, values = _MODE.get() or ("inline", {})
         outputs = []
-        for f, ids in enumerate(ids_list):
+        for f, (ids, weight) in enumerate(zip(ids_list, weights)):
             table, combiner, width, external = self.features[f]
             key = manifest_lib.feature_key(self.source_name, f)
             if external and mode == "ids":
@@ -257,20 +285,20 @@ class ServedTables(tf.keras.layers.Layer):
             if external and mode == "external" and key in values["ragged"]:
                 rows = tf.gather(values["rows"], values["ragged"][key])[:, :width]
                 bags = tf.RaggedTensor.from_row_splits(rows, ids.row_splits, validate=False)
-                outputs.append(tf.cast(_combine(combiner, bags, 2), self.dtype_out))
+                outputs.append(tf.cast(_combine(combiner, bags, 2, weight), self.dtype_out))
                 continue
             if external and mode == "external":
                 start, stop, tail = values["columns"][key]
                 rows = tf.gather(values["rows"], values["positions"][:, start:stop])
                 rows = tf.reshape(rows[:, :, :width], [-1] + tail + [width])
-                outputs.append(tf.cast(_combine(combiner, rows, len(tail) + 1),
+                outputs.append(tf.cast(_combine(combiner, rows, len(tail) + 1, weight),
                                        self.dtype_out))
                 continue
             if table in self.key_variables:
                 ids = tf.ragged.map_flat_values(lambda keys: self._rows_of_keys(table, keys),
                                                 self._ids(table, f, ids))
             gathered = tf.gather(self.table_variables[table], ids)
-            outputs.append(tf.cast(_combine(combiner, gathered, ids.shape.rank),
+            outputs.append(tf.cast(_combine(combiner, gathered, ids.shape.rank, weight),
                                    self.dtype_out))
         return outputs
 
@@ -279,6 +307,8 @@ class ServedTables(tf.keras.layers.Layer):
         out = []
         for f, shape in enumerate(shapes):
             _, combiner, width, _ = self.features[f]
+            if shape and isinstance(shape[0], (list, tuple, tf.TensorShape)):
+                shape = shape[0]      # an (ids, weights) pair: the ids' shape
             shape = tuple(shape)
             keep = shape if combiner is None or len(shape) == 1 else shape[:-1]
             out.append(tuple(keep) + (width,))

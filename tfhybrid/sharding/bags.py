@@ -92,7 +92,7 @@ class BagReader:
             raise ValueError(f"DistributedEmbedding got {len(inputs)} inputs; expected "
                              f"{len(fed)}" + ("" if self.dp_input else
                                               f" (features {fed}, dp_input=False)"))
-        inputs, weights = _ids_and_weights(inputs, weights)
+        inputs, weights = ids_and_weights(inputs, weights)
         raw = {f: (_as_ragged(x), _as_ragged(w))
                for f, x, w in zip(fed, inputs, weights)}
         invalid: dict[int, str] = {}
@@ -247,9 +247,10 @@ class BagReader:
                           table.combiner)
 
 
-def _ids_and_weights(inputs: list, weights) -> tuple[list, list]:
+def ids_and_weights(inputs: list, weights) -> tuple[list, list]:
     """The ids and the weights (None where unweighted) of each input: ``weights`` given
-    beside the inputs, or ``(ids, weights)`` pairs among them."""
+    beside the inputs, or ``(ids, weights)`` pairs among them (the served copy's
+    ``ServedTables`` reads them by the same rule)."""
     if weights is not None:
         weights = list(weights) if isinstance(weights, (list, tuple)) else [weights]
         if len(weights) != len(inputs):
