@@ -13,6 +13,7 @@ import redis
 
 from tfhybrid.serving import RedisStore, rows as rows_lib, wire
 from tfhybrid.serving.rows import PRECISIONS, encode, encode_matrix, values_of
+from tfhybrid.serving.store import WRITE_ROWS
 from tfhybrid.serving.wire import KeptSockets
 from tfhybrid.testing.redis_cluster import LocalRedisCluster
 
@@ -72,8 +73,12 @@ class PutRowsTest(unittest.TestCase):
                         rows = rng.normal(size=[len(ids), 5]).astype(np.float32)
                         self._check(store, f"l.{precision}", ids,
                                     encode_matrix(rows, precision), slice_index)
-        self.assertEqual(store.put_rows("l.empty", np.zeros([0], np.int64),
-                                        np.zeros([0, 4], np.uint8)), 0)
+        self.assertEqual(store.put_rows("l.empty", [], np.zeros([0, 4], np.uint8)), 0)
+
+    def test_a_call_of_more_rows_than_one_request_writes_them_all(self):
+        ids = np.arange(7, 7 + WRITE_ROWS + 300, dtype=np.int64)
+        values = np.arange(len(ids), dtype=np.uint32).view(np.uint8).reshape(-1, 4)
+        self._check(self._store(), "l.large", ids, values)
 
     def test_a_rewrite_replaces_rows_and_an_acl_user_writes_too(self):
         for node in self.cluster.nodes:

@@ -45,6 +45,9 @@ PIPELINE_KEYS = 4096
 # rows of a table (slice) that share a hash slot: a write of a shard sends one MSET per
 # block of them; reads of random ids still spread over every node
 BLOCK_ROWS = 64
+# rows of one request of put_rows at most: the request, built whole before it is sent
+# (about the rows' bytes and twice their keys'), stays some MB
+WRITE_ROWS = 1 << 16
 # blocks of a table (slice) whose slots a store keeps (2 bytes each): a request's keys need
 # no CRC each for tables of up to 4M rows
 CACHED_BLOCKS = 1 << 16
@@ -540,7 +543,7 @@ class RedisStore:
         repeated writes the same).
         """
         rows, values = np.asarray(rows).reshape(-1), np.asarray(values)
-        if rows.dtype.kind not in "iu":
+        if rows.dtype.kind not in "iu" and rows.size:
             raise ValueError(f"put_rows: rows must be ints >= 0, not {rows.dtype}")
         rows = rows.astype(np.int64)
         if len(rows) and int(rows.min()) < 0:
@@ -556,11 +559,14 @@ class RedisStore:
         if len(rows) and not self.ssl:
             self.client()
             replicas = [self._replicas_of(node) for node in self._owner_nodes]
-            self._fast_writes.attempt(
-                self._fast_writes.put, self._owner_nodes, self._slot_owner[slots], slots,
-                self._row_key_head(table, slice_index), rows // BLOCK_ROWS, rows,
-                np.ascontiguousarray(values), replicas, max(1, int(timeout_s * 1000)),
-                deadline, written)
+            for first in range(0, len(rows), WRITE_ROWS):
+                part = slice(first, first + WRITE_ROWS)
+                self._fast_writes.attempt(
+                    self._fast_writes.put, self._owner_nodes,
+                    self._slot_owner[slots[part]], slots[part],
+                    self._row_key_head(table, slice_index), rows[part] // BLOCK_ROWS,
+                    rows[part], np.ascontiguousarray(values[part]), replicas,
+                    max(1, int(timeout_s * 1000)), deadline, written[part])
         left = np.flatnonzero(~written)
         if len(left):
             self.put(self.row_keys(table, rows[left], slice_index), values_of(values[left]),

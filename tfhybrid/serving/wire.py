@@ -283,8 +283,9 @@ class KeptSockets:
         """Writes ``values[i]`` under key ``head + b"%d}/%d" % (blocks[i], rows[i])``
         (``owners``: each row's index in ``nodes``, the masters), an ``MSET`` per
         slot run, each master's request ending with ``WAIT`` for its ``replicas[n]``;
-        marks in ``written`` the rows its master acknowledged (call by :meth:`attempt`:
-        the rest go by redis-py)."""
+        marks in ``written`` the rows its master acknowledged, the rest for redis-py.
+        True once every master answered or failed (call by :meth:`attempt`, whose None
+        says the request broke off: ``written`` then holds what was acknowledged)."""
         # rows by master, then slot: a master's request is one contiguous range of them,
         # an MSET per run of at most RUN_KEYS rows of one slot
         order, tagged, new_slot = by_master_slot(owners, slots)
