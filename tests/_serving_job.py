@@ -294,13 +294,17 @@ def main(out: str, nodes: str, password_file: str) -> None:
     publish = PublishDeltas(os.path.join(out, "deltas"), store["deltas"], every_steps=EVERY,
                             keep_versions=2)
     more_x, more_y = user_batch(np.random.default_rng(100 + mesh.rank), BATCH * DELTA_STEPS)
+    # one predictor through every publish: its row cache must start again at each version
+    served_deltas = None
     for part in range(DELTA_STEPS // EVERY):
         rows = slice(part * EVERY * BATCH, (part + 1) * EVERY * BATCH)
         model.fit({k: v[rows] for k, v in more_x.items()}, more_y[rows], batch_size=BATCH,
                   epochs=1, verbose=0, shuffle=False, callbacks=[publish])
         own = model.predict(probe, verbose=0)
         if mesh.rank == 0:
-            served = Predictor(os.path.join(out, "deltas"), store["deltas"])(probe)
+            served_deltas = served_deltas or Predictor(os.path.join(out, "deltas"),
+                                                       store["deltas"])
+            served = served_deltas(probe)
             history.append(dict(publish.history[-1],
                                 max_diff=float(np.abs(served["output"] - own).max())))
     dynamic_part(out, mesh, store["dynamic"], store["dynamic_deltas"], report, expected)

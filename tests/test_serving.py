@@ -106,7 +106,13 @@ class ServingTest(unittest.TestCase):
         fresh = _run([PYTHON, "-m", "tests._serving_fresh", self.work, self.nodes,
                       self.password_file], FRESH_TIMEOUT_S)
         self.assertEqual(fresh.returncode, 0, fresh.stderr[-5000:])
-        self.assertEqual(json.loads(fresh.stdout.strip().splitlines()[-1])["imported"], [])
+        said = json.loads(fresh.stdout.strip().splitlines()[-1])
+        self.assertEqual(said["imported"], [])
+        # the row cache: a request's second call reads the user tables' rows from it, and
+        # serves what a predictor without a cache serves, bit for bit
+        self.assertEqual(said["cache"]["second_call_keys"], 0)
+        self.assertGreater(said["cache"]["second_call_hits"], 0)
+        self.assertTrue(said["cache"]["same_as_uncached"])
         served = dict(np.load(os.path.join(self.work, "served.npz")))
         for name in ("user", "dlrm_float32", "dcnv2_float32", "dynamic", "dynamic_inline",
                      "ragged", "ragged_lists", "ragged_feature_ids"):
@@ -248,7 +254,9 @@ class ServingTest(unittest.TestCase):
 
     def test_e_a_killed_master_fails_over_and_scores_stay_right(self):
         store = self._store(timeout_s=2.0)
-        predictor = Predictor(self.report["exports"]["user"], store, deadline_s=2.0)
+        # no row cache: every request reads the store, through the failover
+        predictor = Predictor(self.report["exports"]["user"], store, deadline_s=2.0,
+                              cache_mb=0)
         reference = predictor(self.user_probe)["output"]
         # the master that serves the first key of the row-wise table
         key = store.row_key("user_tables.rowwise", 0)

@@ -17,9 +17,11 @@ from tfhybrid.serving.store import WRITE_ROWS
 from tfhybrid.serving.wire import KeptSockets
 from tfhybrid.testing.redis_cluster import LocalRedisCluster
 
-# ids whose block or row gains a digit, and the largest an int64 holds
+# ids whose block or row gains a digit, the largest and least an int64 holds (a dynamic
+# table's keys are any int64), and negative ones whose block rounds down
 EDGES = np.array([0, 9, 10, 63, 64, 99, 100, 639, 640, 999, 1000, 6399, 6400, 123456789,
-                  2 ** 62, 2 ** 62 + 1, 2 ** 63 - 1], np.int64)
+                  2 ** 62, 2 ** 62 + 1, 2 ** 63 - 1, -1, -63, -64, -65, -10 ** 15,
+                  -2 ** 63], np.int64)
 # what the ACL user of the username test may run: what a store's writer needs
 ACL_COMMANDS = ["+mset", "+mget", "+wait", "+ping", "+info", "+cluster|slots",
                 "+config|get", "+command"]
@@ -123,15 +125,15 @@ class PutRowsTest(unittest.TestCase):
         owners = np.array([owner[client.nodes_manager.get_node_from_slot(s).name]
                            for s in slots.tolist()], np.int64)
         values = np.arange(len(ids) * 2, dtype=np.uint16).view(np.uint8).reshape(-1, 4)
-        head = store.row_key("l.sockets", 0)[:-len(b"0}/0")]
+        keys = store.row_keys("l.sockets", ids)
         sockets = KeptSockets(None, self.cluster.password)
         self.addCleanup(sockets.reset)
         for wrong in (1, 0):
             # owners shifted by one: every master answers MOVED, so nothing counts
             written = np.zeros(len(ids), bool)
             self.assertTrue(sockets.attempt(
-                sockets.put, nodes, (owners + wrong) % len(nodes), slots, head, ids // 64,
-                ids, values, [1] * len(nodes), 5000, time.monotonic() + 10, written))
+                sockets.put, nodes, (owners + wrong) % len(nodes), slots, keys, values,
+                [1] * len(nodes), 5000, time.monotonic() + 10, written))
             self.assertEqual(written.all(), not wrong)
             self.assertEqual(written.any(), not wrong)
         self.assertEqual(store.get(store.row_keys("l.sockets", ids)), values_of(values))
@@ -172,7 +174,7 @@ class PutRowsTest(unittest.TestCase):
     def test_bad_arguments_raise_value_error_naming_them(self):
         store = self._store()
         for ids, values, named in [
-                (np.array([-1]), np.zeros([1, 4], np.uint8), "-1"),
+                (np.array([2 ** 63], np.uint64), np.zeros([1, 4], np.uint8), str(2 ** 63)),
                 (np.array([0.5]), np.zeros([1, 4], np.uint8), "float64"),
                 (np.array([1, 2]), np.zeros([1, 4], np.uint8), "[1, 4]"),
                 (np.array([1]), np.zeros([1, 4], np.float32), "float32")]:

@@ -49,8 +49,7 @@ from tfhybrid.layers.distributed_embedding import DistributedEmbedding
 from tfhybrid.plan.types import Kind
 from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.serving.inputs import ServedInputs
-from tfhybrid.serving.rows import (check_precision, encode_matrix, value_bytes,
-                                   values_of)
+from tfhybrid.serving.rows import check_precision, encode_matrix, value_bytes
 from tfhybrid.serving.served_copy import (ServedTables, id_columns, id_sources,
                                           tracing_mode)
 from tfhybrid.serving.store import RedisStore
@@ -248,14 +247,8 @@ def write_external_rows(plan: ExportPlan, store: RedisStore, mesh: mesh_lib.Mesh
                 def put(ids: np.ndarray, rows: np.ndarray) -> None:
                     for first in range(0, len(ids), EXPORT_CHUNK_ROWS):
                         part = slice(first, first + EXPORT_CHUNK_ROWS)
-                        values = encode_matrix(rows[part], precision)
-                        if int(ids[part].min()) >= 0:
-                            store.put_rows(key, ids[part], values, slice_index)
-                        else:
-                            # a dynamic table's negative keys: put_rows frames ids >= 0
-                            store.put(store.row_keys(key, ids[part], slice_index),
-                                      values_of(values),
-                                      slots=store.row_slots(key, ids[part], slice_index))
+                        store.put_rows(key, ids[part], encode_matrix(rows[part], precision),
+                                       slice_index)
                     written["rows"] += len(ids)
                     written["bytes"] += len(ids) * value_bytes(width, precision)
 

@@ -31,6 +31,59 @@ from tfhybrid.serving import manifest as manifest_lib
 from tfhybrid.serving.inputs import batch_size, request_tensors
 from tfhybrid.serving.rows import decode
 from tfhybrid.serving.store import RedisStore
+from tfhybrid.serving.wire import RowKeys
+
+
+class RowCache:
+    """Rows of a served version's fixed tables a predictor fetched, by id, up to
+    ``capacity`` rows: a request's ids the cache holds are not fetched again. Rows enter
+    as they are first fetched and stay until the cache is full (recommendation ids are
+    skewed: the first fetched are mostly the hot ones); a new version starts a new
+    cache, so a publish's rows are read once it has completed. Dynamic tables' rows are
+    always fetched (a key's row may appear or go at any publish).
+
+    Example::
+
+        import numpy as np
+        from tfhybrid.serving.predictor import RowCache
+        cache = RowCache(capacity=2, width=3)
+        cache.add(np.array([7, 9, 11]), np.arange(9, dtype=np.float32).reshape(3, 3))
+        found = cache.find(np.array([9, 11, 7]))
+        assert found.tolist() == [1, -1, 0]
+        assert cache.rows_at(found[:1]).tolist() == [[3.0, 4.0, 5.0]]
+    """
+
+    def __init__(self, capacity: int, width: int):
+        self.capacity = int(capacity)
+        self.slot_of: dict[int, int] = {}
+        self.rows = np.zeros([min(self.capacity, 1024), width], np.float32)
+        self.lock = threading.Lock()
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's slot in the cache, -1 where it holds none."""
+        get = self.slot_of.get
+        with self.lock:
+            return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+
+    def rows_at(self, slots: np.ndarray) -> np.ndarray:
+        """The rows in ``slots`` (of :meth:`find`)."""
+        with self.lock:
+            return self.rows[slots]
+
+    def add(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Keeps the rows of ``ids`` (not held yet) while there is room."""
+        with self.lock:
+            held = len(self.slot_of)
+            count = min(len(ids), self.capacity - held)
+            if count <= 0:
+                return
+            if held + count > len(self.rows):
+                grown = np.zeros([min(self.capacity, max(2 * len(self.rows), held + count)),
+                                  self.rows.shape[1]], np.float32)
+                grown[:held] = self.rows[:held]
+                self.rows = grown
+            self.rows[held:held + count] = rows[:count]
+            self.slot_of.update(zip(ids[:count].tolist(), range(held, held + count)))
 
 
 class _Layout:
@@ -39,7 +92,7 @@ class _Layout:
     its offset in one id space of all of them (so one ``np.unique`` finds the distinct
     rows of every fixed table at once)."""
 
-    def __init__(self, manifest: dict):
+    def __init__(self, manifest: dict, cache_bytes: int = 0):
         tables, by_key = [], {}
         ragged = set(manifest.get("ragged_features") or [])
         for layer in manifest["layers"]:
@@ -109,6 +162,8 @@ class _Layout:
         self.id_groups = None if not sources else _id_groups(manifest["id_columns"], sources)
         self.ragged_sources = None if not sources else {k: sources[k]["input"]
                                                         for k in self.ragged}
+        capacity = cache_bytes // (4 * max(self.width, 1))
+        self.cache = RowCache(capacity, self.width) if capacity and self.fixed else None
 
     def ids_of(self, inputs: dict[str, np.ndarray], batch: int
                ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -158,10 +213,12 @@ class Predictor:
         newer one is picked up at the next call) or one version folder.
       store: the ``RedisStore`` of the external tables (None if every table is inline).
       deadline_s: each call's limit (fetching rows from every node included).
+      cache_mb: MB of fixed tables' rows kept per served version (``RowCache``: a row the
+        cache holds is not fetched again until a new version is served); 0: none.
 
-    ``stats`` counts calls, rows and keys fetched, and ``default_rows``: the keys (once
-    per call) that a dynamic table did not hold, which read its default row. Calls are
-    thread-safe.
+    ``stats`` counts calls, rows and keys fetched, ``cache_hits`` (distinct rows a call
+    read from the cache) and ``default_rows``: the keys (once per call) that a dynamic
+    table did not hold, which read its default row. Calls are thread-safe.
 
     Example (an export with inline tables only needs no store)::
 
@@ -182,13 +239,17 @@ class Predictor:
     """
 
     def __init__(self, saved_model_dir: str, store: RedisStore | None = None,
-                 deadline_s: float = 10.0):
+                 deadline_s: float = 10.0, cache_mb: float = 64.0):
         if not deadline_s > 0:
             raise ValueError(f"deadline_s={deadline_s!r} must be > 0")
+        if not cache_mb >= 0:
+            raise ValueError(f"cache_mb={cache_mb!r} must be >= 0")
+        self.cache_mb = float(cache_mb)
         self.base = saved_model_dir
         self.store = store
         self.deadline_s = float(deadline_s)
-        self.stats = {"calls": 0, "rows_fetched": 0, "keys_fetched": 0, "default_rows": 0}
+        self.stats = {"calls": 0, "rows_fetched": 0, "keys_fetched": 0, "cache_hits": 0,
+                      "default_rows": 0}
         self._lock = threading.Lock()
         self.version_dir = ""
         self._load()
@@ -218,7 +279,8 @@ class Predictor:
             raise ValueError(f"the export at {version_dir!r} wrote its rows under "
                              f"key_prefix={manifest['key_prefix']!r}; the store given has "
                              f"key_prefix={self.store.key_prefix!r}")
-        layout = _Layout(manifest) if manifest.get("id_columns") else None
+        layout = (_Layout(manifest, int(self.cache_mb * (1 << 20)))
+                  if manifest.get("id_columns") else None)
         with self._lock:
             self.manifest, self.loaded, self.layout = manifest, loaded, layout
             self.version_dir = version_dir
@@ -294,10 +356,11 @@ class Predictor:
         tables' keys are built for all of them at once, slice by slice."""
         positions = np.empty(ids.shape, np.int32)
         ragged_positions: dict[str, np.ndarray] = {}
-        keys: list[bytes] = []
+        keys: list[RowKeys] = []
         slots: list[np.ndarray] = []
+        count = 0
         # fixed tables: (slice, its distinct ids' indices, their tables, first key)
-        fixed_spans: list[tuple[int, np.ndarray | None, np.ndarray, int]] = []
+        fixed_spans: list[tuple[int, np.ndarray, np.ndarray, int]] = []
         n = 0
         if len(layout.fixed_columns) or layout.fixed_ragged:
             sub = ids if layout.all_fixed else ids[:, layout.fixed_columns]
@@ -315,14 +378,19 @@ class Predictor:
                 at += len(values)
             which = np.searchsorted(layout.bases, unique, side="right") - 1
             local = unique - layout.bases[which]
+            # rows the cache holds are not fetched: fetched, the distinct ids' indices to
+            fetched = np.arange(len(unique))
+            if layout.cache is not None:
+                cached = layout.cache.find(unique)
+                fetched = np.flatnonzero(cached < 0)
             for s in range(layout.most_slices):
-                taken = None if s == 0 or layout.all_sliced[s] else np.flatnonzero(
-                    layout.slice_counts[which] > s)
-                at_which = which if taken is None else which[taken]
-                at_local = local if taken is None else local[taken]
-                fixed_spans.append((s, taken, at_which, len(keys)))
-                keys.extend(self.store.tables_row_keys(layout.fixed_names, at_which,
+                taken = fetched if s == 0 or layout.all_sliced[s] else fetched[
+                    layout.slice_counts[which[fetched]] > s]
+                at_which, at_local = which[taken], local[taken]
+                fixed_spans.append((s, taken, at_which, count))
+                keys.append(self.store.tables_row_keys(layout.fixed_names, at_which,
                                                        at_local, s))
+                count += len(at_which)
                 slots.append(self.store.tables_row_slots(layout.fixed_names, at_which,
                                                          at_local, s))
             n = len(unique)
@@ -336,22 +404,24 @@ class Predictor:
             positions[:, columns] = n + inverse[:dense.size].reshape(dense.shape)
             at = dense.size
             for key in ragged_keys:
-                count = len(ragged_ids[key])
-                ragged_positions[key] = (n + inverse[at:at + count]).astype(np.int32)
-                at += count
+                length = len(ragged_ids[key])
+                ragged_positions[key] = (n + inverse[at:at + length]).astype(np.int32)
+                at += length
             for s in range(len(table["slices"])):
-                dynamic_spans.append((table, table_keys, n, len(keys)))
-                keys.extend(self.store.row_keys(table["key"], table_keys, s))
+                dynamic_spans.append((table, table_keys, n, count))
+                keys.append(self.store.row_keys(table["key"], table_keys, s))
+                count += len(table_keys)
                 slots.append(self.store.row_slots(table["key"], table_keys, s))
             n += len(table_keys)
         left = self.deadline_s - (time.monotonic() - start)
         if left <= 0:
             raise TimeoutError(f"Predictor: the deadline of {self.deadline_s} s passed "
                                "before the rows were requested")
-        values = self.store.get(keys, deadline_s=left,
-                                slots=np.concatenate(slots) if slots else None)
+        keys = RowKeys.joined(keys)
+        values = self.store.get(keys, deadline_s=left, slots=np.concatenate(slots)
+                                ) if len(keys) else []
         self.stats["keys_fetched"] += len(keys)
-        self.stats["rows_fetched"] += n
+        hits = np.zeros([0], np.int64)
         rows = np.zeros([n, layout.width], np.float32)
         for s, taken, at_which, first in fixed_spans:
             chunk = values[first:first + len(at_which)]
@@ -366,19 +436,18 @@ class Predictor:
             # the tables of one column range and precision are decoded in one go
             for (a, b, precision), members in layout.slice_groups[s].items():
                 if members is None:
-                    mine = None
-                    part = chunk
-                else:
-                    mine = np.flatnonzero(members[at_which])
-                    if not len(mine):
-                        continue
-                    part = [chunk[i] for i in mine.tolist()]
-                decoded = decode(part, b - a, precision)
-                if taken is None and mine is None:
-                    rows[:len(decoded), a:b] = decoded
-                else:
-                    at = np.arange(len(at_which)) if taken is None else taken
-                    rows[at if mine is None else at[mine], a:b] = decoded
+                    rows[taken, a:b] = decode(chunk, b - a, precision)
+                    continue
+                mine = np.flatnonzero(members[at_which])
+                if len(mine):
+                    rows[taken[mine], a:b] = decode([chunk[i] for i in mine.tolist()],
+                                                    b - a, precision)
+        if fixed_spans and layout.cache is not None:
+            hits = np.flatnonzero(cached >= 0)
+            rows[hits] = layout.cache.rows_at(cached[hits])
+            layout.cache.add(unique[fetched], rows[fetched])
+        self.stats["cache_hits"] += len(hits)
+        self.stats["rows_fetched"] += n - len(hits)
         for table, table_keys, first_row, first in dynamic_spans:
             self._dynamic_rows(table, table_keys, values[first:first + len(table_keys)],
                                rows[first_row:first_row + len(table_keys)])

@@ -35,16 +35,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from tfhybrid.serving.rows import values_of
-from tfhybrid.serving.wire import RUN_KEYS, SLOTS, KeptSockets, packed
+from tfhybrid.serving.wire import (BLOCK_ROWS, RUN_KEYS, SLOTS, KeptSockets, RowKeys,
+                                   packed)
 
 # the cluster setting a store needs: an evicted row must never read as a valid one
 REQUIRED_POLICY = "noeviction"
 # keys per pipelined request: large enough to amortize a round trip, small enough that
 # one request's replies stay a few MB
 PIPELINE_KEYS = 4096
-# rows of a table (slice) that share a hash slot: a write of a shard sends one MSET per
-# block of them; reads of random ids still spread over every node
-BLOCK_ROWS = 64
 # rows of one request of put_rows at most: the request, built whole before it is sent
 # (about the rows' bytes and twice their keys'), stays some MB
 WRITE_ROWS = 1 << 16
@@ -221,20 +219,20 @@ class RedisStore:
         """The key of row ``row`` (slice ``slice_index``) of table ``table``."""
         return self.row_keys(table, [row], slice_index)[0]
 
-    def row_keys(self, table: str, rows: Any, slice_index: int = 0) -> list[bytes]:
+    def row_keys(self, table: str, rows: Any, slice_index: int = 0) -> RowKeys:
         """:meth:`row_key` of every row of ``rows`` (ints): ``{prefix}/{table/slice/b}/row``,
         whose hash tag, the block b = row // ``BLOCK_ROWS``, puts a block's rows in one
-        slot, so that a write sends one ``MSET`` per block."""
+        slot, so that a write sends one ``MSET`` per block (``wire.RowKeys``: a sequence
+        of the keys, framed at once by a request)."""
         rows = np.asarray(rows, np.int64).reshape(-1)
         return self.tables_row_keys([table], np.zeros(len(rows), np.int64), rows, slice_index)
 
     def tables_row_keys(self, tables: Sequence[str], which: Any, rows: Any,
-                        slice_index: int = 0) -> list[bytes]:
-        """:meth:`row_keys` of rows of several tables in one pass: row ``rows[i]`` of
-        table ``tables[which[i]]``."""
-        heads = [self._row_key_head(table, slice_index) for table in tables]
-        return [heads[t] + b"%d}/%d" % (r // BLOCK_ROWS, r) for t, r in
-                zip(np.asarray(which).tolist(), np.asarray(rows, np.int64).tolist())]
+                        slice_index: int = 0) -> RowKeys:
+        """:meth:`row_keys` of rows of several tables: row ``rows[i]`` of table
+        ``tables[which[i]]``."""
+        return RowKeys([self._row_key_head(table, slice_index) for table in tables],
+                       which, rows)
 
     def _row_key_head(self, table: str, slice_index: int) -> bytes:
         """What the keys of a table (slice)'s rows begin with, up to the block."""
@@ -530,7 +528,7 @@ class RedisStore:
     def put_rows(self, table: str, rows: Any, values: np.ndarray, slice_index: int = 0,
                  deadline_s: float | None = None) -> int:
         """Writes ``values[i]`` (uint8 [n, value bytes], :func:`rows.encode_matrix`) under
-        :meth:`row_key` of ``rows[i]`` (ints >= 0, any order), as :meth:`put` does: an
+        :meth:`row_key` of ``rows[i]`` (int64, any order), as :meth:`put` does: an
         ``MSET`` per slot, each master's request ending with ``WAIT`` for its replicas,
         within ``deadline_s``. Returns the number of rows written.
 
@@ -544,11 +542,10 @@ class RedisStore:
         """
         rows, values = np.asarray(rows).reshape(-1), np.asarray(values)
         if rows.dtype.kind not in "iu" and rows.size:
-            raise ValueError(f"put_rows: rows must be ints >= 0, not {rows.dtype}")
+            raise ValueError(f"put_rows: rows must be int64, not {rows.dtype}")
+        if rows.dtype == np.uint64 and len(rows) and int(rows.max()) >= 2 ** 63:
+            raise ValueError(f"put_rows: row {int(rows.max())} is not an int64")
         rows = rows.astype(np.int64)
-        if len(rows) and int(rows.min()) < 0:
-            raise ValueError(f"put_rows: rows must be ints >= 0; got {int(rows.min())} "
-                             "(or one >= 2**63)")
         if values.dtype != np.uint8 or values.shape[:1] != rows.shape or values.ndim != 2:
             raise ValueError(f"put_rows: values must be uint8 [{len(rows)}, value bytes], "
                              f"got {values.dtype} {list(values.shape)}")
@@ -556,6 +553,7 @@ class RedisStore:
         deadline = time.monotonic() + timeout_s
         slots = self.row_slots(table, rows, slice_index)
         written = np.zeros(len(rows), bool)
+        keys = self.row_keys(table, rows, slice_index)
         if len(rows) and not self.ssl:
             self.client()
             replicas = [self._replicas_of(node) for node in self._owner_nodes]
@@ -564,13 +562,14 @@ class RedisStore:
                 self._fast_writes.attempt(
                     self._fast_writes.put, self._owner_nodes,
                     self._slot_owner[slots[part]], slots[part],
-                    self._row_key_head(table, slice_index), rows[part] // BLOCK_ROWS,
-                    rows[part], np.ascontiguousarray(values[part]), replicas,
+                    RowKeys(keys.heads, keys.which[part], keys.rows[part]),
+                    np.ascontiguousarray(values[part]), replicas,
                     max(1, int(timeout_s * 1000)), deadline, written[part])
         left = np.flatnonzero(~written)
         if len(left):
-            self.put(self.row_keys(table, rows[left], slice_index), values_of(values[left]),
-                     max(0.0, deadline - time.monotonic()), slots[left])
+            self.put(RowKeys(keys.heads, keys.which[left], keys.rows[left]),
+                     values_of(values[left]), max(0.0, deadline - time.monotonic()),
+                     slots[left])
         return len(rows)
 
     def _write(self, command: bytes, keys: Sequence[bytes], values: Sequence[bytes] | None,

@@ -11,9 +11,9 @@ names the node at fault.
 Example::
 
     import numpy as np
-    from tfhybrid.serving.wire import mset_payload, packed
+    from tfhybrid.serving.wire import RowKeys, mset_payload, packed
     assert packed(b"GET", [b"k"]) == b"*2\\r\\n$3\\r\\nGET\\r\\n$1\\r\\nk\\r\\n"
-    one = mset_payload(b"p/{t/0/", np.array([0]), np.array([5]),
+    one = mset_payload(RowKeys([b"p/{t/0/"], [0], [5]), np.array([0]),
                        np.zeros([1, 2], np.uint8), np.array([True]))
     assert bytes(one).split(b"\\r\\n") == [b"*3", b"$4", b"MSET", b"$11", b"p/{t/0/0}/5",
                                          b"$2", b"\\0\\0", b""]
@@ -33,6 +33,9 @@ import numpy as np
 SLOTS = 16384
 # keys of one slot per MSET or MGET at most: a command the server parses in one go
 RUN_KEYS = 512
+# rows of a table (slice) that share a hash slot: a write of a shard sends one MSET per
+# block of them; reads of random ids still spread over every node
+BLOCK_ROWS = 64
 
 
 def packed(command: bytes, arguments: Sequence[bytes]) -> bytes:
@@ -68,37 +71,134 @@ def decimal_digits(numbers: np.ndarray, where: np.ndarray | None = None
     return digits, kept if where is None else kept & where[:, None]
 
 
-def mset_payload(head: bytes, blocks: np.ndarray, rows: np.ndarray, values: np.ndarray,
-                 starts: np.ndarray, tail: bytes = b"") -> np.ndarray:
-    """The ``MSET``s (RESP) that write ``values[i]`` (uint8 [n, size]) under the row key
-    ``head + b"%d}/%d" % (blocks[i], rows[i])`` (ints >= 0), a new ``MSET`` where
-    ``starts`` is True, then ``tail``, as one uint8 array ready to send.
+class RowKeys:
+    """The keys of rows of several tables, kept as numbers: row ``rows[i]`` of the table
+    whose keys begin ``heads[which[i]]`` has key ``heads[which[i]] + b"%d}/%d" %
+    (rows[i] // BLOCK_ROWS, rows[i])`` (a block's rows share the hash tag, so a slot).
+    A write frames them all at once with NumPy (:func:`mset_payload`), a read in one
+    pass (:meth:`mget_records`); one key is built alone only where it is read alone
+    (``keys[i]``: an error message, redis-py).
+
+    Example::
+
+        import numpy as np
+        from tfhybrid.serving.wire import RowKeys
+        keys = RowKeys([b"p/{a/0/", b"p/{b/1/"], np.array([0, 1]), np.array([5, -70]))
+        assert list(keys) == [b"p/{a/0/0}/5", b"p/{b/1/-2}/-70"]
+    """
+
+    def __init__(self, heads: Sequence[bytes], which: Any, rows: Any):
+        self.heads = list(heads)
+        self.which = np.asarray(which, np.int64).reshape(-1)
+        self.rows = np.asarray(rows, np.int64).reshape(-1)
+        if self.which.shape != self.rows.shape:
+            raise ValueError(f"RowKeys: {len(self.which)} tables for {len(self.rows)} rows")
+
+    @classmethod
+    def joined(cls, parts: Sequence["RowKeys"]) -> "RowKeys":
+        """One ``RowKeys`` of ``parts`` in order."""
+        heads: list[bytes] = []
+        which, rows = [], []
+        for part in parts:
+            which.append(part.which + len(heads))
+            rows.append(part.rows)
+            heads.extend(part.heads)
+        empty = [np.zeros([0], np.int64)]
+        return cls(heads, np.concatenate(which or empty), np.concatenate(rows or empty))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> bytes:
+        row = int(self.rows[i])
+        return self.heads[int(self.which[i])] + b"%d}/%d" % (row // BLOCK_ROWS, row)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def pieces(self, order: np.ndarray) -> tuple[list, np.ndarray]:
+        """The keys of ``order`` as pieces of :func:`framed` (from ``$`` to the key's
+        ``\\r\\n``) and each key's length."""
+        which, rows = self.which[order], self.rows[order]
+        width = max((len(h) for h in self.heads), default=0)
+        table = np.zeros([len(self.heads), width], np.uint8)
+        lengths = np.array([len(h) for h in self.heads], np.int64)
+        for t, head in enumerate(self.heads):
+            table[t, :len(head)] = np.frombuffer(head, np.uint8)
+        head_kept = np.arange(width) < lengths[which][:, None]
+        block_pieces, block_bytes = signed_digits(rows // BLOCK_ROWS)
+        row_pieces, row_bytes = signed_digits(rows)
+        key_bytes = lengths[which] + 2 + block_bytes + row_bytes
+        return ([(b"$", None), decimal_digits(key_bytes), (b"\r\n", None),
+                 (table[which], head_kept)] + block_pieces + [(b"}/", None)] + row_pieces +
+                [(b"\r\n", None)]), key_bytes
+
+    def mget_records(self, order: np.ndarray, starts: np.ndarray) -> list[bytes]:
+        """The ``MGET``s (RESP) of the keys of ``order``, a new one where ``starts`` is
+        True: each key's record (its command's header in front of a first key), built in
+        one pass. A request reads a few hundred keys, too few for :meth:`pieces`' NumPy
+        framing to pay off; its lengths come from NumPy, the records from one format."""
+        which, rows = self.which[order], self.rows[order]
+        blocks = rows // BLOCK_ROWS
+        head_bytes = np.array([len(h) for h in self.heads], np.int64)
+        key_bytes = head_bytes[which] + 2 + decimal_width(blocks) + decimal_width(rows)
+        run = np.cumsum(starts) - 1
+        sizes = np.bincount(run)
+        commands = [b"*%d\r\n$4\r\nMGET\r\n" % (size + 1) for size in sizes.tolist()]
+        firsts = np.flatnonzero(starts).tolist()
+        fronts = [b""] * len(order)
+        for at, command in zip(firsts, commands):
+            fronts[at] = command
+        heads = self.heads
+        return [b"%s$%d\r\n%s%d}/%d\r\n" % (front, size, heads[t], block, row)
+                for front, size, t, block, row in zip(
+                    fronts, key_bytes.tolist(), which.tolist(), blocks.tolist(),
+                    rows.tolist())]
+
+
+# 10 ** k for k = 0 .. 19, what a decimal width is read against
+_POWERS_OF_TEN = np.array([10 ** k for k in range(20)], np.uint64)
+
+
+def decimal_width(numbers: np.ndarray) -> np.ndarray:
+    """How many characters each of ``numbers`` (int64) takes in decimal, sign included.
+
+    >>> decimal_width(np.array([0, 9, 10, -1, -100, 2 ** 63 - 1, -2 ** 63])).tolist()
+    [1, 1, 2, 2, 4, 19, 20]
+    """
+    negative, magnitude = _sign_and_magnitude(numbers)
+    digits = np.maximum(np.searchsorted(_POWERS_OF_TEN, magnitude, side="right"), 1)
+    return digits + negative
+
+
+def _sign_and_magnitude(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(negative, magnitude as uint64) of int64 ``numbers``."""
+    negative = numbers < 0
+    # int64's least value has no positive twin: its magnitude is read as unsigned
+    return negative, np.where(negative, -numbers, numbers).astype(np.uint64)
+
+
+def signed_digits(numbers: np.ndarray) -> tuple[list, np.ndarray]:
+    """Pieces of :func:`framed` that write ``numbers`` (int64, any sign) in decimal, and
+    how many bytes each takes."""
+    negative, magnitude = _sign_and_magnitude(numbers)
+    digits, kept = decimal_digits(magnitude)
+    return [(b"-", negative), (digits, kept)], kept.sum(axis=1) + negative
+
+
+def framed(pieces: list, n: int, tail: bytes = b"") -> np.ndarray:
+    """``n`` records made of ``pieces`` (each ``(bytes or uint8 [n, w], kept)``: ``kept``
+    None for all of it, bool [n] per record or [n, w] per byte), joined, then ``tail``.
 
     A record's parts sit in fixed columns of one [n, width] array, each number
     right-aligned in a field as wide as its largest; one boolean mask then drops the
-    columns a shorter number leaves empty (and the header where no ``MSET`` starts):
-    no key or command is built in Python, which cost more CPU per row than Redis does.
-
-    >>> out = bytes(mset_payload(b"p/{t/0/", np.array([0, 1]), np.array([9, 64]),
-    ...                          np.array([[1], [2]], np.uint8), np.array([True, False])))
-    >>> out.split(b"\\r\\n")[:7]
-    [b'*5', b'$4', b'MSET', b'$11', b'p/{t/0/0}/9', b'$1', b'\\x01']
-    >>> out.split(b"\\r\\n")[7:]
-    [b'$12', b'p/{t/0/1}/64', b'$1', b'\\x02', b'']
-    """
-    run = np.cumsum(starts) - 1
-    blocks, block_kept = decimal_digits(blocks)
-    digits, row_kept = decimal_digits(rows)
-    key_bytes = len(head) + 2 + block_kept.sum(axis=1) + row_kept.sum(axis=1)
-    pieces = [(b"*", starts), decimal_digits(2 * np.bincount(run)[run] + 1, starts),
-              (b"\r\n$4\r\nMSET\r\n", starts), (b"$", None), decimal_digits(key_bytes),
-              (b"\r\n" + head, None), (blocks, block_kept), (b"}/", None), (digits, row_kept),
-              (b"\r\n$%d\r\n" % values.shape[1], None), (values, None), (b"\r\n", None)]
+    bytes a record leaves out: no key or command is built in Python, which cost more
+    CPU per key than Redis spends on it."""
     parts = [(np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p, k)
              for p, k in pieces]
     width = sum(p.shape[-1] for p, _ in parts)
-    out = np.empty([len(rows), width], np.uint8)
-    kept = np.ones([len(rows), width], bool)
+    out = np.empty([n, width], np.uint8)
+    kept = np.ones([n, width], bool)
     at = 0
     for part, part_kept in parts:
         out[:, at:at + part.shape[-1]] = part
@@ -107,6 +207,28 @@ def mset_payload(head: bytes, blocks: np.ndarray, rows: np.ndarray, values: np.n
                                                else part_kept[:, None])
         at += part.shape[-1]
     return np.concatenate([out[kept], np.frombuffer(tail, np.uint8)])
+
+
+def mset_payload(keys: RowKeys, order: np.ndarray, values: np.ndarray,
+                 starts: np.ndarray, tail: bytes = b"") -> np.ndarray:
+    """The ``MSET``s (RESP) that write ``values[i]`` (uint8 [n, size], in ``order``'s
+    order) under the keys of ``order``, a new ``MSET`` where ``starts`` is True, then
+    ``tail``, as one uint8 array ready to send.
+
+    >>> keys = RowKeys([b"p/{t/0/"], np.array([0, 0]), np.array([9, 64]))
+    >>> out = bytes(mset_payload(keys, np.array([0, 1]), np.array([[1], [2]], np.uint8),
+    ...                          np.array([True, False])))
+    >>> out.split(b"\\r\\n")[:7]
+    [b'*5', b'$4', b'MSET', b'$11', b'p/{t/0/0}/9', b'$1', b'\\x01']
+    >>> out.split(b"\\r\\n")[7:]
+    [b'$12', b'p/{t/0/1}/64', b'$1', b'\\x02', b'']
+    """
+    run = np.cumsum(starts) - 1
+    key_pieces, _ = keys.pieces(order)
+    return framed([(b"*", starts), decimal_digits(2 * np.bincount(run)[run] + 1, starts),
+                   (b"\r\n$4\r\nMSET\r\n", starts)] + key_pieces +
+                  [(b"$%d\r\n" % values.shape[1], None), (values, None), (b"\r\n", None)],
+                  len(order), tail)
 
 
 def by_master_slot(owners: np.ndarray, slots: np.ndarray
@@ -244,7 +366,7 @@ class KeptSockets:
         finally:
             self.lock.release()
 
-    def get(self, nodes: list, owners: np.ndarray, keys: Sequence[bytes],
+    def get(self, nodes: list, owners: np.ndarray, keys: Sequence[bytes] | RowKeys,
             slots: np.ndarray, deadline: float) -> list | None:
         """The values of ``keys`` (``owners``: each key's index in ``nodes``, the masters),
         or None where the store must read them with redis-py (call by :meth:`attempt`)."""
@@ -252,22 +374,25 @@ class KeptSockets:
         # an MGET per slot, its header in front of the slot's first key
         order, tagged, new_slot = by_master_slot(owners, slots)
         starts = np.flatnonzero(new_slot)
-        sizes = np.diff(np.append(starts, len(order)))
-        heads = [b""] * len(order)
-        for at, size in zip(starts.tolist(), sizes.tolist()):
-            heads[at] = b"*%d\r\n$4\r\nMGET\r\n" % (size + 1)
-        framed = [b"%s$%d\r\n%s\r\n" % (head, len(key), key)
-                  for head, key in zip(heads, map(keys.__getitem__, order.tolist()))]
         masters = np.unique(owners).tolist()
         ends = np.searchsorted(tagged, [(n + 1) * SLOTS for n in masters]).tolist()
         wanted = dict(zip((nodes[n].name for n in masters),
                           np.bincount(owners[order[starts]], minlength=len(nodes))[
                               masters].tolist()))
-        payloads, begin = {}, 0
-        for n, end in zip(masters, ends):
+        payloads = {}
+        if isinstance(keys, RowKeys):
+            records = keys.mget_records(order, new_slot)
+        else:
+            heads = [b""] * len(order)
+            sizes = np.diff(np.append(starts, len(order))).tolist()
+            for at, size in zip(starts.tolist(), sizes):
+                heads[at] = b"*%d\r\n$4\r\nMGET\r\n" % (size + 1)
+            records = [b"%s$%d\r\n%s\r\n" % (head, len(key), key)
+                       for head, key in zip(heads, map(keys.__getitem__, order.tolist()))]
+        parts = [b"".join(records[a:b]) for a, b in zip([0] + ends[:-1], ends)]
+        for n, part in zip(masters, parts):
             self._open(nodes[n], deadline)
-            payloads[nodes[n].name] = b"".join(framed[begin:end])
-            begin = end
+            payloads[nodes[n].name] = part
         replies = self._exchange(payloads, wanted, deadline)
         if any(reply is None for reply in replies.values()):
             return None
@@ -277,15 +402,15 @@ class KeptSockets:
                          for value in reply]
         return values.tolist()
 
-    def put(self, nodes: list, owners: np.ndarray, slots: np.ndarray, head: bytes,
-            blocks: np.ndarray, rows: np.ndarray, values: np.ndarray, replicas: list[int],
-            wait_ms: int, deadline: float, written: np.ndarray) -> bool:
-        """Writes ``values[i]`` under key ``head + b"%d}/%d" % (blocks[i], rows[i])``
-        (``owners``: each row's index in ``nodes``, the masters), an ``MSET`` per
-        slot run, each master's request ending with ``WAIT`` for its ``replicas[n]``;
-        marks in ``written`` the rows its master acknowledged, the rest for redis-py.
-        True once every master answered or failed (call by :meth:`attempt`, whose None
-        says the request broke off: ``written`` then holds what was acknowledged)."""
+    def put(self, nodes: list, owners: np.ndarray, slots: np.ndarray, keys: RowKeys,
+            values: np.ndarray, replicas: list[int], wait_ms: int, deadline: float,
+            written: np.ndarray) -> bool:
+        """Writes ``values[i]`` under ``keys[i]`` (``owners``: each row's index in
+        ``nodes``, the masters), an ``MSET`` per slot run, each master's request ending
+        with ``WAIT`` for its ``replicas[n]``; marks in ``written`` the rows its master
+        acknowledged, the rest for redis-py. True once every master answered or failed
+        (call by :meth:`attempt`, whose None says the request broke off: ``written`` then
+        holds what was acknowledged)."""
         # rows by master, then slot: a master's request is one contiguous range of them,
         # an MSET per run of at most RUN_KEYS rows of one slot
         order, tagged, new_slot = by_master_slot(owners, slots)
@@ -300,8 +425,8 @@ class KeptSockets:
             # WAIT last on the same connection, which is what WAIT counts the writes of
             wait = packed(b"WAIT", [b"%d" % replicas[n], b"%d" % wait_ms])
             name = nodes[n].name
-            payloads[name] = mset_payload(head, blocks[mine], rows[mine], values[mine],
-                                          starts[begin:end], wait if replicas[n] else b"")
+            payloads[name] = mset_payload(keys, mine, values[mine], starts[begin:end],
+                                          wait if replicas[n] else b"")
             msets = int(starts[begin:end].sum())
             wanted[name] = msets + bool(replicas[n])
             ranges[name] = (mine, msets, replicas[n])
