@@ -399,8 +399,15 @@ class SavedModelWriter:
                 tf.TensorSpec([None, total], tf.int32, name=manifest_lib.POSITIONS_INPUT),
                 ragged_specs])
             def external_rows(flat, rows, positions, ragged_positions):
-                with tracing_mode("external", {"rows": rows, "positions": positions,
-                                        "columns": columns, "ragged": ragged_positions}):
+                # one gather of every dense feature's rows, split by feature: a gather
+                # per feature was twice the ops of the inline lookups
+                pieces = dict(zip(columns, tf.split(
+                    tf.gather(rows, positions),
+                    [stop - start for start, stop, _ in columns.values()], axis=1))
+                ) if columns else {}
+                with tracing_mode("external", {"rows": rows, "pieces": pieces,
+                                               "columns": columns, "row_width": width,
+                                               "ragged": ragged_positions}):
                     return _as_outputs(twin(served_inputs.structured(flat), training=False),
                                        outputs)
 

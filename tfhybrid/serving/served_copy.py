@@ -254,9 +254,11 @@ class ServedTables(tf.keras.layers.Layer):
                 outputs.append(tf.cast(_combine(combiner, bags, 2, weight), self.dtype_out))
                 continue
             if external and mode == "external":
-                start, stop, tail = values["columns"][key]
-                rows = tf.gather(values["rows"], values["positions"][:, start:stop])
-                rows = tf.reshape(rows[:, :, :width], [-1] + tail + [width])
+                tail = values["columns"][key][2]
+                rows = values["pieces"][key]          # [batch, its columns, row width]
+                if width != values["row_width"]:
+                    rows = rows[:, :, :width]
+                rows = tf.reshape(rows, [-1] + tail + [width])
                 outputs.append(tf.cast(_combine(combiner, rows, len(tail) + 1, weight),
                                        self.dtype_out))
                 continue
