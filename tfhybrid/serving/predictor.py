@@ -19,6 +19,7 @@ tfhybrid's op library.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -61,9 +62,11 @@ class RowCache:
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """Each id's slot in the cache, -1 where it holds none."""
-        get = self.slot_of.get
         with self.lock:
-            return np.fromiter((get(i, -1) for i in ids.tolist()), np.int64, len(ids))
+            # dict.get mapped in C over the ids: a generator's Python step per id cost
+            # more than the lookups
+            return np.array(list(map(self.slot_of.get, ids.tolist(),
+                                     itertools.repeat(-1, len(ids)))), np.int64)
 
     def rows_at(self, slots: np.ndarray) -> np.ndarray:
         """The rows in ``slots`` (of :meth:`find`)."""
@@ -362,6 +365,7 @@ class Predictor:
         # fixed tables: (slice, its distinct ids' indices, their tables, first key)
         fixed_spans: list[tuple[int, np.ndarray, np.ndarray, int]] = []
         n = 0
+        cached = None       # each distinct fixed row's slot in the row cache (-1: none)
         if len(layout.fixed_columns) or layout.fixed_ragged:
             sub = ids if layout.all_fixed else ids[:, layout.fixed_columns]
             self._check_fixed(layout, sub, ragged_ids)
@@ -379,6 +383,7 @@ class Predictor:
             which = np.searchsorted(layout.bases, unique, side="right") - 1
             local = unique - layout.bases[which]
             # rows the cache holds are not fetched: fetched, the distinct ids' indices to
+            # fetch
             fetched = np.arange(len(unique))
             if layout.cache is not None:
                 cached = layout.cache.find(unique)
@@ -387,6 +392,8 @@ class Predictor:
                 taken = fetched if s == 0 or layout.all_sliced[s] else fetched[
                     layout.slice_counts[which[fetched]] > s]
                 at_which, at_local = which[taken], local[taken]
+                if not len(taken):
+                    continue        # the cache holds every row of this slice
                 fixed_spans.append((s, taken, at_which, count))
                 keys.append(self.store.tables_row_keys(layout.fixed_names, at_which,
                                                        at_local, s))
@@ -442,7 +449,7 @@ class Predictor:
                 if len(mine):
                     rows[taken[mine], a:b] = decode([chunk[i] for i in mine.tolist()],
                                                     b - a, precision)
-        if fixed_spans and layout.cache is not None:
+        if cached is not None:
             hits = np.flatnonzero(cached >= 0)
             rows[hits] = layout.cache.rows_at(cached[hits])
             layout.cache.add(unique[fetched], rows[fetched])
