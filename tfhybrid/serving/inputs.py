@@ -138,11 +138,6 @@ class ServedInputs:
 
         return tf.nest.map_structure(one, self.template)
 
-    @property
-    def order(self) -> list[str]:
-        """The inputs' names in the model's order (a list model takes them so)."""
-        return list(tf.nest.flatten(self.template))
-
 
 def _as_ragged_parts(name: str, value: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """A request's ragged input (a ``tf.RaggedTensor``, or a list of rows) as (values,
@@ -162,9 +157,7 @@ def _as_ragged_parts(name: str, value: Any, dtype: np.dtype) -> tuple[np.ndarray
     elif isinstance(value, np.ndarray) and value.ndim == 2:
         # a dense batch is a ragged one whose rows have one length
         values = value.reshape(-1)
-        splits = np.arange(0, value.size + 1, max(value.shape[1], 1))[:len(value) + 1]
-        if value.shape[1] == 0:
-            splits = np.zeros([len(value) + 1], np.int64)
+        splits = np.arange(len(value) + 1) * value.shape[1]
     else:
         raise ValueError(f"inputs[{name!r}] is ragged: give a tf.RaggedTensor or a list of "
                          f"rows; got {type(value).__name__}")

@@ -116,9 +116,9 @@ class RowKeys:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def pieces(self, order: np.ndarray) -> tuple[list, np.ndarray]:
+    def pieces(self, order: np.ndarray) -> list:
         """The keys of ``order`` as pieces of :func:`framed` (from ``$`` to the key's
-        ``\\r\\n``) and each key's length."""
+        ``\\r\\n``)."""
         which, rows = self.which[order], self.rows[order]
         width = max((len(h) for h in self.heads), default=0)
         table = np.zeros([len(self.heads), width], np.uint8)
@@ -131,7 +131,7 @@ class RowKeys:
         key_bytes = lengths[which] + 2 + block_bytes + row_bytes
         return ([(b"$", None), decimal_digits(key_bytes), (b"\r\n", None),
                  (table[which], head_kept)] + block_pieces + [(b"}/", None)] + row_pieces +
-                [(b"\r\n", None)]), key_bytes
+                [(b"\r\n", None)])
 
     def mget_records(self, order: np.ndarray, starts: np.ndarray) -> list[bytes]:
         """The ``MGET``s (RESP) of the keys of ``order``, a new one where ``starts`` is
@@ -224,7 +224,7 @@ def mset_payload(keys: RowKeys, order: np.ndarray, values: np.ndarray,
     [b'$12', b'p/{t/0/1}/64', b'$1', b'\\x02', b'']
     """
     run = np.cumsum(starts) - 1
-    key_pieces, _ = keys.pieces(order)
+    key_pieces = keys.pieces(order)
     return framed([(b"*", starts), decimal_digits(2 * np.bincount(run)[run] + 1, starts),
                    (b"\r\n$4\r\nMSET\r\n", starts)] + key_pieces +
                   [(b"$%d\r\n" % values.shape[1], None), (values, None), (b"\r\n", None)],
